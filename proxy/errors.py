@@ -1,0 +1,258 @@
+"""Every error Headroom raises on purpose, in one hierarchy.
+
+Each error knows how it reaches a client: the HTTP status for a plain request or a
+refused WebSocket handshake, and the WebSocket close code once a socket is open.
+Third-party exceptions (websockets, httpx, pydantic) are translated into these at
+the boundary; they never reach the admission core.
+
+::
+
+    HeadroomError                          (500 / 1011)
+    ├── ConfigError                        invalid configuration: field path + reason
+    ├── Refused                            a session is not admitted (DESIGN "Contracts")
+    │   ├── CapacityRefused                503 / 1013  pool_full, queue_full, queue_timeout,
+    │   │                                              guard, no_healthy_replica
+    │   ├── DrainingRefused                503 / 1013  draining
+    │   └── TenantLimitRefused             429 / 1013  tenant_limit
+    ├── PolicyViolation                    400 / 1008  client broke a limit or the protocol
+    │   ├── Unauthorized                   401 / 1008  missing or wrong API key
+    │   ├── Forbidden                      403 / 1008  key not allowed on this pool
+    │   └── MessageTooLarge                413 / 1008  frame or body over the limit
+    ├── UpstreamError                      502 / 1014  the engine failed or is unreachable
+    │   ├── UpstreamConnectError           before any byte was relayed (failover allowed)
+    │   └── UpstreamStreamError            after bytes flowed (never retried)
+    └── InternalError                      500 / 1011
+
+A :class:`Refused` carries ``reason`` (a DESIGN reason code), ``retry_after_s``,
+``queue_position`` and an optional fallback hint; :meth:`Refused.body` renders the
+contract's JSON body.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+__all__ = [
+    "REASONS",
+    "CapacityRefused",
+    "ConfigError",
+    "DrainingRefused",
+    "FallbackHint",
+    "Forbidden",
+    "HeadroomError",
+    "InternalError",
+    "MessageTooLarge",
+    "PolicyViolation",
+    "Refused",
+    "TenantLimitRefused",
+    "Unauthorized",
+    "UpstreamConnectError",
+    "UpstreamError",
+    "UpstreamStreamError",
+    "refusal_for",
+]
+
+#: Reason codes of the DESIGN contract (``X-Headroom-Reason`` and ``error.code``).
+REASONS = frozenset(
+    {
+        "pool_full",
+        "queue_timeout",
+        "queue_full",
+        "draining",
+        "guard",
+        "no_healthy_replica",
+        "tenant_limit",
+    }
+)
+
+
+class HeadroomError(Exception):
+    """Base of every Headroom error."""
+
+    http_status: ClassVar[int] = 500
+    close_code: ClassVar[int] = 1011
+
+
+class ConfigError(HeadroomError):
+    """The configuration is invalid. ``problems`` lists ``(field path, reason)`` pairs."""
+
+    def __init__(self, problems: list[tuple[str, str]], source: str | None = None) -> None:
+        self.problems = problems
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = [f"invalid configuration{where}:"]
+        lines += [f"  {path}: {reason}" for path, reason in problems]
+        super().__init__("\n".join(lines))
+
+
+@dataclass(frozen=True, slots=True)
+class FallbackHint:
+    """Where a refused client may go instead (DESIGN ``fallback``)."""
+
+    voice: str | None = None
+    pool: str | None = None
+    url: str | None = None
+
+    def as_json(self) -> dict[str, str | None]:
+        return {"voice": self.voice, "pool": self.pool, "url": self.url}
+
+
+_MESSAGES = {
+    "pool_full": "All GPU slots for this model are busy.",
+    "queue_full": "All GPU slots are busy and the wait queue is full.",
+    "queue_timeout": "All GPU slots stayed busy for the longest allowed wait.",
+    "draining": "This gateway is shutting down and takes no new sessions.",
+    "guard": "The GPU is at its realtime limit; admitting more would stall live audio.",
+    "no_healthy_replica": "No healthy upstream replica is available for this model.",
+    "tenant_limit": "Your key has reached its own concurrency quota.",
+}
+
+
+class Refused(HeadroomError):
+    """A session was not admitted. Recoverable: retry later or fall back."""
+
+    http_status: ClassVar[int] = 503
+    close_code: ClassVar[int] = 1013
+    error_type: ClassVar[str] = "capacity_exhausted"
+
+    def __init__(
+        self,
+        reason: str,
+        *,
+        retry_after_s: float,
+        pool: str,
+        queue_position: int | None = None,
+        fallback: FallbackHint | None = None,
+        message: str | None = None,
+    ) -> None:
+        if reason not in REASONS:
+            raise ValueError(f"unknown refusal reason {reason!r}")
+        self.reason = reason
+        self.retry_after_s = retry_after_s
+        self.pool = pool
+        self.queue_position = queue_position
+        self.fallback = fallback
+        self.message = message or (
+            f"{_MESSAGES[reason]} Retry in about {retry_after_s:.0f} s"
+            + (" or use the fallback." if fallback else ".")
+        )
+        super().__init__(self.message)
+
+    @property
+    def retry_after_header(self) -> str:
+        """``Retry-After`` is integer seconds; round up so clients never come back early."""
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": self.retry_after_header, "X-Headroom-Reason": self.reason}
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "type": self.error_type,
+                "code": self.reason,
+                "message": self.message,
+                "retry_after_s": round(self.retry_after_s, 3),
+                "fallback": self.fallback.as_json() if self.fallback else None,
+                "queue_position": self.queue_position,
+            }
+        }
+
+    def with_fallback(self, fallback: FallbackHint | None) -> Refused:
+        return type(self)(
+            self.reason,
+            retry_after_s=self.retry_after_s,
+            pool=self.pool,
+            queue_position=self.queue_position,
+            fallback=fallback,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"<{type(self).__name__} {self.reason} pool={self.pool} "
+            f"retry_after={self.retry_after_s:.1f}s position={self.queue_position}>"
+        )
+
+
+class CapacityRefused(Refused):
+    """The pool has no slot to give (full, queue full or timed out, guarded, unhealthy)."""
+
+
+class DrainingRefused(Refused):
+    """The gateway is draining before shutdown or restart."""
+
+
+class TenantLimitRefused(Refused):
+    """The caller's own quota is used up; other tenants are unaffected."""
+
+    http_status: ClassVar[int] = 429
+
+
+def refusal_for(
+    reason: str,
+    *,
+    retry_after_s: float,
+    pool: str,
+    queue_position: int | None = None,
+    fallback: FallbackHint | None = None,
+) -> Refused:
+    """Build the right :class:`Refused` subclass for a reason code."""
+    cls: type[Refused]
+    if reason == "draining":
+        cls = DrainingRefused
+    elif reason == "tenant_limit":
+        cls = TenantLimitRefused
+    else:
+        cls = CapacityRefused
+    return cls(
+        reason,
+        retry_after_s=retry_after_s,
+        pool=pool,
+        queue_position=queue_position,
+        fallback=fallback,
+    )
+
+
+class PolicyViolation(HeadroomError):
+    """The client broke a limit or the protocol."""
+
+    http_status: ClassVar[int] = 400
+    close_code: ClassVar[int] = 1008
+
+
+class Unauthorized(PolicyViolation):
+    http_status: ClassVar[int] = 401
+
+
+class Forbidden(PolicyViolation):
+    http_status: ClassVar[int] = 403
+
+
+class MessageTooLarge(PolicyViolation):
+    http_status: ClassVar[int] = 413
+
+
+class UpstreamError(HeadroomError):
+    """The upstream engine failed or could not be reached."""
+
+    http_status: ClassVar[int] = 502
+    close_code: ClassVar[int] = 1014
+
+    def __init__(self, message: str, *, replica: str | None = None, kind: str = "error") -> None:
+        self.replica = replica
+        self.kind = kind
+        super().__init__(message)
+
+
+class UpstreamConnectError(UpstreamError):
+    """Connecting to the replica failed before any byte was relayed: safe to fail over."""
+
+
+class UpstreamStreamError(UpstreamError):
+    """The upstream failed after bytes flowed: never retried."""
+
+
+class InternalError(HeadroomError):
+    """A bug in Headroom. Logged with a traceback; the client sees 500 / 1011."""

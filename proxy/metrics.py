@@ -1,0 +1,228 @@
+"""The Prometheus metrics of the DESIGN contract.
+
+All names carry the ``headroom_`` prefix and base units; labels are only ``pool``,
+``replica``, ``route``, ``decision``/``reason`` and ``kind`` -- never a session.
+Each :class:`Metrics` owns its own ``CollectorRegistry`` so several apps (tests,
+``headroom demo``) can live in one process.
+
+Gauges that describe the gate's state (active sessions, slots, queue depth, health,
+guard, rolling delivery ratio) are not pushed: a collector reads the gate's frozen
+snapshots at scrape time, so they can never drift from the truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+__all__ = [
+    "DELIVERY_RATIO_BUCKETS",
+    "GAP_BUCKETS",
+    "Metrics",
+    "ReplicaGauges",
+    "gap_buckets",
+]
+
+#: Inter-chunk gap buckets, 5 ms .. 5 s. Alert thresholds (0.25, 0.5, 1 s) and common
+#: chunk durations (20, 40, 80, 100, 200 ms; 2 s for Qwen3-TTS codec chunks) are edges.
+GAP_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.02, 0.04, 0.08, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5,
+    0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0,
+)  # fmt: skip
+
+#: Delivery ratio (audio seconds per wall second) buckets; 1.0 (realtime) and 1.2 (the
+#: default guard threshold) are edges.
+DELIVERY_RATIO_BUCKETS: tuple[float, ...] = (
+    0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 5.0, 10.0, 25.0, 100.0,
+)  # fmt: skip
+
+_WAIT_BUCKETS = (0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+_TTFA_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+_DURATION_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0)
+_FINALIZE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+
+def gap_buckets(chunk_durations_s: Iterable[float] = ()) -> tuple[float, ...]:
+    """The gap buckets with the configured chunk durations added as edges."""
+    extra = {round(d, 4) for d in chunk_durations_s if 0.005 <= d <= 5.0}
+    return tuple(sorted(set(GAP_BUCKETS) | extra))
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaGauges:
+    """What the scrape-time collector reports for one replica."""
+
+    pool: str
+    replica: str
+    active: int
+    slots: int
+    healthy: bool
+    guarded: bool
+    delivery_ratio_p99: float | None
+    engine_waiting: float | None = None
+    engine_running: float | None = None
+    engine_kv_usage: float | None = None
+
+
+class _StateCollector(Collector):
+    def __init__(
+        self,
+        replicas: Callable[[], Sequence[ReplicaGauges]],
+        queues: Callable[[], Sequence[tuple[str, int]]],
+    ) -> None:
+        self._replicas = replicas
+        self._queues = queues
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["pool", "replica"]
+        active = GaugeMetricFamily(
+            "headroom_sessions_active", "Sessions holding a slot on the replica.", labels=labels
+        )
+        slots = GaugeMetricFamily(
+            "headroom_session_slots",
+            "The replica's current session cap (per-GPU concurrency ceiling).",
+            labels=labels,
+        )
+        healthy = GaugeMetricFamily(
+            "headroom_replica_healthy",
+            "1 if the replica takes sessions, 0 if ejected.",
+            labels=labels,
+        )
+        guarded = GaugeMetricFamily(
+            "headroom_replica_guarded",
+            "1 while the guard holds admissions because listeners' delivery ratio is too low.",
+            labels=labels,
+        )
+        ratio = GaugeMetricFamily(
+            "headroom_delivery_ratio_p99",
+            "Rolling worst-1% per-chunk delivery ratio (audio s per wall s); below 1.0 "
+            "listeners hear stalls, below 1.2 the guard engages. Absent without recent audio.",
+            labels=labels,
+        )
+        waiting = GaugeMetricFamily(
+            "headroom_engine_requests_waiting",
+            "The engine's own queue (vllm:num_requests_waiting), scraped from the replica. "
+            "Stays near 0 while listeners stall: watch the delivery ratio instead.",
+            labels=labels,
+        )
+        running = GaugeMetricFamily(
+            "headroom_engine_requests_running",
+            "Requests running in the engine's batch (vllm:num_requests_running).",
+            labels=labels,
+        )
+        kv = GaugeMetricFamily(
+            "headroom_engine_kv_cache_usage_ratio",
+            "The engine's KV-cache usage, 0..1 (vllm:kv_cache_usage_perc).",
+            labels=labels,
+        )
+        for r in self._replicas():
+            key = [r.pool, r.replica]
+            if r.engine_waiting is not None:
+                waiting.add_metric(key, r.engine_waiting)
+            if r.engine_running is not None:
+                running.add_metric(key, r.engine_running)
+            if r.engine_kv_usage is not None:
+                kv.add_metric(key, r.engine_kv_usage)
+            active.add_metric(key, r.active)
+            slots.add_metric(key, r.slots)
+            healthy.add_metric(key, 1.0 if r.healthy else 0.0)
+            guarded.add_metric(key, 1.0 if r.guarded else 0.0)
+            if r.delivery_ratio_p99 is not None:
+                ratio.add_metric(key, r.delivery_ratio_p99)
+        depth = GaugeMetricFamily(
+            "headroom_queue_depth", "Sessions waiting in Headroom's FIFO queue.", labels=["pool"]
+        )
+        for pool, n in self._queues():
+            depth.add_metric([pool], n)
+        yield from (active, slots, depth, healthy, guarded, ratio, waiting, running, kv)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+class Metrics:
+    """Every ``headroom_*`` metric, in one registry."""
+
+    def __init__(self, chunk_durations_s: Iterable[float] = ()) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        gaps = gap_buckets(chunk_durations_s)
+        self.queue_wait = Histogram(
+            "headroom_queue_wait_seconds",
+            "Time sessions spent in Headroom's queue, whether then admitted or not.",
+            ["pool"], buckets=_WAIT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.decisions = Counter(
+            "headroom_session_decisions_total",
+            "Admission decisions: admitted, queued, rejected_<reason>, abandoned.",
+            ["pool", "decision"], registry=r,
+        )  # fmt: skip
+        self.chunk_gap = Histogram(
+            "headroom_chunk_gap_seconds",
+            "Gap between consecutive upstream chunks of one stream (what a listener waits).",
+            ["pool", "replica"], buckets=gaps, registry=r,
+        )  # fmt: skip
+        self.chunk_delivery_ratio = Histogram(
+            "headroom_chunk_delivery_ratio",
+            "A chunk's audio seconds / wall seconds since the previous chunk; <1 is slower "
+            "than realtime.",
+            ["pool", "replica"], buckets=DELIVERY_RATIO_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.stream_gap_p99 = Histogram(
+            "headroom_stream_gap_p99_seconds",
+            "Each finished stream's own p99 inter-chunk gap, observed once per stream.",
+            ["pool"], buckets=gaps, registry=r,
+        )  # fmt: skip
+        self.time_to_first_audio = Histogram(
+            "headroom_time_to_first_audio_seconds",
+            "Admission to the first audio chunk relayed to the client.",
+            ["pool"], buckets=_TTFA_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.underruns = Counter(
+            "headroom_playback_underruns_total",
+            "Modelled client playback buffer ran dry mid-stream (a listener heard a stall).",
+            ["pool", "replica"], registry=r,
+        )  # fmt: skip
+        self.stall_seconds = Counter(
+            "headroom_playback_stall_seconds_total",
+            "Modelled seconds of silence heard by listeners because audio arrived late.",
+            ["pool", "replica"], registry=r,
+        )  # fmt: skip
+        self.audio_delivered = Counter(
+            "headroom_audio_delivered_seconds_total",
+            "Seconds of audio relayed to clients.",
+            ["pool", "replica"], registry=r,
+        )  # fmt: skip
+        self.stream_active = Counter(
+            "headroom_stream_active_seconds_total",
+            "Wall seconds of streams after their first audio; audio_delivered / this = "
+            "aggregate delivery ratio.",
+            ["pool", "replica"], registry=r,
+        )  # fmt: skip
+        self.session_duration = Histogram(
+            "headroom_session_duration_seconds",
+            "Length of admitted sessions, admission to end.",
+            ["pool"], buckets=_DURATION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.upstream_errors = Counter(
+            "headroom_upstream_errors_total",
+            "Upstream failures by kind: connect, handshake, midstream, protocol, timeout.",
+            ["pool", "replica", "kind"], registry=r,
+        )  # fmt: skip
+        self.asr_finalize = Histogram(
+            "headroom_asr_finalize_seconds",
+            "ASR: client's final commit to the final transcript event.",
+            ["pool"], buckets=_FINALIZE_BUCKETS, registry=r,
+        )  # fmt: skip
+
+    def bind_state(
+        self,
+        replicas: Callable[[], Sequence[ReplicaGauges]],
+        queues: Callable[[], Sequence[tuple[str, int]]],
+    ) -> None:
+        """Report gate state at scrape time. Call once per registry."""
+        self.registry.register(_StateCollector(replicas, queues))

@@ -1,0 +1,113 @@
+"""Run ASGI apps under uvicorn inside an already running event loop.
+
+Used by ``headroom serve``/``sim``/``demo`` (several servers in one process) and by
+the tests (real sockets on 127.0.0.1, port 0). Signal handling is left to the
+caller: an embedded server never installs handlers of its own.
+
+Per-message deflate is always off: it costs 6-11x the CPU of relaying an audio
+chunk and audio does not compress.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Generator
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+
+__all__ = ["EmbeddedServer", "RunningServer", "bind_socket", "running_server"]
+
+
+def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """Bind a listening TCP socket; port 0 picks a free port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+class EmbeddedServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to its owner."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+@dataclass
+class RunningServer:
+    server: EmbeddedServer
+    task: asyncio.Task[None]
+    host: str
+    port: int
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def ws_url(self) -> str:
+        return f"ws://{self.host}:{self.port}"
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.task
+
+
+def make_config(app: Any, *, log_level: str = "warning", **overrides: Any) -> uvicorn.Config:
+    options: dict[str, Any] = {
+        "ws": "auto",
+        "ws_per_message_deflate": False,
+        "log_level": log_level,
+        "lifespan": "on",
+        "access_log": False,
+        "server_header": False,
+        "timeout_graceful_shutdown": 5,
+        "timeout_keep_alive": 5,
+    }
+    options.update(overrides)
+    try:
+        import uvloop  # noqa: F401
+
+        options.setdefault("loop", "uvloop")
+    except ImportError:  # pragma: no cover - platform without uvloop
+        pass
+    try:
+        import httptools  # noqa: F401
+
+        options.setdefault("http", "httptools")
+    except ImportError:  # pragma: no cover
+        pass
+    return uvicorn.Config(app, **options)
+
+
+@contextlib.asynccontextmanager
+async def running_server(
+    app: Any, host: str = "127.0.0.1", port: int = 0, **config: Any
+) -> AsyncIterator[RunningServer]:
+    """Serve ``app`` on ``host:port`` for the duration of the ``async with`` block."""
+    sock = bind_socket(host, port)
+    bound_port = sock.getsockname()[1]
+    server = EmbeddedServer(make_config(app, **config))
+    task = asyncio.create_task(server.serve(sockets=[sock]), name=f"uvicorn:{bound_port}")
+    try:
+        while not server.started:
+            if task.done():
+                task.result()
+                raise RuntimeError(f"server on {host}:{bound_port} exited during start-up")
+            await asyncio.sleep(0.005)
+        yield RunningServer(server, task, host, bound_port)
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        sock.close()
+
