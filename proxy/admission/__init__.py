@@ -1,0 +1,30 @@
+"""The pure admission core: caps, placement, FIFO queue. Imports neither asyncio nor
+time; the clock is passed in as ``now``."""
+
+from __future__ import annotations
+
+from proxy.admission.core import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, PoolCore
+from proxy.admission.decisions import (
+    Admit,
+    Decision,
+    Enqueue,
+    PoolStatistics,
+    QueuePolicy,
+    Reject,
+    ReplicaSpec,
+    ReplicaStatistics,
+)
+
+__all__ = [
+    "RETRY_AFTER_MAX_S",
+    "RETRY_AFTER_MIN_S",
+    "Admit",
+    "Decision",
+    "Enqueue",
+    "PoolCore",
+    "PoolStatistics",
+    "QueuePolicy",
+    "Reject",
+    "ReplicaSpec",
+    "ReplicaStatistics",
+]

@@ -1,0 +1,372 @@
+"""The pure admission core of one pool: caps, placement and a strict FIFO queue.
+
+No asyncio, no clock: every method takes ``now`` (seconds, monotonic) and returns
+decisions (:mod:`proxy.admission.decisions`). The asyncio :class:`~proxy.gate.Gate`
+is a thin shell that turns them into awaits.
+
+Rules, all enforced here and nowhere else:
+
+* A replica never holds more sessions than its cap (``max_sessions``, or a lower
+  cap set live). Lowering a cap never evicts; it only stops admissions until the
+  replica is below it.
+* A newcomer is placed on the least-loaded (by ``active / cap``) healthy, unguarded,
+  non-retired replica with a free slot -- but only if nobody is waiting. No barging:
+  while the queue is non-empty every freed slot goes directly to the head waiter.
+* The queue is bounded (``max_depth``) and every waiter has a deadline
+  (``max_wait_s``); :meth:`PoolCore.expire` refuses those past it with
+  ``queue_timeout``. An abandoned waiter leaves at once and is never admitted.
+* Draining refuses everything new and every waiter with ``draining``.
+* Each admitted ticket is released exactly once; a second release is a bug and
+  raises :class:`LookupError`.
+
+Retry-After is estimated from an EWMA of observed session durations, the number of
+slots and the queue position, clamped to [1, 60] s, with +-10 % seeded jitter so
+refused clients do not come back in lock-step.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from proxy.admission.decisions import (
+    Admit,
+    Decision,
+    Enqueue,
+    PoolStatistics,
+    QueuePolicy,
+    Reject,
+    ReplicaSpec,
+    ReplicaStatistics,
+)
+
+__all__ = ["PoolCore", "RETRY_AFTER_MAX_S", "RETRY_AFTER_MIN_S"]
+
+RETRY_AFTER_MIN_S = 1.0
+RETRY_AFTER_MAX_S = 60.0
+_EWMA_ALPHA = 0.2
+_JITTER = 0.1
+
+
+class _Replica:
+    __slots__ = ("active", "cap", "guarded", "healthy", "name", "retired")
+
+    def __init__(self, name: str, cap: int) -> None:
+        self.name = name
+        self.cap = cap
+        self.active = 0
+        self.healthy = True
+        self.guarded = False
+        self.retired = False
+
+    @property
+    def eligible(self) -> bool:
+        return self.healthy and not self.guarded and not self.retired and self.active < self.cap
+
+    def snapshot(self) -> ReplicaStatistics:
+        return ReplicaStatistics(
+            self.name, self.active, self.cap, self.healthy, self.guarded, self.retired
+        )
+
+
+@dataclass(slots=True)
+class _Waiter:
+    arrived: float
+    deadline: float
+
+
+@dataclass(slots=True)
+class _Lease:
+    replica: str
+    admitted_at: float
+
+
+class PoolCore:
+    """Admission state of one pool. Not thread-safe; call from one thread."""
+
+    def __init__(
+        self,
+        name: str,
+        replicas: Iterable[ReplicaSpec],
+        queue: QueuePolicy | None = None,
+        *,
+        session_estimate_s: float = 20.0,
+        seed: int = 0,
+    ) -> None:
+        self.name = name
+        self._replicas: dict[str, _Replica] = {}
+        for spec in replicas:
+            if spec.name in self._replicas:
+                raise ValueError(f"pool {name!r}: duplicate replica {spec.name!r}")
+            self._replicas[spec.name] = _Replica(spec.name, spec.max_sessions)
+        if not self._replicas:
+            raise ValueError(f"pool {name!r}: needs at least one replica")
+        if session_estimate_s <= 0:
+            raise ValueError("session_estimate_s must be > 0")
+        self.queue = queue or QueuePolicy()
+        self._waiters: OrderedDict[int, _Waiter] = OrderedDict()
+        self._leases: dict[int, _Lease] = {}
+        self._next_ticket = 1
+        self._draining = False
+        self._session_estimate_s = session_estimate_s
+        self._rng = random.Random(seed)
+
+    # -- events -----------------------------------------------------------------
+
+    def arrive(self, now: float) -> Decision:
+        """A new session asks for a slot: admit, enqueue or reject it."""
+        ticket = self._next_ticket
+        self._next_ticket += 1
+        if self._draining:
+            return self._reject(ticket, "draining", position=None)
+        if not any(r.healthy and not r.retired for r in self._replicas.values()):
+            return self._reject(ticket, "no_healthy_replica", position=None)
+        if not self._waiters:
+            replica = self._pick()
+            if replica is not None:
+                return self._admit(ticket, replica, now, now)
+        if not self.queue.enabled:
+            return self._reject(ticket, self._full_reason(), position=None)
+        if len(self._waiters) >= self.queue.max_depth:
+            return self._reject(ticket, "queue_full", position=None)
+        deadline = now + self.queue.max_wait_s
+        self._waiters[ticket] = _Waiter(now, deadline)
+        position = len(self._waiters)
+        return Enqueue(ticket, position, deadline, self._estimate(position))
+
+    def release(self, ticket: int, now: float) -> list[Admit]:
+        """An admitted session ended (any way at all). Returns waiters handed a slot."""
+        lease = self._leases.pop(ticket, None)
+        if lease is None:
+            raise LookupError(f"pool {self.name!r}: ticket {ticket} holds no slot")
+        replica = self._replicas[lease.replica]
+        replica.active -= 1
+        duration = max(0.0, now - lease.admitted_at)
+        self._session_estimate_s += _EWMA_ALPHA * (duration - self._session_estimate_s)
+        self._session_estimate_s = max(self._session_estimate_s, 0.05)
+        if replica.retired and replica.active == 0:
+            del self._replicas[replica.name]
+        return self._assign(now)
+
+    def relocate(self, ticket: int, now: float) -> Admit | None:
+        """Move an admitted session to another eligible replica (failover before the
+        first byte; the caller marks the failed replica unhealthy first). It keeps its
+        admission, so this is not barging. Returns None, lease unchanged, if no other
+        replica has a free slot."""
+        lease = self._leases.get(ticket)
+        if lease is None:
+            raise LookupError(f"pool {self.name!r}: ticket {ticket} holds no slot")
+        current = self._replicas[lease.replica]
+        current.active -= 1  # so _pick never counts this session against another replica
+        target = self._pick(exclude=current.name)
+        if target is None:
+            current.active += 1
+            return None
+        if current.retired and current.active == 0:
+            del self._replicas[current.name]
+        target.active += 1
+        lease.replica = target.name
+        return Admit(ticket, target.name)
+
+    def abandon(self, ticket: int, now: float) -> list[Admit]:
+        """A waiter left (disconnected or cancelled). Unknown tickets are ignored so the
+        caller may abandon unconditionally on every exit path."""
+        self._waiters.pop(ticket, None)
+        return self._assign(now)
+
+    def expire(self, now: float) -> list[Reject]:
+        """Refuse every waiter whose deadline has passed (``queue_timeout``)."""
+        expired: list[Reject] = []
+        for position, (ticket, waiter) in enumerate(list(self._waiters.items()), start=1):
+            if waiter.deadline <= now:
+                del self._waiters[ticket]
+                expired.append(
+                    Reject(
+                        ticket,
+                        "queue_timeout",
+                        self._estimate(position),
+                        queue_position=position,
+                        waited_s=now - waiter.arrived,
+                    )
+                )
+        return expired
+
+    def drain(self, now: float) -> list[Reject]:
+        """Stop admitting. Every waiter is refused with ``draining``; running sessions
+        keep their slots until released."""
+        self._draining = True
+        rejects = [
+            Reject(t, "draining", self._estimate(pos), queue_position=pos, waited_s=now - w.arrived)
+            for pos, (t, w) in enumerate(self._waiters.items(), start=1)
+        ]
+        self._waiters.clear()
+        return rejects
+
+    def undrain(self, now: float) -> list[Admit]:
+        self._draining = False
+        return self._assign(now)
+
+    def set_cap(self, replica: str, cap: int, now: float) -> list[Admit]:
+        """Change a replica's cap live. Lowering never evicts running sessions."""
+        if cap < 1:
+            raise ValueError(f"replica {replica!r}: cap must be >= 1 (got {cap})")
+        self._replica(replica).cap = cap
+        return self._assign(now)
+
+    def set_healthy(self, replica: str, healthy: bool, now: float) -> list[Admit]:
+        self._replica(replica).healthy = healthy
+        return self._assign(now)
+
+    def set_guarded(self, replica: str, guarded: bool, now: float) -> list[Admit]:
+        self._replica(replica).guarded = guarded
+        return self._assign(now)
+
+    def set_queue(self, queue: QueuePolicy, now: float) -> list[Reject]:
+        """Change the queue policy live. Waiters beyond a lower ``max_depth`` (the
+        newest) are refused with ``queue_full``; deadlines already given are kept."""
+        self.queue = queue
+        rejects: list[Reject] = []
+        while len(self._waiters) > (queue.max_depth if queue.enabled else 0):
+            ticket, waiter = self._waiters.popitem(last=True)
+            rejects.append(
+                Reject(ticket, "queue_full", self._estimate(1), waited_s=now - waiter.arrived)
+            )
+        return rejects
+
+    def add_replica(self, spec: ReplicaSpec, now: float) -> list[Admit]:
+        existing = self._replicas.get(spec.name)
+        if existing is not None and not existing.retired:
+            raise ValueError(f"pool {self.name!r}: replica {spec.name!r} exists")
+        if existing is not None:
+            existing.retired = False
+            existing.cap = spec.max_sessions
+        else:
+            self._replicas[spec.name] = _Replica(spec.name, spec.max_sessions)
+        return self._assign(now)
+
+    def retire_replica(self, replica: str) -> None:
+        """Take a replica out of placement. Its running sessions finish; it disappears
+        once the last one is released."""
+        r = self._replica(replica)
+        if r.active == 0:
+            del self._replicas[replica]
+        else:
+            r.retired = True
+
+    # -- queries ----------------------------------------------------------------
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiters)
+
+    @property
+    def active(self) -> int:
+        return len(self._leases)
+
+    def next_deadline(self) -> float | None:
+        """The earliest waiter deadline, for the caller's timer."""
+        return min((w.deadline for w in self._waiters.values()), default=None)
+
+    def position(self, ticket: int) -> int | None:
+        """1-based queue position of a waiter, or None if not waiting."""
+        for i, t in enumerate(self._waiters, start=1):
+            if t == ticket:
+                return i
+        return None
+
+    def waiting(self) -> list[int]:
+        return list(self._waiters)
+
+    def lease_replica(self, ticket: int) -> str | None:
+        lease = self._leases.get(ticket)
+        return lease.replica if lease else None
+
+    def replica_names(self) -> list[str]:
+        return list(self._replicas)
+
+    def estimate_wait(self, position: int) -> float:
+        """Estimated seconds until a waiter at ``position`` gets a slot (no jitter)."""
+        slots = sum(r.cap for r in self._replicas.values() if r.healthy and not r.retired)
+        return self._session_estimate_s * position / max(1, slots)
+
+    def statistics(self) -> PoolStatistics:
+        return PoolStatistics(
+            name=self.name,
+            replicas=tuple(r.snapshot() for r in self._replicas.values()),
+            queue_depth=len(self._waiters),
+            max_depth=self.queue.max_depth,
+            max_wait_s=self.queue.max_wait_s,
+            draining=self._draining,
+            session_estimate_s=self._session_estimate_s,
+        )
+
+    def __repr__(self) -> str:
+        reps = " ".join(
+            f"{r.name}={r.active}/{r.cap}"
+            + ("" if r.healthy else "!unhealthy")
+            + ("!guarded" if r.guarded else "")
+            + ("!retired" if r.retired else "")
+            for r in self._replicas.values()
+        )
+        drain = " draining" if self._draining else ""
+        return (
+            f"<PoolCore {self.name} {reps} queue={len(self._waiters)}/{self.queue.max_depth}"
+            f"{drain}>"
+        )
+
+    # -- internals --------------------------------------------------------------
+
+    def _replica(self, name: str) -> _Replica:
+        try:
+            return self._replicas[name]
+        except KeyError:
+            raise LookupError(f"pool {self.name!r} has no replica {name!r}") from None
+
+    def _pick(self, exclude: str | None = None) -> _Replica | None:
+        best: _Replica | None = None
+        best_key = (2.0, 0)
+        for r in self._replicas.values():
+            if r.eligible and r.name != exclude:
+                key = (r.active / r.cap, r.active)
+                if key < best_key:
+                    best, best_key = r, key
+        return best
+
+    def _admit(self, ticket: int, replica: _Replica, arrived: float, now: float) -> Admit:
+        replica.active += 1
+        self._leases[ticket] = _Lease(replica.name, now)
+        return Admit(ticket, replica.name, waited_s=now - arrived)
+
+    def _assign(self, now: float) -> list[Admit]:
+        """Hand free slots to waiters, head first."""
+        admitted: list[Admit] = []
+        if self._draining:
+            return admitted
+        while self._waiters:
+            replica = self._pick()
+            if replica is None:
+                break
+            ticket, waiter = self._waiters.popitem(last=False)
+            admitted.append(self._admit(ticket, replica, waiter.arrived, now))
+        return admitted
+
+    def _full_reason(self) -> str:
+        live = [r for r in self._replicas.values() if r.healthy and not r.retired]
+        if any(r.guarded and r.active < r.cap for r in live):
+            return "guard"
+        return "pool_full"
+
+    def _estimate(self, position: int) -> float:
+        base = self.estimate_wait(position)
+        jittered = base * (1.0 + self._rng.uniform(-_JITTER, _JITTER))
+        return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, jittered))
+
+    def _reject(self, ticket: int, reason: str, position: int | None) -> Reject:
+        waiting_position = len(self._waiters) + 1
+        return Reject(ticket, reason, self._estimate(waiting_position), queue_position=position)

@@ -1,0 +1,325 @@
+"""The asyncio shell around the pure admission core.
+
+:meth:`Gate.acquire` admits a session at once, holds it in the pool's FIFO queue, or
+raises :class:`~proxy.errors.Refused`. It is cancellation-safe: a waiter that is
+cancelled (its client went away) leaves the queue in the same step and the next
+waiter is served; a slot handed to a waiter that was cancelled in the same instant
+is released again at once. Every admission is a :class:`Lease` whose
+:meth:`Lease.release` is idempotent, so callers release on every exit path in a
+``finally`` and the slot is freed exactly once.
+
+Queue deadlines run on the injected :class:`~proxy.clock.Clock`: tests advance a
+:class:`~proxy.clock.FakeClock` instead of sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+
+from proxy.admission import Admit, Enqueue, PoolCore, PoolStatistics, Reject
+from proxy.clock import Clock, TimerHandle
+from proxy.errors import FallbackHint, Refused, refusal_for
+from proxy.metrics import Metrics, ReplicaGauges
+
+__all__ = ["Gate", "Lease", "PositionCallback"]
+
+log = logging.getLogger("headroom.gate")
+
+#: Called with (position, eta_s) when a waiter enters the queue and whenever its
+#: position changes.
+PositionCallback = Callable[[int, float], None]
+
+
+class Lease:
+    """One admitted session's slot. Release it exactly once -- calling
+    :meth:`release` again is a no-op, so call it on every exit path."""
+
+    __slots__ = ("_gate", "admitted_at", "pool", "released", "replica", "ticket", "waited_s")
+
+    def __init__(
+        self, gate: Gate, pool: str, admit: Admit, admitted_at: float
+    ) -> None:
+        self._gate = gate
+        self.pool = pool
+        self.ticket = admit.ticket
+        self.replica = admit.replica
+        self.waited_s = admit.waited_s
+        self.admitted_at = admitted_at
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._gate._release(self)
+
+    def fail_over(self) -> bool:
+        """The upstream of :attr:`replica` could not be reached before any byte was
+        relayed: eject that replica and move this lease to another one with a free
+        slot. Returns False (lease unchanged) if there is none."""
+        return self._gate._fail_over(self)
+
+    def __repr__(self) -> str:
+        state = "released" if self.released else "held"
+        return f"<Lease {self.pool}/{self.replica} ticket={self.ticket} {state}>"
+
+
+@dataclass(eq=False)
+class _Waiter:
+    future: asyncio.Future[Admit | Reject]
+    on_position: PositionCallback | None
+    position: int
+
+
+@dataclass(eq=False)
+class _Pool:
+    core: PoolCore
+    fallback: FallbackHint | None
+    waiters: dict[int, _Waiter] = field(default_factory=dict)
+    timer: TimerHandle | None = None
+    timer_at: float | None = None
+    enqueued_at: dict[int, float] = field(default_factory=dict)
+
+
+class Gate:
+    """Admission for every pool, on one event loop."""
+
+    def __init__(
+        self,
+        pools: Iterable[PoolCore],
+        *,
+        clock: Clock,
+        metrics: Metrics | None = None,
+        fallbacks: Mapping[str, FallbackHint | None] | None = None,
+    ) -> None:
+        self.clock = clock
+        self.metrics = metrics
+        fallbacks = fallbacks or {}
+        self._pools = {core.name: _Pool(core, fallbacks.get(core.name)) for core in pools}
+        self._healthy_listeners: list[Callable[[str, str, bool], None]] = []
+        self.draining = False
+
+    # -- public API -------------------------------------------------------------
+
+    async def acquire(self, pool: str, *, on_position: PositionCallback | None = None) -> Lease:
+        """Admit a session to ``pool``: returns a :class:`Lease`, or raises
+        :class:`~proxy.errors.Refused`. Waits in the queue if the pool allows it."""
+        p = self._pool(pool)
+        now = self.clock.now()
+        decision = p.core.arrive(now)
+        if isinstance(decision, Admit):
+            self._count(pool, "admitted")
+            return Lease(self, pool, decision, now)
+        if isinstance(decision, Reject):
+            self._count(pool, f"rejected_{decision.reason}")
+            raise self._refusal(pool, decision)
+        assert isinstance(decision, Enqueue)
+        self._count(pool, "queued")
+        future: asyncio.Future[Admit | Reject] = asyncio.get_running_loop().create_future()
+        waiter = _Waiter(future, on_position, decision.position)
+        p.waiters[decision.ticket] = waiter
+        p.enqueued_at[decision.ticket] = now
+        self._arm_timer(p)
+        if on_position is not None:
+            on_position(decision.position, decision.eta_s)
+        try:
+            outcome = await future
+        except BaseException:
+            self._leave(p, decision.ticket)
+            raise
+        p.waiters.pop(decision.ticket, None)
+        if isinstance(outcome, Reject):
+            raise self._refusal(pool, outcome)
+        return Lease(self, pool, outcome, self.clock.now())
+
+    def drain(self) -> None:
+        """Refuse everything new and every waiter with ``draining``."""
+        self.draining = True
+        now = self.clock.now()
+        for name, p in self._pools.items():
+            for reject in p.core.drain(now):
+                self._resolve(name, p, reject)
+            self._arm_timer(p)
+
+    def set_healthy(self, pool: str, replica: str, healthy: bool) -> None:
+        p = self._pool(pool)
+        stats = {r.name: r for r in p.core.statistics().replicas}
+        if replica in stats and stats[replica].healthy != healthy:
+            log.warning(
+                "replica %s/%s is now %s", pool, replica, "healthy" if healthy else "unhealthy"
+            )
+            self._dispatch(pool, p, p.core.set_healthy(replica, healthy, self.clock.now()))
+            for listener in self._healthy_listeners:
+                listener(pool, replica, healthy)
+
+    def set_guarded(self, pool: str, replica: str, guarded: bool) -> None:
+        p = self._pool(pool)
+        self._dispatch(pool, p, p.core.set_guarded(replica, guarded, self.clock.now()))
+
+    def set_cap(self, pool: str, replica: str, cap: int) -> None:
+        p = self._pool(pool)
+        self._dispatch(pool, p, p.core.set_cap(replica, cap, self.clock.now()))
+
+    def on_health_change(self, listener: Callable[[str, str, bool], None]) -> None:
+        self._healthy_listeners.append(listener)
+
+    def core(self, pool: str) -> PoolCore:
+        return self._pool(pool).core
+
+    def pools(self) -> list[str]:
+        return list(self._pools)
+
+    def fallback(self, pool: str) -> FallbackHint | None:
+        return self._pool(pool).fallback
+
+    def statistics(self) -> dict[str, PoolStatistics]:
+        return {name: p.core.statistics() for name, p in self._pools.items()}
+
+    @property
+    def active(self) -> int:
+        return sum(p.core.active for p in self._pools.values())
+
+    @property
+    def queued(self) -> int:
+        return sum(p.core.queue_depth for p in self._pools.values())
+
+    def replica_gauges(
+        self, ratio: Callable[[str, str], float | None] | None = None
+    ) -> list[ReplicaGauges]:
+        out: list[ReplicaGauges] = []
+        for name, p in self._pools.items():
+            for r in p.core.statistics().replicas:
+                out.append(
+                    ReplicaGauges(
+                        name,
+                        r.name,
+                        r.active,
+                        r.cap,
+                        r.healthy,
+                        r.guarded,
+                        ratio(name, r.name) if ratio else None,
+                    )
+                )
+        return out
+
+    def queue_depths(self) -> list[tuple[str, int]]:
+        return [(name, p.core.queue_depth) for name, p in self._pools.items()]
+
+    def __repr__(self) -> str:
+        inner = ", ".join(repr(p.core) for p in self._pools.values())
+        return f"<Gate{' draining' if self.draining else ''} [{inner}]>"
+
+    # -- internals --------------------------------------------------------------
+
+    def _pool(self, name: str) -> _Pool:
+        try:
+            return self._pools[name]
+        except KeyError:
+            raise LookupError(f"no pool named {name!r}") from None
+
+    def _count(self, pool: str, decision: str) -> None:
+        if self.metrics is not None:
+            self.metrics.decisions.labels(pool, decision).inc()
+
+    def _refusal(self, pool: str, reject: Reject) -> Refused:
+        return refusal_for(
+            reject.reason,
+            retry_after_s=reject.retry_after_s,
+            pool=pool,
+            queue_position=reject.queue_position,
+            fallback=self._pools[pool].fallback,
+        )
+
+    def _release(self, lease: Lease) -> None:
+        p = self._pools[lease.pool]
+        now = self.clock.now()
+        if self.metrics is not None:
+            self.metrics.session_duration.labels(lease.pool).observe(now - lease.admitted_at)
+        self._dispatch(lease.pool, p, p.core.release(lease.ticket, now))
+
+    def _fail_over(self, lease: Lease) -> bool:
+        p = self._pools[lease.pool]
+        self.set_healthy(lease.pool, lease.replica, False)
+        moved = p.core.relocate(lease.ticket, self.clock.now())
+        if moved is None:
+            return False
+        lease.replica = moved.replica
+        return True
+
+    def _leave(self, p: _Pool, ticket: int) -> None:
+        """The waiter's task ended without taking its outcome (cancelled)."""
+        waiter = p.waiters.pop(ticket, None)
+        pool = p.core.name
+        if waiter is None:
+            return
+        if waiter.future.done() and not waiter.future.cancelled():
+            outcome = waiter.future.result()
+            if isinstance(outcome, Admit):
+                # The slot was handed over in the same instant the client left.
+                self._count(pool, "abandoned")
+                self._dispatch(pool, p, p.core.release(ticket, self.clock.now()))
+            return
+        self._observe_wait(p, ticket)
+        self._count(pool, "abandoned")
+        self._dispatch(pool, p, p.core.abandon(ticket, self.clock.now()))
+
+    def _observe_wait(self, p: _Pool, ticket: int) -> None:
+        enqueued = p.enqueued_at.pop(ticket, None)
+        if enqueued is not None and self.metrics is not None:
+            self.metrics.queue_wait.labels(p.core.name).observe(self.clock.now() - enqueued)
+
+    def _resolve(self, pool: str, p: _Pool, outcome: Admit | Reject) -> None:
+        waiter = p.waiters.get(outcome.ticket)
+        self._observe_wait(p, outcome.ticket)
+        if waiter is not None and not waiter.future.done():
+            if isinstance(outcome, Admit):
+                self._count(pool, "admitted")
+            else:
+                self._count(pool, f"rejected_{outcome.reason}")
+            # The entry stays until the waiter's task takes the outcome (or, if it is
+            # cancelled first, hands an Admit back in _leave).
+            waiter.future.set_result(outcome)
+            return
+        # Nobody will take this outcome (the waiter was cancelled in this instant).
+        p.waiters.pop(outcome.ticket, None)
+        if isinstance(outcome, Admit):
+            self._count(pool, "abandoned")
+            self._dispatch(pool, p, p.core.release(outcome.ticket, self.clock.now()))
+
+    def _dispatch(self, pool: str, p: _Pool, admits: list[Admit]) -> None:
+        for admit in admits:
+            self._resolve(pool, p, admit)
+        self._arm_timer(p)
+        self._notify_positions(p)
+
+    def _notify_positions(self, p: _Pool) -> None:
+        if not any(w.on_position for w in p.waiters.values()):
+            return
+        for position, ticket in enumerate(p.core.waiting(), start=1):
+            waiter = p.waiters.get(ticket)
+            if waiter is not None and waiter.position != position:
+                waiter.position = position
+                if waiter.on_position is not None:
+                    waiter.on_position(position, p.core.estimate_wait(position))
+
+    def _arm_timer(self, p: _Pool) -> None:
+        deadline = p.core.next_deadline()
+        if deadline == p.timer_at:
+            return
+        if p.timer is not None:
+            p.timer.cancel()
+            p.timer = None
+        p.timer_at = deadline
+        if deadline is not None:
+            p.timer = self.clock.call_at(deadline, lambda: self._on_deadline(p, deadline))
+
+    def _on_deadline(self, p: _Pool, deadline: float) -> None:
+        p.timer = None
+        p.timer_at = None
+        # An event loop may fire a timer up to one clock tick early.
+        for reject in p.core.expire(max(self.clock.now(), deadline)):
+            self._resolve(p.core.name, p, reject)
+        self._arm_timer(p)
+        self._notify_positions(p)
