@@ -24,7 +24,7 @@ from proxy.clock import Clock, TimerHandle
 from proxy.errors import FallbackHint, Refused, refusal_for
 from proxy.metrics import Metrics, ReplicaGauges
 
-__all__ = ["Gate", "Lease", "PositionCallback"]
+__all__ = ["Gate", "Lease", "PositionCallback", "Waiting"]
 
 log = logging.getLogger("headroom.gate")
 
@@ -66,6 +66,26 @@ class Lease:
         return f"<Lease {self.pool}/{self.replica} ticket={self.ticket} {state}>"
 
 
+class Waiting:
+    """A session in a pool's queue. Await :meth:`wait` for its :class:`Lease` (or a
+    :class:`~proxy.errors.Refused`); cancelling that await leaves the queue at once."""
+
+    __slots__ = ("_gate", "eta_s", "pool", "position", "ticket")
+
+    def __init__(self, gate: Gate, pool: str, enqueue: Enqueue) -> None:
+        self._gate = gate
+        self.pool = pool
+        self.ticket = enqueue.ticket
+        self.position = enqueue.position
+        self.eta_s = enqueue.eta_s
+
+    async def wait(self) -> Lease:
+        return await self._gate._wait(self.pool, self.ticket)
+
+    def __repr__(self) -> str:
+        return f"<Waiting {self.pool} ticket={self.ticket} entered at {self.position}>"
+
+
 @dataclass(eq=False)
 class _Waiter:
     future: asyncio.Future[Admit | Reject]
@@ -103,9 +123,10 @@ class Gate:
 
     # -- public API -------------------------------------------------------------
 
-    async def acquire(self, pool: str, *, on_position: PositionCallback | None = None) -> Lease:
-        """Admit a session to ``pool``: returns a :class:`Lease`, or raises
-        :class:`~proxy.errors.Refused`. Waits in the queue if the pool allows it."""
+    def enter(self, pool: str, *, on_position: PositionCallback | None = None) -> Lease | Waiting:
+        """Ask ``pool`` for a slot without suspending: a :class:`Lease` if admitted at
+        once, a :class:`Waiting` (already in the queue) to await, or raises
+        :class:`~proxy.errors.Refused`."""
         p = self._pool(pool)
         now = self.clock.now()
         decision = p.core.arrive(now)
@@ -118,18 +139,30 @@ class Gate:
         assert isinstance(decision, Enqueue)
         self._count(pool, "queued")
         future: asyncio.Future[Admit | Reject] = asyncio.get_running_loop().create_future()
-        waiter = _Waiter(future, on_position, decision.position)
-        p.waiters[decision.ticket] = waiter
+        p.waiters[decision.ticket] = _Waiter(future, on_position, decision.position)
         p.enqueued_at[decision.ticket] = now
         self._arm_timer(p)
         if on_position is not None:
             on_position(decision.position, decision.eta_s)
+        return Waiting(self, pool, decision)
+
+    async def acquire(self, pool: str, *, on_position: PositionCallback | None = None) -> Lease:
+        """Admit a session to ``pool``, waiting in its queue if need be: returns a
+        :class:`Lease` or raises :class:`~proxy.errors.Refused`. Cancellation-safe."""
+        entry = self.enter(pool, on_position=on_position)
+        if isinstance(entry, Lease):
+            return entry
+        return await entry.wait()
+
+    async def _wait(self, pool: str, ticket: int) -> Lease:
+        p = self._pools[pool]
+        waiter = p.waiters[ticket]
         try:
-            outcome = await future
+            outcome = await waiter.future
         except BaseException:
-            self._leave(p, decision.ticket)
+            self._leave(p, ticket)
             raise
-        p.waiters.pop(decision.ticket, None)
+        p.waiters.pop(ticket, None)
         if isinstance(outcome, Reject):
             raise self._refusal(pool, outcome)
         return Lease(self, pool, outcome, self.clock.now())

@@ -1,0 +1,127 @@
+"""The ASGI application: relays on the configured routes, operations endpoints on
+the rest.
+
+* A WebSocket on a WebSocket route -> :func:`proxy.relay.ws.relay_websocket`.
+* An HTTP request on an HTTP route -> :func:`proxy.relay.http.relay_http`.
+* ``/healthz`` (alive), ``/readyz`` (config loaded, not draining, at least one healthy
+  replica; 503 otherwise), ``/metrics`` (Prometheus text format), served by a small
+  FastAPI app. Anything else: 404 (a WebSocket is denied with 404). Upstreams come only
+  from configuration: no header, path or query can choose a host.
+
+Routing is an exact dict lookup on the path, before any framework code, so the relay
+hot path pays nothing for the operations endpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from proxy import __version__
+from proxy.logs import install_denial_filter
+from proxy.relay.http import relay_http
+from proxy.relay.ws import relay_websocket
+from proxy.runtime import Runtime
+
+__all__ = ["HeadroomApp", "create_app"]
+
+log = logging.getLogger("headroom.app")
+
+Scope = dict[str, Any]
+
+
+def _ops_app(rt: Runtime) -> FastAPI:
+    ops = FastAPI(
+        title="Headroom",
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
+
+    @ops.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "alive"}
+
+    @ops.get("/readyz")
+    async def readyz() -> JSONResponse:
+        ready, why = rt.ready()
+        return JSONResponse(
+            {"ready": ready, "reason": why, "active": rt.gate.active, "queued": rt.gate.queued},
+            status_code=200 if ready else 503,
+        )
+
+    @ops.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return ops
+
+
+class HeadroomApp:
+    """The gateway's ASGI callable. ``runtime`` is started by the ASGI lifespan."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.runtime = runtime
+        self._ops = _ops_app(runtime)
+        install_denial_filter()
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        kind = scope["type"]
+        if kind == "websocket":
+            route = self.runtime.route_for(scope["path"])
+            if route is not None and route.is_websocket:
+                await relay_websocket(self.runtime, route, scope, receive, send)
+            else:
+                await self._deny_ws(scope, receive, send)
+        elif kind == "http":
+            route = self.runtime.route_for(scope["path"])
+            if route is not None and not route.is_websocket:
+                await relay_http(self.runtime, route, scope, receive, send)
+            else:
+                await self._ops(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _deny_ws(self, scope: Scope, receive: Any, send: Any) -> None:
+        await receive()  # websocket.connect
+        body = json.dumps(
+            {"error": {"type": "not_found", "code": "no_route",
+                       "message": f"no WebSocket route at {scope['path']}"}}
+        ).encode()  # fmt: skip
+        if "websocket.http.response" in scope.get("extensions", {}):
+            await send(
+                {
+                    "type": "websocket.http.response.start",
+                    "status": 404,
+                    "headers": [(b"content-type", b"application/json")],
+                }
+            )
+            await send({"type": "websocket.http.response.body", "body": body})
+        else:
+            await send({"type": "websocket.close", "code": 1008})
+
+    async def _lifespan(self, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.runtime.start()
+                except Exception as exc:
+                    log.exception("start-up failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.runtime.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def create_app(runtime: Runtime) -> HeadroomApp:
+    return HeadroomApp(runtime)

@@ -1,0 +1,242 @@
+"""The streaming HTTP relay (httpx, one pooled AsyncClient).
+
+The request body is read first, bounded by ``limits.max_http_body_bytes`` (413 past
+it): the adapter needs it to learn the audio format, and only a body still in hand
+can be replayed on another replica when the first cannot be reached. Then the gate
+decides (a queued request is simply held; a client that disconnects leaves the
+queue), the request goes upstream with end-to-end headers, and the response is
+streamed back chunk by chunk as it arrives with status and headers preserved (SSE,
+raw PCM, WAV). The slot is released when the response ends or the client goes away,
+which also closes the upstream request. Unreachable upstream: 502 if nothing was
+sent yet; nothing is retried once bytes have flowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl
+
+import httpx
+
+from proxy.errors import (
+    HeadroomError,
+    MessageTooLarge,
+    Refused,
+    UpstreamConnectError,
+)
+from proxy.gate import Lease
+from proxy.refusal import http_error
+from proxy.relay.headers import forwarded_request_headers, response_headers
+from proxy.relay.session import SessionRecord, new_session_id
+
+if TYPE_CHECKING:
+    from proxy.runtime import Runtime
+    from proxy.settings import RouteSettings
+
+__all__ = ["relay_http", "send_error"]
+
+log = logging.getLogger("headroom.relay.http")
+
+Scope = dict[str, Any]
+Receive = Any
+Send = Any
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def send_error(send: Send, err: HeadroomError) -> int:
+    status, headers, body = http_error(err)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+    return status
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise _ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise MessageTooLarge(f"request body over {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+async def _await_disconnect(receive: Receive) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _while_connected(receive: Receive, work: asyncio.Future[Any]) -> bool:
+    """Run ``work`` until done or the client disconnects (then cancel it). True if the
+    client went away first."""
+    gone = asyncio.ensure_future(_await_disconnect(receive))
+    client_left = False
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        client_left = gone.done()
+    finally:
+        for task in (work, gone):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(work, gone, return_exceptions=True)
+    return client_left
+
+
+async def relay_http(
+    rt: Runtime, route: RouteSettings, scope: Scope, receive: Receive, send: Send
+) -> None:
+    """Serve one HTTP request on ``route``; every exit path releases the slot and logs
+    one line."""
+    clock = rt.clock
+    record = SessionRecord(
+        new_session_id(), route.path, route.pool, "http", clock.now(), decision="admitted"
+    )
+    lease: Lease | None = None
+    try:
+        try:
+            body = await _read_body(receive, rt.settings.limits.max_http_body_bytes)
+        except MessageTooLarge as err:
+            record.decision = "rejected_too_large"
+            record.status = await send_error(send, err)
+            return
+        except _ClientGone:
+            record.decision = "abandoned"
+            return
+        record.bytes_up = len(body)
+        try:
+            entry = rt.gate.enter(route.pool)
+            if isinstance(entry, Lease):
+                lease = entry
+            else:
+                record.decision = "queued"
+                wait = asyncio.ensure_future(entry.wait())
+                if await _while_connected(receive, wait):
+                    record.decision = "abandoned"
+                    if not wait.cancelled() and wait.exception() is None:
+                        wait.result().release()  # granted in the instant the client left
+                    return
+                lease = wait.result()
+                record.decision = "admitted_after_queue"
+        except Refused as refusal:
+            record.decision = f"rejected_{refusal.reason}"
+            record.status = await send_error(send, refusal)
+            return
+        record.admitted_at = clock.now()
+        record.queue_wait_s = lease.waited_s
+        record.replica = lease.replica
+        streaming = asyncio.ensure_future(_exchange(rt, route, scope, body, lease, send, record))
+        if await _while_connected(receive, streaming):
+            record.client_close = 1006  # the client went away mid-response
+        elif not streaming.cancelled() and streaming.exception() is not None:
+            raise streaming.exception()  # type: ignore[misc]
+    except asyncio.CancelledError:
+        record.error = "cancelled"
+        raise
+    except Exception as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+        log.exception("internal error in session %s", record.session)
+    finally:
+        if lease is not None:
+            lease.release()
+        record.ended = clock.now()
+        record.emit()
+
+
+async def _open(
+    rt: Runtime,
+    route: RouteSettings,
+    scope: Scope,
+    body: bytes,
+    lease: Lease,
+    record: SessionRecord,
+) -> httpx.Response:
+    """Send the request, failing over to another replica while nothing has flowed."""
+    headers = forwarded_request_headers(
+        scope["headers"],
+        client_host=(scope.get("client") or (None,))[0],
+        scheme=scope.get("scheme", "http"),
+        websocket=False,
+    )
+    path = route.upstream_path or scope.get("raw_path", b"").decode("latin-1") or scope["path"]
+    path = path.split("?")[0]
+    query = scope.get("query_string", b"").decode("latin-1")
+    while True:
+        url = rt.http_url(lease.pool, lease.replica) + path + (f"?{query}" if query else "")
+        request = rt.http.build_request(scope["method"], url, headers=headers, content=body)
+        try:
+            return await rt.http.send(request, stream=True)
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            reason = f"cannot reach upstream {lease.replica}: {exc or type(exc).__name__}"
+        rt.upstream_error(lease.pool, lease.replica, "connect")
+        log.warning("%s; failing over", reason)
+        failed = lease.replica
+        if not lease.fail_over():
+            raise UpstreamConnectError(reason, replica=failed, kind="connect")
+        record.replica = lease.replica
+
+
+async def _exchange(
+    rt: Runtime,
+    route: RouteSettings,
+    scope: Scope,
+    body: bytes,
+    lease: Lease,
+    send: Send,
+    record: SessionRecord,
+) -> None:
+    clock = rt.clock
+    meter = rt.new_meter(lease.pool, lease.replica, record.admitted_at or clock.now())
+    adapter = rt.http_adapter(route, meter)
+    content_type = next(
+        (v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"content-type"), None
+    )
+    query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+    adapter.request(scope["method"], query, content_type, body)
+    try:
+        try:
+            response = await _open(rt, route, scope, body, lease, record)
+        except UpstreamConnectError as err:
+            record.decision = "upstream_unreachable"
+            record.error = str(err)
+            record.status = await send_error(send, err)
+            return
+        try:
+            meter.commit_final(clock.now())  # the request is fully sent (ASR finalize)
+            record.status = response.status_code
+            adapter.response_start(response.status_code, response.headers)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status_code,
+                    "headers": response_headers(response.headers.raw),
+                }
+            )
+            try:
+                async for chunk in response.aiter_raw():
+                    adapter.response_chunk(clock.now(), chunk)
+                    record.bytes_down += len(chunk)
+                    record.frames_down += 1
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except httpx.HTTPError as exc:
+                # Bytes have flowed: nothing is retried. The client sees the stream end.
+                rt.upstream_error(lease.pool, lease.replica, "midstream")
+                record.error = f"upstream failed mid-stream: {exc or type(exc).__name__}"
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            with contextlib.suppress(Exception):
+                await response.aclose()
+    finally:
+        record.meter = meter.finish(clock.now()).as_log_fields()

@@ -1,0 +1,224 @@
+"""Everything one running gateway shares: settings, gate, metrics, upstream clients,
+health re-checks, per-replica signals, and the list of live sessions (for drain).
+
+Built from a validated :class:`~proxy.settings.Settings`; started and stopped by the
+ASGI lifespan of :mod:`proxy.app`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import httpx
+
+from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
+from proxy.clock import Clock, LoopClock
+from proxy.gate import Gate
+from proxy.meter import PrometheusReplicaSink, SessionMeter
+from proxy.metrics import Metrics
+from proxy.protocols import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
+from proxy.settings import PoolSettings, RouteSettings, Settings
+from proxy.signals import ReplicaSignals
+
+__all__ = ["Runtime", "build_gate"]
+
+log = logging.getLogger("headroom.runtime")
+
+StopSession = Callable[[int, str], None]
+
+
+def _core(pool: PoolSettings, seed: int) -> PoolCore:
+    return PoolCore(
+        pool.name,
+        [ReplicaSpec(r.name, r.max_sessions) for r in pool.replicas],
+        QueuePolicy(pool.queue.max_depth, pool.queue.max_wait_s),
+        session_estimate_s=pool.session_estimate_s,
+        seed=seed,
+    )
+
+
+def build_gate(settings: Settings, clock: Clock, metrics: Metrics | None) -> Gate:
+    return Gate(
+        [_core(p, seed=i) for i, p in enumerate(settings.pools)],
+        clock=clock,
+        metrics=metrics,
+        fallbacks={p.name: p.fallback.as_hint() if p.fallback else None for p in settings.pools},
+    )
+
+
+class Runtime:
+    """The shared state of one gateway process (one event loop)."""
+
+    def __init__(
+        self, settings: Settings, *, clock: Clock | None = None, metrics: Metrics | None = None
+    ) -> None:
+        self.settings = settings
+        self.clock: Clock = clock or LoopClock()
+        self.metrics = metrics or Metrics(settings.meter.chunk_durations_s)
+        self.gate = build_gate(settings, self.clock, self.metrics)
+        self.signals: dict[tuple[str, str], ReplicaSignals] = {}
+        self._sinks: dict[tuple[str, str], PrometheusReplicaSink] = {}
+        self._urls: dict[tuple[str, str], tuple[str, str]] = {}
+        self._routes: dict[str, RouteSettings] = {}
+        self._formats: dict[str, AudioFormat] = {}
+        self._apply_settings(settings)
+        self._sessions: set[StopSession] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._rechecks: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._http: httpx.AsyncClient | None = None
+        self.started = False
+        self.metrics.bind_state(self._replica_gauges, self.gate.queue_depths)
+        self.gate.on_health_change(self._on_health_change)
+
+    def _apply_settings(self, settings: Settings) -> None:
+        self.settings = settings
+        for pool in settings.pools:
+            for r in pool.replicas:
+                self._urls[(pool.name, r.name)] = (r.url, r.ws_url)
+                key = (pool.name, r.name)
+                if key not in self.signals:
+                    self.signals[key] = ReplicaSignals(settings.meter.window_s)
+        self._routes = {r.path: r for r in settings.routes}
+        self._formats = {
+            r.path: AudioFormat(r.audio.sample_rate, r.audio.channels, r.audio.sample_width)
+            for r in settings.routes
+        }
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        limits = self.settings.limits
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(
+                connect=limits.upstream_connect_timeout_s,
+                read=limits.idle_timeout_s or None,
+                write=limits.idle_timeout_s or None,
+                pool=limits.upstream_connect_timeout_s,
+            ),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            follow_redirects=False,
+            trust_env=False,
+        )
+        self.started = True
+
+    async def stop(self) -> None:
+        for task in list(self._rechecks.values()) + list(self._tasks):
+            task.cancel()
+        for task in list(self._rechecks.values()) + list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+        if self._http is not None:
+            await self._http.aclose()
+            self._http = None
+        self.started = False
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            raise RuntimeError("runtime not started")
+        return self._http
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run a background coroutine, keeping a reference until it ends."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- sessions -------------------------------------------------------------------
+
+    def register_session(self, stop: StopSession) -> None:
+        self._sessions.add(stop)
+
+    def unregister_session(self, stop: StopSession) -> None:
+        self._sessions.discard(stop)
+
+    def close_sessions(self, code: int, reason: str) -> int:
+        """Ask every relaying session to close with ``code``; returns how many."""
+        sessions = list(self._sessions)
+        for stop in sessions:
+            stop(code, reason)
+        return len(sessions)
+
+    @property
+    def live_sessions(self) -> int:
+        return len(self._sessions)
+
+    # -- routing and upstreams --------------------------------------------------------
+
+    def route_for(self, path: str) -> RouteSettings | None:
+        return self._routes.get(path)
+
+    def ws_url(self, pool: str, replica: str) -> str:
+        return self._urls[(pool, replica)][1]
+
+    def http_url(self, pool: str, replica: str) -> str:
+        return self._urls[(pool, replica)][0]
+
+    def upstream_error(self, pool: str, replica: str, kind: str) -> None:
+        self.metrics.upstream_errors.labels(pool, replica, kind).inc()
+
+    def ready(self) -> tuple[bool, str]:
+        if self.gate.draining:
+            return False, "draining"
+        if not self.started:
+            return False, "starting"
+        healthy = sum(s.healthy_replicas for s in self.gate.statistics().values())
+        if healthy == 0:
+            return False, "no healthy replica"
+        return True, "ready"
+
+    # -- metering -------------------------------------------------------------------
+
+    def _sink(self, pool: str, replica: str) -> PrometheusReplicaSink:
+        key = (pool, replica)
+        sink = self._sinks.get(key)
+        if sink is None:
+            sink = PrometheusReplicaSink(self.metrics, pool, replica, self.signals[key])
+            self._sinks[key] = sink
+        return sink
+
+    def new_meter(self, pool: str, replica: str, admitted_at: float) -> SessionMeter:
+        return SessionMeter(
+            admitted_at, self._sink(pool, replica), prebuffer_s=self.settings.meter.prebuffer_s
+        )
+
+    def ws_adapter(self, route: RouteSettings, meter: SessionMeter) -> WsAdapter:
+        return ws_adapter(route.protocol, meter, self._formats[route.path], route.inner_protocol)
+
+    def http_adapter(self, route: RouteSettings, meter: SessionMeter) -> HttpAdapter:
+        return http_adapter(route.protocol, meter, self._formats[route.path])
+
+    def delivery_ratio_p99(self, pool: str, replica: str) -> float | None:
+        signals = self.signals.get((pool, replica))
+        return signals.worst_ratio(self.clock.now()) if signals else None
+
+    def _replica_gauges(self) -> list[Any]:
+        return self.gate.replica_gauges(self.delivery_ratio_p99)
+
+    # -- health -------------------------------------------------------------------------
+
+    def _on_health_change(self, pool: str, replica: str, healthy: bool) -> None:
+        key = (pool, replica)
+        if not healthy and key not in self._rechecks and self.started:
+            task = asyncio.ensure_future(self._recheck(pool, replica))
+            self._rechecks[key] = task
+            task.add_done_callback(lambda _t: self._rechecks.pop(key, None))
+
+    async def _recheck(self, pool: str, replica: str) -> None:
+        """Probe an ejected replica until it answers, then restore it."""
+        interval = self.settings.health.recheck_interval_s
+        url = self.http_url(pool, replica) + "/health"
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                response = await self.http.get(url, timeout=min(interval, 5.0))
+            except httpx.HTTPError as exc:
+                log.info("replica %s/%s still unreachable: %s", pool, replica, exc)
+                continue
+            if response.status_code < 500:
+                self.gate.set_healthy(pool, replica, True)
+                return

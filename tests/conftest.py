@@ -1,0 +1,80 @@
+"""Shared fixtures: real servers on 127.0.0.1 port 0."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from proxy.app import create_app
+from proxy.runtime import Runtime
+from proxy.serving import RunningServer, running_server
+from proxy.settings import Settings, settings_from_mapping
+
+
+class Proxy:
+    def __init__(self, server: RunningServer, runtime: Runtime) -> None:
+        self.server = server
+        self.runtime = runtime
+
+    @property
+    def http_url(self) -> str:
+        return self.server.http_url
+
+    @property
+    def ws_url(self) -> str:
+        return self.server.ws_url
+
+    @property
+    def gate(self) -> Any:
+        return self.runtime.gate
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.runtime.metrics.registry.get_sample_value(name, labels)
+        return 0.0 if value is None else value
+
+
+def proxy_settings(
+    replicas: list[tuple[str, str, int]],
+    routes: list[dict[str, Any]],
+    *,
+    queue: dict[str, Any] | None = None,
+    **top: Any,
+) -> Settings:
+    data: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "admin": {"enabled": False},
+        "pools": [
+            {
+                "name": "main",
+                "replicas": [{"name": n, "url": u, "max_sessions": c} for n, u, c in replicas],
+                "queue": queue or {"max_depth": 0, "max_wait_s": 10},
+                "fallback": {"voice": "lite-1", "pool": None, "url": None},
+            }
+        ],
+        "routes": routes,
+    }
+    data.update(top)
+    return settings_from_mapping(data, env={})
+
+
+@pytest.fixture
+async def start_proxy() -> AsyncIterator[Callable[[Settings], Any]]:
+    """Start a Headroom proxy for given settings; on teardown, check no slot leaked."""
+    stack = contextlib.AsyncExitStack()
+    proxies: list[Proxy] = []
+
+    async def start(settings: Settings) -> Proxy:
+        runtime = Runtime(settings)
+        server = await stack.enter_async_context(running_server(create_app(runtime)))
+        proxy = Proxy(server, runtime)
+        proxies.append(proxy)
+        return proxy
+
+    async with stack:
+        yield start
+    for proxy in proxies:
+        assert proxy.gate.active == 0, f"leaked slots: {proxy.gate!r}"
+        assert proxy.gate.queued == 0, f"queue not empty: {proxy.gate!r}"
