@@ -1,0 +1,352 @@
+"""The per-session meter: gaps, delivery ratio, time to first audio, playback stalls.
+
+Pure: no clock reads, no asyncio; every call takes the arrival time ``now``. A protocol
+adapter (:mod:`proxy.protocols`) feeds a :class:`SessionMeter` as its
+:class:`~proxy.protocols.MeterSink`; the meter pushes per-chunk observations to a
+:class:`ReplicaSink` (Prometheus and the guard's rolling signals in production, a
+:class:`RecordingReplicaSink` in tests) and returns a :class:`SessionSummary` at the end.
+
+Definitions (per session):
+
+- **gap**: wall seconds between consecutive upstream chunks. Once a session has produced
+  audio it is measured between audio chunks only (text events next to audio, such as
+  transcript deltas, do not dilute it); a session without audio (ASR) measures it between
+  events. The first chunk of a session, and the first chunk after an utterance or
+  response end (a sentence boundary, or the upstream idling for the client by design),
+  have no gap: their wait is first-chunk latency, not delivery speed.
+- **delivery ratio**: a chunk's audio seconds / its gap. Chunks without a gap have no
+  ratio: time to first audio covers the first one. A zero gap (two chunks in one read)
+  gives :data:`RATIO_CAP`, which also caps ratios so Prometheus sums stay finite.
+- **time to first audio**: admission to the first chunk with audio, observed once.
+- **playback**: :class:`proxy.playback.PlaybackBuffer` (prebuffer, immediate resume).
+- **finalize latency** (ASR): the earliest unanswered ``commit_final`` to the next
+  ``transcript_final``; each answered commit is observed once. The summary keeps the worst.
+- **session p99 gap / worst-1% ratio**: nearest-rank quantiles over the session's samples
+  with :class:`proxy.signals.QuantileSketch` (exact for the first 512 samples, then
+  log buckets with <= 1.96 % error): bounded memory per session.
+
+Audio of zero, negative, infinite or NaN length, and anything fed after :meth:`SessionMeter.finish`
+is ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from proxy.metrics import Metrics
+from proxy.playback import PlaybackBuffer
+from proxy.signals import QuantileSketch, ReplicaSignals
+
+__all__ = [
+    "RATIO_CAP",
+    "PrometheusReplicaSink",
+    "RecordingReplicaSink",
+    "ReplicaSink",
+    "SessionMeter",
+    "SessionSummary",
+]
+
+#: Upper bound of a per-chunk delivery ratio (audio s per wall s).
+RATIO_CAP = 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSummary:
+    """What one session delivered; :meth:`as_log_fields` goes on the end-of-session log line.
+
+    ``worst_ratio`` is the 1st percentile of per-chunk delivery ratios, ``p99_gap`` the
+    99th percentile of gaps; both None without samples, ``time_to_first_audio`` None
+    without audio, ``finalize_seconds`` None without an answered ASR commit (the worst one
+    if several). ``chunks`` counts audio chunks, ``events`` metered non-audio events;
+    ``wall_seconds`` runs from admission to :meth:`SessionMeter.finish`."""
+
+    audio_seconds: float
+    wall_seconds: float
+    worst_ratio: float | None
+    p99_gap: float | None
+    underruns: int
+    stall_seconds: float
+    time_to_first_audio: float | None
+    chunks: int
+    events: int
+    finalize_seconds: float | None
+
+    def as_log_fields(self) -> dict[str, float | int | None]:
+        """Flat, rounded fields for a JSON log line."""
+
+        def r(value: float | None, digits: int = 3) -> float | None:
+            return None if value is None else round(value, digits)
+
+        return {
+            "audio_s": r(self.audio_seconds),
+            "wall_s": r(self.wall_seconds),
+            "delivery_ratio_p1": r(self.worst_ratio),
+            "gap_p99_s": r(self.p99_gap, 4),
+            "underruns": self.underruns,
+            "stall_s": r(self.stall_seconds),
+            "ttfa_s": r(self.time_to_first_audio),
+            "chunks": self.chunks,
+            "events": self.events,
+            "finalize_s": r(self.finalize_seconds),
+        }
+
+
+class ReplicaSink(Protocol):
+    """Per-(pool, replica) destination of a meter's observations. Shared by sessions."""
+
+    def chunk(self, now: float, audio_s: float, gap: float | None, ratio: float | None) -> None:
+        """One metered chunk: ``audio_s`` > 0 for audio (0.0 for a gap-only event); ``gap``
+        None for a stream's first chunk; ``ratio`` only for audio chunks with a gap."""
+
+    def first_audio(self, ttfa_s: float) -> None:
+        """Admission to first audio, once per session that has audio."""
+
+    def underrun(self, stall_s: float) -> None:
+        """The modelled buffer ran dry; ``stall_s`` of silence ended with this chunk."""
+
+    def finalize(self, latency_s: float) -> None:
+        """ASR commit-final to final transcript."""
+
+    def stream_end(self, summary: SessionSummary) -> None:
+        """The session finished (called once)."""
+
+
+class PrometheusReplicaSink:
+    """Observes the DESIGN contract metrics and feeds the replica's :class:`ReplicaSignals`.
+
+    Build one per replica and share it between that replica's sessions: label children are
+    resolved here, once. ``headroom_session_duration_seconds`` is not observed here (the
+    relay knows the session's end); ``headroom_delivery_ratio_p99`` is a scrape-time gauge
+    read from ``signals.worst_ratio(now)``."""
+
+    __slots__ = (
+        "_active",
+        "_audio",
+        "_finalize",
+        "_gap",
+        "_gap_p99",
+        "_ratio",
+        "_signals",
+        "_stall",
+        "_ttfa",
+        "_underruns",
+        "pool",
+        "replica",
+    )
+
+    def __init__(self, metrics: Metrics, pool: str, replica: str, signals: ReplicaSignals):
+        self.pool = pool
+        self.replica = replica
+        self._signals = signals
+        self._gap = metrics.chunk_gap.labels(pool, replica)
+        self._ratio = metrics.chunk_delivery_ratio.labels(pool, replica)
+        self._audio = metrics.audio_delivered.labels(pool, replica)
+        self._active = metrics.stream_active.labels(pool, replica)
+        self._underruns = metrics.underruns.labels(pool, replica)
+        self._stall = metrics.stall_seconds.labels(pool, replica)
+        self._ttfa = metrics.time_to_first_audio.labels(pool)
+        self._gap_p99 = metrics.stream_gap_p99.labels(pool)
+        self._finalize = metrics.asr_finalize.labels(pool)
+
+    def chunk(self, now: float, audio_s: float, gap: float | None, ratio: float | None) -> None:
+        if audio_s > 0.0:
+            self._audio.inc(audio_s)
+        if gap is None:
+            return
+        self._gap.observe(gap)
+        if ratio is None:
+            self._signals.observe_gap(now, gap)
+            return
+        self._ratio.observe(ratio)
+        # Stream-active time is the sum of audio gaps, pushed per chunk so rate() is live.
+        self._active.inc(gap)
+        self._signals.observe(now, ratio, gap)
+
+    def first_audio(self, ttfa_s: float) -> None:
+        self._ttfa.observe(ttfa_s)
+
+    def underrun(self, stall_s: float) -> None:
+        self._underruns.inc()
+        self._stall.inc(stall_s)
+
+    def finalize(self, latency_s: float) -> None:
+        self._finalize.observe(latency_s)
+
+    def stream_end(self, summary: SessionSummary) -> None:
+        if summary.p99_gap is not None:
+            self._gap_p99.observe(summary.p99_gap)
+
+    def __repr__(self) -> str:
+        return f"<PrometheusReplicaSink {self.pool}/{self.replica}>"
+
+
+@dataclass
+class RecordingReplicaSink:
+    """A :class:`ReplicaSink` that keeps every observation, for tests and the simulator."""
+
+    chunks: list[tuple[float, float, float | None, float | None]] = field(default_factory=list)
+    ttfa: list[float] = field(default_factory=list)
+    stalls: list[float] = field(default_factory=list)
+    finalizes: list[float] = field(default_factory=list)
+    summaries: list[SessionSummary] = field(default_factory=list)
+
+    def chunk(self, now: float, audio_s: float, gap: float | None, ratio: float | None) -> None:
+        self.chunks.append((now, audio_s, gap, ratio))
+
+    def first_audio(self, ttfa_s: float) -> None:
+        self.ttfa.append(ttfa_s)
+
+    def underrun(self, stall_s: float) -> None:
+        self.stalls.append(stall_s)
+
+    def finalize(self, latency_s: float) -> None:
+        self.finalizes.append(latency_s)
+
+    def stream_end(self, summary: SessionSummary) -> None:
+        self.summaries.append(summary)
+
+    @property
+    def gaps(self) -> list[float]:
+        return [g for _, _, g, _ in self.chunks if g is not None]
+
+    @property
+    def ratios(self) -> list[float]:
+        return [r for _, _, _, r in self.chunks if r is not None]
+
+
+class SessionMeter:
+    """Meters one admitted session; implements :class:`proxy.protocols.MeterSink`."""
+
+    __slots__ = (
+        "_admitted",
+        "_audio_err",
+        "_audio_s",
+        "_chunks",
+        "_commit",
+        "_events",
+        "_finalize",
+        "_first_audio",
+        "_gaps",
+        "_last_audio",
+        "_last_event",
+        "_playback",
+        "_ratios",
+        "_sink",
+        "_summary",
+    )
+
+    def __init__(self, admitted_at: float, sink: ReplicaSink, prebuffer_s: float = 0.2) -> None:
+        self._admitted = admitted_at
+        self._sink = sink
+        self._playback = PlaybackBuffer(prebuffer_s)
+        self._gaps = QuantileSketch()
+        self._ratios = QuantileSketch()
+        self._audio_s = 0.0
+        self._audio_err = 0.0  # Neumaier compensation: ten 0.2 s chunks sum to exactly 2.0
+        self._chunks = 0
+        self._events = 0
+        self._first_audio: float | None = None
+        self._last_audio: float | None = None  # previous audio chunk of this utterance
+        self._last_event: float | None = None
+        self._commit: float | None = None  # earliest unanswered commit_final
+        self._finalize: float | None = None
+        self._summary: SessionSummary | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._summary is not None
+
+    def audio(self, now: float, seconds: float) -> None:
+        if not 0.0 < seconds < math.inf or self._summary is not None:
+            return
+        if self._first_audio is None:
+            self._first_audio = now
+            self._sink.first_audio(max(now - self._admitted, 0.0))
+        self._chunks += 1
+        total = self._audio_s + seconds
+        if abs(self._audio_s) >= seconds:
+            self._audio_err += (self._audio_s - total) + seconds
+        else:
+            self._audio_err += (seconds - total) + self._audio_s
+        self._audio_s = total
+        prev = self._last_audio
+        self._last_audio = now
+        gap = ratio = None
+        if prev is not None:
+            gap = now - prev if now > prev else 0.0
+            ratio = seconds / gap if gap * RATIO_CAP > seconds else RATIO_CAP
+            self._gaps.add(gap)
+            self._ratios.add(ratio)
+        stall = self._playback.add(now, seconds)
+        self._sink.chunk(now, seconds, gap, ratio)
+        if stall > 0.0:
+            self._sink.underrun(stall)
+
+    def event(self, now: float) -> None:
+        if self._summary is not None:
+            return
+        self._events += 1
+        if self._first_audio is not None:
+            return  # an audio session is measured on its audio chunks
+        prev = self._last_event
+        self._last_event = now
+        if prev is None:
+            self._sink.chunk(now, 0.0, None, None)
+            return
+        gap = now - prev if now > prev else 0.0
+        self._gaps.add(gap)
+        self._sink.chunk(now, 0.0, gap, None)
+
+    def utterance_end(self, now: float) -> None:
+        self._last_audio = None
+
+    def response_end(self, now: float) -> None:
+        if self._summary is not None:
+            return
+        self._last_audio = None
+        self._playback.idle(now)
+
+    def commit_final(self, now: float) -> None:
+        if self._summary is None and self._commit is None:
+            self._commit = now
+
+    def transcript_final(self, now: float) -> None:
+        if self._summary is not None or self._commit is None:
+            return
+        latency = max(now - self._commit, 0.0)
+        self._commit = None
+        if self._finalize is None or latency > self._finalize:
+            self._finalize = latency
+        self._sink.finalize(latency)
+
+    def finish(self, now: float) -> SessionSummary:
+        """End the session (idempotent: later calls return the same summary)."""
+        if self._summary is not None:
+            return self._summary
+        self._playback.finish(now)
+        first = self._first_audio
+        summary = SessionSummary(
+            audio_seconds=self._audio_s + self._audio_err,
+            wall_seconds=max(now - self._admitted, 0.0),
+            worst_ratio=self._ratios.quantile(0.01),
+            p99_gap=self._gaps.quantile(0.99),
+            underruns=self._playback.underruns,
+            stall_seconds=self._playback.stall_seconds,
+            time_to_first_audio=None if first is None else max(first - self._admitted, 0.0),
+            chunks=self._chunks,
+            events=self._events,
+            finalize_seconds=self._finalize,
+        )
+        self._summary = summary
+        self._sink.stream_end(summary)
+        return summary
+
+    def __repr__(self) -> str:
+        state = "finished" if self._summary is not None else "open"
+        audio = self._audio_s + self._audio_err
+        return (
+            f"<SessionMeter {state} audio={audio:.3f}s chunks={self._chunks} "
+            f"events={self._events} underruns={self._playback.underruns}>"
+        )

@@ -1,0 +1,122 @@
+"""The shapes every protocol adapter shares: audio formats, the meter sink, adapter protocols.
+
+An adapter watches one session's frames as the relay forwards them and tells a
+:class:`MeterSink` what it saw: seconds of audio, metered non-audio events (gaps only),
+utterance and response ends, and the two ASR finalize markers. Adapters never modify,
+hold back or re-send the bytes relayed: they only read them as the relay sends them.
+
+Contract of every adapter method: it never raises. Malformed or unexpected data counts
+nothing and is otherwise ignored; an internal failure increments the adapter's ``errors``
+attribute instead of escaping into the relay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+__all__ = ["AudioFormat", "HttpAdapter", "MeterSink", "WsAdapter", "header"]
+
+
+@dataclass(frozen=True, slots=True)
+class AudioFormat:
+    """Uncompressed interleaved PCM: ``sample_rate`` Hz, ``channels``, ``sample_width`` bytes."""
+
+    sample_rate: int = 24000
+    channels: int = 1
+    sample_width: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("sample_rate", "channels", "sample_width"):
+            value = getattr(self, name)
+            if type(value) is not int or value <= 0:
+                raise ValueError(f"AudioFormat.{name} must be a positive int, got {value!r}")
+
+    @property
+    def bytes_per_second(self) -> int:
+        """Bytes of this PCM format that play for one second."""
+        return self.sample_rate * self.channels * self.sample_width
+
+    def seconds(self, nbytes: int) -> float:
+        """Play time of ``nbytes`` bytes (a trailing partial frame counts pro rata)."""
+        return nbytes / self.bytes_per_second
+
+
+class MeterSink(Protocol):
+    """Where adapters report what they saw. ``now`` is the arrival time (monotonic seconds)."""
+
+    def audio(self, now: float, seconds: float) -> None:
+        """An upstream chunk carrying ``seconds`` of audio arrived."""
+
+    def event(self, now: float) -> None:
+        """A metered non-audio upstream event arrived (ASR text delta, passthrough frame)."""
+
+    def utterance_end(self, now: float) -> None:
+        """The upstream finished one unit of audio (a sentence) and more follows.
+
+        The next unit's first chunk measures first-chunk latency, not delivery speed: it
+        gets no gap or ratio. The listener keeps playing: running dry before it arrives is
+        a stall."""
+
+    def response_end(self, now: float) -> None:
+        """The upstream delivered everything asked of it and now waits for the client
+        (``session.done``, ``response.done``, ``speech.audio.done``). Implies
+        :meth:`utterance_end`; silence until the client's next request is not a stall."""
+
+    def commit_final(self, now: float) -> None:
+        """The client finished its input (ASR): finalize latency starts."""
+
+    def transcript_final(self, now: float) -> None:
+        """The upstream sent the final transcript: finalize latency ends."""
+
+
+class WsAdapter(Protocol):
+    """Meters one WebSocket session. The relay calls one method per relayed message."""
+
+    errors: int
+
+    def client_text(self, now: float, text: str) -> None: ...
+
+    def client_binary(self, now: float, data: bytes) -> None: ...
+
+    def upstream_text(self, now: float, text: str) -> None: ...
+
+    def upstream_binary(self, now: float, data: bytes) -> None: ...
+
+
+class HttpAdapter(Protocol):
+    """Meters one streaming HTTP exchange.
+
+    Call order: :meth:`request` once (before or while the body is sent),
+    :meth:`request_complete` when the request body has been fully sent upstream (the
+    "commit" of an ASR upload), :meth:`response_start` once the status line and headers
+    arrive, then :meth:`response_chunk` for every body chunk relayed to the client."""
+
+    errors: int
+
+    def request(
+        self, method: str, query: Mapping[str, str], content_type: str | None, body: bytes
+    ) -> None:
+        """The client's request. ``body`` may be empty or only its first bytes when the
+        relay streams it; fields it cannot see fall back to the route's defaults."""
+
+    def request_complete(self, now: float) -> None:
+        """The last request-body byte was sent upstream."""
+
+    def response_start(self, status: int, headers: Mapping[str, str]) -> None:
+        """Status and headers of the upstream response."""
+
+    def response_chunk(self, now: float, chunk: bytes) -> None:
+        """One response-body chunk, as relayed (any split)."""
+
+
+def header(headers: Mapping[str, str], name: str) -> str | None:
+    """Case-insensitive lookup of ``name`` (given in lower case) in any header mapping."""
+    value = headers.get(name)
+    if value is not None:
+        return value
+    for key, value in headers.items():
+        if key.lower() == name:
+            return value
+    return None

@@ -1,0 +1,260 @@
+"""Rolling per-replica signals: the worst-1% delivery ratio and the p99 gap of recent chunks.
+
+Pure: no clock reads, no asyncio; every call takes ``now`` (monotonic seconds).
+
+Quantile method. Values go into a sparse log-bucket histogram (:class:`LogHistogram`):
+bucket ``k`` holds ``(GAMMA**(k-1), GAMMA**k]`` and reports ``2*GAMMA**k/(GAMMA+1)``, so
+every quantile it returns is within ``(GAMMA-1)/(GAMMA+1)`` = 1.96 % (relative) of a value
+whose rank is the requested one (nearest-rank definition: the value at rank
+``ceil(q*n)`` of the sorted samples). Values are clamped to ``[1e-6, 1e6]``; zero and
+negative values share one exact zero bucket. Memory is bounded by the clamp range
+(at most ~710 buckets), whatever the number of samples.
+
+Rolling window (:class:`ReplicaSignals`): samples land in the open ``slice_s`` time slice
+(1 s); a running total gets each slice added when it closes and subtracted when it falls
+out of the window, so ``observe`` is O(1) (two dict increments) and a query merges the
+total with the open slice, one pass over their (few dozen) occupied buckets. The window
+is rounded up to whole slices, ``W = ceil(window_s / slice_s) * slice_s``: a sample
+stays in it for between ``W`` and ``W + slice_s`` seconds (30 to 31 s by default).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+__all__ = ["GAMMA", "LogHistogram", "QuantileSketch", "ReplicaSignals"]
+
+#: Bucket growth factor: quantile error <= (GAMMA-1)/(GAMMA+1) = 1.96 %.
+GAMMA = 1.04
+_INV_LOG_GAMMA = 1.0 / math.log(GAMMA)
+_MIN, _MAX = 1e-6, 1e6
+_ZERO = -(10**9)  # bucket key of values <= 0 (reported as 0.0); sorts first
+
+
+def _bucket(value: float) -> int:
+    if not value > 0.0:  # zero, negative, NaN
+        return _ZERO
+    value = min(max(value, _MIN), _MAX)
+    return math.ceil(math.log(value) * _INV_LOG_GAMMA)
+
+
+def _value(key: int) -> float:
+    return 0.0 if key == _ZERO else 2.0 * GAMMA**key / (GAMMA + 1.0)
+
+
+def _rank(q: float, n: int) -> int:
+    """Nearest rank (1-based) of quantile ``q`` among ``n`` samples."""
+    return min(max(math.ceil(q * n - 1e-9), 1), n)
+
+
+class LogHistogram:
+    """Sparse log-bucket histogram; see the module docstring for its error bound."""
+
+    __slots__ = ("buckets", "count")
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, int] = {}
+        self.count = 0
+
+    def add(self, value: float) -> None:
+        key = _bucket(value)
+        self.buckets[key] = self.buckets.get(key, 0) + 1
+        self.count += 1
+
+    def merge(self, other: LogHistogram) -> None:
+        for key, n in other.buckets.items():
+            self.buckets[key] = self.buckets.get(key, 0) + n
+        self.count += other.count
+
+    def subtract(self, other: LogHistogram) -> None:
+        """Remove ``other``'s samples (which must have been merged in before)."""
+        for key, n in other.buckets.items():
+            left = self.buckets.get(key, 0) - n
+            if left > 0:
+                self.buckets[key] = left
+            else:
+                self.buckets.pop(key, None)
+        self.count = max(self.count - other.count, 0)
+
+    def quantile(self, q: float) -> float | None:
+        """The nearest-rank ``q`` quantile (0 < q <= 1), or None when empty."""
+        if self.count <= 0:
+            return None
+        rank = _rank(q, self.count)
+        seen = 0
+        for key in sorted(self.buckets):
+            seen += self.buckets[key]
+            if seen >= rank:
+                return _value(key)
+        return _value(max(self.buckets))  # unreachable unless counts drifted
+
+    def __repr__(self) -> str:
+        return f"<LogHistogram n={self.count} buckets={len(self.buckets)}>"
+
+
+class QuantileSketch:
+    """Exact quantiles for the first ``exact_limit`` samples, then a :class:`LogHistogram`.
+
+    Sessions are mostly short, so their own p99 is usually exact; a long one costs at most
+    the histogram's bounded memory, with its 1.96 % error."""
+
+    __slots__ = ("_exact", "_hist", "_limit")
+
+    def __init__(self, exact_limit: int = 512) -> None:
+        self._limit = exact_limit
+        self._exact: list[float] | None = []
+        self._hist: LogHistogram | None = None
+
+    @property
+    def count(self) -> int:
+        if self._exact is not None:
+            return len(self._exact)
+        assert self._hist is not None
+        return self._hist.count
+
+    def add(self, value: float) -> None:
+        exact = self._exact
+        if exact is not None:
+            exact.append(value)
+            if len(exact) > self._limit:
+                hist = LogHistogram()
+                for v in exact:
+                    hist.add(v)
+                self._hist, self._exact = hist, None
+            return
+        assert self._hist is not None
+        self._hist.add(value)
+
+    def quantile(self, q: float) -> float | None:
+        """The nearest-rank ``q`` quantile, or None with no samples."""
+        exact = self._exact
+        if exact is None:
+            assert self._hist is not None
+            return self._hist.quantile(q)
+        if not exact:
+            return None
+        return sorted(exact)[_rank(q, len(exact)) - 1]
+
+
+class _Slice:
+    __slots__ = ("gaps", "index", "ratios")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.ratios = LogHistogram()
+        self.gaps = LogHistogram()
+
+
+class ReplicaSignals:
+    """The guard's inputs for one replica, over the last ``window_s`` seconds.
+
+    ``observe`` takes one audio chunk's delivery ratio and gap; ``observe_gap`` a gap
+    between gap-only events (ASR text, passthrough frames). Queries return None until the
+    window holds ``min_samples`` samples of that kind. Time is expected to be monotonic;
+    an older ``now`` is filed in the newest slice."""
+
+    __slots__ = (
+        "_closed",
+        "_gaps",
+        "_min",
+        "_open",
+        "_open_until",
+        "_ratios",
+        "_slice_s",
+        "_span",
+        "window_s",
+    )
+
+    def __init__(
+        self, window_s: float = 30.0, *, slice_s: float = 1.0, min_samples: int = 20
+    ) -> None:
+        if not window_s > 0 or not slice_s > 0:
+            raise ValueError("window_s and slice_s must be > 0")
+        if min_samples < 1:
+            raise ValueError("min_samples must be >= 1")
+        self.window_s = window_s
+        self._slice_s = slice_s
+        self._span = math.ceil(window_s / slice_s)  # closed slices kept besides the open one
+        self._min = min_samples
+        self._open = _Slice(-(2**62))  # the slice being filled; replaced on first use
+        self._open_until = -math.inf  # observations from here on go to a new slice
+        self._closed: deque[_Slice] = deque()
+        self._ratios = LogHistogram()  # running totals over the closed slices in the window
+        self._gaps = LogHistogram()
+
+    def observe(self, now: float, ratio: float, gap: float) -> None:
+        """One audio chunk: its delivery ratio and the gap since the previous chunk."""
+        if now >= self._open_until:
+            self._rotate(now)
+        current = self._open
+        hist = current.ratios
+        key = _bucket(ratio)
+        hist.buckets[key] = hist.buckets.get(key, 0) + 1
+        hist.count += 1
+        hist = current.gaps
+        key = _bucket(gap)
+        hist.buckets[key] = hist.buckets.get(key, 0) + 1
+        hist.count += 1
+
+    def observe_gap(self, now: float, gap: float) -> None:
+        """One gap between gap-only events (no audio, so no ratio)."""
+        if now >= self._open_until:
+            self._rotate(now)
+        self._open.gaps.add(gap)
+
+    def worst_ratio(self, now: float) -> float | None:
+        """The 1st percentile of per-chunk delivery ratios in the window (the slow tail)."""
+        self._advance(now)
+        return self._quantile(self._ratios, self._open.ratios, 0.01)
+
+    def p99_gap(self, now: float) -> float | None:
+        """The 99th percentile of gaps in the window."""
+        self._advance(now)
+        return self._quantile(self._gaps, self._open.gaps, 0.99)
+
+    def samples(self, now: float) -> int:
+        """Delivery-ratio samples (audio chunks after a stream's first) in the window."""
+        self._advance(now)
+        return self._ratios.count + self._open.ratios.count
+
+    def _quantile(self, closed: LogHistogram, current: LogHistogram, q: float) -> float | None:
+        if closed.count + current.count < self._min:
+            return None
+        both = LogHistogram()
+        both.merge(closed)
+        both.merge(current)
+        return both.quantile(q)
+
+    def _advance(self, now: float) -> None:
+        if now >= self._open_until:
+            self._rotate(now)
+        else:
+            self._expire(math.floor(now / self._slice_s))
+
+    def _rotate(self, now: float) -> None:
+        """Close the open slice and open the one holding ``now``."""
+        closing = self._open
+        if closing.ratios.count or closing.gaps.count:
+            self._ratios.merge(closing.ratios)
+            self._gaps.merge(closing.gaps)
+            self._closed.append(closing)
+        index = math.floor(now / self._slice_s)
+        self._open = _Slice(index)
+        self._open_until = (index + 1) * self._slice_s
+        self._expire(index)
+
+    def _expire(self, index: int) -> None:
+        oldest = index - self._span
+        closed = self._closed
+        while closed and closed[0].index < oldest:
+            gone = closed.popleft()
+            self._ratios.subtract(gone.ratios)
+            self._gaps.subtract(gone.gaps)
+
+    def __repr__(self) -> str:
+        return (
+            f"<ReplicaSignals window={self.window_s}s slices={len(self._closed) + 1} "
+            f"ratios={self._ratios.count + self._open.ratios.count} "
+            f"gaps={self._gaps.count + self._open.gaps.count}>"
+        )

@@ -1,0 +1,173 @@
+"""Rolling per-replica signals and the log-bucket quantiles behind them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.signals import GAMMA, LogHistogram, QuantileSketch, ReplicaSignals
+
+ERROR = (GAMMA - 1) / (GAMMA + 1) + 1e-9
+
+
+def nearest_rank(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(math.ceil(q * len(ordered) - 1e-9), 1) - 1]
+
+
+positive = st.floats(1e-6, 1e6)
+
+
+@given(st.lists(positive, min_size=1, max_size=300), st.sampled_from([0.01, 0.5, 0.99, 1.0]))
+def test_histogram_quantile_within_documented_error(values: list[float], q: float) -> None:
+    hist = LogHistogram()
+    for v in values:
+        hist.add(v)
+    assert hist.quantile(q) == pytest.approx(nearest_rank(values, q), rel=ERROR)
+
+
+def test_histogram_zero_bucket_and_clamping() -> None:
+    hist = LogHistogram()
+    for v in (0.0, -1.0, 1e-12, 1e12):
+        hist.add(v)
+    assert hist.quantile(0.25) == 0.0
+    assert hist.quantile(0.5) == 0.0
+    assert hist.quantile(0.75) == pytest.approx(1e-6, rel=ERROR)
+    assert hist.quantile(1.0) == pytest.approx(1e6, rel=ERROR)
+    assert LogHistogram().quantile(0.5) is None
+
+
+def test_histogram_subtract_undoes_merge() -> None:
+    a, b = LogHistogram(), LogHistogram()
+    for v in (0.1, 0.2, 0.3):
+        a.add(v)
+    for v in (5.0, 6.0):
+        b.add(v)
+    a.merge(b)
+    assert a.quantile(1.0) == pytest.approx(6.0, rel=ERROR)
+    a.subtract(b)
+    assert a.count == 3
+    assert a.quantile(1.0) == pytest.approx(0.3, rel=ERROR)
+    assert len(a.buckets) == 3
+
+
+@given(st.lists(positive, min_size=1, max_size=40))
+def test_sketch_is_exact_below_its_limit(values: list[float]) -> None:
+    sketch = QuantileSketch(exact_limit=64)
+    for v in values:
+        sketch.add(v)
+    assert sketch.quantile(0.99) == nearest_rank(values, 0.99)
+    assert sketch.quantile(0.01) == nearest_rank(values, 0.01)
+
+
+@given(st.lists(positive, min_size=65, max_size=200))
+def test_sketch_beyond_its_limit_is_within_error(values: list[float]) -> None:
+    sketch = QuantileSketch(exact_limit=64)
+    for v in values:
+        sketch.add(v)
+    assert sketch.count == len(values)
+    assert sketch.quantile(0.99) == pytest.approx(nearest_rank(values, 0.99), rel=ERROR)
+
+
+def test_empty_sketch() -> None:
+    assert QuantileSketch().quantile(0.5) is None
+    assert QuantileSketch().count == 0
+
+
+def test_worst_ratio_is_the_first_percentile() -> None:
+    signals = ReplicaSignals(30.0, min_samples=100)
+    for i in range(200):
+        signals.observe(1000.0 + i * 0.01, ratio=1.5, gap=0.04)
+    signals.observe(1002.0, ratio=0.5, gap=0.4)
+    signals.observe(1002.0, ratio=0.7, gap=0.3)
+    signals.observe(1002.0, ratio=0.9, gap=0.2)
+    # 203 samples: rank ceil(2.03) = 3 -> the third-lowest ratio.
+    assert signals.worst_ratio(1002.0) == pytest.approx(0.9, rel=ERROR)
+    # rank ceil(0.99 * 203) = 201 of the gaps -> 0.2
+    assert signals.p99_gap(1002.0) == pytest.approx(0.2, rel=ERROR)
+    assert signals.samples(1002.0) == 203
+
+
+def test_too_few_samples_give_none() -> None:
+    signals = ReplicaSignals(min_samples=20)
+    for i in range(19):
+        signals.observe(float(i), 1.0, 0.1)
+    assert signals.worst_ratio(19.0) is None
+    assert signals.p99_gap(19.0) is None
+    signals.observe(19.0, 1.0, 0.1)
+    assert signals.worst_ratio(19.0) == pytest.approx(1.0, rel=ERROR)
+
+
+def test_samples_leave_the_window() -> None:
+    signals = ReplicaSignals(30.0, min_samples=1)
+    signals.observe(100.2, ratio=0.5, gap=1.0)
+    signals.observe(110.0, ratio=2.0, gap=0.1)
+    assert signals.samples(130.0) == 2
+    assert signals.worst_ratio(130.0) == pytest.approx(0.5, rel=ERROR)
+    assert signals.samples(131.0) == 1  # between window_s and window_s + 1 s after 100.2
+    assert signals.worst_ratio(131.0) == pytest.approx(2.0, rel=ERROR)
+    assert signals.p99_gap(131.0) == pytest.approx(0.1, rel=ERROR)
+    assert signals.samples(141.0) == 0
+    assert signals.worst_ratio(141.0) is None
+
+
+def test_gap_only_events_count_for_gaps_not_ratios() -> None:
+    signals = ReplicaSignals(min_samples=1)
+    signals.observe_gap(5.0, 0.7)
+    assert signals.samples(5.0) == 0
+    assert signals.worst_ratio(5.0) is None
+    assert signals.p99_gap(5.0) == pytest.approx(0.7, rel=ERROR)
+
+
+def test_memory_stays_bounded_over_a_long_run() -> None:
+    signals = ReplicaSignals(30.0, min_samples=1)
+    now = 0.0
+    for i in range(100_000):
+        now += 0.01
+        signals.observe(now, 0.5 + (i % 97) / 10, 0.01 + (i % 89) / 100)
+    assert len(signals._closed) <= 31
+    assert signals.samples(now) <= 3100
+    assert len(signals._ratios.buckets) < 200
+
+
+def test_an_older_time_is_filed_in_the_newest_slice() -> None:
+    signals = ReplicaSignals(10.0, min_samples=1)
+    signals.observe(50.0, 1.0, 0.1)
+    signals.observe(40.0, 3.0, 0.1)
+    assert signals.samples(55.0) == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"window_s": 0.0}, {"slice_s": 0.0}, {"min_samples": 0}, {"window_s": math.nan}]
+)
+def test_invalid_configuration_is_rejected(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        ReplicaSignals(**kwargs)  # type: ignore[arg-type]
+
+
+@given(
+    st.lists(
+        st.tuples(st.floats(0.0, 5.0), st.floats(0.01, 20.0), st.floats(0.0, 2.0)), max_size=80
+    ),
+    st.floats(1.0, 20.0),
+)
+def test_window_matches_a_brute_force_reference(
+    steps: list[tuple[float, float, float]], window: float
+) -> None:
+    signals = ReplicaSignals(window, min_samples=1)
+    kept = math.ceil(window)  # the window in whole 1 s slices
+    now, seen = 0.0, []
+    for advance, ratio, gap in steps:
+        now += advance
+        signals.observe(now, ratio, gap)
+        seen.append((now, ratio))
+        # Kept: at least `kept` seconds, at most `kept` + one slice.
+        surely_in = [r for t, r in seen if now - t <= kept - 1e-9]
+        maybe_in = [r for t, r in seen if now - t <= kept + 1.0 + 1e-9]
+        assert len(surely_in) <= signals.samples(now) <= len(maybe_in)
+        worst = signals.worst_ratio(now)
+        assert worst is not None
+        assert min(maybe_in) * (1 - ERROR) <= worst <= max(maybe_in) * (1 + ERROR)
