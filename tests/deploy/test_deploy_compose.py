@@ -1,0 +1,118 @@
+"""docker-compose.yml: a working demo wired consistently (checked statically, no Docker)."""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlsplit
+
+from .support import (
+    CONFIG_PATH,
+    GRAFANA_PORT,
+    PROMETHEUS_PORT,
+    PROXY_PORT,
+    REPO,
+    load_yaml,
+)
+
+
+def _compose() -> dict[str, Any]:
+    compose: dict[str, Any] = load_yaml(REPO / "docker-compose.yml")
+    return compose
+
+
+def _services() -> dict[str, Any]:
+    services: dict[str, Any] = _compose()["services"]
+    return services
+
+
+def _sims() -> dict[str, Any]:
+    return {n: s for n, s in _services().items() if s.get("command", [None])[0] == "sim"}
+
+
+def _flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def _bind_mounts(service: dict[str, Any]) -> dict[str, str]:
+    """container path -> host path of the service's bind mounts."""
+    out = {}
+    for volume in service.get("volumes", []):
+        host, container, *_ = volume.split(":")
+        out[container] = host
+    return out
+
+
+def test_services_present() -> None:
+    services = _services()
+    assert {"headroom", "prometheus", "grafana"} <= services.keys()
+    assert len(_sims()) >= 2, "the demo needs two simulated GPUs"
+
+
+def test_published_ports() -> None:
+    services = _services()
+    assert f"{PROXY_PORT}:{PROXY_PORT}" in services["headroom"]["ports"]
+    assert f"{PROMETHEUS_PORT}:{PROMETHEUS_PORT}" in services["prometheus"]["ports"]
+    assert f"{GRAFANA_PORT}:{GRAFANA_PORT}" in services["grafana"]["ports"]
+
+
+def test_bind_mount_sources_exist_in_the_repository() -> None:
+    for name, service in _services().items():
+        for host in _bind_mounts(service).values():
+            assert host.startswith("./"), f"{name}: {host} is not repository-relative"
+            assert (REPO / host).exists(), f"{name}: {host} does not exist"
+
+
+def test_headroom_service_runs_the_image_with_the_compose_config() -> None:
+    headroom = _services()["headroom"]
+    assert headroom["build"]["context"] == "."
+    assert (REPO / headroom["build"]["dockerfile"]).is_file()
+    assert headroom["command"] == ["serve", "--config", CONFIG_PATH]
+    assert headroom["environment"]["HEADROOM_CONFIG"] == CONFIG_PATH
+    assert _bind_mounts(headroom)[CONFIG_PATH] == "./deploy/compose/headroom.yaml"
+
+
+def test_simulators_use_the_same_image_and_a_known_preset() -> None:
+    from proxy.sim.presets import preset_names
+
+    image = _services()["headroom"]["image"]
+    for name, sim in _sims().items():
+        assert sim["image"] == image, name
+        command = sim["command"]
+        assert _flag(command, "--preset") in preset_names(), name
+        assert _flag(command, "--gpus") == "1", name
+        assert _flag(command, "--host") == "0.0.0.0", name
+
+
+def test_headroom_replicas_are_the_simulators() -> None:
+    config = load_yaml(REPO / "deploy" / "compose" / "headroom.yaml")
+    sims = {name: int(_flag(s["command"], "--port")) for name, s in _sims().items()}
+    urls = [r["url"] for p in config["pools"] for r in p["replicas"]]
+    assert {(urlsplit(u).hostname, urlsplit(u).port) for u in urls} == set(sims.items())
+    assert config["listen"]["port"] == PROXY_PORT
+    depends = _services()["headroom"]["depends_on"]
+    assert set(depends) == set(sims)
+    assert all(d["condition"] == "service_healthy" for d in depends.values())
+    for name in sims:
+        assert _sims()[name]["healthcheck"]["test"], name
+
+
+def test_stop_grace_period_exceeds_the_drain_timeout() -> None:
+    config = load_yaml(REPO / "deploy" / "compose" / "headroom.yaml")
+    grace = _services()["headroom"]["stop_grace_period"]
+    assert grace.endswith("s")
+    assert int(grace[:-1]) > config["drain_timeout_s"]
+
+
+def test_prometheus_scrapes_headroom_and_every_simulator() -> None:
+    prometheus = _services()["prometheus"]
+    mounts = _bind_mounts(prometheus)
+    config_path = next(a.split("=", 1)[1] for a in prometheus["command"] if "config.file" in a)
+    assert mounts[config_path] == "./deploy/compose/prometheus.yml"
+    assert mounts["/etc/prometheus/rules"] == "./deploy/prometheus/rules"
+    config = load_yaml(REPO / "deploy" / "compose" / "prometheus.yml")
+    targets = {
+        t for job in config["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+    }
+    assert f"headroom:{PROXY_PORT}" in targets
+    for name, sim in _sims().items():
+        assert f"{name}:{_flag(sim['command'], '--port')}" in targets
