@@ -119,6 +119,7 @@ class Gate:
         fallbacks = fallbacks or {}
         self._pools = {core.name: _Pool(core, fallbacks.get(core.name)) for core in pools}
         self._healthy_listeners: list[Callable[[str, str, bool], None]] = []
+        self._idle_waiters: list[asyncio.Future[None]] = []
         self.draining = False
 
     # -- public API -------------------------------------------------------------
@@ -175,6 +176,18 @@ class Gate:
             for reject in p.core.drain(now):
                 self._resolve(name, p, reject)
             self._arm_timer(p)
+
+    async def wait_idle(self) -> None:
+        """Return once no session holds a slot (used by drain)."""
+        if self.active == 0:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._idle_waiters.append(future)
+        try:
+            await future
+        finally:
+            if future in self._idle_waiters:
+                self._idle_waiters.remove(future)
 
     def set_healthy(self, pool: str, replica: str, healthy: bool) -> None:
         p = self._pool(pool)
@@ -271,6 +284,10 @@ class Gate:
         if self.metrics is not None:
             self.metrics.session_duration.labels(lease.pool).observe(now - lease.admitted_at)
         self._dispatch(lease.pool, p, p.core.release(lease.ticket, now))
+        if self._idle_waiters and self.active == 0:
+            for future in self._idle_waiters:
+                if not future.done():
+                    future.set_result(None)
 
     def _fail_over(self, lease: Lease) -> bool:
         p = self._pools[lease.pool]

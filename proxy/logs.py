@@ -34,7 +34,8 @@ def install_denial_filter() -> None:
 
 
 class JsonFormatter(logging.Formatter):
-    """``{"ts", "level", "logger", "msg", ...extra fields given as ``extra={"fields": {...}}``}``."""
+    """One JSON object per record: ts, level, logger, msg, plus the mapping passed as
+    ``extra={"fields": {...}}``."""
 
     def format(self, record: logging.LogRecord) -> str:
         payload: dict[str, Any] = {

@@ -34,11 +34,21 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
 
 
 class EmbeddedServer(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to its owner."""
+    """A uvicorn server that leaves signal handling to its owner and tells when it has
+    started (:attr:`ready`)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.ready = asyncio.Event()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
         yield
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self.ready.set()
 
 
 @dataclass
@@ -99,11 +109,13 @@ async def running_server(
     server = EmbeddedServer(make_config(app, **config))
     task = asyncio.create_task(server.serve(sockets=[sock]), name=f"uvicorn:{bound_port}")
     try:
-        while not server.started:
+        ready = asyncio.ensure_future(server.ready.wait())
+        await asyncio.wait({ready, task}, return_when=asyncio.FIRST_COMPLETED)
+        if not server.started:
+            ready.cancel()
             if task.done():
                 task.result()
-                raise RuntimeError(f"server on {host}:{bound_port} exited during start-up")
-            await asyncio.sleep(0.005)
+            raise RuntimeError(f"server on {host}:{bound_port} exited during start-up")
         yield RunningServer(server, task, host, bound_port)
     finally:
         server.should_exit = True

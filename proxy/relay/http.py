@@ -214,7 +214,7 @@ async def _exchange(
             record.status = await send_error(send, err)
             return
         try:
-            meter.commit_final(clock.now())  # the request is fully sent (ASR finalize)
+            adapter.request_complete(clock.now())  # the body is sent: the ASR commit
             record.status = response.status_code
             adapter.response_start(response.status_code, response.headers)
             await send(

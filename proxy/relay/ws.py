@@ -21,14 +21,14 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from websockets.asyncio.client import ClientConnection, connect
-from websockets.protocol import State
-from websockets.typing import Subprotocol
 from websockets.exceptions import (
     ConnectionClosed,
     InvalidHandshake,
     InvalidStatus,
     PayloadTooBig,
 )
+from websockets.protocol import State
+from websockets.typing import Subprotocol
 
 from proxy.errors import (
     HeadroomError,

@@ -53,9 +53,8 @@ class FakeEngine:
         c.ws_active += 1
         try:
             subprotocols = scope.get("subprotocols") or []
-            await send(
-                {"type": "websocket.accept", "subprotocol": subprotocols[0] if subprotocols else None}
-            )
+            chosen = subprotocols[0] if subprotocols else None
+            await send({"type": "websocket.accept", "subprotocol": chosen})
             headers = {k.decode(): v.decode() for k, v in scope["headers"]}
             await send({"type": "websocket.send", "text": json.dumps(
                 {"type": "hello", "headers": headers,

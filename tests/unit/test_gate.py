@@ -123,7 +123,8 @@ async def test_cancelled_waiter_leaves_and_the_next_is_served() -> None:
     lease.release()
     assert gate.active == 0 and gate.queued == 0
     assert leaver.cancelled()
-    assert sample(metrics, "headroom_session_decisions_total", pool="tts", decision="abandoned") == 1
+    decisions = "headroom_session_decisions_total"
+    assert sample(metrics, decisions, pool="tts", decision="abandoned") == 1
 
 
 async def test_slot_handed_to_a_waiter_cancelled_in_the_same_instant_is_not_leaked() -> None:

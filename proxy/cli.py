@@ -1,0 +1,153 @@
+"""The ``headroom`` command.
+
+::
+
+    headroom serve --config FILE     run the gateway (or HEADROOM_CONFIG=FILE headroom serve)
+    headroom check --config FILE     validate a configuration and print a summary
+    headroom sim ...                 serve simulated GPUs (see headroom sim --help)
+    headroom demo                    the simulator + the gateway in front of it, one command
+
+Exit codes: 0 success, 1 runtime failure, 2 invalid configuration or usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from proxy import __version__
+from proxy.errors import ConfigError
+
+__all__ = ["main", "run_async"]
+
+
+def _add_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", "-c", metavar="FILE", help="YAML configuration (default: $HEADROOM_CONFIG)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="headroom",
+        description="Admission-control gateway for streaming speech models.",
+    )
+    parser.add_argument("--version", action="version", version=f"headroom {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the gateway")
+    _add_config(serve)
+    serve.add_argument("--host", help="override listen.host")
+    serve.add_argument("--port", type=int, help="override listen.port")
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="must be 1: caps and the queue live in one process (see README, 'Scale')",
+    )
+
+    check = sub.add_parser("check", help="validate a configuration and print a summary")
+    _add_config(check)
+
+    from proxy.sim.cli import add_arguments as add_sim_arguments
+
+    sim = sub.add_parser("sim", help="serve simulated GPUs speaking the upstream protocols")
+    add_sim_arguments(sim)
+
+    from proxy.demo import add_arguments as add_demo_arguments
+
+    demo = sub.add_parser("demo", help="run the gateway in front of a 2-GPU simulator")
+    add_demo_arguments(demo)
+    return parser
+
+
+def _load(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> Any:
+    from proxy.settings import load_settings
+
+    settings = load_settings(args.config)
+    if overrides:
+        listen = settings.listen.model_copy(update=overrides)
+        settings = settings.model_copy(update={"listen": listen})
+    return settings
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if args.workers != 1:
+        print(
+            "headroom: --workers must be 1. Each worker would hold its own copy of every "
+            "per-GPU cap and queue, multiplying the real concurrency on each GPU. Run one "
+            "process per set of caps.",
+            file=sys.stderr,
+        )
+        return 2
+    overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    settings = _load(args, overrides)
+    from proxy.gateway import Gateway
+    from proxy.logs import configure_logging
+
+    configure_logging(settings.log_level, settings.log_format)
+    for warning in settings.warnings():
+        print(f"headroom: warning: {warning}", file=sys.stderr)
+
+    async def run() -> None:
+        gateway = Gateway(settings)
+        print(
+            f"headroom: serving on http://{settings.listen.host}:{gateway.port}",
+            file=sys.stderr,
+        )
+        await gateway.serve()
+
+    run_async(run())
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    from proxy.settings import summary
+
+    settings = _load(args)
+    print(summary(settings))
+    for warning in settings.warnings():
+        print(f"warning: {warning}")
+    return 0
+
+
+def run_async(coro: Coroutine[Any, Any, None]) -> None:
+    """Run on uvloop where the platform has it (cheaper per relayed frame)."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - platforms without uvloop
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "check":
+            return _check(args)
+        if args.command == "sim":
+            from proxy.sim.cli import run as run_sim
+
+            return run_sim(args)
+        if args.command == "demo":
+            from proxy.demo import run as run_demo
+
+            return run_demo(args)
+    except ConfigError as err:
+        print(f"headroom: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Run one Headroom gateway process: uvicorn + the app, signals, graceful drain.
+
+Drain (SIGTERM, or :meth:`Gateway.drain`): ``/readyz`` fails at once, new sessions
+and queued waiters are refused with ``draining`` (the listener stays open so they
+learn why), running sessions continue until ``drain_timeout_s``, then are closed
+with 1012; the process exits when the last session has ended. A second SIGINT/SIGTERM
+skips the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable
+from typing import Any
+
+from proxy.app import create_app
+from proxy.runtime import Runtime
+from proxy.serving import EmbeddedServer, bind_socket, make_config
+from proxy.settings import Settings
+
+__all__ = ["Gateway", "uvicorn_options"]
+
+log = logging.getLogger("headroom.gateway")
+
+
+def uvicorn_options(settings: Settings) -> dict[str, Any]:
+    """uvicorn settings derived from Headroom's: frame limits, keepalive pings."""
+    limits = settings.limits
+    return {
+        # Headroom checks message sizes itself (1008); uvicorn's own check (1009) is a
+        # backstop for frames far beyond the limit.
+        "ws_max_size": 2 * limits.max_message_bytes,
+        "ws_max_queue": 16,
+        "ws_ping_interval": limits.ping_interval_s or None,
+        "ws_ping_timeout": limits.ping_timeout_s if limits.ping_interval_s else None,
+        "h11_max_incomplete_event_size": 64 * 1024,
+        "log_level": settings.log_level,
+        "timeout_graceful_shutdown": 5,
+    }
+
+
+class Gateway:
+    """A gateway bound to ``settings.listen``; :meth:`serve` runs until stopped."""
+
+    def __init__(self, settings: Settings, runtime: Runtime | None = None) -> None:
+        self.settings = settings
+        self.runtime = runtime or Runtime(settings)
+        self.app = create_app(self.runtime)
+        self.server = EmbeddedServer(make_config(self.app, **uvicorn_options(settings)))
+        self._sock = bind_socket(settings.listen.host, settings.listen.port)
+        self.port: int = self._sock.getsockname()[1]
+        self._drain_task: asyncio.Task[None] | None = None
+        self._signals = 0
+
+    async def serve(self, *, install_signals: bool = True) -> None:
+        loop = asyncio.get_running_loop()
+        if install_signals:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self._on_signal)
+        try:
+            await self.server.serve(sockets=[self._sock])
+        finally:
+            if install_signals:
+                for sig in (signal.SIGTERM, signal.SIGINT):
+                    loop.remove_signal_handler(sig)
+            self._sock.close()
+
+    @property
+    def started(self) -> bool:
+        return bool(self.server.started)
+
+    def _on_signal(self) -> None:
+        self._signals += 1
+        if self._signals == 1:
+            log.info("signal received: draining (send again to stop at once)")
+            self.drain()
+        else:
+            log.warning("second signal: closing every session now")
+            self.runtime.close_sessions(1012, "server restarting")
+            self.server.should_exit = True
+
+    def drain(self, timeout_s: float | None = None) -> asyncio.Task[None]:
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain(timeout_s))
+        return self._drain_task
+
+    async def _drain(self, timeout_s: float | None) -> None:
+        rt = self.runtime
+        rt.gate.drain()
+        deadline = timeout_s if timeout_s is not None else self.settings.drain_timeout_s
+        log.info("draining: %d active sessions, deadline %.0f s", rt.gate.active, deadline)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(rt.gate.wait_idle(), deadline)
+        if rt.gate.active:
+            n = rt.close_sessions(1012, "server restarting")
+            log.warning("drain deadline reached: closed %d sessions with 1012", n)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(rt.gate.wait_idle(), 5.0)
+        self.server.should_exit = True
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+
+
+async def run_until_stopped(*aws: Awaitable[None]) -> None:
+    """Await several long-running servers; stop all when one ends."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(BaseException):
+                await t
