@@ -1,0 +1,701 @@
+"""The validated configuration: one frozen :class:`Settings`, the only reader of files/env.
+
+Sources, highest priority first: ``HEADROOM_*`` environment variables (rules in
+:mod:`proxy.settings_env`), then one YAML file (``headroom serve --config FILE`` or
+``HEADROOM_CONFIG``), then the defaults declared here.
+
+Every failure -- a missing or unreadable file, YAML syntax (with line and column), a
+top level that is not a mapping, a bad environment variable, and every validation problem
+-- is one :class:`~proxy.errors.ConfigError` listing all problems at once as
+``(field path, reason)``, e.g. ``("pools[0].replicas[1].max_sessions", "must be >= 1
+(got 0)")``. Unknown keys are errors, with a "did you mean" where a name is close.
+
+All models are frozen and hashable, so a reload can compare old and new settings.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit, urlunsplit
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from proxy.errors import ConfigError, FallbackHint
+from proxy.settings_env import (
+    CONFIG_VAR,
+    LOAD_CONTEXT,
+    EnvOverlaySource,
+    LoadContext,
+    Loc,
+    Problems,
+    did_you_mean,
+    explain,
+    format_loc,
+)
+
+__all__ = [
+    "HTTP_PROTOCOLS",
+    "WS_PROTOCOLS",
+    "AdminSettings",
+    "ApiKeySettings",
+    "AudioSettings",
+    "AuthSettings",
+    "FallbackSettings",
+    "GuardSettings",
+    "HealthSettings",
+    "LimitsSettings",
+    "ListenSettings",
+    "MeterSettings",
+    "PoolSettings",
+    "Protocol",
+    "QueueSettings",
+    "ReplicaSettings",
+    "RouteSettings",
+    "Settings",
+    "load_settings",
+    "settings_from_mapping",
+    "summary",
+    "ws_base",
+]
+
+Protocol = Literal[
+    "vllm-realtime",
+    "openai-realtime",
+    "vllm-omni-speech-ws",
+    "openai-speech-http",
+    "openai-transcription-sse",
+    "sagemaker-bidi",
+    "passthrough-ws",
+    "passthrough-http",
+]
+#: Protocols relayed as WebSockets (a replica's http(s) URL is used in its ws(s) form).
+WS_PROTOCOLS = frozenset(
+    {"vllm-realtime", "openai-realtime", "vllm-omni-speech-ws", "sagemaker-bidi", "passthrough-ws"}
+)
+#: Protocols relayed as (streaming) HTTP requests.
+HTTP_PROTOCOLS = frozenset({"openai-speech-http", "openai-transcription-sse", "passthrough-http"})
+
+_FILE = "<file>"
+_TOP = "<top level>"
+_MAX_PROBLEMS = 50  # an aliased YAML list can multiply one mistake thousands of times
+_HASH_HOWTO = 'printf %s "$KEY" | sha256sum'
+
+
+def _check_name(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", value):
+        raise ValueError(f"must use only letters, digits, '_', '.' and '-' (got {value!r})")
+    return value
+
+
+def _check_sha256(value: str) -> str:
+    if not re.fullmatch(r"[0-9a-f]{64}", value):
+        # Never echo the value: it may be the key itself, pasted by mistake.
+        raise ValueError(
+            f"must be 64 lowercase hex characters (got {len(value)} characters), the "
+            f"SHA-256 of the key: {_HASH_HOWTO}"
+        )
+    return value
+
+
+def _check_path(value: str) -> str:
+    if not value.startswith("/") or any(c in value for c in "?# \t\r\n"):
+        raise ValueError(f"must start with '/' and have no query or spaces (got {value!r})")
+    return value
+
+
+def _check_url(value: str, schemes: tuple[str, ...]) -> str:
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 -- raises ValueError on a bad port
+    except ValueError as exc:
+        raise ValueError(f"is not a valid URL ({exc}): {value!r}") from None
+    if parts.scheme.lower() not in schemes:
+        raise ValueError(f"must use {' or '.join(s + '://' for s in schemes)} (got {value!r})")
+    if not parts.hostname:
+        raise ValueError(f"must include a host (got {value!r})")
+    if "?" in value or "#" in value or any(c.isspace() for c in value):
+        raise ValueError(f"must have no query, fragment or spaces (got {value!r})")
+    if parts.username is not None:
+        raise ValueError("must not embed credentials")
+    return urlunsplit((parts.scheme.lower(), parts.netloc, parts.path.rstrip("/"), "", ""))
+
+
+def _check_upstream_url(value: str) -> str:
+    return _check_url(value, ("http", "https"))
+
+
+def _check_hint_url(value: str) -> str:
+    return _check_url(value, ("http", "https", "ws", "wss"))
+
+
+Name = Annotated[str, AfterValidator(_check_name)]
+Sha256 = Annotated[str, AfterValidator(_check_sha256)]
+UrlPath = Annotated[str, AfterValidator(_check_path)]
+Host = Annotated[str, Field(min_length=1)]
+Port = Annotated[int, Field(ge=0, le=65535)]  # 0 = any free port (tests)
+Seconds = Annotated[float, Field(ge=0)]
+PositiveSeconds = Annotated[float, Field(gt=0)]
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", coerce_numbers_to_str=True, allow_inf_nan=False
+    )
+
+
+class ListenSettings(_Frozen):
+    """The client-facing listener."""
+
+    host: Host = "0.0.0.0"
+    port: Port = 8080
+
+
+class AdminSettings(_Frozen):
+    """The admin listener (metrics, health, drain). Off loopback it needs a key hash."""
+
+    enabled: bool = True
+    host: Host = "127.0.0.1"
+    port: Port = 9901
+    api_key_sha256: Sha256 | None = None
+
+    @model_validator(mode="after")
+    def _key_off_loopback(self) -> AdminSettings:
+        if self.enabled and self.api_key_sha256 is None and not _is_loopback(self.host):
+            why = (
+                f"required when the admin listener is bound to {self.host} (not loopback): "
+                f"set the SHA-256 of an admin key ({_HASH_HOWTO}) or bind admin.host "
+                "to 127.0.0.1"
+            )
+            raise Problems([(("api_key_sha256",), why)])
+        return self
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class LimitsSettings(_Frozen):
+    """Bounds on everything a client or upstream can make the proxy hold. 0 disables the
+    idle timeout, the session cap and pings."""
+
+    max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024)
+    max_http_body_bytes: int = Field(25 * 1024 * 1024, ge=1024)
+    handshake_timeout_s: PositiveSeconds = 10  # client handshake + upstream connect+handshake
+    upstream_connect_timeout_s: PositiveSeconds = 5
+    idle_timeout_s: Seconds = 60  # no frames either way
+    max_session_s: Seconds = 3600
+    ping_interval_s: Seconds = 20  # keepalive pings on both legs
+    ping_timeout_s: PositiveSeconds = 20
+    write_buffer_bytes: int = Field(1024 * 1024, ge=1024)  # a client that does not read
+
+
+class MeterSettings(_Frozen):
+    """Audio metering. ``chunk_durations_s`` become gap-histogram bucket edges (sorted)."""
+
+    prebuffer_s: Seconds = 0.2
+    window_s: PositiveSeconds = 30
+    chunk_durations_s: tuple[PositiveSeconds, ...] = (0.02, 0.04, 0.08, 0.2, 2.0)
+
+    @field_validator("chunk_durations_s")
+    @classmethod
+    def _sorted(cls, value: tuple[float, ...]) -> tuple[float, ...]:
+        return tuple(sorted(set(value)))
+
+
+class GuardSettings(_Frozen):
+    """The per-replica delivery-ratio guard (``off`` | ``observe`` | ``enforce``)."""
+
+    mode: Literal["off", "observe", "enforce"] = "observe"
+    threshold: Annotated[float, Field(gt=0)] = 1.2  # worst-1% delivery ratio, x realtime
+    hysteresis: Annotated[float, Field(ge=0)] = 0.1
+    hold_s: Seconds = 10
+    min_samples: int = Field(50, ge=1)
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+
+
+class HealthSettings(_Frozen):
+    """Replica health. ``engine_metrics_interval_s`` 0 disables scraping replicas' /metrics."""
+
+    recheck_interval_s: PositiveSeconds = 5
+    engine_metrics_interval_s: Seconds = 0
+
+
+class QueueSettings(_Frozen):
+    """The pool's FIFO wait queue; ``max_depth`` 0 refuses at once when every slot is busy."""
+
+    max_depth: int = Field(0, ge=0)
+    max_wait_s: Seconds = 10
+
+
+class FallbackSettings(_Frozen):
+    """Where refused clients are pointed (the ``fallback`` of a rejection body)."""
+
+    voice: str | None = None
+    pool: Name | None = None
+    url: Annotated[str, AfterValidator(_check_hint_url)] | None = None
+
+    def as_hint(self) -> FallbackHint:
+        return FallbackHint(voice=self.voice, pool=self.pool, url=self.url)
+
+
+class ReplicaSettings(_Frozen):
+    """One upstream endpoint (one GPU). ``url`` is an http(s) base without trailing slash;
+    ``max_sessions`` is the hard concurrency cap (find it with ``headroom probe``)."""
+
+    name: Name
+    url: Annotated[str, AfterValidator(_check_upstream_url)]
+    max_sessions: int = Field(ge=1)
+
+    @property
+    def ws_url(self) -> str:
+        return ws_base(self.url)
+
+
+class PoolSettings(_Frozen):
+    """Replicas serving the same model, with one gate and queue."""
+
+    name: Name
+    replicas: tuple[ReplicaSettings, ...] = Field(min_length=1)
+    queue: QueueSettings = QueueSettings()
+    fallback: FallbackSettings | None = None
+    session_estimate_s: PositiveSeconds = 20  # seeds Retry-After before any session ended
+
+    @field_validator("fallback")
+    @classmethod
+    def _empty_fallback(cls, value: FallbackSettings | None) -> FallbackSettings | None:
+        return value if value and (value.voice or value.pool or value.url) else None
+
+    @property
+    def total_slots(self) -> int:
+        return sum(replica.max_sessions for replica in self.replicas)
+
+
+class AudioSettings(_Frozen):
+    """The route's default PCM format, used to convert bytes to seconds of audio."""
+
+    sample_rate: int = Field(24000, ge=8000, le=192000)
+    channels: int = Field(1, ge=1, le=8)
+    sample_width: int = Field(2, ge=1, le=4)
+
+    @property
+    def bytes_per_second(self) -> int:
+        return self.sample_rate * self.channels * self.sample_width
+
+
+class RouteSettings(_Frozen):
+    """A client-facing path bound to a pool and a protocol.
+
+    ``refusal: close`` (accept, send one error event, close 1013) and ``queue_feedback``
+    need a WebSocket protocol; ``inner_protocol`` is required for, and only for,
+    ``sagemaker-bidi``; ``upstream_path`` relays to a different upstream path.
+    """
+
+    path: UrlPath
+    pool: str
+    protocol: Protocol
+    refusal: Literal["http", "close"] = "http"
+    inner_protocol: Protocol | None = None
+    queue_feedback: bool = False
+    audio: AudioSettings = AudioSettings()
+    upstream_path: UrlPath | None = None
+
+    @property
+    def is_websocket(self) -> bool:
+        return self.protocol in WS_PROTOCOLS
+
+    @property
+    def stream_protocol(self) -> str:
+        """The protocol whose events carry the audio: ``inner_protocol`` when set."""
+        return self.inner_protocol or self.protocol
+
+    @property
+    def relay_path(self) -> str:
+        """The upstream path requests are relayed to."""
+        return self.upstream_path or self.path
+
+    @model_validator(mode="after")
+    def _protocol_rules(self) -> RouteSettings:
+        problems: list[tuple[Loc, str]] = []
+        http = f"{self.protocol} is HTTP"
+        if self.refusal == "close" and not self.is_websocket:
+            why = f"'close' needs a WebSocket protocol; {http}, so use refusal: http"
+            problems.append((("refusal",), why))
+        if self.queue_feedback and not self.is_websocket:
+            problems.append((("queue_feedback",), f"needs a WebSocket protocol; {http}"))
+        inner = ", ".join(sorted(WS_PROTOCOLS - {"sagemaker-bidi"}))
+        if self.protocol == "sagemaker-bidi" and self.inner_protocol is None:
+            why = f"required for sagemaker-bidi (the protocol inside the stream): {inner}"
+            problems.append((("inner_protocol",), why))
+        elif self.protocol != "sagemaker-bidi" and self.inner_protocol is not None:
+            problems.append((("inner_protocol",), "only valid with protocol sagemaker-bidi"))
+        elif self.inner_protocol in HTTP_PROTOCOLS | {"sagemaker-bidi"}:
+            why = f"must be one of: {inner} (got {self.inner_protocol!r})"
+            problems.append((("inner_protocol",), why))
+        if problems:
+            raise Problems(problems)
+        return self
+
+
+class ApiKeySettings(_Frozen):
+    """One tenant's key, stored as its SHA-256. ``pools`` empty = every pool;
+    ``max_sessions`` caps the tenant's concurrent sessions (429 ``tenant_limit``)."""
+
+    name: Name
+    sha256: Sha256
+    pools: tuple[str, ...] = ()
+    max_sessions: int | None = Field(None, ge=1)
+
+    def allows(self, pool: str) -> bool:
+        return not self.pools or pool in self.pools
+
+
+class AuthSettings(_Frozen):
+    """Client API keys; when present, every request needs one."""
+
+    keys: tuple[ApiKeySettings, ...] = Field(min_length=1)
+
+    def key_for(self, sha256_hex: str) -> ApiKeySettings | None:
+        return next((key for key in self.keys if key.sha256 == sha256_hex), None)
+
+
+class Settings(BaseSettings):
+    """Everything Headroom reads from the outside world, validated and frozen.
+
+    Build it with :func:`load_settings` or :func:`settings_from_mapping`. Constructing it
+    directly also applies ``os.environ``, but invalid values then raise pydantic's
+    ValidationError rather than ConfigError.
+    """
+
+    model_config = SettingsConfigDict(
+        frozen=True,
+        extra="forbid",
+        coerce_numbers_to_str=True,
+        allow_inf_nan=False,
+        env_prefix="HEADROOM_",
+        env_nested_delimiter="__",
+        case_sensitive=False,
+    )
+
+    listen: ListenSettings = ListenSettings()
+    admin: AdminSettings = AdminSettings()
+    drain_timeout_s: PositiveSeconds = 30
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    log_format: Literal["json", "text"] = "json"
+    limits: LimitsSettings = LimitsSettings()
+    meter: MeterSettings = MeterSettings()
+    guard: GuardSettings = GuardSettings()
+    health: HealthSettings = HealthSettings()
+    pools: tuple[PoolSettings, ...] = Field(min_length=1)
+    routes: tuple[RouteSettings, ...] = Field(min_length=1)
+    auth: AuthSettings | None = None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Environment (with list indices) over the file's data; no dotenv or secrets dir."""
+        base = init_settings.init_kwargs if isinstance(init_settings, InitSettingsSource) else {}
+        return EnvOverlaySource(settings_cls, base), init_settings
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _check_across(cls, data: Any, handler: ModelWrapValidatorHandler[Settings]) -> Settings:
+        # Cross-references are checked on the raw data so they are reported together with
+        # field errors, not only once every field is valid.
+        problems = _reference_problems(data)
+        try:
+            settings = handler(data)
+        except ValidationError as exc:
+            if problems:
+                raise Problems(problems, prior=exc.errors()) from None
+            raise
+        problems += settings._port_problems()
+        if problems:
+            raise Problems(problems)
+        return settings
+
+    def _port_problems(self) -> list[tuple[Loc, str]]:
+        listen, admin = self.listen, self.admin
+        wildcard = {"0.0.0.0", "::"}
+        overlap = listen.host == admin.host or bool({listen.host, admin.host} & wildcard)
+        if admin.enabled and admin.port and admin.port == listen.port and overlap:
+            return [(("admin", "port"), f"clashes with listen.port {listen.port}")]
+        return []
+
+    @property
+    def total_slots(self) -> int:
+        return sum(pool.total_slots for pool in self.pools)
+
+    def pool(self, name: str) -> PoolSettings:
+        """The pool called ``name``; KeyError if there is none."""
+        for pool in self.pools:
+            if pool.name == name:
+                return pool
+        raise KeyError(f"unknown pool {name!r}")
+
+    def route_for_path(self, path: str) -> RouteSettings | None:
+        """The route whose path equals ``path`` (any query string ignored), or None."""
+        path = path.split("?", 1)[0]
+        return next((route for route in self.routes if route.path == path), None)
+
+    def warnings(self) -> list[str]:
+        """Legal but probably unintended choices, for ``headroom check`` and start-up logs."""
+        used = {route.pool for route in self.routes}
+        used |= {p.fallback.pool for p in self.pools if p.fallback and p.fallback.pool}
+        out = [
+            f"pool {p.name!r} is used by no route and is no pool's fallback"
+            for p in self.pools
+            if p.name not in used
+        ]
+        out += [
+            f"route {r.path}: queue_feedback has no effect, pool {r.pool!r} has no queue"
+            for r in self.routes
+            if r.queue_feedback and self.pool(r.pool).queue.max_depth == 0
+        ]
+        if self.limits.upstream_connect_timeout_s > self.limits.handshake_timeout_s:
+            out.append(
+                "limits.upstream_connect_timeout_s exceeds limits.handshake_timeout_s, "
+                "which bounds the whole handshake including the upstream connect"
+            )
+        return out
+
+
+def _entries(value: Any) -> list[tuple[int, Mapping[Any, Any]]]:
+    items = value if isinstance(value, list | tuple) else ()
+    return [(i, item) for i, item in enumerate(items) if isinstance(item, Mapping)]
+
+
+def _text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
+def _duplicates(
+    entries: Iterable[tuple[Loc, str | None]], what: str, *, show: bool = True
+) -> list[tuple[Loc, str]]:
+    seen: dict[str, Loc] = {}
+    problems = []
+    for loc, value in entries:
+        if value is None:
+            continue
+        if value in seen:
+            shown = f" {value!r}" if show else ""
+            problems.append((loc, f"duplicate {what}{shown} (also {format_loc(seen[value])})"))
+        else:
+            seen[value] = loc
+    return problems
+
+
+def _reference_problems(data: Any) -> list[tuple[Loc, str]]:
+    """Uniqueness and cross-references, on raw (possibly invalid) data; never raises."""
+    if not isinstance(data, Mapping):
+        return []
+    pools, routes = _entries(data.get("pools")), _entries(data.get("routes"))
+    auth = data.get("auth")
+    keys = _entries(auth.get("keys")) if isinstance(auth, Mapping) else []
+    named = [(("pools", i, "name"), _text(p.get("name"))) for i, p in pools]
+    problems = _duplicates(named, "pool name")
+    names = list(dict.fromkeys(name for _, name in named if name is not None))
+    defined = ", ".join(names) or "(none)"
+
+    def check(loc: Loc, target: Any, own: str | None = None) -> None:
+        if (name := _text(target)) is None:
+            return
+        if name == own:
+            problems.append((loc, "must name another pool"))
+        elif name not in names:
+            problems.append((loc, f"unknown pool {name!r}; defined pools: {defined}"))
+
+    for (loc, own), (i, pool) in zip(named, pools, strict=True):
+        replicas = _entries(pool.get("replicas"))
+        rnames = [((*loc[:2], "replicas", j, "name"), _text(r.get("name"))) for j, r in replicas]
+        problems += _duplicates(rnames, "replica name")
+        if isinstance(fallback := pool.get("fallback"), Mapping):
+            check(("pools", i, "fallback", "pool"), fallback.get("pool"), own)
+    problems += _duplicates(
+        [(("routes", i, "path"), _text(r.get("path"))) for i, r in routes], "route path"
+    )
+    for i, route in routes:
+        check(("routes", i, "pool"), route.get("pool"))
+    problems += _duplicates(
+        [(("auth", "keys", i, "name"), _text(k.get("name"))) for i, k in keys], "key name"
+    )
+    hashes = [(("auth", "keys", i, "sha256"), _text(k.get("sha256"))) for i, k in keys]
+    problems += _duplicates(hashes, "key hash", show=False)
+    for i, key in keys:
+        allowed = key.get("pools")
+        for j, target in enumerate(allowed if isinstance(allowed, list | tuple) else ()):
+            check(("auth", "keys", i, "pools", j), target)
+    return problems
+
+
+def settings_from_mapping(
+    data: Mapping[str, Any],
+    *,
+    env: Mapping[str, str] | None = None,
+    source: str | None = None,
+) -> Settings:
+    """Validate ``data`` (the shape of the YAML file) with ``env`` applied over it.
+
+    ``env`` defaults to ``os.environ``; pass ``{}`` to ignore the environment. ``source``
+    names where ``data`` came from in error messages. Raises :class:`ConfigError` only.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            [(_TOP, f"must be a mapping of settings (got {type(data).__name__})")], source
+        )
+    fields = list(Settings.model_fields)
+    # Unknown top-level keys are caught here: pydantic-settings would take `_env_file` & co.
+    # as options rather than data.
+    problems = [
+        (_TOP, f"unknown key {key!r}{did_you_mean(str(key), fields)}")
+        for key in data
+        if not isinstance(key, str) or key not in fields
+    ]
+    known = {key: value for key, value in data.items() if isinstance(key, str) and key in fields}
+    context = LoadContext(os.environ if env is None else env)
+    token = LOAD_CONTEXT.set(context)
+    try:
+        settings = Settings(**known)
+    except ValidationError as exc:
+        problems += explain(exc.errors(), Settings, context.origins)
+    except ConfigError as exc:  # an environment variable that cannot be applied
+        problems += exc.problems
+    finally:
+        LOAD_CONTEXT.reset(token)
+    if len(problems) > _MAX_PROBLEMS:
+        hidden = len(problems) - _MAX_PROBLEMS
+        problems = [*problems[:_MAX_PROBLEMS], ("...", f"{hidden} more problems not shown")]
+    if problems:
+        raise ConfigError(problems, source)
+    return settings
+
+
+def load_settings(
+    path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None
+) -> Settings:
+    """Load the YAML file at ``path`` (default: ``$HEADROOM_CONFIG``), then apply ``env``.
+
+    ``env`` defaults to ``os.environ``. Raises :class:`ConfigError` only.
+    """
+    environ = os.environ if env is None else env
+    if path is None:
+        path = next((v for k, v in environ.items() if k.upper() == CONFIG_VAR and v), None)
+        if path is None:
+            raise ConfigError(
+                [(_FILE, f"no configuration file: pass --config FILE or set {CONFIG_VAR}")]
+            )
+    source = os.fspath(path)
+    try:
+        text = Path(source).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            [(_FILE, f"no such file: {source} (check --config / {CONFIG_VAR})")], source
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([(_FILE, f"not UTF-8 text (byte {exc.start})")], source) from None
+    except OSError as exc:
+        raise ConfigError(
+            [(_FILE, f"cannot read {source}: {exc.strerror or exc}")], source
+        ) from None
+    return settings_from_mapping(_parse_yaml(text, source), env=environ, source=source)
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else _FILE
+        context = f" ({exc.context})" if exc.context and exc.problem else ""
+        raise ConfigError(
+            [(where, f"invalid YAML: {exc.problem or exc}{context}")], source
+        ) from None
+    except (yaml.YAMLError, ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise ConfigError([(_FILE, f"invalid YAML: {exc}")], source) from None
+    if data is None:
+        raise ConfigError([(_TOP, "the file is empty; it needs at least pools and routes")], source)
+    return data
+
+
+def ws_base(http_url: str) -> str:
+    """The WebSocket form of an http(s) base URL: http -> ws, https -> wss."""
+    scheme, sep, rest = http_url.partition("://")
+    ws = {"http": "ws", "https": "wss"}.get(scheme.lower())
+    if not sep or ws is None:
+        raise ValueError(f"not an http(s) URL: {http_url!r}")
+    return f"{ws}://{rest}"
+
+
+def summary(settings: Settings) -> str:
+    """A human-readable digest for ``headroom check`` (warnings are listed separately)."""
+    admin, guard = settings.admin, settings.guard
+    keyed = " (key required)" if admin.api_key_sha256 else ""
+    lines = [
+        f"listen  {settings.listen.host}:{settings.listen.port}",
+        f"admin   {admin.host}:{admin.port}{keyed}" if admin.enabled else "admin   off",
+        f"pools   {len(settings.pools)}, {settings.total_slots} slots in all",
+    ]
+    for pool in settings.pools:
+        queue = pool.queue
+        waiting = (
+            f"queue up to {queue.max_depth}, wait up to {queue.max_wait_s:g} s"
+            if queue.max_depth
+            else "no queue (refuse when full)"
+        )
+        lines.append(
+            f"  {pool.name}: {len(pool.replicas)} replica(s), {pool.total_slots} slots; {waiting}"
+        )
+        lines += [f"    {r.name}  {r.url}  {r.max_sessions} slots" for r in pool.replicas]
+        if pool.fallback:
+            hint = pool.fallback.as_hint().as_json().items()
+            lines.append("    fallback " + ", ".join(f"{k}={v}" for k, v in hint if v))
+    lines.append(f"routes  {len(settings.routes)}")
+    for route in settings.routes:
+        protocol = route.protocol + (f"/{route.inner_protocol}" if route.inner_protocol else "")
+        upstream = f", upstream {route.upstream_path}" if route.upstream_path else ""
+        lines.append(
+            f"  {route.path} -> {route.pool}  {protocol}, refusal {route.refusal}{upstream}"
+        )
+    lines.append(
+        f"guard   {guard.mode} (p1 delivery ratio < {guard.threshold:g}, "
+        f"hysteresis {guard.hysteresis:g}, hold {guard.hold_s:g} s)"
+    )
+    keys = settings.auth.keys if settings.auth else ()
+    names = ", ".join(key.name for key in keys)
+    lines.append(f"auth    {len(keys)} key(s): {names}" if keys else "auth    off (no API keys)")
+    return "\n".join(lines)
