@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from proxy.app import create_app
+from proxy.clock import Clock
 from proxy.runtime import Runtime
 from proxy.serving import RunningServer, running_server
 from proxy.settings import Settings, settings_from_mapping
@@ -66,8 +67,8 @@ async def start_proxy() -> AsyncIterator[Callable[[Settings], Any]]:
     stack = contextlib.AsyncExitStack()
     proxies: list[Proxy] = []
 
-    async def start(settings: Settings) -> Proxy:
-        runtime = Runtime(settings)
+    async def start(settings: Settings, clock: Clock | None = None) -> Proxy:
+        runtime = Runtime(settings, clock=clock)
         server = await stack.enter_async_context(running_server(create_app(runtime)))
         proxy = Proxy(server, runtime)
         proxies.append(proxy)
