@@ -157,17 +157,16 @@ async def test_queued_request_that_disconnects_leaves_the_queue(
         proxy_settings([("gpu0", server.http_url, 1)], [http_route("/sse")],
                        queue={"max_depth": 4, "max_wait_s": 60})
     )  # fmt: skip
-    async with httpx.AsyncClient() as client:
-        async with client.stream("POST", proxy.http_url + "/sse") as r:
-            chunks = r.aiter_raw()
-            await anext(chunks)
-            leaver = asyncio.create_task(client.post(proxy.http_url + "/sse"))
-            await wait_until(lambda: proxy.gate.queued == 1)
-            leaver.cancel()  # the client goes away while queued
-            await wait_until(lambda: proxy.gate.queued == 0)
-            assert proxy.gate.active == 1
-            app.controls.release.set()
-            assert b"second" in b"".join([c async for c in chunks])
+    async with httpx.AsyncClient() as client, client.stream("POST", proxy.http_url + "/sse") as r:
+        chunks = r.aiter_raw()
+        await anext(chunks)
+        leaver = asyncio.create_task(client.post(proxy.http_url + "/sse"))
+        await wait_until(lambda: proxy.gate.queued == 1)
+        leaver.cancel()  # the client goes away while queued
+        await wait_until(lambda: proxy.gate.queued == 0)
+        assert proxy.gate.active == 1
+        app.controls.release.set()
+        assert b"second" in b"".join([c async for c in chunks])
     await wait_until(lambda: proxy.gate.active == 0)
     decisions = "headroom_session_decisions_total"
     assert proxy.metric(decisions, pool="main", decision="abandoned") == 1
