@@ -110,6 +110,10 @@ class HttpAdapter(Protocol):
     def response_chunk(self, now: float, chunk: bytes) -> None:
         """One response-body chunk, as relayed (any split)."""
 
+    def response_complete(self, now: float) -> None:
+        """The response body ended (or the exchange was cut): report anything held back.
+        Call before ``meter.finish``."""
+
 
 def header(headers: Mapping[str, str], name: str) -> str | None:
     """Case-insensitive lookup of ``name`` (given in lower case) in any header mapping."""

@@ -33,6 +33,7 @@ counts its first body chunk as the final transcript.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from urllib.parse import parse_qsl
 
@@ -102,6 +103,10 @@ def request_fields(
     return fields
 
 
+#: Reads of a raw audio stream closer together than this belong to one chunk.
+_SAME_CHUNK_S = 0.002
+
+
 class SpeechHttpAdapter:
     """HTTP adapter for ``openai-speech-http``."""
 
@@ -110,7 +115,10 @@ class SpeechHttpAdapter:
         "_default",
         "_fields",
         "_fmt",
+        "_last_read",
         "_mode",
+        "_pending_at",
+        "_pending_s",
         "_sink",
         "_sse",
         "_wav",
@@ -126,6 +134,9 @@ class SpeechHttpAdapter:
         self._bps = float(default_format.bytes_per_second)
         self._sse = SseParser()
         self._wav = WavStream(default_format)
+        self._last_read = -math.inf
+        self._pending_at = 0.0
+        self._pending_s = 0.0
         self.errors = 0
 
     def request(
@@ -180,15 +191,39 @@ class SpeechHttpAdapter:
             mode = self._mode
             if mode == _PCM:
                 if chunk:
-                    self._sink.audio(now, len(chunk) / self._bps)
+                    self._raw_audio(now, len(chunk) / self._bps)
             elif mode == _SSE:
                 self._sse_chunk(now, chunk)
             elif mode == _WAV:
                 seconds = self._wav.feed(chunk)
                 if seconds > 0:
-                    self._sink.audio(now, seconds)
+                    self._raw_audio(now, seconds)
             elif mode == _OPAQUE:
                 self._sink.event(now)
+        except Exception:
+            self.errors += 1
+
+    def _raw_audio(self, now: float, seconds: float) -> None:
+        # A raw byte stream has no message boundaries: TCP may split one upstream write
+        # into several reads. Reads within _SAME_CHUNK_S of the previous one are the rest
+        # of the same chunk (one arrival, one delivery ratio over all of its audio), so a
+        # chunk is reported when the next one starts, at its first read's time.
+        if self._pending_s > 0.0 and now - self._last_read < _SAME_CHUNK_S:
+            self._pending_s += seconds
+        else:
+            self._flush()
+            self._pending_at = now
+            self._pending_s = seconds
+        self._last_read = now
+
+    def _flush(self) -> None:
+        if self._pending_s > 0.0:
+            seconds, self._pending_s = self._pending_s, 0.0
+            self._sink.audio(self._pending_at, seconds)
+
+    def response_complete(self, now: float) -> None:
+        try:
+            self._flush()
         except Exception:
             self.errors += 1
 
@@ -296,6 +331,9 @@ class TranscriptionSseAdapter:
                 self._sink.transcript_final(now)
         except Exception:
             self.errors += 1
+
+    def response_complete(self, now: float) -> None:
+        return None
 
     @staticmethod
     def _classify(data: str) -> int:

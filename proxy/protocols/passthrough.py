@@ -74,5 +74,8 @@ class PassthroughHttpAdapter:
         except Exception:
             self.errors += 1
 
+    def response_complete(self, now: float) -> None:
+        return None
+
     def __repr__(self) -> str:
         return f"<PassthroughHttpAdapter errors={self.errors}>"

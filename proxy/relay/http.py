@@ -239,4 +239,6 @@ async def _exchange(
             with contextlib.suppress(Exception):
                 await response.aclose()
     finally:
-        record.meter = meter.finish(clock.now()).as_log_fields()
+        now = clock.now()
+        adapter.response_complete(now)
+        record.meter = meter.finish(now).as_log_fields()

@@ -152,13 +152,28 @@ def test_pcm_at_the_request_sample_rate() -> None:
     http, sink = speech({"response_format": "pcm", "sample_rate": 16000, "stream": True})
     for i in range(10):
         http.response_chunk(i * 0.2, bytes(6400))
+    http.response_complete(2.0)
     assert len(sink.calls) == 10
     assert sink.audio_seconds == pytest.approx(2.0)
+
+
+def test_raw_pcm_reads_split_by_tcp_are_one_chunk() -> None:
+    """A 9,600-byte write read as 7,773 + 1,827 bytes 0.1 ms apart is one chunk."""
+    http, sink = speech({"response_format": "pcm", "sample_rate": 24000, "stream": True})
+    http.response_chunk(1.0, bytes(9600))
+    http.response_chunk(1.2, bytes(7773))
+    http.response_chunk(1.2001, bytes(1827))
+    http.response_chunk(1.4, bytes(9600))
+    assert sink.calls == [("audio", 1.0, pytest.approx(0.2)), ("audio", 1.2, pytest.approx(0.2))]
+    http.response_complete(1.5)  # the last chunk is reported when the response ends
+    assert sink.calls[-1] == ("audio", 1.4, pytest.approx(0.2))
+    assert sink.audio_seconds == pytest.approx(0.6)
 
 
 def test_pcm_rate_from_the_content_type_parameters() -> None:
     http, sink = speech({"sample_rate": 16000}, "audio/L16; rate=8000; channels=2")
     http.response_chunk(0.0, bytes(32000))
+    http.response_complete(1.0)
     assert sink.audio_seconds == 1.0
 
 
@@ -168,6 +183,7 @@ def test_pcm_rate_from_the_sample_rate_header() -> None:
     http.request("POST", {}, JSON, b'{"sample_rate": 16000}')
     http.response_start(200, {"content-type": "audio/pcm", "X-Sample-Rate": "44100"})
     http.response_chunk(0.0, bytes(88200))
+    http.response_complete(1.0)
     assert sink.audio_seconds == 1.0
 
 
@@ -175,6 +191,7 @@ def test_pcm_route_default_without_request_fields() -> None:
     http, sink = speech({}, "audio/pcm")
     http.response_chunk(0.0, bytes(48000))
     http.response_chunk(0.1, b"")
+    http.response_complete(1.0)
     assert sink.calls == [("audio", 0.0, 1.0)]
 
 
@@ -184,6 +201,7 @@ def test_wav_header_split_across_chunks_is_parsed(cut: int) -> None:
     stream = wav_header(48000, 2) + bytes(192000)
     http.response_chunk(0.0, stream[:cut])
     http.response_chunk(0.1, stream[cut:])
+    http.response_complete(1.0)
     assert sink.audio_seconds == pytest.approx(1.0)
 
 
@@ -198,6 +216,7 @@ def test_wav_header_split_across_chunks_is_parsed(cut: int) -> None:
 def test_octet_stream_follows_the_request(body: dict[str, Any], expected: float) -> None:
     http, sink = speech(body, "application/octet-stream")
     http.response_chunk(0.0, wav_header(16000) + bytes(16000))
+    http.response_complete(1.0)
     assert sink.audio_seconds == pytest.approx(expected)
 
 
