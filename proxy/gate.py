@@ -232,8 +232,12 @@ class Gate:
         return sum(p.core.queue_depth for p in self._pools.values())
 
     def replica_gauges(
-        self, ratio: Callable[[str, str], float | None] | None = None
+        self,
+        ratio: Callable[[str, str], float | None] | None = None,
+        guarded: Callable[[str, str], bool] | None = None,
     ) -> list[ReplicaGauges]:
+        """Per-replica gauges; ``ratio`` and ``guarded`` supply what the gate does not
+        know itself (the rolling delivery ratio; the guard's state in observe mode)."""
         out: list[ReplicaGauges] = []
         for name, p in self._pools.items():
             for r in p.core.statistics().replicas:
@@ -244,7 +248,7 @@ class Gate:
                         r.active,
                         r.cap,
                         r.healthy,
-                        r.guarded,
+                        guarded(name, r.name) if guarded else r.guarded,
                         ratio(name, r.name) if ratio else None,
                     )
                 )

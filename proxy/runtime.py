@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
-from proxy.clock import Clock, LoopClock
+from proxy.clock import Clock, LoopClock, TimerHandle
 from proxy.gate import Gate
+from proxy.guard import GuardPolicy, ReplicaGuard
 from proxy.meter import PrometheusReplicaSink, SessionMeter
 from proxy.metrics import Metrics
 from proxy.protocols import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
@@ -29,6 +30,9 @@ __all__ = ["Runtime", "build_gate"]
 log = logging.getLogger("headroom.runtime")
 
 StopSession = Callable[[int, str], None]
+
+#: How often the guard evaluates every replica's rolling signals.
+GUARD_INTERVAL_S = 1.0
 
 
 def _core(pool: PoolSettings, seed: int) -> PoolCore:
@@ -61,6 +65,8 @@ class Runtime:
         self.metrics = metrics or Metrics(settings.meter.chunk_durations_s)
         self.gate = build_gate(settings, self.clock, self.metrics)
         self.signals: dict[tuple[str, str], ReplicaSignals] = {}
+        self.guards: dict[tuple[str, str], ReplicaGuard] = {}
+        self._guard_timer: TimerHandle | None = None
         self._sinks: dict[tuple[str, str], PrometheusReplicaSink] = {}
         self._urls: dict[tuple[str, str], tuple[str, str]] = {}
         self._routes: dict[str, RouteSettings] = {}
@@ -76,12 +82,19 @@ class Runtime:
 
     def _apply_settings(self, settings: Settings) -> None:
         self.settings = settings
+        g = settings.guard
+        policy = GuardPolicy(g.threshold, g.hysteresis, g.hold_s, g.min_samples)
         for pool in settings.pools:
             for r in pool.replicas:
                 self._urls[(pool.name, r.name)] = (r.url, r.ws_url)
                 key = (pool.name, r.name)
                 if key not in self.signals:
                     self.signals[key] = ReplicaSignals(settings.meter.window_s)
+                guard = self.guards.get(key)
+                if guard is None:
+                    self.guards[key] = ReplicaGuard(policy)
+                else:
+                    guard.policy = policy
         self._routes = {r.path: r for r in settings.routes}
         self._formats = {
             r.path: AudioFormat(r.audio.sample_rate, r.audio.channels, r.audio.sample_width)
@@ -104,8 +117,12 @@ class Runtime:
             trust_env=False,
         )
         self.started = True
+        self._arm_guard()
 
     async def stop(self) -> None:
+        if self._guard_timer is not None:
+            self._guard_timer.cancel()
+            self._guard_timer = None
         for task in list(self._rechecks.values()) + list(self._tasks):
             task.cancel()
         for task in list(self._rechecks.values()) + list(self._tasks):
@@ -197,7 +214,38 @@ class Runtime:
         return signals.worst_ratio(self.clock.now()) if signals else None
 
     def _replica_gauges(self) -> list[Any]:
-        return self.gate.replica_gauges(self.delivery_ratio_p99)
+        return self.gate.replica_gauges(self.delivery_ratio_p99, self.guarded)
+
+    # -- guard ----------------------------------------------------------------------------
+
+    def guarded(self, pool: str, replica: str) -> bool:
+        guard = self.guards.get((pool, replica))
+        return guard is not None and guard.guarded and self.settings.guard.mode != "off"
+
+    def _arm_guard(self) -> None:
+        if self.settings.guard.mode != "off" and self.started:
+            self._guard_timer = self.clock.call_at(
+                self.clock.now() + GUARD_INTERVAL_S, self.evaluate_guards
+            )
+
+    def evaluate_guards(self) -> None:
+        """Feed every replica's rolling signals to its guard; apply changes (enforce)."""
+        self._guard_timer = None
+        now = self.clock.now()
+        mode = self.settings.guard.mode
+        for (pool, replica), guard in self.guards.items():
+            signals = self.signals[(pool, replica)]
+            if guard.update(now, signals.worst_ratio(now), signals.samples(now)):
+                log.warning(
+                    "guard %s %s/%s: worst-1%% delivery ratio %s (threshold %.2f, mode %s)",
+                    "engaged on" if guard.guarded else "released",
+                    pool, replica,
+                    f"{guard.last_ratio:.2f}" if guard.last_ratio is not None else "n/a",
+                    guard.policy.threshold, mode,
+                )  # fmt: skip
+                if mode == "enforce":
+                    self.gate.set_guarded(pool, replica, guard.guarded)
+        self._arm_guard()
 
     # -- health -------------------------------------------------------------------------
 
