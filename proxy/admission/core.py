@@ -134,7 +134,7 @@ class PoolCore:
         deadline = now + self.queue.max_wait_s
         self._waiters[ticket] = _Waiter(now, deadline)
         position = len(self._waiters)
-        return Enqueue(ticket, position, deadline, self._estimate(position))
+        return Enqueue(ticket, position, deadline, self.estimate_wait(position))
 
     def release(self, ticket: int, now: float) -> list[Admit]:
         """An admitted session ended (any way at all). Returns waiters handed a slot."""

@@ -29,6 +29,7 @@ from proxy.errors import (
 )
 from proxy.gate import Lease
 from proxy.refusal import http_error
+from proxy.relay.admit import FALLBACK_RESPONSE_HEADER, enter, upstream_query
 from proxy.relay.headers import forwarded_request_headers, response_headers
 from proxy.relay.session import SessionRecord, new_session_id
 
@@ -117,7 +118,9 @@ async def relay_http(
             return
         record.bytes_up = len(body)
         try:
-            entry = rt.gate.enter(route.pool)
+            entry, fallback_pool = enter(rt, route, scope)
+            if fallback_pool is not None:
+                record.pool = fallback_pool
             if isinstance(entry, Lease):
                 lease = entry
             else:
@@ -137,7 +140,9 @@ async def relay_http(
         record.admitted_at = clock.now()
         record.queue_wait_s = lease.waited_s
         record.replica = lease.replica
-        streaming = asyncio.ensure_future(_exchange(rt, route, scope, body, lease, send, record))
+        streaming = asyncio.ensure_future(
+            _exchange(rt, route, scope, body, lease, send, record, fallback_pool)
+        )
         if await _while_connected(receive, streaming):
             record.client_close = 1006  # the client went away mid-response
         elif not streaming.cancelled() and streaming.exception() is not None:
@@ -172,7 +177,7 @@ async def _open(
     )
     path = route.upstream_path or scope.get("raw_path", b"").decode("latin-1") or scope["path"]
     path = path.split("?")[0]
-    query = scope.get("query_string", b"").decode("latin-1")
+    query = upstream_query(scope)
     while True:
         url = rt.http_url(lease.pool, lease.replica) + path + (f"?{query}" if query else "")
         request = rt.http.build_request(scope["method"], url, headers=headers, content=body)
@@ -196,6 +201,7 @@ async def _exchange(
     lease: Lease,
     send: Send,
     record: SessionRecord,
+    fallback_pool: str | None,
 ) -> None:
     clock = rt.clock
     meter = rt.new_meter(lease.pool, lease.replica, record.admitted_at or clock.now())
@@ -217,12 +223,11 @@ async def _exchange(
             adapter.request_complete(clock.now())  # the body is sent: the ASR commit
             record.status = response.status_code
             adapter.response_start(response.status_code, response.headers)
+            headers = response_headers(response.headers.raw)
+            if fallback_pool is not None:
+                headers.append((FALLBACK_RESPONSE_HEADER, fallback_pool.encode()))
             await send(
-                {
-                    "type": "http.response.start",
-                    "status": response.status_code,
-                    "headers": response_headers(response.headers.raw),
-                }
+                {"type": "http.response.start", "status": response.status_code, "headers": headers}
             )
             try:
                 async for chunk in response.aiter_raw():

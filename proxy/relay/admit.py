@@ -1,0 +1,72 @@
+"""Admission for the relays: the gate, the opt-in fallback pool, Headroom's own
+query parameters.
+
+A client opts in to fallback with the header ``X-Headroom-Allow-Fallback: 1`` or the
+query parameter ``headroom_fallback=1``. When the route's pool refuses it (full, queue
+full, guarded, draining, no healthy replica) and the pool's ``fallback.pool`` can admit
+it, the session goes there instead, and the response carries
+``X-Headroom-Fallback: <pool>`` (for WebSocket routes, on the handshake response).
+Without the opt-in, a refusal still names the fallback in its body.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, urlencode
+
+from proxy.errors import Refused
+from proxy.gate import Lease, PositionCallback, Waiting
+
+if TYPE_CHECKING:
+    from proxy.runtime import Runtime
+    from proxy.settings import RouteSettings
+
+__all__ = ["FALLBACK_RESPONSE_HEADER", "enter", "upstream_query", "wants_fallback"]
+
+FALLBACK_RESPONSE_HEADER = b"x-headroom-fallback"
+_FALLBACK_HEADER = b"x-headroom-allow-fallback"
+_OWN_QUERY = frozenset({"headroom_fallback"})
+_TRUE = frozenset({"1", "true", "yes", "on"})
+
+
+def wants_fallback(scope: dict[str, Any]) -> bool:
+    for name, value in scope["headers"]:
+        if name.lower() == _FALLBACK_HEADER:
+            return value.decode("latin-1").strip().lower() in _TRUE
+    query = scope.get("query_string", b"")
+    if b"headroom_fallback" in query:
+        for key, value in parse_qsl(query.decode("latin-1")):
+            if key == "headroom_fallback":
+                return value.strip().lower() in _TRUE
+    return False
+
+
+def upstream_query(scope: dict[str, Any]) -> str:
+    """The client's query string without Headroom's own parameters."""
+    raw: str = scope.get("query_string", b"").decode("latin-1")
+    if not raw or not any(key in raw for key in _OWN_QUERY):
+        return raw
+    pairs = parse_qsl(raw, keep_blank_values=True)
+    return urlencode([(k, v) for k, v in pairs if k not in _OWN_QUERY])
+
+
+def enter(
+    rt: Runtime,
+    route: RouteSettings,
+    scope: dict[str, Any],
+    on_position: PositionCallback | None = None,
+) -> tuple[Lease | Waiting, str | None]:
+    """Enter the route's pool, or its fallback pool if the client opted in and the
+    primary refuses. Returns the entry and the fallback pool used (None if primary).
+    Raises the primary's :class:`Refused` (naming the fallback) if neither admits."""
+    try:
+        return rt.gate.enter(route.pool, on_position=on_position), None
+    except Refused as refusal:
+        hint = refusal.fallback
+        target = hint.pool if hint else None
+        if target is None or target not in rt.gate.pools() or not wants_fallback(scope):
+            raise
+        try:
+            return rt.gate.enter(target, on_position=on_position), target
+        except Refused:
+            raise refusal from None

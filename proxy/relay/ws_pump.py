@@ -1,0 +1,229 @@
+"""The frame pumps of one relayed WebSocket session (after both handshakes).
+
+Upstream -> client runs in the session's own task; client -> upstream in one extra
+task. Frames are relayed as they arrive, text as text and binary as binary, each
+metered by the route protocol's adapter on the way down. Close codes travel both ways;
+limits (message size, idle, session length, drain) end a session with a close code for
+the client (:class:`Closing`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from websockets.asyncio.client import ClientConnection
+from websockets.exceptions import ConnectionClosed, PayloadTooBig
+
+from proxy.errors import MessageTooLarge
+from proxy.gate import Lease
+from proxy.refusal import truncate_reason
+from proxy.relay.session import SessionRecord
+
+if TYPE_CHECKING:
+    from proxy.runtime import Runtime
+    from proxy.settings import RouteSettings
+
+__all__ = ["relay_frames", "sendable_code"]
+
+log = logging.getLogger("headroom.relay.ws")
+
+Receive = Any
+Send = Any
+
+#: Codes a peer may put in a close frame (RFC 6455 7.4); others are mapped.
+_SENDABLE = frozenset({1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 1011, 1012, 1013, 1014})
+
+
+def sendable_code(code: int | None, default: int = 1000) -> int:
+    if code is None:
+        return default
+    if code in _SENDABLE or 3000 <= code <= 4999:
+        return code
+    return default
+
+
+class Closing(Exception):
+    """Ends a relay with a close code for the client (limits, timeouts, drain)."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class _Pump:
+    """State shared by the two directions of one relay."""
+
+    __slots__ = ("client_closed", "closing", "last_activity")
+
+    def __init__(self, now: float) -> None:
+        self.last_activity = now
+        self.closing: Closing | None = None
+        self.client_closed: tuple[int, str] | None = None
+
+
+async def relay_frames(
+    rt: Runtime,
+    route: RouteSettings,
+    lease: Lease,
+    upstream: ClientConnection,
+    receive: Receive,
+    send: Send,
+    record: SessionRecord,
+    pending: Sequence[dict[str, Any]] = (),
+) -> None:
+    """Relay until either side ends. ``pending``: client messages received before the
+    upstream was connected (queue-feedback mode), sent upstream first, in order."""
+    clock = rt.clock
+    backlog = deque(pending)
+    limits = rt.settings.limits
+    max_bytes = limits.max_message_bytes
+    meter = rt.new_meter(lease.pool, lease.replica, record.admitted_at or clock.now())
+    adapter = rt.ws_adapter(route, meter)
+    state = _Pump(clock.now())
+    timers: list[Any] = []
+    idle_timer: list[Any] = []
+
+    def stop(code: int, reason: str) -> None:
+        if state.closing is None:
+            state.closing = Closing(code, reason)
+            client_task.cancel()
+            rt.spawn(upstream.close(1000 if code != 1012 else 1001, reason))
+
+    def check_idle() -> None:
+        due = state.last_activity + limits.idle_timeout_s
+        if clock.now() >= due - 1e-6:
+            stop(1008, "idle timeout")
+        else:
+            idle_timer[:] = [clock.call_at(due, check_idle)]
+
+    async def client_to_upstream() -> None:
+        while True:
+            message = backlog.popleft() if backlog else await receive()
+            kind = message["type"]
+            if kind == "websocket.receive":
+                now = clock.now()
+                state.last_activity = now
+                text = message.get("text")
+                if text is not None:
+                    if len(text) > max_bytes // 4 and len(text.encode()) > max_bytes:
+                        raise MessageTooLarge(f"message over {max_bytes} bytes")
+                    record.frames_up += 1
+                    record.bytes_up += len(text)
+                    adapter.client_text(now, text)
+                    await upstream.send(text)
+                else:
+                    data = message.get("bytes") or b""
+                    if len(data) > max_bytes:
+                        raise MessageTooLarge(f"message over {max_bytes} bytes")
+                    record.frames_up += 1
+                    record.bytes_up += len(data)
+                    adapter.client_binary(now, data)
+                    await upstream.send(data)
+            elif kind == "websocket.disconnect":
+                code = message.get("code", 1005)
+                reason = message.get("reason") or ""
+                state.client_closed = (code, reason)
+                record.client_close = code
+                await upstream.close(sendable_code(code, 1001), truncate_reason(reason))
+                return
+
+    client_task = asyncio.ensure_future(client_to_upstream())
+    rt.register_session(stop)
+    if limits.idle_timeout_s:
+        idle_timer.append(clock.call_at(clock.now() + limits.idle_timeout_s, check_idle))
+    if limits.max_session_s:
+        timers.append(
+            clock.call_at(clock.now() + limits.max_session_s,
+                          lambda: stop(1008, "maximum session duration reached"))
+        )  # fmt: skip
+    client_task.add_done_callback(lambda t: _on_client_done(t, upstream, state, stop))
+    try:
+        try:
+            async for message in upstream:
+                now = clock.now()
+                state.last_activity = now
+                if isinstance(message, str):
+                    adapter.upstream_text(now, message)
+                    record.bytes_down += len(message)
+                    record.frames_down += 1
+                    await send({"type": "websocket.send", "text": message})
+                else:
+                    adapter.upstream_binary(now, message)
+                    record.bytes_down += len(message)
+                    record.frames_down += 1
+                    await send({"type": "websocket.send", "bytes": message})
+        except ConnectionClosed:
+            pass
+        except OSError:
+            # uvicorn's ClientDisconnected: the client vanished while we were sending.
+            if state.client_closed is None:
+                state.client_closed = (1006, "")
+                record.client_close = 1006
+            with contextlib.suppress(Exception):
+                await upstream.close(1001, "client went away")
+        await _finish(rt, lease, upstream, send, state, record)
+    finally:
+        rt.unregister_session(stop)
+        for timer in timers + idle_timer:
+            timer.cancel()
+        if not client_task.done():
+            client_task.cancel()
+        with contextlib.suppress(BaseException):
+            await client_task
+        summary = meter.finish(clock.now())
+        record.meter = summary.as_log_fields()
+
+
+def _on_client_done(
+    task: asyncio.Future[None], upstream: ClientConnection, state: _Pump, stop: Any
+) -> None:
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is None:
+        return
+    if isinstance(exc, MessageTooLarge):
+        stop(1008, str(exc))
+    elif isinstance(exc, ConnectionClosed):
+        pass  # upstream went away while we were sending; the upstream loop reports it
+    else:
+        log.error("client pump failed: %r", exc)
+        stop(1011, "internal error")
+
+
+async def _finish(
+    rt: Runtime,
+    lease: Lease,
+    upstream: ClientConnection,
+    send: Send,
+    state: _Pump,
+    record: SessionRecord,
+) -> None:
+    """Both directions are over: tell the client why, in one close frame."""
+    rcvd = upstream.close_code
+    record.upstream_close = rcvd
+    if state.client_closed is not None:
+        return  # the client ended it; nothing more to send
+    if state.closing is not None:
+        code, reason = state.closing.code, state.closing.reason
+    elif isinstance(upstream.protocol.parser_exc, PayloadTooBig):
+        rt.upstream_error(lease.pool, lease.replica, "protocol")
+        code, reason = 1014, "upstream message too large"
+    elif rcvd is None or rcvd == 1006:
+        rt.upstream_error(lease.pool, lease.replica, "midstream")
+        code, reason = 1014, "upstream connection lost"
+    elif rcvd == 1005:
+        code, reason = 1000, ""
+    else:
+        code, reason = sendable_code(rcvd, 1011), upstream.close_reason or ""
+        if code == 1011:
+            rt.upstream_error(lease.pool, lease.replica, "upstream_internal_error")
+    record.client_close = code
+    with contextlib.suppress(Exception):
+        await send({"type": "websocket.close", "code": code, "reason": truncate_reason(reason)})
