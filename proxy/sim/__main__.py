@@ -1,0 +1,9 @@
+"""``python -m proxy.sim``: the simulator without the rest of the CLI."""
+
+from __future__ import annotations
+
+import sys
+
+from proxy.sim.cli import main
+
+sys.exit(main())

@@ -1,0 +1,181 @@
+"""The ASGI app of one simulated GPU: every upstream endpoint plus the admin API.
+
+===========================================  ===========================================
+``POST /v1/audio/speech``                    vLLM-Omni speech (SSE, raw pcm/wav, file)
+``WS /v1/audio/speech/stream``               vLLM-Omni streaming speech
+``WS /v1/realtime``                          vLLM realtime ASR (omni audio-out on TTS)
+``POST /v1/audio/transcriptions``            vLLM transcription (multipart; SSE)
+``GET /ping``                                SageMaker health check
+``WS /invocations-bidirectional-stream``     SageMaker bidirectional streaming
+``GET /metrics``                             vLLM metric names
+``GET /health``, ``GET /v1/models``          as vLLM
+``GET|POST|DELETE /sim/faults[?gpu=N]``      read, change, clear the faults
+``GET /sim/stats``                           engine snapshot (JSON)
+===========================================  ===========================================
+
+The SageMaker WebSocket runs the endpoint named by ``X-Amzn-SageMaker-Model-
+Invocation-Path`` (default: ``/v1/realtime`` on an ASR preset, else
+``/v1/audio/speech/stream``), with binary frames read as UTF-8 text like the AWS
+sample bridge.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route, WebSocketRoute
+from starlette.websockets import WebSocket
+
+from proxy.sim.common import ChannelClosed, WsChannel, error_response, unavailable_response
+from proxy.sim.realtime import realtime
+from proxy.sim.speech_http import create_speech
+from proxy.sim.speech_ws import speech_stream
+from proxy.sim.transcription import create_transcription
+
+if TYPE_CHECKING:
+    from proxy.sim.gpu import SimGpu
+
+__all__ = ["INVOCATION_PATH_HEADER", "build_app"]
+
+INVOCATION_PATH_HEADER = "x-amzn-sagemaker-model-invocation-path"
+Handler = Callable[["SimGpu", WsChannel, Mapping[str, Any]], Awaitable[None]]
+_WS_HANDLERS: dict[str, Handler] = {
+    "/v1/realtime": realtime,
+    "/v1/audio/speech/stream": speech_stream,
+}
+
+
+async def _serve_ws(
+    gpu: SimGpu, websocket: WebSocket, handler: Handler, *, binary_as_text: bool = False
+) -> None:
+    if gpu.faults.handshake_503:
+        await websocket.send_denial_response(unavailable_response())
+        return
+    await websocket.accept()
+    opened = gpu.metrics.websocket_opened()
+    channel = WsChannel(websocket, binary_as_text=binary_as_text)
+    try:
+        await handler(gpu, channel, websocket.scope)
+    except ChannelClosed:
+        pass
+    finally:
+        gpu.metrics.websocket_closed(opened)
+
+
+def _target(gpu: SimGpu, request: Request) -> SimGpu | JSONResponse:
+    raw = request.query_params.get("gpu")
+    if raw is None:
+        return gpu
+    try:
+        return gpu.cluster[int(raw)]
+    except (ValueError, IndexError):
+        return error_response(f"no simulated GPU {raw!r} in this cluster", 404, "gpu")
+
+
+def build_app(gpu: SimGpu) -> Starlette:
+    """The app for ``gpu``."""
+    model = gpu.preset.model
+    started = int(time.time())
+
+    async def speech(request: Request) -> Response:
+        return await create_speech(gpu, request)
+
+    async def transcriptions(request: Request) -> Response:
+        return await create_transcription(gpu, request)
+
+    async def speech_ws(websocket: WebSocket) -> None:
+        await _serve_ws(gpu, websocket, speech_stream)
+
+    async def realtime_ws(websocket: WebSocket) -> None:
+        await _serve_ws(gpu, websocket, realtime)
+
+    async def sagemaker_ws(websocket: WebSocket) -> None:
+        default = "/v1/realtime" if gpu.preset.kind == "asr" else "/v1/audio/speech/stream"
+        path = websocket.headers.get(INVOCATION_PATH_HEADER, default).split("?", 1)[0]
+        handler = _WS_HANDLERS.get("/" + path.strip().lstrip("/"))
+        if handler is None:
+            await websocket.send_denial_response(
+                error_response(
+                    f"unknown invocation path {path!r}; use one of {', '.join(_WS_HANDLERS)}",
+                    404,
+                )
+            )
+            return
+        await _serve_ws(gpu, websocket, handler, binary_as_text=True)
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=503 if gpu.faults.unhealthy else 200)
+
+    async def ping(request: Request) -> Response:
+        if gpu.faults.unhealthy:
+            return JSONResponse({"status": "unhealthy"}, status_code=503)
+        return JSONResponse({"status": "healthy"})
+
+    async def models(request: Request) -> Response:
+        card = {
+            "id": model,
+            "object": "model",
+            "created": started,
+            "owned_by": "vllm",
+            "root": model,
+            "parent": None,
+            "max_model_len": 32768,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(gpu.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def version(request: Request) -> Response:
+        return JSONResponse({"version": "headroom-sim", "preset": gpu.preset.name})
+
+    async def faults(request: Request) -> Response:
+        target = _target(gpu, request)
+        if isinstance(target, JSONResponse):
+            return target
+        if request.method == "GET":
+            return JSONResponse(target.faults.as_json())
+        if request.method == "DELETE":
+            new = type(target.faults)()
+        else:
+            try:
+                changes = json.loads(await request.body())
+                if not isinstance(changes, dict):
+                    raise ValueError("the body must be a JSON object of fault fields")
+                new = target.faults.updated(changes)
+            except json.JSONDecodeError:
+                return error_response("Invalid JSON body", 400)
+            except ValueError as exc:
+                return error_response(str(exc), 400)
+        # Refusing closes only the listener; this request's connection still answers.
+        await target.set_faults(new)
+        return JSONResponse(new.as_json())
+
+    async def stats(request: Request) -> Response:
+        target = _target(gpu, request)
+        if isinstance(target, JSONResponse):
+            return target
+        return JSONResponse(target.stats_json())
+
+    routes = [
+        Route("/v1/audio/speech", speech, methods=["POST"]),
+        WebSocketRoute("/v1/audio/speech/stream", speech_ws),
+        WebSocketRoute("/v1/realtime", realtime_ws),
+        Route("/v1/audio/transcriptions", transcriptions, methods=["POST"]),
+        Route("/ping", ping, methods=["GET"]),
+        WebSocketRoute("/invocations-bidirectional-stream", sagemaker_ws),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/version", version, methods=["GET"]),
+        Route("/sim/faults", faults, methods=["GET", "POST", "DELETE"]),
+        Route("/sim/stats", stats, methods=["GET"]),
+    ]
+    return Starlette(routes=routes)

@@ -1,0 +1,169 @@
+"""``headroom sim``: serve simulated GPUs, list presets, describe a preset.
+
+The lead's ``proxy/cli.py`` wires :func:`add_arguments` and :func:`run` into the
+``sim`` subcommand::
+
+    headroom sim --preset l40s-qwen3tts-1.7b --gpus 2 --host 127.0.0.1 --port 8000
+    headroom sim --list-presets
+    headroom sim --describe h200-qwen3tts-1.7b --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+from typing import TextIO
+
+from proxy.sim.capacity import describe
+from proxy.sim.cluster import running_cluster
+from proxy.sim.faults import add_fault_arguments, faults_from_args
+from proxy.sim.gpu import Timeouts
+from proxy.sim.presets import DEFAULT_PRESET, PRESETS, get_preset, preset_names
+
+__all__ = ["add_arguments", "main", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``headroom sim``'s options to ``parser``."""
+    parser.add_argument(
+        "--preset",
+        default=DEFAULT_PRESET,
+        metavar="PRESET",
+        help=f"deployment to simulate (default {DEFAULT_PRESET}; see --list-presets)",
+    )
+    parser.add_argument("--gpus", type=int, default=1, help="simulated GPUs, one port each")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="first port; GPU i uses PORT+i (0: free ports)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the step-time jitter")
+    parser.add_argument("--list-presets", action="store_true", help="list presets and exit")
+    parser.add_argument("--describe", metavar="PRESET", help="measure a preset and exit")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--max-num-seqs", type=int, metavar="N", help="override vLLM max_num_seqs")
+    parser.add_argument("--kv-cache-gib", type=float, metavar="GIB", help="override KV cache size")
+    parser.add_argument(
+        "--speech-config-timeout", type=float, default=10.0, metavar="S",
+        help="speech WebSocket: seconds to wait for session.config (vLLM-Omni: 10)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--speech-idle-timeout", type=float, default=30.0, metavar="S",
+        help="speech WebSocket: idle timeout in seconds (vLLM-Omni: 30)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--exit-after", type=float, metavar="S", help="stop serving after S seconds"
+    )
+    add_fault_arguments(parser)
+
+
+def _print_presets(args: argparse.Namespace, out: TextIO) -> None:
+    if args.json:
+        rows = [
+            {"preset": p.name, "kind": p.kind, "model": p.model, "gpu": p.gpu.name,
+             "description": p.description}
+            for p in PRESETS.values()
+        ]  # fmt: skip
+        print(json.dumps(rows, indent=2), file=out)
+        return
+    for name in preset_names():
+        p = PRESETS[name]
+        default = " (default)" if name == DEFAULT_PRESET else ""
+        print(f"{name:28s} {p.kind:4s} {p.gpu.name:9s} {p.description}{default}", file=out)
+
+
+def _print_description(info: dict[str, object], args: argparse.Namespace, out: TextIO) -> None:
+    if args.json:
+        print(json.dumps(info, indent=2), file=out)
+        return
+    keys = ("preset", "model", "gpu", "token_rate_hz", "single_stream_rtf",
+            "single_stream_delivery_ratio", "ttfa_s", "knee_batch", "ceiling",
+            "ceiling_mean_model", "expected_ceiling")  # fmt: skip
+    for key in keys:
+        print(f"{key:30s} {info[key]}", file=out)
+    print("ramp (concurrency: worst-1% / median delivery ratio, mean step ms)", file=out)
+    ramp = info["ramp"]
+    assert isinstance(ramp, list)
+    for row in ramp:
+        print(
+            f"  {row['concurrency']:5d}: {row['p01_delivery_ratio']:6.3f} / "
+            f"{row['median_delivery_ratio']:6.3f}  {row['mean_step_ms']:7.1f}",
+            file=out,
+        )
+
+
+async def _serve(args: argparse.Namespace, out: TextIO) -> None:
+    preset = get_preset(args.preset)
+    if args.max_num_seqs is not None or args.kv_cache_gib is not None:
+        preset = preset.with_overrides(
+            max_num_seqs=args.max_num_seqs,
+            kv_cache_bytes=None if args.kv_cache_gib is None else args.kv_cache_gib * 2**30,
+        )
+    timeouts = Timeouts(args.speech_config_timeout, args.speech_idle_timeout)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        async with running_cluster(
+            preset, args.gpus, args.host, args.port, args.seed, faults_from_args(args), timeouts
+        ) as cluster:
+            if args.json:
+                print(json.dumps({"preset": preset.name, "urls": cluster.urls}), file=out)
+            else:
+                print(f"headroom sim: {preset.name} ({preset.model}), {args.gpus} GPU(s)", file=out)
+                for gpu in cluster.gpus:
+                    print(f"  gpu{gpu.index}  {gpu.url}", file=out)
+            out.flush()
+            if args.exit_after is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), args.exit_after)
+            else:
+                await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+                loop.remove_signal_handler(sig)
+
+
+def _require_no_running_loop() -> None:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise RuntimeError(
+        "proxy.sim.cli.run() serves from its own event loop; inside a running loop use "
+        "proxy.sim.running_cluster() instead"
+    )
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Carry out ``headroom sim``; returns the exit status."""
+    out = out or sys.stdout
+    try:
+        if args.list_presets:
+            _print_presets(args, out)
+            return 0
+        if args.describe:
+            _print_description(describe(args.describe, args.seed), args, out)
+            return 0
+        if args.gpus < 1:
+            raise ValueError("--gpus must be >= 1")
+        faults_from_args(args)  # validate before binding anything
+        _require_no_running_loop()
+        asyncio.run(_serve(args, out))
+        return 0
+    except (ValueError, OSError) as exc:
+        print(f"headroom sim: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry point (``python -m proxy.sim``)."""
+    parser = argparse.ArgumentParser(prog="headroom sim", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,400 @@
+"""The pure continuous-batching engine model of one simulated GPU.
+
+No asyncio, no clock reads: the caller owns time. It calls :meth:`Engine.step`
+with the time the step starts; the engine admits waiting sequences, advances every
+ready running sequence by one token, and returns a :class:`Step` saying how long
+the step takes and which chunks it emits. The emissions become visible at
+``step.started_at + step.duration``; the next step may start then. Tests drive it on
+a virtual clock; :mod:`proxy.sim.runner` drives it in real time, one loop per GPU.
+
+Step time (ENGINE_FIGURES section 5)::
+
+    memory  = (weight bytes read per step + KV bytes of the ready sequences) / bandwidth
+    compute = batch x (1 - vocoder_share) x F_eff / peak FLOPs
+    step    = (max(memory, compute) + c0 + c_seq x batch
+               + prefill of newly admitted prompts
+               + vocoder_share x F_eff x chunk tokens / peak, per chunk emitted)
+              x jitter
+
+``jitter`` is a seeded log-normal factor with mean 1 whose 95th percentile is
+``jitter_p95`` (1.3 in the published-curve fits). It is an AR(1) process in time
+(correlation time ``jitter_tau_s``), so slow phases last long enough to slow whole
+chunks, as they do on real cards.
+
+Sequences wait inside the engine (``vllm:num_requests_waiting``) while the running
+batch is at ``max_num_seqs`` or the KV budget cannot hold their prompt; when the
+running batch outgrows the KV budget the most recently admitted sequence is
+preempted (recompute) and waits at the head of the queue, as vLLM does.
+
+A sequence is *gated* when its output may not run ahead of its input (streaming
+ASR and speech-to-speech: one token per ``1/token_rate`` seconds of audio received);
+a gated sequence with no input left is running but idle: it holds KV, costs no
+compute, and makes no tokens.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from proxy.sim.spec import EngineSpec, jitter_sigma
+
+__all__ = [
+    "Emission",
+    "Engine",
+    "EngineSpec",
+    "EngineStats",
+    "Step",
+    "jitter_sigma",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Emission:
+    """Tokens ``[start, end)`` of sequence ``seq_id`` became available (one chunk)."""
+
+    seq_id: int
+    start: int
+    end: int
+    final: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One engine iteration. Its emissions are visible at ``started_at + duration``."""
+
+    started_at: float
+    duration: float
+    batch: int  #: sequences advanced this step
+    emissions: tuple[Emission, ...]
+    running: int = 0  #: sequences in the batch after admission (idle gated ones included)
+    waiting: int = 0  #: sequences still waiting after admission
+    admitted: tuple[int, ...] = ()
+    preempted: tuple[int, ...] = ()
+    #: (seq_id, seconds from submit to its first token) for first tokens made this step
+    first_tokens: tuple[tuple[int, float], ...] = ()
+    #: (seq_id, seconds spent waiting before admission)
+    queue_times: tuple[tuple[int, float], ...] = ()
+    #: (seq_id, seconds from submit to its last token) for sequences finished this step
+    finished: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def ends_at(self) -> float:
+        return self.started_at + self.duration
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """A snapshot for metrics and tests."""
+
+    running: int
+    waiting: int
+    kv_tokens: int
+    kv_usage: float  #: fraction of the KV budget in use, 0..1
+    steps: int
+    tokens_generated: int
+    prompt_tokens: int
+    preemptions: int
+    last_batch: int
+    last_step_s: float
+
+
+@dataclass(slots=True)
+class _Seq:
+    seq_id: int
+    prompt_tokens: int
+    first_chunk: int
+    chunk: int
+    gated: bool
+    submitted_at: float
+    limit: int  #: tokens it may generate so far (input received, or the target)
+    closed: bool  #: limit is final; the sequence finishes when it reaches it
+    generated: int = 0
+    next_emit: int = 0
+    emitted: int = 0
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    recompute: bool = False
+    context: int = 0  #: KV tokens held while running
+
+
+@dataclass(slots=True)
+class _Counters:
+    steps: int = 0
+    tokens: int = 0
+    prompt_tokens: int = 0
+    preemptions: int = 0
+    last_batch: int = 0
+    last_step_s: float = 0.0
+
+
+class Engine:
+    """A continuous-batching engine on one GPU. Not thread-safe; call from one loop.
+
+    Contract: ``step(now)`` must be called with non-decreasing times, and the next call
+    should not start before the previous ``step.ends_at``.
+    """
+
+    def __init__(self, spec: EngineSpec, *, seed: int = 0) -> None:
+        self.spec = spec
+        self._rng = random.Random(seed)
+        self._sigma = jitter_sigma(spec.jitter_p95)
+        self._jitter_state = 0.0
+        self._next_id = 1
+        self._seqs: dict[int, _Seq] = {}
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._kv_tokens = 0
+        self._count = _Counters()
+
+    # -- submissions ------------------------------------------------------------------
+
+    def submit(
+        self,
+        *,
+        now: float,
+        prompt_tokens: int,
+        output_tokens: int | None = None,
+        first_chunk_tokens: int,
+        chunk_tokens: int,
+    ) -> int:
+        """Queue a sequence; return its id.
+
+        ``output_tokens`` set: a free-running generation of that many tokens (TTS, file
+        ASR). ``None``: a gated stream whose tokens are released by :meth:`extend_input`
+        and which finishes after :meth:`close_input`. Chunks are ``first_chunk_tokens``
+        then ``chunk_tokens`` long (the last one may be shorter).
+        """
+        if prompt_tokens < 0 or first_chunk_tokens < 1 or chunk_tokens < 1:
+            raise ValueError("prompt_tokens >= 0 and chunk sizes >= 1 required")
+        if output_tokens is not None and output_tokens < 0:
+            raise ValueError("output_tokens must be >= 0")
+        need = (prompt_tokens + first_chunk_tokens) * self.spec.kv_bytes_per_token
+        if need > self.spec.kv_budget_bytes:
+            raise ValueError(
+                f"prompt of {prompt_tokens} tokens does not fit the KV cache "
+                f"({self.spec.kv_budget_bytes / 2**30:.1f} GiB)"
+            )
+        seq = _Seq(
+            seq_id=self._next_id,
+            prompt_tokens=prompt_tokens,
+            first_chunk=first_chunk_tokens,
+            chunk=chunk_tokens,
+            gated=output_tokens is None,
+            submitted_at=now,
+            limit=output_tokens or 0,
+            closed=output_tokens is not None,
+            next_emit=first_chunk_tokens,
+        )
+        self._next_id += 1
+        self._seqs[seq.seq_id] = seq
+        self._waiting.append(seq)
+        return seq.seq_id
+
+    def extend_input(self, seq_id: int, tokens: int) -> None:
+        """A gated sequence may generate ``tokens`` more (its input grew)."""
+        seq = self._seqs.get(seq_id)
+        if seq is None or seq.closed or tokens <= 0:
+            return
+        seq.limit += tokens
+
+    def close_input(self, seq_id: int) -> None:
+        """No more input: the gated sequence finishes once it reaches its limit."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            seq.closed = True
+
+    def cancel(self, seq_id: int) -> None:
+        """Abort a sequence (client went away); frees its slot and KV. Idempotent."""
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        if seq.admitted_at is not None and seq in self._running:
+            self._running.remove(seq)
+            self._kv_tokens -= seq.context
+        else:
+            try:
+                self._waiting.remove(seq)
+            except ValueError:
+                pass
+
+    # -- queries ----------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        """True when a step now would admit or advance something."""
+        if self._waiting and self._can_admit(self._waiting[0]):
+            return True
+        return any(self._ready(s) for s in self._running)
+
+    def contains(self, seq_id: int) -> bool:
+        return seq_id in self._seqs
+
+    def stats(self) -> EngineStats:
+        c = self._count
+        return EngineStats(
+            running=len(self._running),
+            waiting=len(self._waiting),
+            kv_tokens=self._kv_tokens,
+            kv_usage=min(
+                1.0, self._kv_tokens * self.spec.kv_bytes_per_token / self.spec.kv_budget_bytes
+            ),
+            steps=c.steps,
+            tokens_generated=c.tokens,
+            prompt_tokens=c.prompt_tokens,
+            preemptions=c.preemptions,
+            last_batch=c.last_batch,
+            last_step_s=c.last_step_s,
+        )
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (
+            f"<Engine running={s.running} waiting={s.waiting} kv={s.kv_usage:.1%} steps={s.steps}>"
+        )
+
+    # -- the step -----------------------------------------------------------------------
+
+    def step(self, now: float) -> Step:
+        """Run one iteration starting at ``now``; see the module docstring."""
+        spec = self.spec
+        admitted, queue_times, prefill_s = self._admit(now)
+        preempted = self._preempt_for_growth()
+        running, waiting = len(self._running), len(self._waiting)
+        kv_per_step = 0
+        batch = 0
+        vocoder_tokens = 0
+        emissions: list[Emission] = []
+        first_tokens: list[tuple[int, float]] = []
+        finished_seqs: list[_Seq] = []
+        for seq in self._running:
+            if seq.generated >= seq.limit:
+                if seq.closed:  # input ended after it caught up: close the stream
+                    emissions.append(Emission(seq.seq_id, seq.emitted, seq.generated, True))
+                    vocoder_tokens += seq.generated - seq.emitted
+                    seq.emitted = seq.generated
+                    finished_seqs.append(seq)
+                continue
+            batch += 1
+            kv_per_step += seq.context
+            seq.generated += 1
+            seq.context += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = now  # corrected to the step end below
+                first_tokens.append((seq.seq_id, 0.0))
+            done = seq.closed and seq.generated >= seq.limit
+            if seq.generated >= seq.next_emit or done:
+                emissions.append(Emission(seq.seq_id, seq.emitted, seq.generated, done))
+                vocoder_tokens += seq.generated - seq.emitted
+                seq.emitted = seq.generated
+                seq.next_emit = seq.generated + seq.chunk
+            if done:
+                finished_seqs.append(seq)
+        self._kv_tokens += batch
+        duration = max(spec.memory_term(kv_per_step), spec.compute_term(batch)) if batch else 0.0
+        duration += spec.step_overhead_s + spec.per_seq_overhead_s * batch + prefill_s
+        duration += vocoder_tokens * spec.vocoder_share * spec.flops_per_token / spec.peak_flops
+        duration *= self._jitter(duration)
+        end = now + duration
+        firsts = []
+        for seq_id, _ in first_tokens:
+            seq = self._seqs[seq_id]
+            seq.first_token_at = end
+            firsts.append((seq_id, end - seq.submitted_at))
+        finished = []
+        for seq in finished_seqs:
+            self._running.remove(seq)
+            self._kv_tokens -= seq.context
+            del self._seqs[seq.seq_id]
+            finished.append((seq.seq_id, end - seq.submitted_at))
+        c = self._count
+        c.steps += 1
+        c.tokens += batch
+        c.last_batch = batch
+        c.last_step_s = duration
+        return Step(
+            started_at=now,
+            duration=duration,
+            batch=batch,
+            emissions=tuple(emissions),
+            running=running,
+            waiting=waiting,
+            admitted=tuple(admitted),
+            preempted=tuple(preempted),
+            first_tokens=tuple(firsts),
+            queue_times=tuple(queue_times),
+            finished=tuple(finished),
+        )
+
+    # -- internals ------------------------------------------------------------------------
+
+    @staticmethod
+    def _ready(seq: _Seq) -> bool:
+        return seq.generated < seq.limit or (seq.closed and seq.generated >= seq.limit)
+
+    def _prompt_cost(self, seq: _Seq) -> int:
+        # A preempted sequence recomputes its prompt and everything it generated.
+        return seq.prompt_tokens + (seq.generated if seq.recompute else 0)
+
+    def _can_admit(self, seq: _Seq) -> bool:
+        if len(self._running) >= self.spec.max_num_seqs:
+            return False
+        need = self._prompt_cost(seq) + seq.first_chunk
+        return (self._kv_tokens + need) * self.spec.kv_bytes_per_token <= self.spec.kv_budget_bytes
+
+    def _admit(self, now: float) -> tuple[list[int], list[tuple[int, float]], float]:
+        spec = self.spec
+        admitted: list[int] = []
+        queue_times: list[tuple[int, float]] = []
+        prefill_tokens = 0
+        while self._waiting and self._can_admit(self._waiting[0]):
+            seq = self._waiting[0]
+            cost = self._prompt_cost(seq)
+            if admitted and prefill_tokens + cost > spec.max_num_batched_tokens:
+                break
+            self._waiting.popleft()
+            if seq.admitted_at is None:
+                queue_times.append((seq.seq_id, now - seq.submitted_at))
+                self._count.prompt_tokens += seq.prompt_tokens
+            seq.admitted_at = now
+            seq.context = cost
+            seq.recompute = False
+            self._kv_tokens += cost
+            self._running.append(seq)
+            admitted.append(seq.seq_id)
+            prefill_tokens += cost
+        prefill_s = 0.0
+        if admitted:
+            prefill_s = (
+                prefill_tokens * spec.prefill_flops_per_token / spec.peak_flops
+                + len(admitted) * spec.prefill_overhead_s
+            )
+        return admitted, queue_times, prefill_s
+
+    def _preempt_for_growth(self) -> list[int]:
+        spec = self.spec
+        preempted: list[int] = []
+        growth = sum(1 for s in self._running if s.generated < s.limit)
+        while (
+            len(self._running) > 1
+            and (self._kv_tokens + growth) * spec.kv_bytes_per_token > spec.kv_budget_bytes
+        ):
+            victim = self._running.pop()  # the most recently admitted
+            if victim.generated < victim.limit:
+                growth -= 1
+            self._kv_tokens -= victim.context
+            victim.context = 0
+            victim.recompute = True
+            self._waiting.appendleft(victim)
+            self._count.preemptions += 1
+            preempted.append(victim.seq_id)
+        return preempted
+
+    def _jitter(self, duration: float) -> float:
+        if self._sigma == 0.0:
+            return 1.0
+        rho = math.exp(-max(duration, 1e-4) / self.spec.jitter_tau_s)
+        x = rho * self._jitter_state + math.sqrt(1.0 - rho * rho) * self._rng.gauss(0.0, 1.0)
+        self._jitter_state = x
+        return math.exp(self._sigma * x - 0.5 * self._sigma * self._sigma)

@@ -1,0 +1,373 @@
+"""Presets: representative (GPU, speech model) deployments for the simulator.
+
+Every number comes from ``shared/ENGINE_FIGURES.md`` (GPU specs, table 1; model facts,
+table 2; published serving curves, section 3; chunk sizes, section 4; fitted
+overheads, section 5) or is derived from them; ``sources`` on each preset names the
+rows. Where a figure is an assumption it says so. ``docs/sim.md`` explains the fits.
+
+Two fitted terms carry the work a roofline does not see (ENGINE_FIGURES section 5):
+``flops_per_token`` is an *effective* per-stream cost (F_eff: vocoder on the same GPU,
+per-request Python work, multi-pass code predictors) and ``step_overhead_s`` (c0) the
+fixed per-step cost. ``vocoder_share`` moves that part of F_eff from every step to the
+step that emits a chunk, which is where a codec/vocoder really runs. Where a published
+single-stream RTF exists, c0 is fitted to it (one step per token); the slope past the
+knee is F_eff (+ c_seq), as in the ENGINE_FIGURES fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from proxy.sim.spec import EngineSpec
+
+__all__ = [
+    "DEFAULT_PRESET",
+    "GPUS",
+    "PRESETS",
+    "Gpu",
+    "Preset",
+    "get_preset",
+    "preset_names",
+]
+
+GB = 1e9
+KIB = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    """A GPU's public figures (ENGINE_FIGURES table 1; dense BF16, no sparsity)."""
+
+    name: str
+    memory_bytes: float
+    bandwidth: float  #: bytes/s
+    peak_flops: float  #: FLOP/s
+
+
+GPUS: dict[str, Gpu] = {
+    "L4": Gpu("L4", 24 * GB, 300 * GB, 121e12),
+    "L40S": Gpu("L40S", 48 * GB, 864 * GB, 362e12),
+    "H100": Gpu("H100 SXM", 80 * GB, 3350 * GB, 989e12),
+    "H200": Gpu("H200 SXM", 141 * GB, 4800 * GB, 989e12),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """One deployment: the engine figures plus what the protocols need.
+
+    ``kind`` is ``"tts"`` (text in, audio out at ``token_rate_hz`` codec tokens per
+    second of audio, PCM16 at ``sample_rate``) or ``"asr"`` (PCM16 audio in at
+    ``sample_rate``, one transcript token per ``1/token_rate_hz`` s of audio).
+    """
+
+    name: str
+    kind: Literal["tts", "asr"]
+    model: str  #: the id served by /v1/models
+    gpu: Gpu
+    description: str
+    engine: EngineSpec
+    token_rate_hz: float
+    sample_rate: int
+    first_chunk_tokens: int
+    chunk_tokens: int
+    prompt_overhead_tokens: int  #: system/voice prompt added to every request
+    resident_bytes: float  #: weights + codec held in GPU memory
+    gpu_memory_utilization: float
+    sources: tuple[str, ...]
+    published_rtf: float | None = None  #: the single-stream RTF the fit reproduces
+    expected_ceiling: str = ""  #: ENGINE_FIGURES' estimate, for the docs
+
+    def with_overrides(
+        self, *, max_num_seqs: int | None = None, kv_cache_bytes: float | None = None
+    ) -> Preset:
+        """A copy with vLLM's ``--max-num-seqs`` or the KV cache size changed."""
+        engine = self.engine
+        if max_num_seqs is not None:
+            engine = replace(engine, max_num_seqs=max_num_seqs)
+        if kv_cache_bytes is not None:
+            engine = replace(engine, kv_budget_bytes=kv_cache_bytes)
+        return replace(self, engine=engine)
+
+
+def _kv_budget(gpu: Gpu, utilization: float, resident: float, activations: float) -> float:
+    # vLLM: --gpu-memory-utilization x total, less weights and the activation peak.
+    return gpu.memory_bytes * utilization - resident - activations
+
+
+def _preset(
+    *,
+    name: str,
+    kind: Literal["tts", "asr"],
+    model: str,
+    gpu: Gpu,
+    description: str,
+    weight_bytes: float,
+    resident_bytes: float,
+    kv_per_token: int,
+    f_eff: float,
+    c0: float,
+    c_seq: float = 0.0,
+    vocoder_share: float,
+    prefill_params: float,
+    token_rate_hz: float,
+    sample_rate: int,
+    first_chunk: int,
+    chunk: int,
+    prompt_overhead: int,
+    sources: tuple[str, ...],
+    published_rtf: float | None,
+    expected_ceiling: str,
+    activations: float = 3 * GB,
+    utilization: float = 0.9,
+    max_num_seqs: int = 256,
+) -> Preset:
+    # c0 is fitted so the single-stream step reproduces the published RTF (one step
+    # per token); with no published RTF the ENGINE_FIGURES c0 is used as is.
+    per_stream = f_eff / gpu.peak_flops
+    memory = weight_bytes / gpu.bandwidth
+    at_one = max(memory, (1 - vocoder_share) * per_stream) + vocoder_share * per_stream + c_seq
+    fitted_c0 = c0 if published_rtf is None else published_rtf / token_rate_hz - at_one
+    if fitted_c0 <= 0:
+        raise ValueError(f"preset {name}: published RTF is below the roofline")
+    engine = EngineSpec(
+        mem_bandwidth=gpu.bandwidth,
+        peak_flops=gpu.peak_flops,
+        weight_bytes_per_step=weight_bytes,
+        kv_bytes_per_token=kv_per_token,
+        kv_budget_bytes=_kv_budget(gpu, utilization, resident_bytes, activations),
+        flops_per_token=f_eff,
+        step_overhead_s=fitted_c0,
+        per_seq_overhead_s=c_seq,
+        vocoder_share=vocoder_share,
+        prefill_flops_per_token=2 * prefill_params,
+        prefill_overhead_s=0.004,
+        max_num_seqs=max_num_seqs,
+    )
+    return Preset(
+        name=name,
+        kind=kind,
+        model=model,
+        gpu=gpu,
+        description=description,
+        engine=engine,
+        token_rate_hz=token_rate_hz,
+        sample_rate=sample_rate,
+        first_chunk_tokens=first_chunk,
+        chunk_tokens=chunk,
+        prompt_overhead_tokens=prompt_overhead,
+        resident_bytes=resident_bytes,
+        gpu_memory_utilization=utilization,
+        sources=sources,
+        published_rtf=published_rtf,
+        expected_ceiling=expected_ceiling,
+    )
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        _preset(
+            name="l4-cosyvoice2-0.5b",
+            kind="tts",
+            model="FunAudioLLM/CosyVoice2-0.5B",
+            gpu=GPUS["L4"],
+            description="CosyVoice 2 (Qwen2.5-0.5B LM, 25 Hz speech tokens, flow-matching "
+            "token2wav) on one L4",
+            weight_bytes=0.99 * GB,  # Qwen2.5-0.5B, 0.49B params in bf16
+            resident_bytes=1.6 * GB,  # LM + flow-matching + HiFT [D, U]
+            kv_per_token=12 * KIB,  # 24 layers x 2 KV heads x 64 x 2 x 2 B
+            f_eff=4.84e11,  # 4.0 ms per stream on L4 [fitted, U]
+            c0=0.0057,
+            vocoder_share=0.5,  # token2wav dominates the per-stream cost [U]
+            prefill_params=0.49e9,
+            token_rate_hz=25.0,
+            sample_rate=24000,
+            first_chunk=5,  # vllm-omni initial_codec_chunk_frames
+            chunk=25,  # CosyVoice token_hop_len (1 s)
+            prompt_overhead=40,
+            activations=2 * GB,
+            sources=(
+                "ENGINE_FIGURES 1: L4 300 GB/s, 121 TF",
+                "ENGINE_FIGURES 2: CosyVoice 2, Qwen2.5-0.5B, 25 Hz, 12 KiB/token",
+                "ENGINE_FIGURES 3: CosyVoice 2 on L20 TRT-LLM RTF 0.089 at c=1 "
+                "(x 864/300 bandwidth -> ~0.26 on L4); DiT first chunk 197/511/1215 ms "
+                "at c=1/4/10",
+                "ENGINE_FIGURES 3: RTX 5090 vLLM RTF 0.43 at c=1, 1.21 at c=8 [U]",
+                "ENGINE_FIGURES 4: token_hop_len 25; vllm-omni initial 5 frames",
+                "ENGINE_FIGURES 3: CosyVoice 3 ~30% of time in token2wav",
+            ),
+            published_rtf=0.25,
+            expected_ceiling="~5 (derived; no published L4 curve)",
+        ),
+        _preset(
+            name="l40s-qwen3tts-1.7b",
+            kind="tts",
+            model="Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice",
+            gpu=GPUS["L40S"],
+            description="Qwen3-TTS 12Hz 1.7B (talker + 15-pass code predictor) on one "
+            "L40S, vllm-omni async-chunk streaming",
+            weight_bytes=4.9 * GB,  # talker 2.8 GB + 15 x 0.136 GB predictor [D]
+            resident_bytes=4.5 * GB,
+            kv_per_token=112 * KIB,  # 28 layers x 8 x 128 x 2 x 2 B
+            f_eff=1.24e12,
+            c0=0.0139,
+            vocoder_share=0.2,  # Code2Wav on the same GPU [U]
+            prefill_params=1.7e9,
+            token_rate_hz=12.5,
+            sample_rate=24000,
+            first_chunk=4,  # ramp start [4, 4, 8, 16, 25]
+            chunk=25,  # codec_chunk_frames (2 s)
+            prompt_overhead=32,
+            sources=(
+                "ENGINE_FIGURES 1: L40S 864 GB/s, 362 TF",
+                "ENGINE_FIGURES 2: Qwen3-TTS 12.5 Hz, 112 KiB/token",
+                "ENGINE_FIGURES 3: L40S aggregate 4.08x at c=1, 8.17x c=4, 13.0x c=8, "
+                "18.0x c=16 (aws/deep-learning-containers PR #6022)",
+                "ENGINE_FIGURES 4: codec_chunk_frames 25, ramp [4,4,8,16,25]",
+                "ENGINE_FIGURES 5: W 4.9 GB, c0 13.9 ms, F_eff 1.24e12, RTF 0.245, "
+                "ceiling ~11 (mean 15)",
+            ),
+            published_rtf=0.245,
+            expected_ceiling="~11 (mean model 15)",
+        ),
+        _preset(
+            name="h200-qwen3tts-1.7b",
+            kind="tts",
+            model="Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice",
+            gpu=GPUS["H200"],
+            description="Qwen3-TTS 12Hz 1.7B on one H200, vllm-omni async-chunk streaming",
+            weight_bytes=4.9 * GB,
+            resident_bytes=4.5 * GB,
+            kv_per_token=112 * KIB,
+            f_eff=1.35e12,
+            c0=0.0118,
+            vocoder_share=0.2,
+            prefill_params=1.7e9,
+            token_rate_hz=12.5,
+            sample_rate=24000,
+            first_chunk=4,
+            chunk=25,
+            prompt_overhead=32,
+            sources=(
+                "ENGINE_FIGURES 1: H200 4.8 TB/s, 989 TF",
+                "ENGINE_FIGURES 3: H200 RTF 0.160 at c=1 (TTFP 64 ms), 0.314 at c=10 "
+                "(vllm-omni qwen3_omni_tts_performance_optimization.md)",
+                "ENGINE_FIGURES 5: W 4.9 GB, c0 11.8 ms, F_eff 1.35e12, ceiling ~30 (mean 40)",
+            ),
+            published_rtf=0.160,
+            expected_ceiling="~30 (mean model 40)",
+        ),
+        _preset(
+            name="h200-voxtral-tts-4b",
+            kind="tts",
+            model="mistralai/Voxtral-4B-TTS",
+            gpu=GPUS["H200"],
+            description="Voxtral TTS 4B (3.4B AR + flow-matching acoustic model + codec) "
+            "on one H200, vLLM-Omni",
+            weight_bytes=13 * GB,  # 6.8 GB backbone + 0.78 GB x 8 NFE [D, U]
+            resident_bytes=8.5 * GB,
+            kv_per_token=104 * KIB,  # 26 layers x 8 x 128 x 2 x 2 B
+            f_eff=7e11,
+            c0=0.0055,
+            vocoder_share=0.2,
+            prefill_params=3.4e9,
+            token_rate_hz=12.5,
+            sample_rate=24000,
+            first_chunk=4,  # same vllm-omni async-chunk stack as Qwen3-TTS [U]
+            chunk=25,
+            prompt_overhead=32,
+            sources=(
+                "ENGINE_FIGURES 1: H200 4.8 TB/s, 989 TF",
+                "ENGINE_FIGURES 2: Voxtral TTS 12.5 Hz, 104 KiB/token",
+                "ENGINE_FIGURES 3: H200 RTF 0.103 at c=1, 0.237 at c=16, 0.302 at c=32 "
+                "(HF model card via secondary sources) [U]",
+                "ENGINE_FIGURES 5: W ~13 GB, c0 5.5 ms, F_eff 7e11, ceiling ~65 (mean 87)",
+            ),
+            published_rtf=0.103,
+            expected_ceiling="~65 (mean model 87; extrapolated past c=32)",
+        ),
+        _preset(
+            name="h100-orpheus-3b",
+            kind="tts",
+            model="canopylabs/orpheus-3b-0.1-ft",
+            gpu=GPUS["H100"],
+            description="Orpheus 3B (Llama-3.2-3B, SNAC codec, 7 tokens per frame) on one "
+            "H100 SXM, stock vLLM",
+            weight_bytes=6.4 * GB,
+            resident_bytes=6.6 * GB,
+            kv_per_token=112 * KIB,  # 28 layers x 8 x 128 x 2 x 2 B
+            # Stock engine. ENGINE_FIGURES adds the memory term to 1.8e11's compute
+            # term to reach Baseten's ~24 streams; under max() that same tail budget
+            # (7.8 ms) needs F_eff ~2.6e11 [fitted].
+            f_eff=2.6e11,
+            c0=0.0015,
+            vocoder_share=0.1,  # SNAC (~20M params) decodes the last 28 tokens per emit
+            prefill_params=3.2e9,
+            token_rate_hz=82.0,  # SNAC 12+23+47 Hz: 7 tokens per ~85 ms frame
+            sample_rate=24000,
+            first_chunk=28,  # emits once more than 27 tokens exist
+            chunk=7,  # then every frame (~85 ms)
+            prompt_overhead=24,
+            sources=(
+                "ENGINE_FIGURES 1: H100 SXM 3.35 TB/s, 989 TF",
+                "ENGINE_FIGURES 2: Orpheus 3B, ~82 tok/s, 112 KiB/token",
+                "ENGINE_FIGURES 3: ~24 realtime streams per H100 at Baseten's baseline "
+                "(silares.com); 16-24 on an H100 MIG (Baseten talk)",
+                "ENGINE_FIGURES 4: first emit after 28 tokens, then every 7",
+                "ENGINE_FIGURES 5: c0 1.5 ms [U], F_eff 1.8e11 (stock) with the memory "
+                "term added, RTF ~0.28; budget 10.2 ms, tail 7.8 ms",
+            ),
+            published_rtf=0.28,
+            expected_ceiling="~24 stock (200-280 tuned)",
+        ),
+        _preset(
+            name="h100-voxtral-realtime-4b",
+            kind="asr",
+            model="mistralai/Voxtral-Mini-4B-Realtime-2602",
+            gpu=GPUS["H100"],
+            description="Voxtral Mini 4B Realtime (streaming ASR, one text token per 80 ms "
+            "of audio) on one H100 SXM, vLLM /v1/realtime",
+            weight_bytes=8.4 * GB,  # 3.4B LM + ~0.8B causal encoder in bf16 [D, U]
+            resident_bytes=8.8 * GB,
+            kv_per_token=104 * KIB,  # [U]
+            # Roofline 1.3e10 FLOP per step (decoder 6.8e9 + encoder on 80 ms of audio
+            # 6.4e9) x the ~30x stock-engine factor measured for Orpheus [D, U].
+            f_eff=3.9e11,
+            c0=0.0055,  # same backbone and engine as the Voxtral TTS fit [U]
+            vocoder_share=0.0,
+            prefill_params=3.4e9,
+            token_rate_hz=12.5,
+            sample_rate=16000,
+            first_chunk=6,  # default transcription delay 480 ms
+            chunk=6,  # transcript segments of 480 ms
+            prompt_overhead=16,
+            sources=(
+                "ENGINE_FIGURES 1: H100 SXM 3.35 TB/s, 989 TF",
+                "ENGINE_FIGURES 2: Voxtral Mini 4B Realtime, 1 text token per 80 ms, "
+                "~104 KiB/token [U]; delay 80 ms-2.4 s, default 480 ms",
+                "ENGINE_FIGURES 5: Voxtral TTS c0 5.5 ms; Orpheus stock/roofline ~28x",
+            ),
+            published_rtf=None,
+            expected_ceiling="no published curve; derived",
+        ),
+    )
+}
+
+DEFAULT_PRESET = "l40s-qwen3tts-1.7b"
+
+
+def preset_names() -> list[str]:
+    """The preset names, in a stable order."""
+    return list(PRESETS)
+
+
+def get_preset(name: str) -> Preset:
+    """The named preset; ``ValueError`` listing the valid names otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown simulator preset {name!r}; choose one of: {', '.join(PRESETS)}"
+        ) from None

@@ -1,0 +1,184 @@
+"""The engine model against the seeds' curve, on a virtual clock (no sleeping).
+
+The flat-then-knee shape, the ceiling's definition, and where waiting starts are the
+simulator's reason to exist; these tests pin them for every preset.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+
+import pytest
+
+from proxy.sim.capacity import THRESHOLD, describe, run_load
+from proxy.sim.engine import Engine
+from proxy.sim.presets import DEFAULT_PRESET, PRESETS, get_preset, preset_names
+
+TTS_PRESETS = [name for name in preset_names() if PRESETS[name].kind == "tts"]
+
+
+def test_presets_have_the_agreed_names() -> None:
+    assert preset_names() == [
+        "l4-cosyvoice2-0.5b",
+        "l40s-qwen3tts-1.7b",
+        "h200-qwen3tts-1.7b",
+        "h200-voxtral-tts-4b",
+        "h100-orpheus-3b",
+        "h100-voxtral-realtime-4b",
+    ]
+    assert DEFAULT_PRESET == "l40s-qwen3tts-1.7b"
+    assert PRESETS["l4-cosyvoice2-0.5b"].token_rate_hz == 25.0
+    assert PRESETS["h100-voxtral-realtime-4b"].kind == "asr"
+    with pytest.raises(ValueError, match=r"l40s-qwen3tts-1\.7b"):
+        get_preset("a100-nothing")
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_describe_reports_rtf_and_ceiling_from_the_model(name: str) -> None:
+    info = describe(name)
+    preset = PRESETS[name]
+    assert info["preset"] == name
+    assert 0.05 < info["single_stream_rtf"] < 0.5
+    if preset.published_rtf is not None:
+        assert info["single_stream_rtf"] == pytest.approx(preset.published_rtf, rel=0.05)
+    ramp = {row["concurrency"]: row for row in info["ramp"]}
+    ceiling = info["ceiling"]
+    # The ceiling is where the ramp measured a pass, and one more stream failed.
+    assert ramp[ceiling]["p01_delivery_ratio"] >= THRESHOLD
+    assert ramp[ceiling + 1]["p01_delivery_ratio"] < THRESHOLD
+    assert all(r["p01_delivery_ratio"] >= THRESHOLD for n, r in ramp.items() if n <= ceiling)
+    # The tail ceiling is below what a mean-only model would promise.
+    assert 1 <= ceiling <= info["ceiling_mean_model"]
+
+
+def test_tts_ceilings_are_modest_and_match_engine_figures() -> None:
+    ceilings = {name: describe(name)["ceiling"] for name in TTS_PRESETS}
+    assert 9 <= ceilings["l40s-qwen3tts-1.7b"] <= 13  # ENGINE_FIGURES: ~11
+    assert 24 <= ceilings["h200-qwen3tts-1.7b"] <= 34  # ~30
+    assert 55 <= ceilings["h200-voxtral-tts-4b"] <= 80  # ~65
+    assert 16 <= ceilings["h100-orpheus-3b"] <= 30  # ~24 stock
+    assert 2 <= ceilings["l4-cosyvoice2-0.5b"] <= 8
+    assert max(ceilings.values()) <= 80
+
+
+def test_describe_is_deterministic_per_seed() -> None:
+    assert describe(DEFAULT_PRESET, 0) == describe(DEFAULT_PRESET, 0)
+    assert describe(DEFAULT_PRESET, 5)["ramp"] != describe(DEFAULT_PRESET, 0)["ramp"]
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_single_stream_delivery_ratio_is_one_over_rtf(name: str) -> None:
+    rtf = describe(name)["single_stream_rtf"]
+    alone = run_load(PRESETS[name], 1, seed=11, duration_s=120.0)
+    assert alone.median_delivery_ratio == pytest.approx(1 / rtf, rel=0.05)
+    assert alone.aggregate_delivery_ratio == pytest.approx(1 / rtf, rel=0.05)
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_per_stream_speed_is_flat_below_the_knee(name: str) -> None:
+    preset = PRESETS[name]
+    knee = preset.engine.knee_batch(300)
+    alone = run_load(preset, 1, seed=3).median_delivery_ratio
+    for n in sorted({1, max(1, knee // 2), knee}):
+        assert run_load(preset, n, seed=3).median_delivery_ratio == pytest.approx(alone, rel=0.15)
+
+
+def test_presets_with_a_memory_bound_region_have_a_real_knee() -> None:
+    knees = {name: PRESETS[name].engine.knee_batch(300) for name in preset_names()}
+    assert knees["h100-orpheus-3b"] >= 6
+    assert knees["h200-voxtral-tts-4b"] >= 3
+    assert knees["h100-voxtral-realtime-4b"] >= 4
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_past_the_ceiling_the_tail_is_below_threshold_and_keeps_falling(name: str) -> None:
+    preset = PRESETS[name]
+    ceiling = describe(name)["ceiling"]
+    loads = [ceiling + 1, round(ceiling * 1.5) + 1, ceiling * 2 + 2, ceiling * 3 + 3]
+    results = [run_load(preset, n, seed=0) for n in loads]
+    assert results[0].p01_delivery_ratio < THRESHOLD
+    tails = [r.p01_delivery_ratio for r in results]
+    medians = [r.median_delivery_ratio for r in results]
+    assert tails == sorted(tails, reverse=True)
+    assert len(set(tails)) == len(tails)
+    assert medians == sorted(medians, reverse=True)
+    assert len(set(medians)) == len(medians)
+    assert results[-1].mean_step_ms > results[0].mean_step_ms
+
+
+def test_past_the_knee_every_stream_slows_together() -> None:
+    preset = get_preset("h200-voxtral-tts-4b")
+
+    def per_stream_speed(n: int) -> list[float]:
+        engine = Engine(preset.engine, seed=1)
+        ids = [
+            engine.submit(
+                now=0.0,
+                prompt_tokens=64,
+                output_tokens=250,
+                first_chunk_tokens=preset.first_chunk_tokens,
+                chunk_tokens=preset.chunk_tokens,
+            )
+            for _ in range(n)
+        ]
+        first: dict[int, float] = {}
+        last: dict[int, float] = {}
+        now = 0.0
+        while engine.has_work():
+            step = engine.step(now)
+            now = step.ends_at
+            for em in step.emissions:
+                first.setdefault(em.seq_id, now)
+                last[em.seq_id] = now
+        return [(250 - 4) / 12.5 / (last[i] - first[i]) for i in ids]
+
+    below, above = per_stream_speed(2), per_stream_speed(150)
+    assert statistics.median(above) < 0.5 * statistics.median(below)
+    # Everyone pays, not just the newcomers: the spread stays small.
+    assert max(above) / min(above) < 1.05
+
+
+def test_waiting_grows_only_once_the_batch_is_full() -> None:
+    preset = get_preset(DEFAULT_PRESET).with_overrides(max_num_seqs=6)
+    assert run_load(preset, 6, seed=1, duration_s=20).max_waiting == 0
+    assert run_load(preset, 9, seed=1, duration_s=20).max_waiting >= 1
+
+
+def test_waiting_grows_only_once_the_kv_budget_is_full() -> None:
+    base = get_preset("h100-orpheus-3b")
+    # About four 15-second Orpheus streams' worth of KV.
+    tight = base.with_overrides(kv_cache_bytes=4 * 1300 * base.engine.kv_bytes_per_token)
+    roomy = run_load(base, 8, seed=2, duration_s=20)
+    assert roomy.max_waiting == 0
+    squeezed = run_load(tight, 8, seed=2, duration_s=20)
+    assert squeezed.max_waiting >= 1
+    assert squeezed.mean_batch < roomy.mean_batch
+
+
+def test_engine_never_leaves_work_waiting_while_there_is_room() -> None:
+    """Invariant over a long run: waiting > 0 implies the batch or KV is full."""
+    preset = get_preset("h100-orpheus-3b")
+    spec = replace(preset.engine, max_num_seqs=10, kv_budget_bytes=6000 * 112 * 1024)
+    engine = Engine(spec, seed=4)
+    now, arrivals, waited = 0.0, [0.05 * i for i in range(60)], 0
+    while arrivals or engine.has_work():
+        while arrivals and arrivals[0] <= now:
+            engine.submit(
+                now=arrivals.pop(0), prompt_tokens=100, output_tokens=400,
+                first_chunk_tokens=28, chunk_tokens=7,
+            )  # fmt: skip
+        if not engine.has_work():
+            now = arrivals[0]
+            continue
+        kv_before = engine.stats().kv_tokens
+        step = engine.step(now)
+        now = step.ends_at
+        if step.waiting:
+            # Admission stopped with work waiting: the batch is full, or the next
+            # prompt (100 tokens + first chunk) no longer fits the KV cache.
+            kv_after_admit = kv_before + 100 * len(step.admitted)
+            kv_room = spec.kv_budget_bytes - kv_after_admit * spec.kv_bytes_per_token
+            assert step.running == spec.max_num_seqs or kv_room < 128 * spec.kv_bytes_per_token
+            waited += 1
+    assert waited > 0
