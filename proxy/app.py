@@ -4,7 +4,8 @@ the rest.
 * A WebSocket on a WebSocket route -> :func:`proxy.relay.ws.relay_websocket`.
 * An HTTP request on an HTTP route -> :func:`proxy.relay.http.relay_http`.
 * ``/healthz`` (alive), ``/readyz`` (config loaded, not draining, at least one healthy
-  replica; 503 otherwise), ``/metrics`` (Prometheus text format), served by a small
+  replica; 503 otherwise), ``/ping`` (the same, for SageMaker's container contract),
+  ``/metrics`` (Prometheus text format), served by a small
   FastAPI app. Anything else: 404 (a WebSocket is denied with 404). Upstreams come only
   from configuration: no header, path or query can choose a host.
 
@@ -55,6 +56,13 @@ def _ops_app(rt: Runtime) -> FastAPI:
             {"ready": ready, "reason": why, "active": rt.gate.active, "queued": rt.gate.queued},
             status_code=200 if ready else 503,
         )
+
+    @ops.get("/ping")
+    async def ping() -> JSONResponse:
+        """SageMaker's container health check: 200 while ready (answers from cached
+        state, well inside SageMaker's 2 s timeout)."""
+        ready, why = rt.ready()
+        return JSONResponse({"status": why}, status_code=200 if ready else 503)
 
     @ops.get("/metrics")
     async def metrics() -> Response:

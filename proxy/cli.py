@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -92,8 +93,10 @@ def _serve(args: argparse.Namespace) -> int:
     for warning in settings.warnings():
         print(f"headroom: warning: {warning}", file=sys.stderr)
 
+    config_path = args.config or os.environ.get("HEADROOM_CONFIG")
+
     async def run() -> None:
-        gateway = Gateway(settings)
+        gateway = Gateway(settings, config_path=config_path)
         print(
             f"headroom: serving on http://{settings.listen.host}:{gateway.port}",
             file=sys.stderr,

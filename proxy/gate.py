@@ -16,10 +16,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from proxy.admission import Admit, Enqueue, PoolCore, PoolStatistics, Reject
+from proxy.admission import (
+    Admit,
+    Enqueue,
+    PoolCore,
+    PoolStatistics,
+    QueuePolicy,
+    Reject,
+    ReplicaSpec,
+)
 from proxy.clock import Clock, TimerHandle
 from proxy.errors import FallbackHint, Refused, refusal_for
 from proxy.metrics import Metrics, ReplicaGauges
@@ -207,6 +215,50 @@ class Gate:
     def set_cap(self, pool: str, replica: str, cap: int) -> None:
         p = self._pool(pool)
         self._dispatch(pool, p, p.core.set_cap(replica, cap, self.clock.now()))
+
+    def apply_pool(
+        self,
+        name: str,
+        replicas: Sequence[ReplicaSpec],
+        queue: QueuePolicy,
+        fallback: FallbackHint | None,
+        *,
+        session_estimate_s: float = 20.0,
+    ) -> None:
+        """Create a pool, or change one live (reload): caps, queue limits, replicas
+        added or retired, fallback hint. Running sessions are never cut: a lowered cap
+        or a retired replica only stops new admissions there."""
+        now = self.clock.now()
+        p = self._pools.get(name)
+        if p is None:
+            core = PoolCore(name, replicas, queue, session_estimate_s=session_estimate_s)
+            self._pools[name] = _Pool(core, fallback)
+            return
+        p.fallback = fallback
+        if p.core.draining and not self.draining:  # a retired pool configured again
+            self._dispatch(name, p, p.core.undrain(now))
+        for reject in p.core.set_queue(queue, now):
+            self._resolve(name, p, reject)
+        current = {r.name: r for r in p.core.statistics().replicas}
+        wanted = {spec.name for spec in replicas}
+        for spec in replicas:
+            existing = current.get(spec.name)
+            if existing is None or existing.retired:
+                self._dispatch(name, p, p.core.add_replica(spec, now))
+            elif existing.cap != spec.max_sessions:
+                self._dispatch(name, p, p.core.set_cap(spec.name, spec.max_sessions, now))
+        for replica in current:
+            if replica not in wanted and not current[replica].retired:
+                p.core.retire_replica(replica)
+        self._dispatch(name, p, [])
+
+    def retire_pool(self, name: str) -> None:
+        """A pool left the configuration: refuse its waiters and newcomers
+        (``draining``); its running sessions finish."""
+        p = self._pool(name)
+        for reject in p.core.drain(self.clock.now()):
+            self._resolve(name, p, reject)
+        self._arm_timer(p)
 
     def on_health_change(self, listener: Callable[[str, str, bool], None]) -> None:
         self._healthy_listeners.append(listener)

@@ -1,4 +1,5 @@
-"""Run one Headroom gateway process: uvicorn + the app, signals, graceful drain.
+"""Run one Headroom gateway process: uvicorn + the app, the admin listener, signals,
+graceful drain and live reload (SIGHUP or ``POST /admin/reload``).
 
 Drain (SIGTERM, or :meth:`Gateway.drain`): ``/readyz`` fails at once, new sessions
 and queued waiters are refused with ``draining`` (the listener stays open so they
@@ -13,13 +14,15 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Mapping
 from typing import Any
 
+from proxy.admin import create_admin_app
 from proxy.app import create_app
+from proxy.errors import ConfigError
 from proxy.runtime import Runtime
 from proxy.serving import EmbeddedServer, bind_socket, make_config
-from proxy.settings import Settings
+from proxy.settings import Settings, load_settings
 
 __all__ = ["Gateway", "uvicorn_options"]
 
@@ -43,15 +46,35 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
 
 
 class Gateway:
-    """A gateway bound to ``settings.listen``; :meth:`serve` runs until stopped."""
+    """A gateway bound to ``settings.listen`` (and the admin listener, if enabled);
+    :meth:`serve` runs until stopped. ``config_path`` is what a reload re-reads."""
 
-    def __init__(self, settings: Settings, runtime: Runtime | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        runtime: Runtime | None = None,
+        *,
+        config_path: str | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.settings = settings
+        self.config_path = config_path
+        self._env = env
         self.runtime = runtime or Runtime(settings)
         self.app = create_app(self.runtime)
         self.server = EmbeddedServer(make_config(self.app, **uvicorn_options(settings)))
         self._sock = bind_socket(settings.listen.host, settings.listen.port)
         self.port: int = self._sock.getsockname()[1]
+        self.admin_server: EmbeddedServer | None = None
+        self._admin_sock = None
+        self.admin_port: int | None = None
+        if settings.admin.enabled:
+            admin = create_admin_app(self.runtime, self.reload, self.drain)
+            self.admin_server = EmbeddedServer(
+                make_config(admin, log_level=settings.log_level, lifespan="off")
+            )
+            self._admin_sock = bind_socket(settings.admin.host, settings.admin.port)
+            self.admin_port = self._admin_sock.getsockname()[1]
         self._drain_task: asyncio.Task[None] | None = None
         self._signals = 0
 
@@ -60,13 +83,40 @@ class Gateway:
         if install_signals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self._on_signal)
+            loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        admin_task = None
+        if self.admin_server is not None and self._admin_sock is not None:
+            admin_task = asyncio.ensure_future(self.admin_server.serve(sockets=[self._admin_sock]))
         try:
             await self.server.serve(sockets=[self._sock])
         finally:
             if install_signals:
-                for sig in (signal.SIGTERM, signal.SIGINT):
+                for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                     loop.remove_signal_handler(sig)
+            if admin_task is not None and self.admin_server is not None:
+                self.admin_server.should_exit = True
+                with contextlib.suppress(BaseException):
+                    await admin_task
             self._sock.close()
+            if self._admin_sock is not None:
+                self._admin_sock.close()
+
+    def reload(self) -> list[str]:
+        """Re-read the configuration file and apply it live. Raises ConfigError (the
+        running configuration stays) if the new one is invalid."""
+        if self.config_path is None:
+            raise ConfigError([("<file>", "this gateway was not started from a file")])
+        settings = load_settings(self.config_path, env=self._env)
+        changes = self.runtime.apply(settings)
+        self.settings = settings
+        log.info("configuration reloaded: %s", "; ".join(changes) or "no changes")
+        return changes
+
+    def _on_sighup(self) -> None:
+        try:
+            self.reload()
+        except ConfigError as err:
+            log.error("reload refused, keeping the running configuration: %s", err)
 
     @property
     def started(self) -> bool:

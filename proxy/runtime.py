@@ -11,9 +11,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
 from proxy.clock import Clock, LoopClock, TimerHandle
@@ -25,7 +27,7 @@ from proxy.protocols import AudioFormat, HttpAdapter, WsAdapter, http_adapter, w
 from proxy.settings import PoolSettings, RouteSettings, Settings
 from proxy.signals import ReplicaSignals
 
-__all__ = ["Runtime", "build_gate"]
+__all__ = ["Runtime", "build_gate", "parse_engine_metrics"]
 
 log = logging.getLogger("headroom.runtime")
 
@@ -42,6 +44,36 @@ def _core(pool: PoolSettings, seed: int) -> PoolCore:
         QueuePolicy(pool.queue.max_depth, pool.queue.max_wait_s),
         session_estimate_s=pool.session_estimate_s,
         seed=seed,
+    )
+
+
+_ENGINE_NAMES = {
+    "vllm:num_requests_waiting": 0,
+    "vllm:num_requests_running": 1,
+    "vllm:kv_cache_usage_perc": 2,
+}
+
+
+def parse_engine_metrics(text: str) -> tuple[float, float, float]:
+    """(waiting, running, KV usage 0..1) from a vLLM ``/metrics`` page, summed over
+    label sets (one engine may report per model). Raises ValueError if none is there."""
+    values = [0.0, 0.0, 0.0]
+    seen = False
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            index = _ENGINE_NAMES.get(sample.name)
+            if index is not None:
+                values[index] += sample.value
+                seen = True
+    if not seen:
+        raise ValueError("no vLLM engine metrics on that page")
+    return values[0], values[1], values[2]
+
+
+def _pool_specs(pool: PoolSettings) -> tuple[list[ReplicaSpec], QueuePolicy]:
+    return (
+        [ReplicaSpec(r.name, r.max_sessions) for r in pool.replicas],
+        QueuePolicy(pool.queue.max_depth, pool.queue.max_wait_s),
     )
 
 
@@ -67,6 +99,7 @@ class Runtime:
         self.signals: dict[tuple[str, str], ReplicaSignals] = {}
         self.guards: dict[tuple[str, str], ReplicaGuard] = {}
         self._guard_timer: TimerHandle | None = None
+        self.engine: dict[tuple[str, str], tuple[float, float, float]] = {}
         self._sinks: dict[tuple[str, str], PrometheusReplicaSink] = {}
         self._urls: dict[tuple[str, str], tuple[str, str]] = {}
         self._routes: dict[str, RouteSettings] = {}
@@ -84,6 +117,8 @@ class Runtime:
         self.settings = settings
         g = settings.guard
         policy = GuardPolicy(g.threshold, g.hysteresis, g.hold_s, g.min_samples)
+        configured = {(p.name, r.name) for p in settings.pools for r in p.replicas}
+        self.guards = {k: v for k, v in self.guards.items() if k in configured}
         for pool in settings.pools:
             for r in pool.replicas:
                 self._urls[(pool.name, r.name)] = (r.url, r.ws_url)
@@ -100,6 +135,46 @@ class Runtime:
             r.path: AudioFormat(r.audio.sample_rate, r.audio.channels, r.audio.sample_width)
             for r in settings.routes
         }
+
+    def apply(self, settings: Settings) -> list[str]:
+        """Apply a reloaded configuration live; returns what changed, in words.
+
+        Caps, queue limits, replicas (added or retired), pools, routes, limits, meter and
+        guard settings take effect for new sessions at once; running sessions are never
+        cut. ``listen`` and ``admin`` addresses need a restart (reported, not applied)."""
+        old = self.settings
+        changes: list[str] = []
+        if settings.listen != old.listen or settings.admin != old.admin:
+            changes.append("listen/admin address changes need a restart: not applied")
+        old_pools = {p.name: p for p in old.pools}
+        for pool in settings.pools:
+            replicas, queue = _pool_specs(pool)
+            if old_pools.get(pool.name) != pool:
+                changes.append(f"pool {pool.name}: " + (
+                    "updated" if pool.name in old_pools else "added"))  # fmt: skip
+            self.gate.apply_pool(
+                pool.name,
+                replicas,
+                queue,
+                pool.fallback.as_hint() if pool.fallback else None,
+                session_estimate_s=pool.session_estimate_s,
+            )
+        for name in old_pools.keys() - {p.name for p in settings.pools}:
+            self.gate.retire_pool(name)
+            changes.append(f"pool {name}: removed (running sessions finish)")
+        if settings.routes != old.routes:
+            changes.append("routes updated")
+        for section in ("limits", "meter", "guard", "health", "auth", "drain_timeout_s"):
+            if getattr(settings, section) != getattr(old, section):
+                changes.append(f"{section} updated")
+        self._apply_settings(settings)
+        if settings.guard.mode != "enforce" and old.guard.mode == "enforce":
+            for pool_name, replica in self.guards:
+                if pool_name in self.gate.pools():
+                    self.gate.set_guarded(pool_name, replica, False)
+        if self._guard_timer is None:
+            self._arm_guard()
+        return changes
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -118,6 +193,8 @@ class Runtime:
         )
         self.started = True
         self._arm_guard()
+        if self.settings.health.engine_metrics_interval_s > 0:
+            self.spawn(self._scrape_engines())
 
     async def stop(self) -> None:
         if self._guard_timer is not None:
@@ -214,7 +291,37 @@ class Runtime:
         return signals.worst_ratio(self.clock.now()) if signals else None
 
     def _replica_gauges(self) -> list[Any]:
-        return self.gate.replica_gauges(self.delivery_ratio_p99, self.guarded)
+        gauges = self.gate.replica_gauges(self.delivery_ratio_p99, self.guarded)
+        if not self.engine:
+            return gauges
+        out = []
+        for g in gauges:
+            figures = self.engine.get((g.pool, g.replica))
+            if figures is not None:
+                g = replace(g, engine_waiting=figures[0], engine_running=figures[1],
+                            engine_kv_usage=figures[2])  # fmt: skip
+            out.append(g)
+        return out
+
+    # -- engine metrics -------------------------------------------------------------------
+
+    async def _scrape_engines(self) -> None:
+        """Re-export each replica's own vLLM figures, so dashboards can show the engine's
+        queue (near zero) beside the listeners' gaps (not)."""
+        while True:
+            interval = self.settings.health.engine_metrics_interval_s
+            if interval <= 0:
+                return
+            for pool in self.settings.pools:
+                for r in pool.replicas:
+                    try:
+                        response = await self.http.get(r.url + "/metrics", timeout=2.0)
+                        figures = parse_engine_metrics(response.text)
+                    except (httpx.HTTPError, ValueError):
+                        self.engine.pop((pool.name, r.name), None)
+                        continue
+                    self.engine[(pool.name, r.name)] = figures
+            await asyncio.sleep(interval)
 
     # -- guard ----------------------------------------------------------------------------
 

@@ -1,0 +1,190 @@
+"""Graceful drain, live reload (admin endpoint and SIGHUP path), /ping, engine metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from proxy.gateway import Gateway
+from proxy.runtime import parse_engine_metrics
+from proxy.settings import load_settings
+from tests.integration.test_ws_relay import hello, upstream, wait_until
+
+__all__ = ["upstream"]
+
+
+def config(url: str, cap: int, **extra: Any) -> dict[str, Any]:
+    return {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "admin": {"host": "127.0.0.1", "port": 0},
+        "drain_timeout_s": 30,
+        "pools": [{"name": "main", "replicas": [{"name": "gpu0", "url": url,
+                                                 "max_sessions": cap}]}],
+        "routes": [{"path": "/ws/echo", "pool": "main", "protocol": "passthrough-ws"}],
+        **extra,
+    }  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(path: Path) -> AsyncIterator[Gateway]:
+    gateway = Gateway(load_settings(path, env={}), config_path=str(path), env={})
+    task = asyncio.ensure_future(gateway.serve(install_signals=False))
+    ready = asyncio.ensure_future(gateway.server.ready.wait())
+    await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+    assert gateway.server.started
+    try:
+        yield gateway
+    finally:
+        gateway.stop()
+        with contextlib.suppress(BaseException):
+            await asyncio.wait_for(task, 15)
+        assert gateway.runtime.gate.active == 0
+
+
+def ws(gateway: Gateway) -> str:
+    return f"ws://127.0.0.1:{gateway.port}/ws/echo"
+
+
+async def open_session(gateway: Gateway) -> ClientConnection:
+    client = await connect(ws(gateway), compression=None)
+    await hello(client)
+    return client
+
+
+async def test_drain_lets_running_sessions_finish_and_refuses_new_ones(
+    upstream: Any, tmp_path: Path
+) -> None:
+    server, _ = upstream
+    path = tmp_path / "headroom.yaml"
+    path.write_text(yaml.safe_dump(config(server.http_url, 4)))
+    async with running_gateway(path) as gateway:
+        sessions = [await open_session(gateway) for _ in range(2)]
+        drain = gateway.drain()
+        base = f"http://127.0.0.1:{gateway.port}"
+        async with httpx.AsyncClient() as client:
+            ready = await client.get(base + "/readyz")
+            assert ready.status_code == 503 and ready.json()["reason"] == "draining"
+        with pytest.raises(InvalidStatus) as info:
+            await connect(ws(gateway), compression=None)
+        assert info.value.response.headers["X-Headroom-Reason"] == "draining"
+        for client_ws in sessions:  # still relaying: none was cut
+            await client_ws.send("still flowing")
+            assert await client_ws.recv() == "still flowing"
+        await sessions[0].close()
+        assert not drain.done()
+        await sessions[1].close()
+        await asyncio.wait_for(drain, 10)  # the last session ended: the drain completes
+        assert gateway.server.should_exit
+
+
+async def test_drain_deadline_closes_remaining_sessions_with_1012(
+    upstream: Any, tmp_path: Path
+) -> None:
+    server, _ = upstream
+    path = tmp_path / "headroom.yaml"
+    path.write_text(yaml.safe_dump(config(server.http_url, 4)))
+    async with running_gateway(path) as gateway:
+        session = await open_session(gateway)
+        await asyncio.wait_for(gateway.drain(timeout_s=0.2), 10)
+        with pytest.raises(ConnectionClosed):
+            await session.recv()
+        assert session.close_code == 1012
+
+
+async def test_reload_lowers_and_raises_caps_under_live_sessions(
+    upstream: Any, tmp_path: Path
+) -> None:
+    server, _ = upstream
+    path = tmp_path / "headroom.yaml"
+    path.write_text(yaml.safe_dump(config(server.http_url, 2)))
+    async with running_gateway(path) as gateway:
+        admin = f"http://127.0.0.1:{gateway.admin_port}"
+        a, b = await open_session(gateway), await open_session(gateway)
+        path.write_text(yaml.safe_dump(config(server.http_url, 1)))
+        async with httpx.AsyncClient() as client:
+            response = await client.post(admin + "/admin/reload")
+            assert response.status_code == 200 and response.json()["reloaded"] is True
+            status = (await client.get(admin + "/admin/status")).json()
+        replica = status["pools"]["main"]["replicas"][0]
+        assert replica["cap"] == 1 and replica["active"] == 2  # lowered, nobody evicted
+        await a.send("ok")
+        assert await a.recv() == "ok"
+        with pytest.raises(InvalidStatus):
+            await connect(ws(gateway), compression=None)
+        await a.close()
+        await wait_until(lambda: gateway.runtime.gate.active == 1)
+        with pytest.raises(InvalidStatus):  # 1 active = the new cap
+            await connect(ws(gateway), compression=None)
+        path.write_text(yaml.safe_dump(config(server.http_url, 3)))
+        gateway._on_sighup()  # the SIGHUP path
+        c, d = await open_session(gateway), await open_session(gateway)
+        assert gateway.runtime.gate.active == 3
+        for client_ws in (b, c, d):
+            await client_ws.close()
+        await wait_until(lambda: gateway.runtime.gate.active == 0)
+
+
+async def test_bad_reload_keeps_the_running_configuration(
+    upstream: Any, tmp_path: Path
+) -> None:
+    server, _ = upstream
+    path = tmp_path / "headroom.yaml"
+    path.write_text(yaml.safe_dump(config(server.http_url, 2)))
+    async with running_gateway(path) as gateway:
+        before = gateway.runtime.settings
+        broken = config(server.http_url, 0)  # max_sessions 0 is invalid
+        path.write_text(yaml.safe_dump(broken))
+        async with httpx.AsyncClient() as client:
+            response = await client.post(f"http://127.0.0.1:{gateway.admin_port}/admin/reload")
+        assert response.status_code == 400
+        problems = response.json()["problems"]
+        assert problems[0]["field"] == "pools[0].replicas[0].max_sessions"
+        path.write_text("pools: [unclosed")
+        gateway._on_sighup()  # logged and refused
+        assert gateway.runtime.settings is before
+        session = await open_session(gateway)
+        await session.close()
+
+
+async def test_admin_key_required_off_loopback_and_ping(upstream: Any, tmp_path: Path) -> None:
+    import hashlib
+
+    server, _ = upstream
+    path = tmp_path / "headroom.yaml"
+    key = "s3cret-admin-key"
+    cfg = config(server.http_url, 1)
+    cfg["admin"] = {"host": "127.0.0.1", "port": 0,
+                    "api_key_sha256": hashlib.sha256(key.encode()).hexdigest()}  # fmt: skip
+    path.write_text(yaml.safe_dump(cfg))
+    async with running_gateway(path) as gateway, httpx.AsyncClient() as client:
+        admin = f"http://127.0.0.1:{gateway.admin_port}/admin/status"
+        assert (await client.get(admin)).status_code == 401
+        bad = await client.get(admin, headers={"Authorization": "Bearer nope"})
+        assert bad.status_code == 401
+        good = await client.get(admin, headers={"Authorization": f"Bearer {key}"})
+        assert good.status_code == 200 and good.json()["ready"] is True
+        ping = await client.get(f"http://127.0.0.1:{gateway.port}/ping")
+        assert ping.status_code == 200
+
+
+def test_parse_engine_metrics() -> None:
+    text = (
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        'vllm:num_requests_waiting{model_name="a"} 0.0\n'
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{model_name="a"} 7.0\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        'vllm:kv_cache_usage_perc{model_name="a"} 0.42\n'
+    )
+    assert parse_engine_metrics(text) == (0.0, 7.0, 0.42)
+    with pytest.raises(ValueError, match="no vLLM"):
+        parse_engine_metrics("other_metric 1\n")
