@@ -220,18 +220,22 @@ class PolicyViolation(HeadroomError):
 
     http_status: ClassVar[int] = 400
     close_code: ClassVar[int] = 1008
+    code: ClassVar[str] = "policy_violation"
 
 
 class Unauthorized(PolicyViolation):
     http_status: ClassVar[int] = 401
+    code: ClassVar[str] = "unauthorized"
 
 
 class Forbidden(PolicyViolation):
     http_status: ClassVar[int] = 403
+    code: ClassVar[str] = "forbidden"
 
 
 class MessageTooLarge(PolicyViolation):
     http_status: ClassVar[int] = 413
+    code: ClassVar[str] = "message_too_large"
 
 
 class UpstreamError(HeadroomError):

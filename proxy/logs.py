@@ -27,10 +27,16 @@ class DenialNoiseFilter(logging.Filter):
 
 
 def install_denial_filter() -> None:
-    """Attach the filter to uvicorn's error logger (idempotent)."""
+    """Attach Headroom's filters to uvicorn's error logger (idempotent): the denial
+    noise filter, and the redaction of ``api_key`` query values (uvicorn logs each
+    WebSocket's path with its query string)."""
+    from proxy.auth import KeyRedactionFilter
+
     logger = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, DenialNoiseFilter) for f in logger.filters):
         logger.addFilter(DenialNoiseFilter())
+    if not any(isinstance(f, KeyRedactionFilter) for f in logger.filters):
+        logger.addFilter(KeyRedactionFilter())
 
 
 class JsonFormatter(logging.Formatter):

@@ -28,13 +28,23 @@ def error_body(err: HeadroomError) -> dict[str, Any]:
     return {
         "error": {
             "type": _error_type(err),
-            "code": getattr(err, "kind", None) or type(err).__name__,
+            "code": _error_code(err),
             "message": str(err),
             "retry_after_s": None,
             "fallback": None,
             "queue_position": None,
         }
     }
+
+
+def _error_code(err: HeadroomError) -> str:
+    from proxy.errors import PolicyViolation, UpstreamError
+
+    if isinstance(err, UpstreamError):
+        return f"upstream_{err.kind}"
+    if isinstance(err, PolicyViolation):
+        return err.code
+    return "internal_error"
 
 
 def _error_type(err: HeadroomError) -> str:

@@ -17,8 +17,10 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
+from proxy.admission import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, PoolCore, QueuePolicy, ReplicaSpec
+from proxy.auth import TenantQuotas, authenticate
 from proxy.clock import Clock, LoopClock, TimerHandle
+from proxy.errors import Refused
 from proxy.gate import Gate
 from proxy.guard import GuardPolicy, ReplicaGuard
 from proxy.meter import PrometheusReplicaSink, SessionMeter
@@ -100,6 +102,7 @@ class Runtime:
         self.guards: dict[tuple[str, str], ReplicaGuard] = {}
         self._guard_timer: TimerHandle | None = None
         self.engine: dict[tuple[str, str], tuple[float, float, float]] = {}
+        self.tenants = TenantQuotas()
         self._sinks: dict[tuple[str, str], PrometheusReplicaSink] = {}
         self._urls: dict[tuple[str, str], tuple[str, str]] = {}
         self._routes: dict[str, RouteSettings] = {}
@@ -251,6 +254,32 @@ class Runtime:
 
     def http_url(self, pool: str, replica: str) -> str:
         return self._urls[(pool, replica)][0]
+
+    def authorize(self, scope: dict[str, Any], pool: str) -> str | None:
+        """Check the client's key for ``pool`` and reserve one session of its quota.
+        Returns a token for :meth:`release_tenant` (call it on every exit path);
+        raises Unauthorized / Forbidden / TenantLimitRefused. Runs before the gate."""
+        key = authenticate(self.settings.auth, scope, pool)
+        if key is None:
+            return None
+        estimate = self.gate.core(pool).estimate_wait(1)
+        retry = min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, estimate))
+        try:
+            return self.tenants.reserve(key, pool, retry)
+        except Refused:
+            self.metrics.decisions.labels(pool, "rejected_tenant_limit").inc()
+            raise
+
+    def release_tenant(self, token: str | None) -> None:
+        self.tenants.release(token)
+
+    def key_allows(self, scope: dict[str, Any], pool: str) -> bool:
+        """Whether the (already authenticated) caller may use ``pool`` (fallback)."""
+        try:
+            authenticate(self.settings.auth, scope, pool)
+        except Exception:
+            return False
+        return True
 
     def upstream_error(self, pool: str, replica: str, kind: str) -> None:
         self.metrics.upstream_errors.labels(pool, replica, kind).inc()

@@ -41,13 +41,15 @@ def wants_fallback(scope: dict[str, Any]) -> bool:
     return False
 
 
-def upstream_query(scope: dict[str, Any]) -> str:
-    """The client's query string without Headroom's own parameters."""
+def upstream_query(scope: dict[str, Any], *, auth: bool = False) -> str:
+    """The client's query string without Headroom's own parameters (``api_key`` too
+    when Headroom's auth is on: the key is Headroom's)."""
     raw: str = scope.get("query_string", b"").decode("latin-1")
-    if not raw or not any(key in raw for key in _OWN_QUERY):
+    own = _OWN_QUERY | {"api_key"} if auth else _OWN_QUERY
+    if not raw or not any(key in raw for key in own):
         return raw
     pairs = parse_qsl(raw, keep_blank_values=True)
-    return urlencode([(k, v) for k, v in pairs if k not in _OWN_QUERY])
+    return urlencode([(k, v) for k, v in pairs if k not in own])
 
 
 def enter(
@@ -65,6 +67,8 @@ def enter(
         hint = refusal.fallback
         target = hint.pool if hint else None
         if target is None or target not in rt.gate.pools() or not wants_fallback(scope):
+            raise
+        if not rt.key_allows(scope, target):
             raise
         try:
             return rt.gate.enter(target, on_position=on_position), target

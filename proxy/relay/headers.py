@@ -54,10 +54,15 @@ def forwarded_request_headers(
     client_host: str | None,
     scheme: str,
     websocket: bool,
+    keep_authorization: bool = True,
 ) -> list[tuple[str, str]]:
-    """The headers to send upstream for a client request's raw ASGI headers."""
+    """The headers to send upstream for a client request's raw ASGI headers. With
+    ``keep_authorization=False`` (Headroom's own auth is on) the client's key stays
+    here."""
     raw = list(raw)
     drop = HOP_BY_HOP | _OWN | _connection_tokens(raw)
+    if not keep_authorization:
+        drop = drop | {"authorization"}
     if websocket:
         drop = drop | _WS_HANDSHAKE
     out: list[tuple[str, str]] = []

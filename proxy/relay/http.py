@@ -24,6 +24,7 @@ import httpx
 from proxy.errors import (
     HeadroomError,
     MessageTooLarge,
+    PolicyViolation,
     Refused,
     UpstreamConnectError,
 )
@@ -106,7 +107,18 @@ async def relay_http(
         new_session_id(), route.path, route.pool, "http", clock.now(), decision="admitted"
     )
     lease: Lease | None = None
+    tenant: str | None = None
     try:
+        try:
+            tenant = rt.authorize(scope, route.pool)
+        except Refused as refusal:
+            record.decision = f"rejected_{refusal.reason}"
+            record.status = await send_error(send, refusal)
+            return
+        except PolicyViolation as err:
+            record.decision = f"rejected_{err.code}"
+            record.status = await send_error(send, err)
+            return
         try:
             body = await _read_body(receive, rt.settings.limits.max_http_body_bytes)
         except MessageTooLarge as err:
@@ -156,6 +168,7 @@ async def relay_http(
     finally:
         if lease is not None:
             lease.release()
+        rt.release_tenant(tenant)
         record.ended = clock.now()
         record.emit()
 
@@ -174,10 +187,11 @@ async def _open(
         client_host=(scope.get("client") or (None,))[0],
         scheme=scope.get("scheme", "http"),
         websocket=False,
+        keep_authorization=rt.settings.auth is None,
     )
     path = route.upstream_path or scope.get("raw_path", b"").decode("latin-1") or scope["path"]
     path = path.split("?")[0]
-    query = upstream_query(scope)
+    query = upstream_query(scope, auth=rt.settings.auth is not None)
     while True:
         url = rt.http_url(lease.pool, lease.replica) + path + (f"?{query}" if query else "")
         request = rt.http.build_request(scope["method"], url, headers=headers, content=body)

@@ -34,7 +34,13 @@ from websockets.exceptions import InvalidHandshake, InvalidStatus
 from websockets.protocol import State
 from websockets.typing import Subprotocol
 
-from proxy.errors import HeadroomError, MessageTooLarge, Refused, UpstreamConnectError
+from proxy.errors import (
+    HeadroomError,
+    MessageTooLarge,
+    PolicyViolation,
+    Refused,
+    UpstreamConnectError,
+)
 from proxy.gate import Lease, Waiting
 from proxy.refusal import close_reason, error_event, http_error
 from proxy.relay.admit import FALLBACK_RESPONSE_HEADER, enter, upstream_query
@@ -157,11 +163,12 @@ async def _connect_upstream(
         client_host=(scope.get("client") or (None,))[0],
         scheme=scope.get("scheme", "ws"),
         websocket=True,
+        keep_authorization=rt.settings.auth is None,
     )
     user_agent = next((v for k, v in headers if k == "user-agent"), None)
     headers = [(k, v) for k, v in headers if k != "user-agent"]
     path = route.upstream_path or scope["path"]
-    query = upstream_query(scope)
+    query = upstream_query(scope, auth=rt.settings.auth is not None)
     while True:
         url = rt.ws_url(lease.pool, lease.replica) + path + (f"?{query}" if query else "")
         try:
@@ -216,7 +223,18 @@ async def relay_websocket(
     lease: Lease | None = None
     upstream: ClientConnection | None = None
     held: list[dict[str, Any]] | None = None
+    tenant: str | None = None
     try:
+        try:
+            tenant = rt.authorize(scope, route.pool)
+        except Refused as refusal:
+            record.decision = f"rejected_{refusal.reason}"
+            await client.refuse(refusal, record)
+            return
+        except PolicyViolation as err:
+            record.decision = f"rejected_{err.code}"
+            await client.refuse(err, record)
+            return
         notes: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
 
         def on_position(position: int, eta_s: float) -> None:
@@ -288,6 +306,7 @@ async def relay_websocket(
             upstream.transport.abort()  # only on cancellation or an internal error
         if lease is not None:
             lease.release()
+        rt.release_tenant(tenant)
         record.ended = clock.now()
         record.emit()
 

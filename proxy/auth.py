@@ -1,0 +1,106 @@
+"""Client authentication and per-tenant quotas.
+
+Off unless the configuration has ``auth: {keys: [...]}``. Keys are stored as SHA-256
+hex digests, never in clear. A client presents its key as ``Authorization: Bearer
+<key>`` or, for browsers (which cannot set headers on a WebSocket), ``?api_key=<key>``.
+The check runs before the gate: a missing or wrong key (401) or a key not allowed on
+the route's pool (403) never takes a slot or a queue place. With auth on, the key is
+Headroom's: the ``Authorization`` header and ``api_key`` parameter are not forwarded
+upstream, and :class:`KeyRedactionFilter` keeps ``api_key`` values out of uvicorn's logs.
+
+A key's ``max_sessions`` caps that tenant's concurrent sessions across pools: past it,
+429 ``tenant_limit`` (other tenants are unaffected). The reservation is taken before
+the gate and released on every exit path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from typing import Any
+from urllib.parse import parse_qsl
+
+from proxy.errors import Forbidden, TenantLimitRefused, Unauthorized
+from proxy.settings import ApiKeySettings, AuthSettings
+
+__all__ = ["KeyRedactionFilter", "TenantQuotas", "authenticate", "presented_key"]
+
+_API_KEY_RE = re.compile(r"(api_key=)[^&\s\"']*")
+
+
+def presented_key(scope: dict[str, Any]) -> str | None:
+    """The key the client presented (Bearer header first, then ``api_key``)."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            scheme, _, token = str(value.decode("latin-1")).partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+    query = scope.get("query_string", b"")
+    if b"api_key=" in query:
+        for key, value in parse_qsl(query.decode("latin-1")):
+            if key == "api_key" and value:
+                return str(value)
+    return None
+
+
+def authenticate(
+    auth: AuthSettings | None, scope: dict[str, Any], pool: str
+) -> ApiKeySettings | None:
+    """The caller's key settings (None when auth is off); raises Unauthorized (401) or
+    Forbidden (403)."""
+    if auth is None:
+        return None
+    key = presented_key(scope)
+    if key is None:
+        raise Unauthorized("an API key is required: Authorization: Bearer <key> or ?api_key=")
+    found = auth.key_for(hashlib.sha256(key.encode()).hexdigest())
+    if found is None:
+        raise Unauthorized("the API key is not valid")
+    if not found.allows(pool):
+        raise Forbidden(f"this API key may not use pool {pool!r}")
+    return found
+
+
+class TenantQuotas:
+    """Concurrent sessions per key, against each key's ``max_sessions``."""
+
+    def __init__(self) -> None:
+        self._active: dict[str, int] = {}
+
+    def reserve(self, key: ApiKeySettings | None, pool: str, retry_after_s: float) -> str | None:
+        """Take one session of ``key``'s quota; returns a token for :meth:`release`
+        (None when there is nothing to count). Raises TenantLimitRefused."""
+        if key is None:
+            return None
+        active = self._active.get(key.name, 0)
+        if key.max_sessions is not None and active >= key.max_sessions:
+            raise TenantLimitRefused("tenant_limit", retry_after_s=retry_after_s, pool=pool)
+        self._active[key.name] = active + 1
+        return key.name
+
+    def release(self, token: str | None) -> None:
+        if token is None:
+            return
+        left = self._active.get(token, 0) - 1
+        if left > 0:
+            self._active[token] = left
+        else:
+            self._active.pop(token, None)
+
+    def active(self, name: str) -> int:
+        return self._active.get(name, 0)
+
+
+class KeyRedactionFilter(logging.Filter):
+    """Rewrites ``api_key=...`` to ``api_key=REDACTED`` in any record it sees."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                _API_KEY_RE.sub(r"\1REDACTED", a) if isinstance(a, str) else a
+                for a in record.args
+            )
+        if isinstance(record.msg, str) and "api_key=" in record.msg:
+            record.msg = _API_KEY_RE.sub(r"\1REDACTED", record.msg)
+        return True
