@@ -14,12 +14,13 @@ inside ``advance``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-__all__ = ["Clock", "FakeClock", "LoopClock", "TimerHandle"]
+__all__ = ["Clock", "FakeClock", "LoopClock", "TimerHandle", "clock_timeout"]
 
 
 class TimerHandle(Protocol):
@@ -102,3 +103,27 @@ class FakeClock:
 
     def __repr__(self) -> str:
         return f"<FakeClock now={self._now:.3f} timers={self.pending_timers}>"
+
+
+@contextlib.asynccontextmanager
+async def clock_timeout(clock: Clock, seconds: float) -> AsyncIterator[None]:
+    """Like ``asyncio.timeout(seconds)`` but on ``clock``: raises TimeoutError if the
+    block is still running when the clock reaches now + seconds."""
+    task = asyncio.current_task()
+    assert task is not None
+    fired = False
+
+    def fire() -> None:
+        nonlocal fired
+        fired = True
+        task.cancel()
+
+    handle = clock.call_at(clock.now() + seconds, fire)
+    try:
+        yield
+    except asyncio.CancelledError:
+        if fired and task.uncancel() == 0:
+            raise TimeoutError from None
+        raise
+    finally:
+        handle.cancel()

@@ -17,7 +17,8 @@ the boundary; they never reach the admission core.
     ├── PolicyViolation                    400 / 1008  client broke a limit or the protocol
     │   ├── Unauthorized                   401 / 1008  missing or wrong API key
     │   ├── Forbidden                      403 / 1008  key not allowed on this pool
-    │   └── MessageTooLarge                413 / 1008  frame or body over the limit
+    │   ├── MessageTooLarge                413 / 1008  frame or body over the limit
+    │   └── RequestTimeout                 408 / 1008  body too slow, client not reading
     ├── UpstreamError                      502 / 1014  the engine failed or is unreachable
     │   ├── UpstreamConnectError           before any byte was relayed (failover allowed)
     │   └── UpstreamStreamError            after bytes flowed (never retried)
@@ -46,6 +47,7 @@ __all__ = [
     "MessageTooLarge",
     "PolicyViolation",
     "Refused",
+    "RequestTimeout",
     "TenantLimitRefused",
     "Unauthorized",
     "UpstreamConnectError",
@@ -236,6 +238,13 @@ class Forbidden(PolicyViolation):
 class MessageTooLarge(PolicyViolation):
     http_status: ClassVar[int] = 413
     code: ClassVar[str] = "message_too_large"
+
+
+class RequestTimeout(PolicyViolation):
+    """The client was too slow: a request body, or reading what it asked for."""
+
+    http_status: ClassVar[int] = 408
+    code: ClassVar[str] = "timeout"
 
 
 class UpstreamError(HeadroomError):

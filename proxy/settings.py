@@ -204,13 +204,17 @@ class LimitsSettings(_Frozen):
 
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_http_body_bytes: int = Field(25 * 1024 * 1024, ge=1024)
-    handshake_timeout_s: PositiveSeconds = 10  # client handshake + upstream connect+handshake
+    # client request body (HTTP) + upstream connect and handshake
+    handshake_timeout_s: PositiveSeconds = 10
     upstream_connect_timeout_s: PositiveSeconds = 5
     idle_timeout_s: Seconds = 60  # no frames either way
     max_session_s: Seconds = 3600
     ping_interval_s: Seconds = 20  # keepalive pings on both legs
     ping_timeout_s: PositiveSeconds = 20
-    write_buffer_bytes: int = Field(1024 * 1024, ge=1024)  # a client that does not read
+    # A client that accepts no data for this long (its socket buffer stays full) is
+    # disconnected and its slot freed; memory per client stays bounded by the socket's
+    # write buffer (64 KiB high-water mark) plus one message.
+    client_write_timeout_s: PositiveSeconds = 20
 
 
 class MeterSettings(_Frozen):

@@ -21,11 +21,13 @@ from urllib.parse import parse_qsl
 
 import httpx
 
+from proxy.clock import clock_timeout
 from proxy.errors import (
     HeadroomError,
     MessageTooLarge,
     PolicyViolation,
     Refused,
+    RequestTimeout,
     UpstreamConnectError,
 )
 from proxy.gate import Lease
@@ -119,11 +121,22 @@ async def relay_http(
             record.decision = f"rejected_{err.code}"
             record.status = await send_error(send, err)
             return
+        limits = rt.settings.limits
         try:
-            body = await _read_body(receive, rt.settings.limits.max_http_body_bytes)
+            async with clock_timeout(clock, limits.handshake_timeout_s):
+                body = await _read_body(receive, limits.max_http_body_bytes)
         except MessageTooLarge as err:
             record.decision = "rejected_too_large"
             record.status = await send_error(send, err)
+            return
+        except TimeoutError:
+            # slowloris: the body must arrive within the handshake timeout (no slot is
+            # held meanwhile: admission comes after the body)
+            record.decision = "rejected_timeout"
+            record.status = await send_error(
+                send, RequestTimeout(f"request body not received within "
+                                     f"{limits.handshake_timeout_s:g} s")
+            )  # fmt: skip
             return
         except _ClientGone:
             record.decision = "abandoned"

@@ -59,12 +59,14 @@ class Closing(Exception):
 class _Pump:
     """State shared by the two directions of one relay."""
 
-    __slots__ = ("client_closed", "closing", "last_activity")
+    __slots__ = ("client_closed", "closing", "last_activity", "send_since", "stalled")
 
     def __init__(self, now: float) -> None:
         self.last_activity = now
         self.closing: Closing | None = None
         self.client_closed: tuple[int, str] | None = None
+        self.send_since: float | None = None  # a send to the client is blocked since
+        self.stalled = False  # the client stopped reading: give up on it
 
 
 async def relay_frames(
@@ -88,12 +90,29 @@ async def relay_frames(
     state = _Pump(clock.now())
     timers: list[Any] = []
     idle_timer: list[Any] = []
+    writer_timer: list[Any] = []
 
     def stop(code: int, reason: str) -> None:
         if state.closing is None:
             state.closing = Closing(code, reason)
             client_task.cancel()
             rt.spawn(upstream.close(1000 if code != 1012 else 1001, reason))
+
+    main_task = asyncio.current_task()
+    write_timeout = limits.client_write_timeout_s
+
+    def check_writer() -> None:
+        """A client whose socket buffer stays full (it stopped reading) would hold its
+        slot forever and pin the upstream: after ``client_write_timeout_s``, drop it."""
+        since = state.send_since
+        if since is not None and clock.now() - since >= write_timeout:
+            state.stalled = True
+            record.error = "client stopped reading"
+            stop(1008, "client not reading")
+            if main_task is not None:
+                main_task.cancel()
+        else:
+            writer_timer[:] = [clock.call_at(clock.now() + write_timeout / 4, check_writer)]
 
     def check_idle() -> None:
         due = state.last_activity + limits.idle_timeout_s
@@ -142,12 +161,14 @@ async def relay_frames(
             clock.call_at(clock.now() + limits.max_session_s,
                           lambda: stop(1008, "maximum session duration reached"))
         )  # fmt: skip
+    writer_timer.append(clock.call_at(clock.now() + write_timeout / 4, check_writer))
     client_task.add_done_callback(lambda t: _on_client_done(t, upstream, state, stop))
     try:
         try:
             async for message in upstream:
                 now = clock.now()
                 state.last_activity = now
+                state.send_since = now
                 if isinstance(message, str):
                     adapter.upstream_text(now, message)
                     record.bytes_down += len(message)
@@ -158,8 +179,13 @@ async def relay_frames(
                     record.bytes_down += len(message)
                     record.frames_down += 1
                     await send({"type": "websocket.send", "bytes": message})
+                state.send_since = None
         except ConnectionClosed:
             pass
+        except asyncio.CancelledError:
+            if not state.stalled or main_task is None or main_task.uncancel():
+                raise
+            return  # nothing more can be sent to this client; uvicorn closes the socket
         except OSError:
             # uvicorn's ClientDisconnected: the client vanished while we were sending.
             if state.client_closed is None:
@@ -170,7 +196,7 @@ async def relay_frames(
         await _finish(rt, lease, upstream, send, state, record)
     finally:
         rt.unregister_session(stop)
-        for timer in timers + idle_timer:
+        for timer in timers + idle_timer + writer_timer:
             timer.cancel()
         if not client_task.done():
             client_task.cancel()
