@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
+    initialize,
     invariant,
     precondition,
     rule,
@@ -46,8 +47,7 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     # -- set-up ---------------------------------------------------------------
 
-    @precondition(lambda self: self.core is None)
-    @rule(
+    @initialize(
         caps=st.lists(st.integers(1, 3), min_size=1, max_size=3),
         depth=st.integers(0, 4),
         wait=st.sampled_from([0.0, 1.0, 5.0]),
