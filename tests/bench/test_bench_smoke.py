@@ -1,0 +1,146 @@
+"""Smoke tests of the relay benchmarks: they run end to end in their quickest mode
+(direct + Headroom; nginx is left out) and write well-formed JSON. Nothing here asserts
+on timings: the machines are shared and noisy."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from proxy.settings import settings_from_mapping
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def _load(name: str) -> ModuleType:
+    if f"bench_{name}" in sys.modules:
+        return sys.modules[f"bench_{name}"]
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(script: str, out: Path, *args: str) -> dict[str, Any]:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), "--quick", "--json", str(out), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def test_relay_quick_writes_wellformed_json(tmp_path: Path) -> None:
+    result = _run("relay.py", tmp_path / "relay.json", "--targets", "direct,headroom")
+    assert result["benchmark"] == "relay"
+    assert {"nproc", "cpu_model", "kernel", "python", "uvicorn"} <= result["machine"].keys()
+    cells = {c["target"]: c for c in result["cells"]}
+    assert set(cells) == {"direct", "headroom"}
+    for cell in cells.values():
+        assert cell["connected"] == cell["sessions"] == 20
+        assert cell["chunks"] > 0
+        for key in ("p50", "p99"):
+            assert _finite(cell["latency_ms"][key])
+            assert _finite(cell[f"added_{key}_ms"])
+        assert _finite(cell["chunks_per_s"])
+        assert _finite(cell["machine_busy"])
+    headroom = cells["headroom"]
+    for key in (
+        "relay_cpu_us_per_chunk",
+        "relay_cpu_cores",
+        "setup_cpu_ms_per_session",
+        "mem_kb_per_session",
+        "mem_kb_per_session_connected",
+    ):
+        assert _finite(headroom[key]), key
+    assert cells["direct"]["relay_cpu_us_per_chunk"] is None  # no relay process
+    assert result["ratios"] == []  # no nginx in this run
+    assert set(result["targets"]) == {
+        "saturated_cells",
+        "cpu_per_chunk_ratio_500x25",
+        "added_p50_ms_1000x5",
+        "added_p99_ms_1000x5",
+        "setup_cpu_ms_per_session_worst",
+        "mem_kb_per_session_worst",
+    }
+    assert result["targets"]["cpu_per_chunk_ratio_500x25"]["ok"] is None  # not measured
+
+
+def test_reject_storm_quick_writes_wellformed_json(tmp_path: Path) -> None:
+    result = _run("reject_storm.py", tmp_path / "storm.json")
+    assert result["benchmark"] == "reject_storm"
+    assert [w["window"] for w in result["windows"]] == ["before", "storm", "after"]
+    for window in result["windows"]:
+        assert _finite(window["gap_ms"]["p99"])
+        assert window["sessions_alive"] == result["config"]["active"]
+    storm = result["windows"][1]["storm"]
+    assert storm["attempts"] > 0
+    assert result["refused"] == storm["outcomes"].get("503", 0) > 0
+    assert set(storm["outcomes"]) <= {"503", "timeout"}  # nobody was admitted past the cap
+    assert _finite(result["gap_p99_moved_ms"])
+
+
+def test_generated_headroom_config_is_valid() -> None:
+    import yaml
+
+    harness = _load("harness")
+    text = harness.headroom_config(8080, 9000, 1016, "vllm-omni-speech-ws")
+    settings = settings_from_mapping(yaml.safe_load(text))
+    assert settings.log_level == "warning"
+    assert settings.pools[0].replicas[0].max_sessions == 1016
+    assert settings.pools[0].queue.max_depth == 0
+    assert settings.routes[0].path == harness.ROUTE_PATH
+
+
+def test_frame_parser_reassembles_split_frames() -> None:
+    wsload = _load("wsload")
+    payload = (123456789).to_bytes(8, "little") + bytes(9592)
+    wire = (wsload.frame_header(2, len(payload)) + payload) * 3 + wsload.client_frame(1, b"hi")
+    seen: list[tuple[bool, int, bytes]] = []
+    parser = wsload.FrameParser(lambda fin, op, data, key: seen.append((fin, op, bytes(data))))
+    for i in range(0, len(wire), 1000):  # arbitrary TCP segmentation
+        parser.feed(wire[i : i + 1000])
+    assert [(fin, op) for fin, op, _ in seen] == [(True, 2)] * 3 + [(True, 1)]
+    assert all(data == payload for _, op, data in seen if op == 2)
+    assert seen[-1][2] == b"hi"  # the all-zero mask leaves the payload as it is
+
+
+@pytest.mark.parametrize(
+    ("q", "expected"), [(50, 50.0), (99, 99.0), (100, 100.0), (0.1, 1.0)]
+)
+def test_percentile_is_nearest_rank_in_ms(q: float, expected: float) -> None:
+    harness = _load("harness")
+    ordered = [i * 1_000_000 for i in range(1, 101)]  # 1..100 ms
+    assert harness.percentile(ordered, q) == expected
+    assert harness.percentile([], q) is None
+
+
+def test_profile_summary_folds_lines_into_functions(tmp_path: Path) -> None:
+    raw = tmp_path / "prof.raw"
+    raw.write_text(
+        "run (a.py:1);send (b.py:10) 3\n"
+        "run (a.py:1);send (b.py:12) 1\n"
+        "run (a.py:2);meter (c.py:5) 4\n"
+    )
+    total, own, inclusive = _load("profile_summary").summarise(raw)
+    assert total == 8
+    assert own == {"send (b.py)": 4, "meter (c.py)": 4}
+    assert inclusive["run (a.py)"] == 8
