@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import Awaitable, Mapping
@@ -87,12 +88,14 @@ class Gateway:
         admin_task = None
         if self.admin_server is not None and self._admin_sock is not None:
             admin_task = asyncio.ensure_future(self.admin_server.serve(sockets=[self._admin_sock]))
+        freeze = asyncio.ensure_future(self._freeze_when_started())
         try:
             await self.server.serve(sockets=[self._sock])
         finally:
             if install_signals:
                 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                     loop.remove_signal_handler(sig)
+            freeze.cancel()
             if admin_task is not None and self.admin_server is not None:
                 self.admin_server.should_exit = True
                 with contextlib.suppress(BaseException):
@@ -100,6 +103,14 @@ class Gateway:
             self._sock.close()
             if self._admin_sock is not None:
                 self._admin_sock.close()
+
+    async def _freeze_when_started(self) -> None:
+        """Move everything allocated during start-up out of the collector's reach: a
+        refusal storm then triggers no full collection over it (measured: 51-122 ms
+        loop pauses, i.e. audible gaps for every live stream, gone; bench/RESULTS.md)."""
+        await self.server.ready.wait()
+        gc.collect()
+        gc.freeze()
 
     def reload(self) -> list[str]:
         """Re-read the configuration file and apply it live. Raises ConfigError (the
