@@ -1,0 +1,265 @@
+"""The overload proof: the same closed-loop load far above a GPU's ceiling, once through
+Headroom and once straight to the engine, side by side.
+
+    python -m bench.overload [--preset h100-orpheus-3b] [--load 3] [--hold 60]
+                             [--warmup 10] [--protocol vllm-omni-speech-ws] [--json OUT]
+
+It starts ``headroom sim`` (one simulated GPU) and ``headroom serve`` as separate
+processes, caps Headroom at the ceiling the simulator's own model gives for the preset
+(``headroom sim --describe``) with the guard on (enforce) and no queue, then offers
+``load x ceiling`` closed-loop users for ``warmup + hold`` seconds to each target with
+``headroom probe``'s client and metering (a refused user retries after
+``min(Retry-After, 1 s)``, so the offered load stays at ``load x ceiling``). Reported for
+each target, over the hold window (the warm-up is excluded):
+
+- ``sessions_started``: sessions the target took (not refused);
+- ``sessions_refused``: sessions refused (503 / close 1013);
+- ``underruns``: modelled client playback underruns over the admitted sessions;
+- ``worst_delivery_ratio``: worst-1% per-chunk delivery ratio (audio s / wall s);
+- ``p99_gap_s``: p99 gap between consecutive audio chunks;
+- ``refusal_latency_p99_s``: connect attempt to refusal, p99.
+
+All traffic stays on 127.0.0.1; every phase is bounded in time; child processes are
+always stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from proxy.probe.analysis import quantile
+from proxy.probe.runner import LevelRun, ProbeSettings, run_probe
+from proxy.probe.session import ClientOptions, endpoint_url
+from proxy.probe.workload import bundled
+from proxy.sim.capacity import describe
+from proxy.sim.presets import get_preset
+
+__all__ = ["main", "run_overload"]
+
+_PY = [sys.executable, "-m", "proxy.cli"]
+
+
+async def _read_line(proc: asyncio.subprocess.Process, stream: str, prefix: str) -> str:
+    reader = proc.stdout if stream == "stdout" else proc.stderr
+    assert reader is not None
+    while True:
+        line = (await reader.readline()).decode()
+        if not line:
+            raise RuntimeError(f"child exited before printing {prefix!r}")
+        if line.startswith(prefix):
+            return line.strip()
+
+
+@contextlib.asynccontextmanager
+async def _child(args: list[str], stream: str, prefix: str) -> AsyncIterator[str]:
+    """Start a child in its own process group; yield the first line starting with
+    ``prefix`` on ``stream``; always stop it."""
+    proc = await asyncio.create_subprocess_exec(
+        *args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    drain: asyncio.Task[Any] | None = None
+    try:
+        line = await asyncio.wait_for(_read_line(proc, stream, prefix), 60)
+        other = proc.stderr if stream == "stdout" else proc.stdout
+        assert other is not None
+        drain = asyncio.ensure_future(_discard(proc, other))  # never let a pipe fill
+        yield line
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), 15)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+        if drain is not None:
+            drain.cancel()
+
+
+async def _discard(proc: asyncio.subprocess.Process, other: asyncio.StreamReader) -> None:
+    streams = [other]
+    if proc.stdout is not None and proc.stdout is not other:
+        streams.append(proc.stdout)
+    if proc.stderr is not None and proc.stderr is not other:
+        streams.append(proc.stderr)
+
+    async def sink(reader: asyncio.StreamReader) -> None:
+        while await reader.read(65536):
+            pass
+
+    await asyncio.gather(*(sink(s) for s in streams))
+
+
+def _headroom_config(
+    sim_url: str, preset: Any, cap: int, protocol: str, window_s: float
+) -> dict[str, Any]:
+    path = "/v1/audio/speech/stream" if protocol == "vllm-omni-speech-ws" else "/v1/audio/speech"
+    return {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "admin": {"enabled": False},
+        "log_level": "warning",
+        "log_format": "text",
+        "guard": {"mode": "enforce", "threshold": 1.2, "hysteresis": 0.1, "hold_s": 5,
+                  "min_samples": 50},
+        "meter": {"window_s": window_s},
+        "pools": [{"name": "tts-main", "queue": {"max_depth": 0, "max_wait_s": 10},
+                   "replicas": [{"name": "gpu0", "url": sim_url, "max_sessions": cap}]}],
+        "routes": [{"path": path, "pool": "tts-main", "protocol": protocol,
+                    "audio": {"sample_rate": preset.sample_rate}}],
+    }  # fmt: skip
+
+
+def _figures(run: LevelRun) -> dict[str, Any]:
+    window = run.window
+    in_window = [t for t in run.traces if window.contains(t.started_at)]
+    refused = [t for t in in_window if t.outcome == "refused"]
+    stats = run.stats
+    return {
+        "users": window.level,
+        "sessions_started": sum(1 for t in in_window if t.outcome != "refused"),
+        "sessions_refused": len(refused),
+        "underruns": stats.underruns,
+        "stall_s": round(stats.stall_s, 3),
+        "worst_delivery_ratio": stats.worst_1pct,
+        "median_delivery_ratio": stats.median_ratio,
+        "p99_gap_s": stats.p99_gap_s,
+        "ttfa_p99_s": stats.ttfa_p99_s,
+        "errors": stats.errors,
+        "refusal_latency_p99_s": quantile([t.ended_at - t.started_at for t in refused], 0.99),
+        "throughput_audio_s_per_s": stats.throughput,
+        "chunks": stats.chunks,
+    }
+
+
+async def _measure(url: str, args: argparse.Namespace, users: int, model: str) -> dict[str, Any]:
+    settings = ProbeSettings(
+        client=ClientOptions(
+            url=endpoint_url(url, args.protocol), protocol=args.protocol, model=model
+        ),
+        workload=bundled("tts"),
+        levels=(users,),
+        extend=False,
+        bisect=False,
+        hold_s=args.hold,
+        warmup_s=args.warmup,
+        seed=args.seed,
+        time_limit_s=args.warmup + args.hold + 120,
+        session_timeout_s=120,
+        max_error_rate=1.0,
+        preflight=False,
+    )
+    result = await run_probe(settings)
+    return _figures(result.runs[0])
+
+
+async def run_overload(args: argparse.Namespace) -> dict[str, Any]:
+    preset = get_preset(args.preset)
+    ceiling = int(args.cap or describe(preset.name)["ceiling"])
+    users = max(1, round(args.load * ceiling))
+    started = time.monotonic()
+    out: dict[str, Any] = {
+        "preset": preset.name,
+        "protocol": args.protocol,
+        "ceiling": ceiling,
+        "load_factor": args.load,
+        "users": users,
+        "hold_s": args.hold,
+        "warmup_s": args.warmup,
+    }
+    sim_args = [*_PY, "sim", "--preset", preset.name, "--gpus", "1", "--port", "0", "--json"]
+    async with _child(sim_args, "stdout", "{") as line:
+        sim_url = json.loads(line)["urls"][0]
+        print(f"direct: {users} users -> {sim_url} ({preset.name}, ceiling {ceiling})",
+              file=sys.stderr)  # fmt: skip
+        out["direct"] = await _measure(sim_url, args, users, preset.model)
+        await asyncio.sleep(2)  # let the engine drain before the second phase
+        with tempfile.TemporaryDirectory() as tmp:
+            config = Path(tmp) / "headroom.yaml"
+            settings = _headroom_config(sim_url, preset, ceiling, args.protocol, args.window)
+            config.write_text(yaml.safe_dump(settings))
+            serve = [*_PY, "serve", "--config", str(config)]
+            async with _child(serve, "stderr", "headroom: serving on ") as banner:
+                proxy_url = banner.rsplit(" ", 1)[-1]
+                print(f"headroom: {users} users -> {proxy_url} (cap {ceiling}, guard enforce)",
+                      file=sys.stderr)  # fmt: skip
+                out["headroom"] = await _measure(proxy_url, args, users, preset.model)
+    out["duration_s"] = round(time.monotonic() - started, 1)
+    return out
+
+
+_ROWS = (
+    ("sessions_started", "sessions started", "{:d}"),
+    ("sessions_refused", "sessions refused", "{:d}"),
+    ("underruns", "modelled underruns (admitted)", "{:d}"),
+    ("stall_s", "modelled stall seconds", "{:.2f}"),
+    ("worst_delivery_ratio", "worst-1% delivery ratio", "{:.2f}"),
+    ("median_delivery_ratio", "median delivery ratio", "{:.2f}"),
+    ("p99_gap_s", "p99 chunk gap (s)", "{:.3f}"),
+    ("ttfa_p99_s", "time to first audio p99 (s)", "{:.3f}"),
+    ("refusal_latency_p99_s", "refusal latency p99 (s)", "{:.4f}"),
+    ("errors", "errors", "{:d}"),
+)
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [
+        f"Overload: {result['users']} closed-loop users = {result['load_factor']:g}x the "
+        f"ceiling ({result['ceiling']}) of {result['preset']}, {result['protocol']}, "
+        f"{result['hold_s']:g} s measured after {result['warmup_s']:g} s warm-up",
+        "",
+        f"| {'':32} | {'headroom':>10} | {'direct':>10} |",
+        f"|{'-' * 34}|{'-' * 12}|{'-' * 12}|",
+    ]
+    for key, label, fmt in _ROWS:
+        cells = []
+        for side in ("headroom", "direct"):
+            value = result[side].get(key)
+            cells.append("-" if value is None else fmt.format(value))
+        lines.append(f"| {label:32} | {cells[0]:>10} | {cells[1]:>10} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="h100-orpheus-3b")
+    parser.add_argument("--load", type=float, default=3.0, help="offered load x ceiling")
+    parser.add_argument("--cap", type=int, help="Headroom's cap (default: the ceiling)")
+    parser.add_argument("--hold", type=float, default=60.0, help="measured seconds")
+    parser.add_argument("--warmup", type=float, default=10.0, help="excluded seconds")
+    parser.add_argument("--window", type=float, default=10.0, help="guard window (s)")
+    parser.add_argument("--protocol", default="vllm-omni-speech-ws",
+                        choices=["vllm-omni-speech-ws", "openai-speech-http"])  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="OUT", help="write the figures as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = asyncio.run(run_overload(args))
+    print(render(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
