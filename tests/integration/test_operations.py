@@ -188,3 +188,22 @@ def test_parse_engine_metrics() -> None:
     assert parse_engine_metrics(text) == (0.0, 7.0, 0.42)
     with pytest.raises(ValueError, match="no vLLM"):
         parse_engine_metrics("other_metric 1\n")
+
+
+async def test_engine_metrics_are_scraped_and_re_exported(start_proxy: Any) -> None:
+    from prometheus_client import generate_latest
+
+    from proxy.sim.cluster import running_cluster
+    from tests.conftest import proxy_settings
+
+    async with running_cluster("l4-cosyvoice2-0.5b", gpus=1) as cluster:
+        proxy = await start_proxy(
+            proxy_settings([("gpu0", cluster.urls[0], 2)],
+                           [{"path": "/s", "pool": "main", "protocol": "passthrough-ws"}],
+                           health={"engine_metrics_interval_s": 0.05})
+        )  # fmt: skip
+        await wait_until(lambda: ("main", "gpu0") in proxy.runtime.engine)
+        text = generate_latest(proxy.runtime.metrics.registry).decode()
+    assert 'headroom_engine_requests_waiting{pool="main",replica="gpu0"} 0.0' in text
+    assert 'headroom_engine_requests_running{pool="main",replica="gpu0"}' in text
+    assert 'headroom_engine_kv_cache_usage_ratio{pool="main",replica="gpu0"}' in text
