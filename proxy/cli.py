@@ -5,6 +5,7 @@
     headroom serve --config FILE     run the gateway (or HEADROOM_CONFIG=FILE headroom serve)
     headroom check --config FILE     validate a configuration and print a summary
     headroom sim ...                 serve simulated GPUs (see headroom sim --help)
+    headroom probe ...               find a GPU's ceiling (see headroom probe --help)
     headroom demo                    the simulator + the gateway in front of it, one command
 
 Exit codes: 0 success, 1 runtime failure, 2 invalid configuration or usage.
@@ -57,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     sim = sub.add_parser("sim", help="serve simulated GPUs speaking the upstream protocols")
     add_sim_arguments(sim)
+
+    from proxy.probe.cli import add_arguments as add_probe_arguments
+
+    probe = sub.add_parser(
+        "probe", help="find a GPU's real ceiling: ramp concurrency, measure p99 delivery"
+    )
+    add_probe_arguments(probe)
 
     from proxy.demo import add_arguments as add_demo_arguments
 
@@ -139,6 +147,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from proxy.sim.cli import run as run_sim
 
             return run_sim(args)
+        if args.command == "probe":
+            from proxy.probe.cli import run as run_probe
+
+            return run_probe(args)
         if args.command == "demo":
             from proxy.demo import run as run_demo
 

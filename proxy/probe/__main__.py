@@ -1,0 +1,10 @@
+"""``python -m proxy.probe ...``: the same as ``headroom probe ...``."""
+
+from __future__ import annotations
+
+import sys
+
+from proxy.probe.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

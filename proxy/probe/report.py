@@ -1,0 +1,283 @@
+"""A probe result as a table, a summary, JSON, CSV and a configuration snippet.
+
+JSON (``schema: 1``; docs/probe.md lists every field): ``ceiling``, ``exact`` (the level
+above the ceiling was measured and failed), ``threshold``, ``bracket``, ``complete``,
+``stopped``, ``estimates``, ``settings`` and ``levels``: one object per measured level in
+the order measured, with the figures of :class:`proxy.probe.analysis.LevelStats`. CSV:
+one row per level, the same scalar figures (:data:`CSV_COLUMNS`).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import io
+import math
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from proxy.probe.analysis import LevelStats
+from proxy.probe.runner import ProbeResult
+
+__all__ = [
+    "CSV_COLUMNS",
+    "LAG_WARNING_S",
+    "config_snippet",
+    "csv_text",
+    "format_summary",
+    "format_table",
+    "level_json",
+    "replica_url",
+    "result_json",
+]
+
+#: Client event-loop lag (p99) above which the summary warns.
+LAG_WARNING_S = 0.05
+#: Columns of the CSV, one row per measured level.
+CSV_COLUMNS = (
+    "order",
+    "level",
+    "phase",
+    "verdict",
+    "passed",
+    "worst_1pct",
+    "median_ratio",
+    "stream_ratio_min",
+    "stream_ratio_p50",
+    "p99_gap_s",
+    "ttfa_p50_s",
+    "ttfa_p99_s",
+    "underruns",
+    "stall_s",
+    "throughput",
+    "sessions",
+    "completed",
+    "errors",
+    "refusals",
+    "chunks",
+    "hold_s",
+    "finalize_p99_s",
+    "client_lag_p99_s",
+)
+
+
+def _r(value: float | None, digits: int = 4) -> float | None:
+    if value is None or not math.isfinite(value):
+        return None
+    return round(value, digits)
+
+
+def level_json(stats: LevelStats, order: int) -> dict[str, Any]:
+    """One level's JSON object."""
+    return {
+        "order": order,
+        "level": stats.level,
+        "phase": stats.phase,
+        "verdict": stats.verdict,
+        "passed": stats.passed,
+        "complete": stats.complete,
+        "worst_1pct": _r(stats.worst_1pct),
+        "median_ratio": _r(stats.median_ratio),
+        "stream_ratio_min": _r(stats.stream_ratio_min),
+        "stream_ratio_p50": _r(stats.stream_ratio_p50),
+        "stream_ratios": [_r(r) for r in stats.stream_ratios],
+        "p99_gap_s": _r(stats.p99_gap_s),
+        "ttfa_p50_s": _r(stats.ttfa_p50_s),
+        "ttfa_p99_s": _r(stats.ttfa_p99_s),
+        "underruns": stats.underruns,
+        "stall_s": _r(stats.stall_s),
+        "throughput": _r(stats.throughput),
+        "sessions": stats.sessions,
+        "completed": stats.completed,
+        "errors": stats.errors,
+        "refusals": stats.refusals,
+        "chunks": stats.chunks,
+        "hold_s": _r(stats.hold_s, 3),
+        "finalize_p99_s": _r(stats.finalize_p99_s),
+        "client_lag_p99_s": _r(stats.client_lag_p99_s),
+        "details": list(stats.details),
+    }
+
+
+def result_json(result: ProbeResult) -> dict[str, Any]:
+    """The whole run as a JSON-ready dict."""
+    s, summary = result.settings, result.summary
+    e = summary.estimates
+    started = datetime.datetime.fromtimestamp(result.started_at, datetime.UTC)
+    return {
+        "tool": "headroom probe",
+        "schema": 1,
+        "target": s.client.url,
+        "protocol": s.client.protocol,
+        "kind": s.kind,
+        "model": result.model,
+        "threshold": summary.threshold,
+        "ceiling": summary.ceiling,
+        "exact": summary.bounded,
+        "bracket": list(summary.bracket),
+        "complete": result.stopped is None,
+        "stopped": result.stopped,
+        "started_at": started.isoformat(timespec="seconds"),
+        "duration_s": _r(result.duration_s, 1),
+        "estimates": {
+            "single_stream_speed": _r(e.single_stream_speed),
+            "single_stream_rtf": _r(e.single_stream_rtf),
+            "rtf_estimate": e.rtf_estimate,
+            "peak_throughput": _r(e.peak_throughput),
+            "peak_level": e.peak_level,
+            "throughput_estimate": e.throughput_estimate,
+            "throughput_at_ceiling": _r(e.throughput_at_ceiling),
+            "utilisation_of_peak": _r(e.utilisation_of_peak),
+            "ceiling_of_throughput_estimate": _r(e.ceiling_of_throughput_estimate),
+        },
+        "settings": {
+            "levels": list(s.levels),
+            "extend": s.extend,
+            "max_level": s.max_level,
+            "bisect": s.bisect,
+            "hold_s": s.hold_s,
+            "warmup_s": s.warmup_s,
+            "seed": s.seed,
+            "workload": s.workload.source,
+            "time_limit_s": s.time_limit_s,
+            "session_timeout_s": s.session_timeout_s,
+            "max_error_rate": s.max_error_rate,
+            "prebuffer_s": s.client.prebuffer_s,
+            "stream_format": s.client.stream_format,
+            "asr_pace": s.client.asr_pace,
+        },
+        "notes": list(result.notes),
+        "levels": [level_json(stats, i + 1) for i, stats in enumerate(summary.levels)],
+    }
+
+
+def csv_text(result: ProbeResult) -> str:
+    """The CSV document (header + one row per measured level)."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, CSV_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    writer.writeheader()
+    for i, stats in enumerate(result.summary.levels):
+        row = level_json(stats, i + 1)
+        writer.writerow({k: "" if row[k] is None else row[k] for k in CSV_COLUMNS})
+    return out.getvalue()
+
+
+def _f(value: float | None, fmt: str = "{:.2f}", unit: str = "") -> str:
+    return "-" if value is None else fmt.format(value) + unit
+
+
+def format_table(result: ProbeResult) -> str:
+    """The per-level table, in the order measured."""
+    asr = result.settings.kind == "asr"
+    head = (
+        f"{'level':>5}  {'phase':6}  {'verdict':11}  {'worst-1%':>8}  {'median':>6}  "
+        f"{'p99 gap':>8}  {'TTFT p50' if asr else 'TTFA p50':>8}  {'p99':>7}  "
+        f"{'underruns':>9}  {'text-s/s' if asr else 'audio-s/s':>9}  {'sessions':>8}  "
+        f"{'errors':>6}  {'refused':>7}"
+    )
+    lines = [head]
+    for s in result.summary.levels:
+        lines.append(
+            f"{s.level:>5}  {s.phase:6}  {s.verdict:11}  {_f(s.worst_1pct, '{:.3f}'):>8}  "
+            f"{_f(s.median_ratio):>6}  {_f(s.p99_gap_s, '{:.3f}', ' s'):>8}  "
+            f"{_f(s.ttfa_p50_s, '{:.3f}', ' s'):>8}  {_f(s.ttfa_p99_s, '{:.2f}', ' s'):>7}  "
+            f"{s.underruns:>9}  {s.throughput:>9.2f}  {s.sessions:>8}  {s.errors:>6}  "
+            f"{s.refusals:>7}"
+        )
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs} s" if minutes else f"{secs} s"
+
+
+def format_summary(result: ProbeResult) -> str:
+    """The conclusion in a few lines: ceiling, estimates, utilisation, duration."""
+    summary = result.summary
+    t, c = summary.threshold, summary.ceiling
+    at, above = summary.at(c), summary.at(c + 1)
+    lines = []
+    if not summary.levels:
+        lines.append("ceiling: not measured (no level completed)")
+    elif summary.bounded and c == 0:
+        worst = _f(above.worst_1pct if above else None, "{:.3f}")
+        lines.append(
+            f"ceiling: 0 - even one session's worst-1% delivery ratio ({worst}x) is "
+            f"below {t:g}x, or it failed ({above.verdict if above else '?'})"
+        )
+    elif summary.bounded:
+        why = (
+            f"{_f(above.worst_1pct, '{:.3f}')}x"
+            if above and above.verdict == "slow"
+            else (above.verdict if above else "?")
+        )
+        lines.append(
+            f"ceiling: {c} concurrent sessions (worst-1% delivery ratio "
+            f"{_f(at.worst_1pct if at else None, '{:.3f}')}x at {c}, {why} at {c + 1}; "
+            f"threshold {t:g}x)"
+        )
+    else:
+        first_fail = summary.bracket[1]
+        if first_fail is not None:
+            why = (
+                f"{first_fail} failed; levels {c + 1}..{first_fail - 1} were not measured: "
+                "bisect (the default) to find the exact integer"
+            )
+        elif result.stopped:
+            why = "the run stopped before a level failed"
+        else:
+            why = "no measured level failed: raise --max-level or add levels"
+        lines.append(f"ceiling: at least {c} ({why})")
+    e = summary.estimates
+    if e.throughput_estimate is not None and e.peak_throughput is not None:
+        line = (
+            f"throughput-based estimate: {e.throughput_estimate} (peak {e.peak_throughput:.2f} "
+            f"audio-s/s at {e.peak_level} / {t:g})"
+        )
+        if e.rtf_estimate is not None and e.single_stream_rtf is not None:
+            line += f"; single-stream RTF {e.single_stream_rtf:.3f} -> {e.rtf_estimate}"
+        lines.append(line)
+    if e.throughput_at_ceiling is not None and e.utilisation_of_peak is not None:
+        line = (
+            f"utilisation at the ceiling: {e.throughput_at_ceiling:.2f} audio-s/s = "
+            f"{e.utilisation_of_peak:.0%} of the peak"
+        )
+        if e.ceiling_of_throughput_estimate is not None:
+            line += f"; the ceiling is {e.ceiling_of_throughput_estimate:.0%} of the estimate"
+        lines.append(line)
+    lags = [(s.client_lag_p99_s, s.level) for s in summary.levels if s.client_lag_p99_s]
+    worst_lag = max(lags, default=None)
+    if worst_lag is not None and worst_lag[0] > LAG_WARNING_S:
+        lines.append(
+            f"warning: this client's event loop lagged {worst_lag[0] * 1e3:.0f} ms (p99) at level "
+            f"{worst_lag[1]}: it reads arrivals late, so ratios may be understated; probe "
+            "from a less busy machine"
+        )
+    levels = len(summary.levels)
+    lines.append(f"took {_duration(result.duration_s)} ({levels} level{'s' * (levels != 1)})")
+    if result.stopped:
+        lines.append(f"stopped early: {result.stopped}")
+    return "\n".join(lines)
+
+
+def replica_url(endpoint: str) -> str:
+    """The replica's base URL for a configuration: http(s) scheme, no path."""
+    parts = urlsplit(endpoint)
+    scheme = "https" if parts.scheme in ("https", "wss") else "http"
+    return urlunsplit((scheme, parts.netloc, "", "", ""))
+
+
+def config_snippet(result: ProbeResult, pool: str, replica: str) -> str:
+    """YAML for this replica with ``max_sessions`` = the ceiling."""
+    s = result.settings
+    exact = "" if result.summary.bounded else " (a lower bound)"
+    return (
+        f"# headroom probe: {s.client.protocol} at {s.client.url}: ceiling "
+        f"{result.summary.ceiling}{exact}, worst-1% delivery >= {s.threshold:g}x realtime\n"
+        "pools:\n"
+        f"  - name: {pool}\n"
+        "    replicas:\n"
+        f'      - {{name: {replica}, url: "{replica_url(s.client.url)}", '
+        f"max_sessions: {max(result.summary.ceiling, 1)}}}\n"
+    )

@@ -1,0 +1,278 @@
+"""End to end over real sockets: the probe against ``headroom sim`` and through Headroom.
+
+The simulator runs in its own process (as an engine does), the probe in this one. The
+ceiling tests use the deterministic presets of :mod:`tests.probe.presets`, whose
+``describe()`` ceilings differ (2, 4; ASR 3) and hold for every seed, and demand exact
+equality (a run disturbed by a busy host may be repeated: see ``ATTEMPTS``). Holds are
+short (4 s); together these tests take about a minute and a half.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import json
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from proxy.probe import ClientOptions, ProbeSettings, bundled, endpoint_url, run_probe
+from proxy.probe.analysis import LevelStats
+from proxy.probe.cli import main
+from proxy.probe.runner import LiveFigures
+from proxy.probe.session import PROTOCOL_KINDS
+from proxy.sim import Faults, describe, running_cluster
+from proxy.sim.presets import PRESETS, get_preset
+from tests.conftest import proxy_settings
+from tests.probe.conftest import ROOT, sim_process
+from tests.probe.presets import PROBE_PRESETS
+
+QUICK = "--hold 4 --warmup 1.5 --quiet"
+#: Runs allowed per ceiling test. The presets are deterministic, so the first run finds
+#: the exact ceiling unless the host stalls a process for longer than the margin (150+
+#: ms); a stall can only make a level fail, so a run never finds a higher ceiling.
+ATTEMPTS = 3
+
+
+def described_ceiling(monkeypatch: pytest.MonkeyPatch, name: str) -> int:
+    """``describe(name)["ceiling"]`` with the test preset registered under its name."""
+    monkeypatch.setitem(PRESETS, name, PROBE_PRESETS[name])
+    ceiling = describe(name)["ceiling"]
+    assert isinstance(ceiling, int)
+    return ceiling
+
+
+@pytest.mark.parametrize(
+    ("preset", "protocol", "levels"),
+    [
+        ("probe-test-tts-c2", "vllm-omni-speech-ws", "1,2,4,..."),
+        ("probe-test-tts-c4", "openai-speech-http", "4,..."),
+        ("probe-test-asr-c3", "vllm-realtime", "2,4,..."),
+    ],
+)
+def test_ceiling_equals_described_ceiling(
+    preset: str,
+    protocol: str,
+    levels: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    expected = described_ceiling(monkeypatch, preset)
+    config = tmp_path / "headroom.yaml"
+    found = []
+    for attempt in range(ATTEMPTS):
+        out = tmp_path / f"probe{attempt}"
+        shutil.copy(ROOT / "config" / "single-gpu.yaml", config)
+        with sim_process(preset) as url:
+            status = main(
+                f"--target {url} --protocol {protocol} --levels {levels} {QUICK} "
+                f"--json {out}.json --csv {out}.csv --plot {out}.png "
+                f"--write-config {config} --pool tts-main --replica gpu0".split()
+            )
+        printed = capsys.readouterr().out
+        assert status == 0, printed
+        result = json.loads(Path(f"{out}.json").read_text())
+        found.append(result["ceiling"])
+        # Host noise only delays arrivals, so it can only lower a measured ceiling:
+        # never above the described one; below it only when this machine was too busy.
+        assert result["ceiling"] <= expected, printed
+        if result["ceiling"] == expected:
+            break
+    assert found[-1] == expected, f"ceilings measured {found}, described {expected}"
+    assert result["exact"] is True
+    assert result["bracket"] == [expected, expected + 1]
+    assert result["complete"] is True and result["threshold"] == 1.2
+    by_level = {row["level"]: row for row in result["levels"]}
+    assert by_level[expected]["passed"] and by_level[expected]["worst_1pct"] >= 1.2
+    assert by_level[expected + 1]["verdict"] == "slow"
+    for row in result["levels"]:
+        assert row["errors"] == 0 and row["refusals"] == 0, row
+        assert row["chunks"] > 0 and row["sessions"] >= row["level"]
+    rows = list(csv.DictReader(Path(f"{out}.csv").read_text().splitlines()))
+    assert [int(r["level"]) for r in rows] == [row["level"] for row in result["levels"]]
+    assert Path(f"{out}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"ceiling: {expected} concurrent sessions" in printed
+    assert f"max_sessions: {expected}}}" in printed
+    replica = yaml.safe_load(config.read_text())["pools"][0]["replicas"][0]
+    assert replica["max_sessions"] == expected
+    assert f"tts-main/gpu0 max_sessions 8 -> {expected}" in printed
+
+
+def test_describe_ceilings_of_the_test_presets_differ(monkeypatch: pytest.MonkeyPatch) -> None:
+    ceilings = {name: described_ceiling(monkeypatch, name) for name in PROBE_PRESETS}
+    assert ceilings == {"probe-test-tts-c2": 2, "probe-test-tts-c4": 4, "probe-test-asr-c3": 3}
+
+
+def test_transcription_sse_measures_the_engine_speed(tmp_path: Path) -> None:
+    out = tmp_path / "sse.json"
+    with sim_process("probe-test-asr-c3") as url:
+        status = main(
+            f"--target {url} --protocol openai-transcription-sse --levels 1 --hold 3 "
+            f"--warmup 1.5 --quiet --json {out}".split()
+        )
+    assert status == 0
+    level = json.loads(out.read_text())["levels"][0]
+    speed = 0.08 / (0.002 + 0.018661)  # the preset's single-stream delivery ratio
+    assert level["verdict"] == "pass"
+    assert level["median_ratio"] == pytest.approx(speed, rel=0.1)
+
+
+class RecordingProgress:
+    def __init__(self) -> None:
+        self.started: list[tuple[int, str, float, float]] = []
+        self.ticks: list[LiveFigures] = []
+        self.done: list[LevelStats] = []
+        self.notes: list[str] = []
+
+    def level_started(self, level: int, phase: str, warmup_s: float, hold_s: float) -> None:
+        self.started.append((level, phase, warmup_s, hold_s))
+
+    def tick(self, live: LiveFigures) -> None:
+        self.ticks.append(live)
+
+    def level_done(self, stats: LevelStats) -> None:
+        self.done.append(stats)
+
+    def note(self, message: str) -> None:
+        self.notes.append(message)
+
+
+@pytest.mark.parametrize(
+    ("preset", "protocol", "path", "refusal"),
+    [
+        ("h200-voxtral-tts-4b", "vllm-omni-speech-ws", "/v1/audio/speech/stream", "http"),
+        ("h100-voxtral-realtime-4b", "vllm-realtime", "/v1/realtime", "close"),
+    ],
+)
+async def test_through_headroom_refusals_are_counted_not_errors(
+    start_proxy: Any, preset: str, protocol: str, path: str, refusal: str
+) -> None:
+    """Headroom caps the GPU at 2: levels above are refused (503 handshake, or an error
+    event and close 1013), which the probe counts as refusals, and every slot comes back
+    (the fixture checks that no slot leaked)."""
+    async with running_cluster(get_preset(preset), gpus=1) as cluster:
+        route = {"path": path, "pool": "main", "protocol": protocol, "refusal": refusal}
+        proxy = await start_proxy(proxy_settings([("gpu0", cluster.urls[0], 2)], [route]))
+        probe = ProbeSettings(
+            client=ClientOptions(url=endpoint_url(proxy.http_url, protocol), protocol=protocol),
+            workload=bundled(PROTOCOL_KINDS[protocol]),
+            levels=(1, 2, 4),
+            extend=False,
+            hold_s=1.2,
+            warmup_s=0.5,
+            cooldown_s=0.2,
+        )
+        progress = RecordingProgress()
+        result = await run_probe(probe, progress=progress)
+    summary = result.summary
+    assert [level for level, *_ in progress.started] == [1, 2, 4, 3]
+    assert [s.level for s in progress.done] == [1, 2, 4, 3]
+    assert any(live.chunks > 0 and live.worst_1pct for live in progress.ticks)
+    assert any(live.refusals > 0 for live in progress.ticks)
+    assert summary.ceiling == 2 and summary.bounded
+    verdicts = {s.level: s.verdict for s in summary.levels}
+    assert verdicts == {1: "pass", 2: "pass", 4: "refused", 3: "refused"}
+    for stats in summary.levels:
+        assert stats.errors == 0, stats.details
+        assert (stats.refusals > 0) == (stats.level > 2)
+    assert any("pool_full" in d for s in summary.levels for d in s.details)
+
+
+async def _sim_stats(url: str) -> dict[str, Any]:
+    async with httpx.AsyncClient() as client:
+        response = await client.get(f"{url}/sim/stats")
+        data = response.json()
+        assert isinstance(data, dict)
+        return data
+
+
+async def test_ctrl_c_reports_what_was_measured_and_closes_every_session(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "partial.json"
+    with sim_process("probe-test-tts-c4") as url:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "proxy.probe",
+            "--target",
+            url,
+            "--protocol",
+            "vllm-omni-speech-ws",
+            "--levels",
+            "2,4,8",
+            "--hold",
+            "2",
+            "--warmup",
+            "1",
+            "--json",
+            str(out),
+            cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        assert proc.stderr is not None
+        seen = []
+        while not any(" pass " in line for line in seen):
+            line = await asyncio.wait_for(proc.stderr.readline(), 30)
+            assert line, b"".join(seen)
+            seen.append(line.decode())
+        await asyncio.sleep(0.8)  # inside level 4, sessions open
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 130, stderr.decode()
+        deadline = time.monotonic() + 5
+        while (stats := await _sim_stats(url))["open_streams"] or stats["running"]:
+            assert time.monotonic() < deadline, stats
+            await asyncio.sleep(0.1)
+    result = json.loads(out.read_text())
+    assert result["complete"] is False and result["stopped"].startswith("interrupted")
+    levels = result["levels"]
+    assert [(row["level"], row["verdict"]) for row in levels] == [(2, "pass"), (4, "interrupted")]
+    assert result["ceiling"] == 2 and result["exact"] is False
+    assert "ceiling: at least 2" in stdout.decode()
+
+
+@pytest.mark.parametrize(
+    ("protocol", "faults", "verdict", "detail"),
+    [
+        ("vllm-omni-speech-ws", Faults(error_after_chunks=2), "errors", "error event: "),
+        ("openai-speech-http", Faults(drop_after_chunks=2), "errors", "RemoteProtocolError"),
+        ("vllm-omni-speech-ws", Faults(drop_after_chunks=2), "errors", "connection closed"),
+        ("openai-speech-http", Faults(handshake_503=True), "refused", "HTTP 503"),
+        ("vllm-omni-speech-ws", Faults(handshake_503=True), "refused", "HTTP 503"),
+        ("vllm-omni-speech-ws", Faults(stall_after_chunks=2, stall_s=1.5), "slow", None),
+    ],
+)
+async def test_engine_faults_are_errors_refusals_or_slowness(
+    protocol: str, faults: Faults, verdict: str, detail: str | None
+) -> None:
+    async with running_cluster(get_preset("h200-voxtral-tts-4b"), gpus=1) as cluster:
+        probe = ProbeSettings(
+            client=ClientOptions(url=endpoint_url(cluster.urls[0], protocol), protocol=protocol),
+            workload=bundled("tts"),
+            levels=(2,),
+            extend=False,
+            bisect=False,
+            hold_s=2.0,
+            warmup_s=0.3,
+            cooldown_s=0.0,
+            preflight=False,
+        )
+        await cluster.set_faults(faults)
+        result = await run_probe(probe)
+        await asyncio.sleep(0.2)
+        assert cluster.engines[0].stats().running == 0  # every session was closed
+    (stats,) = result.summary.levels
+    assert stats.verdict == verdict, stats
+    if detail is not None:
+        assert any(detail in d for d in stats.details), stats.details
+    assert (result.summary.ceiling, result.summary.bounded) == (0, False)
