@@ -22,6 +22,7 @@ the boundary; they never reach the admission core.
     ├── UpstreamError                      502 / 1014  the engine failed or is unreachable
     │   ├── UpstreamConnectError           before any byte was relayed (failover allowed)
     │   └── UpstreamStreamError            after bytes flowed (never retried)
+    │       └── UpstreamTimeout            504: no answer in time
     └── InternalError                      500 / 1011
 
 A :class:`Refused` carries ``reason`` (a DESIGN reason code), ``retry_after_s``,
@@ -53,6 +54,7 @@ __all__ = [
     "UpstreamConnectError",
     "UpstreamError",
     "UpstreamStreamError",
+    "UpstreamTimeout",
     "refusal_for",
 ]
 
@@ -265,6 +267,12 @@ class UpstreamConnectError(UpstreamError):
 
 class UpstreamStreamError(UpstreamError):
     """The upstream failed after bytes flowed: never retried."""
+
+
+class UpstreamTimeout(UpstreamStreamError):
+    """The upstream took the request but answered nothing in time."""
+
+    http_status: ClassVar[int] = 504
 
 
 class InternalError(HeadroomError):

@@ -16,14 +16,17 @@ from typing import Any
 
 __all__ = ["DenialNoiseFilter", "JsonFormatter", "configure_logging", "install_denial_filter"]
 
-_DENIAL_NOISE = "without completing handshake"
+#: uvicorn ERROR records that are normal operation for a gateway: a refused handshake,
+#: and a client's invalid UTF-8 text frame (uvicorn closes it with 1007 itself).
+_NOISE = ("without completing handshake", "Invalid UTF-8 sequence received from client")
 
 
 class DenialNoiseFilter(logging.Filter):
-    """Drop uvicorn's per-denial ERROR record (see module docstring)."""
+    """Drop uvicorn's per-denial / per-bad-frame ERROR records (see module docstring)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return _DENIAL_NOISE not in record.getMessage()
+        message = record.getMessage()
+        return not any(noise in message for noise in _NOISE)
 
 
 def install_denial_filter() -> None:

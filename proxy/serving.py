@@ -82,6 +82,8 @@ def make_config(app: Any, *, log_level: str = "warning", **overrides: Any) -> uv
         "server_header": False,
         "timeout_graceful_shutdown": 5,
         "timeout_keep_alive": 5,
+        # Headroom configures logging (JSON lines); uvicorn must not replace it.
+        "log_config": None,
     }
     options.update(overrides)
     try:

@@ -250,7 +250,9 @@ def apply_env(
         if "" in segs:
             problems.append((name, f"empty name between {delimiter!r} separators"))
             continue
-        path: Loc = tuple(int(s) if s.isascii() and s.isdigit() else s for s in segs)
+        path: Loc = tuple(
+        int(s) if s.isascii() and s.isdigit() and len(s) <= 9 else s for s in segs
+    )
         overrides.append((path, name, raw))
 
     state: dict[str, Any] = dict(base)

@@ -19,6 +19,12 @@ from typing import Protocol
 __all__ = ["AudioFormat", "HttpAdapter", "MeterSink", "WsAdapter", "header"]
 
 
+#: Plausible PCM formats. A format a client declares (request ``sample_rate``, a realtime
+#: ``session.update``) outside these is ignored, so no client can make the meter report
+#: impossible audio and trip the guard for every session on its replica.
+_BOUNDS = (("sample_rate", 8000, 384000), ("channels", 1, 8), ("sample_width", 1, 4))
+
+
 @dataclass(frozen=True, slots=True)
 class AudioFormat:
     """Uncompressed interleaved PCM: ``sample_rate`` Hz, ``channels``, ``sample_width`` bytes."""
@@ -28,10 +34,12 @@ class AudioFormat:
     sample_width: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("sample_rate", "channels", "sample_width"):
+        for name, low, high in _BOUNDS:
             value = getattr(self, name)
-            if type(value) is not int or value <= 0:
-                raise ValueError(f"AudioFormat.{name} must be a positive int, got {value!r}")
+            if type(value) is not int or not low <= value <= high:
+                raise ValueError(
+                    f"AudioFormat.{name} must be an int in [{low}, {high}], got {value!r}"
+                )
 
     @property
     def bytes_per_second(self) -> int:

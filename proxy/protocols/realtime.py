@@ -85,7 +85,7 @@ class RealtimeAdapter:
             if kind in _AUDIO:
                 if span is not None:
                     rate = event.get("sample_rate_hz")
-                    if type(rate) is int and rate > 0:
+                    if type(rate) is int and 8000 <= rate <= 384000:
                         bps = float(rate * self._default.channels * 2)  # PCM16 by protocol
                     else:
                         bps = self._bps
@@ -114,11 +114,11 @@ class RealtimeAdapter:
                 return
             event = scanned[0]
             kind = event.get("type")
-            if kind == "input_audio_buffer.commit":
-                if self._openai or event.get("final") is True:
-                    self._sink.commit_final(now)
-            elif kind == "session.update":
-                self._session(event)
+            if kind == "input_audio_buffer.commit" and (self._openai or event.get("final")):
+                self._sink.commit_final(now)
+            # A client's session.update is only a request: the format is taken from the
+            # upstream's session.created / session.updated, so no client can skew the
+            # meter (and through it the guard that protects everyone on the replica).
         except Exception:
             self.errors += 1
 
@@ -156,7 +156,7 @@ def _session_format(session: dict[str, Any], default: AudioFormat) -> AudioForma
                     return _G711
                 rate = fmt.get("rate")
                 if kind == "audio/pcm" or type(rate) is int:
-                    if type(rate) is int and rate > 0:
+                    if type(rate) is int and 8000 <= rate <= 384000:
                         return AudioFormat(rate, default.channels, 2)
                     return AudioFormat(default.sample_rate, default.channels, 2)
     beta = session.get("output_audio_format")

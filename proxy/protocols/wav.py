@@ -121,7 +121,10 @@ class WavStream:
             bps = byte_rate  # compressed: the declared average rate
         if bps <= 0:
             return False
-        self._format = AudioFormat(rate, channels, max(width, 1))
+        try:
+            self._format = AudioFormat(rate, channels, max(width, 1))
+        except ValueError:
+            return False  # not a plausible PCM format: treat the header as unreadable
         self._bps = float(bps)
         return True
 

@@ -45,6 +45,8 @@ def upstream_query(scope: dict[str, Any], *, auth: bool = False) -> str:
     """The client's query string without Headroom's own parameters (``api_key`` too
     when Headroom's auth is on: the key is Headroom's)."""
     raw: str = scope.get("query_string", b"").decode("latin-1")
+    # A raw '#' (or space) here is data, not a fragment: keep it from ending the URL.
+    raw = raw.replace("#", "%23").replace(" ", "%20")
     own = _OWN_QUERY | {"api_key"} if auth else _OWN_QUERY
     if not raw or not any(key in raw for key in own):
         return raw

@@ -90,5 +90,6 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, by
     """Upstream response headers to relay to the client (hop-by-hop removed). The body
     is relayed byte for byte, so a Content-Length stays true."""
     raw = list(raw)
-    drop = (HOP_BY_HOP - {"content-length"}) | _connection_tokens(raw)
+    # uvicorn adds its own Date and Server headers: relaying the upstream's would double them
+    drop = (HOP_BY_HOP - {"content-length"}) | {"date", "server"} | _connection_tokens(raw)
     return [(n, v) for n, v in raw if n.decode("latin-1").lower() not in drop]

@@ -29,6 +29,8 @@ from proxy.errors import (
     Refused,
     RequestTimeout,
     UpstreamConnectError,
+    UpstreamStreamError,
+    UpstreamTimeout,
 )
 from proxy.gate import Lease
 from proxy.refusal import http_error
@@ -207,7 +209,9 @@ async def _open(
     query = upstream_query(scope, auth=rt.settings.auth is not None)
     while True:
         url = rt.http_url(lease.pool, lease.replica) + path + (f"?{query}" if query else "")
-        request = rt.http.build_request(scope["method"], url, headers=headers, content=body)
+        # latin-1 bytes: a header value with obs-text is relayed as the client sent it
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        request = rt.http.build_request(scope["method"], url, headers=raw, content=body)
         try:
             return await rt.http.send(request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
@@ -245,6 +249,20 @@ async def _exchange(
             record.decision = "upstream_unreachable"
             record.error = str(err)
             record.status = await send_error(send, err)
+            return
+        except httpx.HTTPError as exc:
+            # Connected, but no response came (closed, reset, read timeout): 502 / 504.
+            timeout = isinstance(exc, httpx.TimeoutException)
+            kind = "timeout" if timeout else "protocol"
+            rt.upstream_error(lease.pool, lease.replica, kind)
+            failure = (UpstreamTimeout if timeout else UpstreamStreamError)(
+                f"upstream {lease.replica} sent no response: {exc or type(exc).__name__}",
+                replica=lease.replica,
+                kind=kind,
+            )
+            record.decision = "upstream_failed"
+            record.error = str(failure)
+            record.status = await send_error(send, failure)
             return
         try:
             adapter.request_complete(clock.now())  # the body is sent: the ASR commit

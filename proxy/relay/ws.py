@@ -296,6 +296,12 @@ async def relay_websocket(
     except asyncio.CancelledError:
         record.error = "cancelled"
         raise
+    except OSError:
+        # uvicorn's ClientDisconnected: the client left while we were answering it
+        # (e.g. during the upstream handshake). Not an error of ours.
+        record.error = "client went away"
+        if record.client_close is None:
+            record.client_close = 1006
     except Exception as exc:
         record.error = f"{type(exc).__name__}: {exc}"
         log.exception("internal error in session %s", record.session)

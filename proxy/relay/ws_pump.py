@@ -188,6 +188,7 @@ async def relay_frames(
             return  # nothing more can be sent to this client; uvicorn closes the socket
         except OSError:
             # uvicorn's ClientDisconnected: the client vanished while we were sending.
+            state.send_since = None  # that send is over: the write watchdog must not fire
             if state.client_closed is None:
                 state.client_closed = (1006, "")
                 record.client_close = 1006

@@ -207,14 +207,20 @@ def test_openai_audio_deltas_beta_and_ga() -> None:
     ],
 )
 def test_openai_session_format(session: dict[str, Any], seconds: float) -> None:
-    for side in ("upstream", "client"):
-        ws, sink = adapter("openai-realtime")
-        update = j(
-            type="session.updated" if side == "upstream" else "session.update", session=session
-        )
-        (ws.upstream_text if side == "upstream" else ws.client_text)(0.0, update)
-        ws.upstream_text(0.1, j(type="response.output_audio.delta", delta=b64(4800)))
-        assert sink.calls == [("audio", 0.1, pytest.approx(seconds))]
+    ws, sink = adapter("openai-realtime")
+    ws.upstream_text(0.0, j(type="session.updated", session=session))
+    ws.upstream_text(0.1, j(type="response.output_audio.delta", delta=b64(4800)))
+    assert sink.calls == [("audio", 0.1, pytest.approx(seconds))]
+
+
+def test_a_client_session_update_does_not_set_the_metered_format() -> None:
+    """Only the upstream's session.created/updated says what the audio is: a client's
+    request alone cannot skew the meter (and the guard that reads it)."""
+    ws, sink = adapter("openai-realtime")
+    session = {"audio": {"output": {"format": {"type": "audio/pcmu"}}}}
+    ws.client_text(0.0, j(type="session.update", session=session))
+    ws.upstream_text(0.1, j(type="response.output_audio.delta", delta=b64(4800)))
+    assert sink.calls == [("audio", 0.1, pytest.approx(0.1))]
 
 
 def test_openai_asr_turns() -> None:
