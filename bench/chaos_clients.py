@@ -85,7 +85,7 @@ LONG_TEXT = " ".join(TEXTS * 4)
 EXPECTED = (
     "ok",
     "refused",  # 503/429 at the handshake or request, or 1013 after queue feedback
-    "upstream_failed",  # 502, 1014, an upstream error event, a truncated body
+    "upstream_failed",  # 502, 504, 1014, an upstream error event, a truncated body
     "policy_closed",  # 1008: idle timeout, size limit, client not reading
     "rejected_input",  # garbage answered with 400 / 1002 / 1007 / 1009 / a close
     "left",  # the client left on purpose
@@ -115,8 +115,8 @@ def _refused(status: int, headers: Any) -> str:
     reason = headers.get("x-headroom-reason") if headers is not None else None
     if status in (503, 429) and reason:
         return f"refused:{reason}"
-    if status in (502, 503):  # 503 without a reason: the upstream's own, relayed
-        return f"upstream_failed:{status}"
+    if status in (502, 503, 504):  # 503 without a reason: the upstream's own, relayed;
+        return f"upstream_failed:{status}"  # 504: the upstream took it and said nothing
     if status >= 500:
         return f"internal_error:{status}"
     return f"rejected_input:{status}"

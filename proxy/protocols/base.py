@@ -41,6 +41,18 @@ class AudioFormat:
                     f"AudioFormat.{name} must be an int in [{low}, {high}], got {value!r}"
                 )
 
+    @classmethod
+    def plausible(
+        cls, sample_rate: object, channels: object, sample_width: int, fallback: AudioFormat
+    ) -> AudioFormat:
+        """The declared format if it is a plausible PCM format, else ``fallback``'s values
+        for whatever was not plausible (a declaration never raises)."""
+        rate = sample_rate if type(sample_rate) is int else 0
+        chans = channels if type(channels) is int else 0
+        rate = rate if _BOUNDS[0][1] <= rate <= _BOUNDS[0][2] else fallback.sample_rate
+        chans = chans if _BOUNDS[1][1] <= chans <= _BOUNDS[1][2] else fallback.channels
+        return cls(rate, chans, sample_width)
+
     @property
     def bytes_per_second(self) -> int:
         """Bytes of this PCM format that play for one second."""

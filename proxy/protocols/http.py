@@ -146,7 +146,7 @@ class SpeechHttpAdapter:
             self._fields = request_fields(query, content_type, body)
             rate = _positive_int(self._fields.get("sample_rate"))
             if rate is not None:
-                self._fmt = AudioFormat(rate, self._default.channels, 2)
+                self._fmt = AudioFormat.plausible(rate, self._default.channels, 2, self._default)
         except Exception:
             self.errors += 1
 
@@ -162,7 +162,7 @@ class SpeechHttpAdapter:
             fmt = self._fmt
             rate = _positive_int(header(headers, "x-sample-rate"))
             if rate is not None:
-                fmt = AudioFormat(rate, fmt.channels, 2)
+                fmt = AudioFormat.plausible(rate, fmt.channels, 2, fmt)
             requested = self._fields.get("response_format", "").lower()
             if mime in ("", "application/octet-stream"):
                 if self._fields.get("stream_format", "").lower() == "sse":
@@ -180,7 +180,7 @@ class SpeechHttpAdapter:
                 rate = _positive_int(params.get("rate")) or fmt.sample_rate
                 channels = _positive_int(params.get("channels")) or fmt.channels
                 self._mode = _PCM
-                self._bps = float(AudioFormat(rate, channels, 2).bytes_per_second)
+                self._bps = float(AudioFormat.plausible(rate, channels, 2, fmt).bytes_per_second)
             elif mime.startswith("audio/"):
                 self._mode = _OPAQUE
         except Exception:

@@ -95,11 +95,7 @@ class OmniSpeechWsAdapter:
 
     def _start(self, event: dict[str, object]) -> None:
         rate, channels = event.get("sample_rate"), event.get("channels")
-        fmt = AudioFormat(
-            rate if type(rate) is int and rate > 0 else self._default.sample_rate,
-            channels if type(channels) is int and channels > 0 else self._default.channels,
-            2,
-        )
+        fmt = AudioFormat.plausible(rate, channels, 2, self._default)
         kind = event.get("format")
         kind = kind.lower() if isinstance(kind, str) else "pcm"
         if kind == "pcm":

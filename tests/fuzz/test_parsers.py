@@ -70,8 +70,9 @@ def test_sse_events_do_not_depend_on_chunking(
     assert parse(split(data, cuts), bound) == parse([data], bound)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (open, issue 10): SseParser drops an "
-                   "over-long line differently depending on where a chunk ends")
+@pytest.mark.xfail(strict=False, reason="known bug (open, issue 10): SseParser drops an "
+                   "over-long line differently depending on where a chunk ends; hypothesis "
+                   "does not find it on every run, hence not strict")
 @fuzz_settings(800)
 @given(stream=sse_streams, cuts=st.lists(st.integers(0, 10**6), max_size=20),
        bound=st.integers(1, 64))  # fmt: skip

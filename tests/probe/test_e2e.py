@@ -52,7 +52,7 @@ def described_ceiling(monkeypatch: pytest.MonkeyPatch, name: str) -> int:
 @pytest.mark.parametrize(
     ("preset", "protocol", "levels"),
     [
-        ("probe-test-tts-c2", "vllm-omni-speech-ws", "1,2,4,..."),
+        ("probe-test-tts-c2", "vllm-omni-speech-ws", "2,4,..."),
         ("probe-test-tts-c4", "openai-speech-http", "4,..."),
         ("probe-test-asr-c3", "vllm-realtime", "2,4,..."),
     ],
