@@ -250,8 +250,10 @@ async def _exchange(
             record.error = str(err)
             record.status = await send_error(send, err)
             return
-        except httpx.HTTPError as exc:
+        except Exception as exc:
             # Connected, but no response came (closed, reset, read timeout): 502 / 504.
+            # Whatever the HTTP stack raises here (httpx, or e.g. an AttributeError from
+            # anyio on a transport uvloop already closed) is the upstream failing.
             timeout = isinstance(exc, httpx.TimeoutException)
             kind = "timeout" if timeout else "protocol"
             rt.upstream_error(lease.pool, lease.replica, kind)

@@ -583,3 +583,36 @@ async def test_a_client_declared_output_rate_cannot_trip_the_guard_for_everyone(
         async with connect(proxy.ws_url + "/v1/realtime", compression=None) as other:
             assert json.loads(await other.recv())["type"] == "session.created"
         await wait_until(lambda: proxy.gate.active == 0)
+
+
+# -- HTTP: the client library fails in an unexpected way while a connection drops ---------------
+
+
+async def test_http_client_library_failing_on_a_dropped_connection_is_a_502(
+    start_proxy: Any, upstream: Any, error_log: Records
+) -> None:
+    """Seen in the soak (anyio 4.16 + uvloop): an upstream that resets a connection right
+    after accepting it can make httpx raise ``AttributeError: 'NoneType' object has no
+    attribute 'getpeername'`` (anyio's SocketStream asks a closed uvloop transport for its
+    socket) instead of an httpx error. Whatever the HTTP stack raises while talking to the
+    upstream is an upstream failure for the client (502, the contract body), not a 500
+    with an ERROR traceback. Reproduced here with a transport that raises it."""
+    import httpx
+
+    def dropped(request: httpx.Request) -> httpx.Response:
+        raise AttributeError("'NoneType' object has no attribute 'getpeername'")
+
+    server, _ = upstream
+    proxy: Proxy = await start_proxy(
+        proxy_settings([("gpu0", server.http_url, 1)], [speech_route()])
+    )
+    error_log.watch()
+    real = proxy.runtime._http
+    proxy.runtime._http = httpx.AsyncClient(transport=httpx.MockTransport(dropped))
+    assert real is not None
+    await real.aclose()
+    status, _, body = await post(proxy.server.port)
+    assert status == 502, (status, body)
+    assert json.loads(body)["error"]["type"]
+    assert not error_log.errors()
+    assert proxy.gate.active == 0
