@@ -514,7 +514,7 @@ async def test_sim_realtime_generation_killed_by_a_drop_is_not_left_unretrieved(
     try:
         async with running_cluster(preset, gpus=1, faults=Faults(drop_after_chunks=0)) as cluster:
             channel = _ScriptedChannel(base64.b64encode(bytes(32000)).decode())
-            session = RealtimeSession(cluster.gpus[0], channel, {"client": ("127.0.0.1", 1)})  # type: ignore[arg-type]
+            session = RealtimeSession(cluster.gpus[0], channel, {"client": ("127.0.0.1", 1)})  # type: ignore[arg-type,unused-ignore]
             channel.session = session
             with contextlib.suppress(ChannelClosed):
                 await session.run()

@@ -7,6 +7,9 @@ process, e.g.::
     python tests/fuzz/atheris_targets.py sse -runs=2000000 -max_len=4096
     python tests/fuzz/atheris_targets.py --all 500000        # every target, 500k runs each
 
+``--all`` passes each target a libFuzzer dictionary of its format's tokens
+(:data:`DICTIONARIES`); pass ``-dict=FILE`` yourself when running one target.
+
 Each target asserts the same contracts as the hypothesis properties in this directory
 (never raise; finite, non-negative audio; chunking-independent results; only ConfigError
 out of the configuration loader; forwardable headers and URLs). A failure is reported by
@@ -58,20 +61,25 @@ class Sink:
     def transcript_final(self, now: float) -> None: ...
 
 
-def _cuts(fdp: atheris.FuzzedDataProvider, data: bytes) -> list[bytes]:
-    count = fdp.ConsumeIntInRange(0, 8)
-    points = sorted({fdp.ConsumeIntInRange(0, len(data)) for _ in range(count)})
+def _cuts(fdp: atheris.FuzzedDataProvider) -> list[int]:
+    """Up to 8 cut offsets, drawn before the stream (so the fuzzer steers them freely)."""
+    return [fdp.ConsumeIntInRange(0, 4096) for _ in range(fdp.ConsumeIntInRange(0, 8))]
+
+
+def _split(data: bytes, cuts: list[int]) -> list[bytes]:
+    points = sorted({c % (len(data) + 1) for c in cuts})
     return [data[a:b] for a, b in zip([0, *points], [*points, len(data)], strict=True)]
 
 
 def sse(data: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(data)
     bound = fdp.ConsumeIntInRange(1, 256)
+    cuts = _cuts(fdp)
     stream = fdp.ConsumeBytes(fdp.remaining_bytes())
     whole = SseParser(bound).feed(stream)
     parser = SseParser(bound)
     split: list[tuple[str, str]] = []
-    for part in _cuts(atheris.FuzzedDataProvider(stream[-16:]), stream):
+    for part in _split(stream, cuts):
         split += parser.feed(part)
     if whole != split:
         raise AssertionError(f"chunking changed the events: {whole!r} != {split!r}")
@@ -80,11 +88,12 @@ def sse(data: bytes) -> None:
 def wav(data: bytes) -> None:
     fdp = atheris.FuzzedDataProvider(data)
     max_header = fdp.ConsumeIntInRange(12, 1024)
+    cuts = _cuts(fdp)
     stream = fdp.ConsumeBytes(fdp.remaining_bytes())
     whole = WavStream(DEFAULT, max_header).feed(stream)
     parser = WavStream(DEFAULT, max_header)
     split = 0.0
-    for part in _cuts(atheris.FuzzedDataProvider(stream[:16]), stream):
+    for part in _split(stream, cuts):
         seconds = parser.feed(part)
         if not (math.isfinite(seconds) and seconds >= 0):
             raise AssertionError(seconds)
@@ -192,6 +201,31 @@ def env(data: bytes) -> None:
         pass
 
 
+#: libFuzzer dictionaries: tokens a byte-level mutator would not invent (Python's bytes
+#: comparisons are not instrumented, so "data" is never learned from the parser).
+DICTIONARIES: dict[str, list[bytes]] = {
+    "sse": [b"data:", b"data: ", b"event:", b": ", b"\n", b"\r\n", b"\r", b"\n\n",
+            b"\xef\xbb\xbf", b"id:", b"retry:"],
+    "wav": [b"RIFF", b"RF64", b"WAVE", b"fmt ", b"data", b"LIST", b"\x10\x00\x00\x00",
+            b"\x01\x00", b"\xfe\xff"],
+    "b64json": [b'"delta"', b'"audio"', b'"type"', b"\\/", b"=="],
+    "ws_adapters": [b'"type"', b"response.output_audio.delta", b"audio.start",
+                    b"session.update", b"sample_rate_hz", b"RIFF"],
+    "http_adapters": [b"text/event-stream", b"audio/wav", b"audio/pcm", b"data: ",
+                      b"speech.audio.delta", b"RIFF", b"rate="],
+}  # fmt: skip
+
+
+def write_dictionary(name: str, directory: str) -> str | None:
+    """A libFuzzer ``-dict=`` file for target ``name`` in ``directory``, if it has one."""
+    tokens = DICTIONARIES.get(name)
+    if not tokens:
+        return None
+    path = Path(directory) / f"{name}.dict"
+    path.write_text("".join('"' + "".join(f"\\x{b:02x}" for b in t) + '"\n' for t in tokens))
+    return str(path)
+
+
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "sse": sse,
     "wav": wav,
@@ -213,11 +247,14 @@ def run_all(runs: int) -> int:
     print(f"failing inputs go to {artifacts}/", flush=True)
     for name in TARGETS:
         start = time.monotonic()
+        flags = [f"-runs={runs}", "-max_len=4096", "-print_final_stats=1",
+                 f"-artifact_prefix={artifacts}/{name}-"]  # fmt: skip
+        dictionary = write_dictionary(name, artifacts)
+        if dictionary:
+            flags.append(f"-dict={dictionary}")
         proc = subprocess.run(
-            [sys.executable, __file__, name, f"-runs={runs}", "-max_len=4096",
-             "-print_final_stats=1", f"-artifact_prefix={artifacts}/{name}-"],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
+            [sys.executable, __file__, name, *flags], capture_output=True, text=True, check=False
+        )
         took = time.monotonic() - start
         done = next((line.split()[-1] for line in proc.stderr.splitlines()
                      if line.startswith("stat::number_of_executed_units")), "?")  # fmt: skip

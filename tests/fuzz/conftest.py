@@ -99,7 +99,7 @@ class Live:
 
     @property
     def active(self) -> int:
-        return self.runtime.gate.active
+        return int(self.runtime.gate.active)
 
     async def settled(self, timeout: float = 20.0) -> None:
         """Wait (bounded) until no session holds a slot or waits."""
