@@ -9,7 +9,10 @@ together take about ``--seconds`` of CPU (about 10 s in all by default).
 Shapes: 9.6 KB binary PCM frames (vllm-omni-speech-ws, 0.2 s at 24 kHz), the same audio
 as base64 JSON deltas (openai-realtime ``response.output_audio.delta``; also with ``\\/``
 escapes, which take the json.loads fallback), SSE ``speech.audio.delta`` events split
-across two TCP chunks (openai-speech-http), ASR text deltas, and the meter alone.
+across two TCP chunks (openai-speech-http), ASR text deltas, and the meter alone: once for
+one session at a time, and once for 500 sessions fed in turn, as a busy relay feeds them
+(in this synthetic loop that costs no more: the relay's extra per-chunk cost comes from
+everything else it touches per session).
 """
 
 from __future__ import annotations
@@ -105,6 +108,25 @@ def run_on(
             return elapsed / done * 1e6
 
 
+def run_interleaved(sessions: int, budget: float) -> float:
+    """Process-CPU µs per chunk of the meter alone, ``sessions`` meters fed in turn."""
+    sink = make_sink()
+    done, started = 0, time.process_time()
+    now = 0.0
+    while True:
+        meters = [SessionMeter(now, sink) for _ in range(sessions)]
+        for _ in range(SESSION_CHUNKS):
+            for meter in meters:  # each session still sees one chunk per STEP
+                now += STEP / sessions
+                meter.audio(now, 0.2)
+        for meter in meters:
+            meter.finish(now)
+        done += SESSION_CHUNKS * sessions
+        elapsed = time.process_time() - started
+        if elapsed >= budget:
+            return elapsed / done * 1e6
+
+
 def run_off(frames: Sequence[object], budget: float) -> float:
     """Process-CPU µs per frame just iterating the frames (no metering)."""
     done, started = 0, time.process_time()
@@ -157,6 +179,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         adapter = min(run_on(build, frames, third, adapter_only=True) for _ in range(3))
         on = min(run_on(build, frames, third) for _ in range(3))
         print(f"{name:42} {off:7.2f} {adapter:8.2f} {on:7.2f} {on - off:9.2f}")
+    off = min(run_off([0.2], third) for _ in range(3))
+    on = min(run_interleaved(500, max(third, 0.5)) for _ in range(3))
+    name = "  same, 500 sessions in turn"
+    print(f"{name:42} {off:7.2f} {'':8} {on:7.2f} {on - off:9.2f}")
 
 
 if __name__ == "__main__":

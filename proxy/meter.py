@@ -32,6 +32,7 @@ is ignored.
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -116,22 +117,24 @@ class ReplicaSink(Protocol):
 class PrometheusReplicaSink:
     """Observes the DESIGN contract metrics and feeds the replica's :class:`ReplicaSignals`.
 
-    Build one per replica and share it between that replica's sessions: label children are
-    resolved here, once. ``headroom_session_duration_seconds`` is not observed here (the
-    relay knows the session's end); ``headroom_delivery_ratio_p99`` is a scrape-time gauge
-    read from ``signals.worst_ratio(now)``."""
+    Build one per replica and share it between that replica's sessions: the replica's
+    :class:`~proxy.metrics.ReplicaSeries` and the pool's label children are resolved here,
+    once. Per chunk it only adds plain numbers (bucket index by ``bisect``), no
+    prometheus_client call and no lock: see :mod:`proxy.metrics` for the threading
+    assumption (one event-loop thread). ``headroom_session_duration_seconds`` is not
+    observed here (the relay knows the session's end); ``headroom_delivery_ratio_p99`` is a
+    scrape-time gauge read from ``signals.worst_ratio(now)``."""
 
     __slots__ = (
-        "_active",
-        "_audio",
         "_finalize",
-        "_gap",
+        "_gap_bounds",
+        "_gap_counts",
         "_gap_p99",
-        "_ratio",
+        "_ratio_bounds",
+        "_ratio_counts",
+        "_series",
         "_signals",
-        "_stall",
         "_ttfa",
-        "_underruns",
         "pool",
         "replica",
     )
@@ -140,36 +143,39 @@ class PrometheusReplicaSink:
         self.pool = pool
         self.replica = replica
         self._signals = signals
-        self._gap = metrics.chunk_gap.labels(pool, replica)
-        self._ratio = metrics.chunk_delivery_ratio.labels(pool, replica)
-        self._audio = metrics.audio_delivered.labels(pool, replica)
-        self._active = metrics.stream_active.labels(pool, replica)
-        self._underruns = metrics.underruns.labels(pool, replica)
-        self._stall = metrics.stall_seconds.labels(pool, replica)
+        series = self._series = metrics.replica_series(pool, replica)
+        self._gap_bounds = series.gap_bounds
+        self._gap_counts = series.gap_counts
+        self._ratio_bounds = series.ratio_bounds
+        self._ratio_counts = series.ratio_counts
         self._ttfa = metrics.time_to_first_audio.labels(pool)
         self._gap_p99 = metrics.stream_gap_p99.labels(pool)
         self._finalize = metrics.asr_finalize.labels(pool)
 
     def chunk(self, now: float, audio_s: float, gap: float | None, ratio: float | None) -> None:
+        series = self._series
         if audio_s > 0.0:
-            self._audio.inc(audio_s)
+            series.audio += audio_s
         if gap is None:
             return
-        self._gap.observe(gap)
+        self._gap_counts[bisect_left(self._gap_bounds, gap)] += 1
+        series.gap_sum += gap
         if ratio is None:
             self._signals.observe_gap(now, gap)
             return
-        self._ratio.observe(ratio)
+        self._ratio_counts[bisect_left(self._ratio_bounds, ratio)] += 1
+        series.ratio_sum += ratio
         # Stream-active time is the sum of audio gaps, pushed per chunk so rate() is live.
-        self._active.inc(gap)
+        series.active += gap
         self._signals.observe(now, ratio, gap)
 
     def first_audio(self, ttfa_s: float) -> None:
         self._ttfa.observe(ttfa_s)
 
     def underrun(self, stall_s: float) -> None:
-        self._underruns.inc()
-        self._stall.inc(stall_s)
+        series = self._series
+        series.underruns += 1.0
+        series.stall += stall_s
 
     def finalize(self, latency_s: float) -> None:
         self._finalize.observe(latency_s)

@@ -8,22 +8,45 @@ Each :class:`Metrics` owns its own ``CollectorRegistry`` so several apps (tests,
 Gauges that describe the gate's state (active sessions, slots, queue depth, health,
 guard, rolling delivery ratio) are not pushed: a collector reads the gate's frozen
 snapshots at scrape time, so they can never drift from the truth.
+
+The per-chunk metrics of a replica (gap and delivery-ratio histograms, audio-delivered and
+stream-active counters, and the underrun counters next to them) are not prometheus_client
+metrics either: a prometheus_client observation takes a lock per value and costs about a
+microsecond, and the relay makes four per audio chunk. :class:`ReplicaSeries` accumulates
+them in plain Python (bucket counts found with ``bisect`` on the same upper bounds, sums and
+counter totals as floats, added in the same order, so every exported number is what
+prometheus_client would have exported) and a collector turns them into histogram and
+counter families at scrape time, with the same names, help, labels and buckets.
+
+Threading: one writer, the event-loop thread (the meters). ``/metrics`` is served from the
+same loop (:mod:`proxy.app` calls ``generate_latest`` in its handler), so a scrape never
+sees a half-applied chunk; a scrape from another thread would read, at worst, one chunk's
+sum without its bucket (never a torn count: ``_count`` is the sum of the buckets).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 __all__ = [
     "DELIVERY_RATIO_BUCKETS",
     "GAP_BUCKETS",
     "Metrics",
     "ReplicaGauges",
+    "ReplicaSeries",
     "gap_buckets",
 ]
 
@@ -147,6 +170,171 @@ class _StateCollector(Collector):
         return iter(())
 
 
+_REPLICA_LABELS = ("pool", "replica")
+_GAP = (
+    "headroom_chunk_gap_seconds",
+    "Gap between consecutive upstream chunks of one stream (what a listener waits).",
+)
+_RATIO = (
+    "headroom_chunk_delivery_ratio",
+    "A chunk's audio seconds / wall seconds since the previous chunk; <1 is slower than realtime.",
+)
+_UNDERRUNS = (
+    "headroom_playback_underruns_total",
+    "Modelled client playback buffer ran dry mid-stream (a listener heard a stall).",
+)
+_STALL = (
+    "headroom_playback_stall_seconds_total",
+    "Modelled seconds of silence heard by listeners because audio arrived late.",
+)
+_AUDIO = ("headroom_audio_delivered_seconds_total", "Seconds of audio relayed to clients.")
+_ACTIVE = (
+    "headroom_stream_active_seconds_total",
+    "Wall seconds of streams after their first audio; audio_delivered / this = "
+    "aggregate delivery ratio.",
+)
+
+
+class ReplicaSeries:
+    """The per-chunk metrics of one (pool, replica), as plain numbers.
+
+    ``*_bounds`` are a histogram's upper bounds with ``+Inf`` last (prometheus_client's
+    ``_upper_bounds``); an observation ``v`` goes to ``counts[bisect_left(bounds, v)]``,
+    the first bucket whose bound is ``>= v`` (non-cumulative; the collector accumulates),
+    and is added to ``*_sum``. Counters are float totals. Values must not be NaN (the meter
+    never produces one). Written by :class:`proxy.meter.PrometheusReplicaSink`, read at
+    scrape time by :meth:`Metrics.replica_series`'s collector."""
+
+    __slots__ = (
+        "active",
+        "audio",
+        "gap_bounds",
+        "gap_counts",
+        "gap_sum",
+        "pool",
+        "ratio_bounds",
+        "ratio_counts",
+        "ratio_sum",
+        "replica",
+        "stall",
+        "underruns",
+    )
+
+    def __init__(
+        self,
+        pool: str,
+        replica: str,
+        gap_bounds: tuple[float, ...],
+        ratio_bounds: tuple[float, ...],
+    ) -> None:
+        self.pool = pool
+        self.replica = replica
+        self.gap_bounds = gap_bounds
+        self.gap_counts = [0] * len(gap_bounds)
+        self.gap_sum = 0.0
+        self.ratio_bounds = ratio_bounds
+        self.ratio_counts = [0] * len(ratio_bounds)
+        self.ratio_sum = 0.0
+        self.underruns = 0.0
+        self.stall = 0.0
+        self.audio = 0.0
+        self.active = 0.0
+
+    def __repr__(self) -> str:
+        return (
+            f"<ReplicaSeries {self.pool}/{self.replica} chunks={sum(self.gap_counts)} "
+            f"audio={self.audio:.3f}s>"
+        )
+
+
+def _le(bound: float) -> str:
+    """A bucket's ``le`` label, spelled as prometheus_client spells it."""
+    return str(floatToGoString(bound))  # type: ignore[no-untyped-call]
+
+
+def _cumulative(counts: Sequence[int], les: Sequence[str]) -> list[tuple[str, float]]:
+    acc = 0.0  # float, like prometheus_client's bucket values
+    out = []
+    for le, n in zip(les, counts, strict=True):
+        acc += n
+        out.append((le, acc))
+    return out
+
+
+class _ReplicaStore:
+    """Every :class:`ReplicaSeries` of one :class:`Metrics`, and the scrape-time export."""
+
+    def __init__(self, gap_buckets: Sequence[float]) -> None:
+        self.gap_bounds = (*(float(b) for b in gap_buckets), math.inf)
+        self.ratio_bounds = (*DELIVERY_RATIO_BUCKETS, math.inf)
+        self._gap_les = tuple(_le(b) for b in self.gap_bounds)
+        self._ratio_les = tuple(_le(b) for b in self.ratio_bounds)
+        self._series: dict[tuple[str, str], ReplicaSeries] = {}
+
+    def series(self, pool: str, replica: str) -> ReplicaSeries:
+        key = (pool, replica)
+        series = self._series.get(key)
+        if series is None:
+            series = ReplicaSeries(pool, replica, self.gap_bounds, self.ratio_bounds)
+            self._series[key] = series
+        return series
+
+    def histograms(self, samples: bool = True) -> tuple[Metric, ...]:
+        gap = HistogramMetricFamily(*_GAP, labels=_REPLICA_LABELS)
+        ratio = HistogramMetricFamily(*_RATIO, labels=_REPLICA_LABELS)
+        for s in list(self._series.values()) if samples else ():
+            key = [s.pool, s.replica]
+            gap.add_metric(key, _cumulative(s.gap_counts, self._gap_les), s.gap_sum)
+            ratio.add_metric(key, _cumulative(s.ratio_counts, self._ratio_les), s.ratio_sum)
+        return gap, ratio
+
+    def counters(self, samples: bool = True) -> tuple[Metric, ...]:
+        underruns, stall, audio, active = (
+            CounterMetricFamily(*spec, labels=_REPLICA_LABELS)
+            for spec in (_UNDERRUNS, _STALL, _AUDIO, _ACTIVE)
+        )
+        for s in list(self._series.values()) if samples else ():
+            key = [s.pool, s.replica]
+            underruns.add_metric(key, s.underruns)
+            stall.add_metric(key, s.stall)
+            audio.add_metric(key, s.audio)
+            active.add_metric(key, s.active)
+        return underruns, stall, audio, active
+
+
+class _ReplicaCollector(Collector):
+    """Exports a :class:`_ReplicaStore`'s histograms or its counters. Two collectors, each
+    registered where prometheus_client metrics of those names used to be, keep the
+    exposition's family order what it was."""
+
+    def __init__(self, families: Callable[[bool], tuple[Metric, ...]]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self._families(True))
+
+    def describe(self) -> Iterator[Metric]:
+        """The families without samples: the registry learns their names (and refuses a
+        second metric of the same name)."""
+        return iter(self._families(False))
+
+
+class _CollectedHistogram(Histogram):
+    """The definition of a histogram that a :class:`_ReplicaCollector` exports: name, help,
+    labels and buckets, for code that inspects the metrics. Not registered; observing
+    through it would be lost, so it refuses label children."""
+
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> NoReturn:
+        raise TypeError(f"{self._name} is fed through Metrics.replica_series(pool, replica)")
+
+
+class _CollectedCounter(Counter):
+    """Like :class:`_CollectedHistogram`, for a counter."""
+
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> NoReturn:
+        raise TypeError(f"{self._name} is fed through Metrics.replica_series(pool, replica)")
+
+
 class Metrics:
     """Every ``headroom_*`` metric, in one registry."""
 
@@ -164,17 +352,19 @@ class Metrics:
             "Admission decisions: admitted, queued, rejected_<reason>, abandoned.",
             ["pool", "decision"], registry=r,
         )  # fmt: skip
-        self.chunk_gap = Histogram(
-            "headroom_chunk_gap_seconds",
-            "Gap between consecutive upstream chunks of one stream (what a listener waits).",
-            ["pool", "replica"], buckets=gaps, registry=r,
-        )  # fmt: skip
-        self.chunk_delivery_ratio = Histogram(
-            "headroom_chunk_delivery_ratio",
-            "A chunk's audio seconds / wall seconds since the previous chunk; <1 is slower "
-            "than realtime.",
-            ["pool", "replica"], buckets=DELIVERY_RATIO_BUCKETS, registry=r,
-        )  # fmt: skip
+        # The per-chunk replica metrics: accumulated by ReplicaSeries, exported at scrape
+        # time by one collector (see the module docstring). The attributes below are their
+        # definitions, for code that inspects them; they are not registered.
+        self._replica = _ReplicaStore(gaps)
+        r.register(_ReplicaCollector(self._replica.histograms))
+        self.chunk_gap = _CollectedHistogram(*_GAP, _REPLICA_LABELS, buckets=gaps, registry=None)
+        self.chunk_delivery_ratio = _CollectedHistogram(
+            *_RATIO, _REPLICA_LABELS, buckets=DELIVERY_RATIO_BUCKETS, registry=None
+        )
+        self.underruns = _CollectedCounter(*_UNDERRUNS, _REPLICA_LABELS, registry=None)
+        self.stall_seconds = _CollectedCounter(*_STALL, _REPLICA_LABELS, registry=None)
+        self.audio_delivered = _CollectedCounter(*_AUDIO, _REPLICA_LABELS, registry=None)
+        self.stream_active = _CollectedCounter(*_ACTIVE, _REPLICA_LABELS, registry=None)
         self.stream_gap_p99 = Histogram(
             "headroom_stream_gap_p99_seconds",
             "Each finished stream's own p99 inter-chunk gap, observed once per stream.",
@@ -185,27 +375,7 @@ class Metrics:
             "Admission to the first audio chunk relayed to the client.",
             ["pool"], buckets=_TTFA_BUCKETS, registry=r,
         )  # fmt: skip
-        self.underruns = Counter(
-            "headroom_playback_underruns_total",
-            "Modelled client playback buffer ran dry mid-stream (a listener heard a stall).",
-            ["pool", "replica"], registry=r,
-        )  # fmt: skip
-        self.stall_seconds = Counter(
-            "headroom_playback_stall_seconds_total",
-            "Modelled seconds of silence heard by listeners because audio arrived late.",
-            ["pool", "replica"], registry=r,
-        )  # fmt: skip
-        self.audio_delivered = Counter(
-            "headroom_audio_delivered_seconds_total",
-            "Seconds of audio relayed to clients.",
-            ["pool", "replica"], registry=r,
-        )  # fmt: skip
-        self.stream_active = Counter(
-            "headroom_stream_active_seconds_total",
-            "Wall seconds of streams after their first audio; audio_delivered / this = "
-            "aggregate delivery ratio.",
-            ["pool", "replica"], registry=r,
-        )  # fmt: skip
+        r.register(_ReplicaCollector(self._replica.counters))
         self.session_duration = Histogram(
             "headroom_session_duration_seconds",
             "Length of admitted sessions, admission to end.",
@@ -221,6 +391,11 @@ class Metrics:
             "ASR: client's final commit to the final transcript event.",
             ["pool"], buckets=_FINALIZE_BUCKETS, registry=r,
         )  # fmt: skip
+
+    def replica_series(self, pool: str, replica: str) -> ReplicaSeries:
+        """The (one, shared) per-chunk series of ``pool``/``replica``; exported from now on,
+        with zeros until something is observed."""
+        return self._replica.series(pool, replica)
 
     def bind_state(
         self,

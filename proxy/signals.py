@@ -21,6 +21,7 @@ stays in it for between ``W`` and ``W + slice_s`` seconds (30 to 31 s by default
 from __future__ import annotations
 
 import math
+from array import array
 from collections import deque
 
 __all__ = ["GAMMA", "LogHistogram", "QuantileSketch", "ReplicaSignals"]
@@ -30,13 +31,16 @@ GAMMA = 1.04
 _INV_LOG_GAMMA = 1.0 / math.log(GAMMA)
 _MIN, _MAX = 1e-6, 1e6
 _ZERO = -(10**9)  # bucket key of values <= 0 (reported as 0.0); sorts first
+_log, _ceil = math.log, math.ceil
 
 
 def _bucket(value: float) -> int:
+    """The bucket key of ``value``. The hot paths (:meth:`LogHistogram.add`,
+    :meth:`ReplicaSignals.observe`) inline this; keep them in step."""
     if not value > 0.0:  # zero, negative, NaN
         return _ZERO
-    value = min(max(value, _MIN), _MAX)
-    return math.ceil(math.log(value) * _INV_LOG_GAMMA)
+    # min(max(value, _MIN), _MAX), without the two builtin calls
+    return _ceil(_log(_MIN if value < _MIN else _MAX if value > _MAX else value) * _INV_LOG_GAMMA)
 
 
 def _value(key: int) -> float:
@@ -58,8 +62,13 @@ class LogHistogram:
         self.count = 0
 
     def add(self, value: float) -> None:
-        key = _bucket(value)
-        self.buckets[key] = self.buckets.get(key, 0) + 1
+        if value > 0.0:  # _bucket(value), inlined
+            v = _MIN if value < _MIN else _MAX if value > _MAX else value
+            key = _ceil(_log(v) * _INV_LOG_GAMMA)
+        else:
+            key = _ZERO
+        buckets = self.buckets
+        buckets[key] = buckets.get(key, 0) + 1
         self.count += 1
 
     def merge(self, other: LogHistogram) -> None:
@@ -97,13 +106,15 @@ class QuantileSketch:
     """Exact quantiles for the first ``exact_limit`` samples, then a :class:`LogHistogram`.
 
     Sessions are mostly short, so their own p99 is usually exact; a long one costs at most
-    the histogram's bounded memory, with its 1.96 % error."""
+    the histogram's bounded memory, with its 1.96 % error. The exact samples are C doubles
+    in an ``array('d')`` (8 bytes each, against 32 for a list of floats): 4 KB at the
+    default limit, per sketch, and a meter has two."""
 
     __slots__ = ("_exact", "_hist", "_limit")
 
     def __init__(self, exact_limit: int = 512) -> None:
         self._limit = exact_limit
-        self._exact: list[float] | None = []
+        self._exact: array[float] | None = array("d")
         self._hist: LogHistogram | None = None
 
     @property
@@ -188,13 +199,24 @@ class ReplicaSignals:
         if now >= self._open_until:
             self._rotate(now)
         current = self._open
+        # _bucket(ratio) and _bucket(gap), inlined: this runs once per relayed chunk
+        if ratio > 0.0:
+            v = _MIN if ratio < _MIN else _MAX if ratio > _MAX else ratio
+            key = _ceil(_log(v) * _INV_LOG_GAMMA)
+        else:
+            key = _ZERO
         hist = current.ratios
-        key = _bucket(ratio)
-        hist.buckets[key] = hist.buckets.get(key, 0) + 1
+        buckets = hist.buckets
+        buckets[key] = buckets.get(key, 0) + 1
         hist.count += 1
+        if gap > 0.0:
+            v = _MIN if gap < _MIN else _MAX if gap > _MAX else gap
+            key = _ceil(_log(v) * _INV_LOG_GAMMA)
+        else:
+            key = _ZERO
         hist = current.gaps
-        key = _bucket(gap)
-        hist.buckets[key] = hist.buckets.get(key, 0) + 1
+        buckets = hist.buckets
+        buckets[key] = buckets.get(key, 0) + 1
         hist.count += 1
 
     def observe_gap(self, now: float, gap: float) -> None:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.signals import GAMMA, LogHistogram, QuantileSketch, ReplicaSignals
+from proxy.signals import GAMMA, LogHistogram, QuantileSketch, ReplicaSignals, _bucket
 
 ERROR = (GAMMA - 1) / (GAMMA + 1) + 1e-9
 
@@ -171,3 +172,61 @@ def test_window_matches_a_brute_force_reference(
         worst = signals.worst_ratio(now)
         assert worst is not None
         assert min(maybe_in) * (1 - ERROR) <= worst <= max(maybe_in) * (1 + ERROR)
+
+
+# --- the inlined bucket key ------------------------------------------------------------------
+
+
+def reference_key(value: float) -> int:
+    """The key ``_bucket`` computed before it was inlined into the hot paths."""
+    if not value > 0.0:
+        return -(10**9)
+    return math.ceil(math.log(min(max(value, 1e-6), 1e6)) * (1.0 / math.log(GAMMA)))
+
+
+any_value = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, 1e-6, 1e6, math.nextafter(1e-6, 0), math.nextafter(1e6, 2e6)]),
+    st.sampled_from([GAMMA**k for k in range(-40, 41)]),  # bucket edges, as floats
+)
+
+
+@given(st.lists(any_value, min_size=1, max_size=30))
+def test_every_path_files_a_value_under_the_same_key(values: list[float]) -> None:
+    expected: dict[int, int] = {}
+    for v in values:
+        key = reference_key(v)
+        expected[key] = expected.get(key, 0) + 1
+        assert _bucket(v) == key
+    hist = LogHistogram()
+    signals = ReplicaSignals(min_samples=1)
+    for v in values:
+        hist.add(v)
+        signals.observe(1.0, ratio=v, gap=v)
+    assert hist.buckets == expected
+    assert signals._open.ratios.buckets == expected
+    assert signals._open.gaps.buckets == expected
+    sketch = QuantileSketch(exact_limit=0)  # straight to its histogram
+    for v in values:
+        sketch.add(v)
+    assert sketch._hist is not None and sketch._hist.buckets == expected
+
+
+@given(st.lists(st.floats(allow_nan=False), min_size=1, max_size=64))
+def test_exact_samples_keep_every_double(values: list[float]) -> None:
+    """array('d') stores the very floats it is given: the exact quantiles are unchanged."""
+    sketch = QuantileSketch(exact_limit=64)
+    for v in values:
+        sketch.add(v)
+    for q in (0.01, 0.5, 0.99, 1.0):
+        got = sketch.quantile(q)
+        assert got == nearest_rank(values, q)
+        assert type(got) is float
+
+
+def test_exact_samples_cost_eight_bytes_each() -> None:
+    sketch = QuantileSketch()
+    for i in range(512):
+        sketch.add(i * 0.001)
+    assert sketch._exact is not None and sketch._exact.itemsize == 8
+    assert sys.getsizeof(sketch._exact) < 512 * 8 + 1024  # a list of floats: ~16 KB
