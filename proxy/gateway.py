@@ -21,6 +21,7 @@ from typing import Any
 from proxy.admin import create_admin_app
 from proxy.app import create_app
 from proxy.errors import ConfigError
+from proxy.relay.uvicorn_ws import HeadroomWebSocketProtocol
 from proxy.runtime import Runtime
 from proxy.serving import EmbeddedServer, bind_socket, make_config
 from proxy.settings import Settings, load_settings
@@ -34,6 +35,8 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     """uvicorn settings derived from Headroom's: frame limits, keepalive pings."""
     limits = settings.limits
     return {
+        # Admitted sessions are relayed in protocol callbacks (proxy.relay.splice).
+        "ws": HeadroomWebSocketProtocol,
         # Headroom checks message sizes itself (1008); uvicorn's own check (1009) is a
         # backstop for frames far beyond the limit.
         "ws_max_size": 2 * limits.max_message_bytes,

@@ -10,6 +10,7 @@ import pytest
 
 from proxy.app import create_app
 from proxy.clock import Clock
+from proxy.gateway import uvicorn_options
 from proxy.runtime import Runtime
 from proxy.serving import RunningServer, running_server
 from proxy.settings import Settings, settings_from_mapping
@@ -69,7 +70,9 @@ async def start_proxy() -> AsyncIterator[Callable[[Settings], Any]]:
 
     async def start(settings: Settings, clock: Clock | None = None) -> Proxy:
         runtime = Runtime(settings, clock=clock)
-        server = await stack.enter_async_context(running_server(create_app(runtime)))
+        server = await stack.enter_async_context(
+            running_server(create_app(runtime), **uvicorn_options(settings))
+        )
         proxy = Proxy(server, runtime)
         proxies.append(proxy)
         return proxy

@@ -27,7 +27,8 @@ import asyncio
 import contextlib
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidHandshake, InvalidStatus
@@ -46,6 +47,9 @@ from proxy.refusal import close_reason, error_event, http_error
 from proxy.relay.admit import FALLBACK_RESPONSE_HEADER, enter, upstream_query
 from proxy.relay.headers import forwarded_request_headers
 from proxy.relay.session import SessionRecord, new_session_id
+from proxy.relay.splice import Splice, close_frame
+from proxy.relay.upstream_ws import UpstreamSocket, UpstreamStatus, open_upstream
+from proxy.relay.uvicorn_ws import TakeOver
 from proxy.relay.ws_pump import relay_frames
 
 if TYPE_CHECKING:
@@ -61,6 +65,8 @@ Receive = Any
 Send = Any
 
 _MAX_HELD_MESSAGES = 16
+
+T = TypeVar("T")
 
 
 class _Client:
@@ -154,9 +160,11 @@ async def _wait(
 
 async def _connect_upstream(
     rt: Runtime, route: RouteSettings, scope: Scope, lease: Lease, subprotocols: list[str],
-    record: SessionRecord,
-) -> ClientConnection:  # fmt: skip
-    """Connect to the lease's replica, failing over to others before any byte flows."""
+    record: SessionRecord, *, lean: bool,
+) -> ClientConnection | UpstreamSocket:  # fmt: skip
+    """Connect to the lease's replica, failing over to others before any byte flows.
+    ``lean``: the splice's own handshake (:mod:`proxy.relay.upstream_ws`), otherwise a
+    websockets client connection for the ASGI relay."""
     limits = rt.settings.limits
     headers = forwarded_request_headers(
         scope["headers"],
@@ -167,28 +175,44 @@ async def _connect_upstream(
     )
     user_agent = next((v for k, v in headers if k == "user-agent"), None)
     headers = [(k, v) for k, v in headers if k != "user-agent"]
+
+    async def attempt(url: str) -> ClientConnection | UpstreamSocket:
+        if lean:
+            return await open_upstream(
+                url, headers=headers, subprotocols=subprotocols, user_agent=user_agent,
+                timeout=limits.handshake_timeout_s,
+            )  # fmt: skip
+        return await connect(
+            url,
+            additional_headers=headers,
+            subprotocols=[Subprotocol(p) for p in subprotocols] or None,
+            user_agent_header=user_agent,
+            compression=None,
+            proxy=None,
+            open_timeout=limits.handshake_timeout_s,
+            ping_interval=limits.ping_interval_s or None,
+            ping_timeout=limits.ping_timeout_s or None,
+            close_timeout=5,
+            max_size=limits.max_message_bytes,
+            max_queue=16,
+            write_limit=64 * 1024,
+        )
+
     path = route.upstream_path or scope["path"]
     query = upstream_query(scope, auth=rt.settings.auth is not None)
+    return await _with_failover(
+        rt, lease, record, lambda base: attempt(base + path + (f"?{query}" if query else ""))
+    )
+
+
+async def _with_failover(
+    rt: Runtime, lease: Lease, record: SessionRecord, attempt: Callable[[str], Awaitable[T]]
+) -> T:
     while True:
-        url = rt.ws_url(lease.pool, lease.replica) + path + (f"?{query}" if query else "")
         try:
-            return await connect(
-                url,
-                additional_headers=headers,
-                subprotocols=[Subprotocol(p) for p in subprotocols] or None,
-                user_agent_header=user_agent,
-                compression=None,
-                proxy=None,
-                open_timeout=limits.handshake_timeout_s,
-                ping_interval=limits.ping_interval_s or None,
-                ping_timeout=limits.ping_timeout_s or None,
-                close_timeout=5,
-                max_size=limits.max_message_bytes,
-                max_queue=16,
-                write_limit=64 * 1024,
-            )
-        except InvalidStatus as exc:
-            status = exc.response.status_code
+            return await attempt(rt.ws_url(lease.pool, lease.replica))
+        except (InvalidStatus, UpstreamStatus) as exc:
+            status = exc.status if isinstance(exc, UpstreamStatus) else exc.response.status_code
             kind = "handshake"
             reason = f"upstream {lease.replica} answered the handshake with HTTP {status}"
             if status < 500:
@@ -206,6 +230,40 @@ async def _connect_upstream(
         record.replica = lease.replica
 
 
+async def _splice(
+    rt: Runtime, route: RouteSettings, lease: Lease, upstream: UpstreamSocket,
+    take_over: TakeOver, headers: list[tuple[bytes, bytes]], record: SessionRecord,
+) -> None:  # fmt: skip
+    """Accept the client and relay in protocol callbacks until both sockets close."""
+    clock = rt.clock
+    meter = rt.new_meter(lease.pool, lease.replica, record.admitted_at or clock.now())
+    splice = Splice(rt, lease, rt.ws_adapter(route, meter), record, rt.settings.limits)
+    try:
+        taken = take_over(
+            upstream.subprotocol, headers, splice.client,
+            lambda: splice.stop(1012, "server shutting down"),
+        )  # fmt: skip
+        if taken is None:  # the client left during the upstream handshake
+            record.error = "client went away"
+            record.client_close = 1006
+            upstream.transport.write(close_frame(1001, "client went away", masked=True))
+            upstream.transport.close()
+            return
+        transport, early = taken
+        rt.register_session(splice.stop)
+        try:
+            splice.start(transport, early, upstream.transport, upstream.take_leftover(),
+                         upstream.lost)  # fmt: skip
+            await splice.done
+        except BaseException:
+            splice.abort()
+            raise
+        finally:
+            rt.unregister_session(splice.stop)
+    finally:
+        record.meter = meter.finish(clock.now()).as_log_fields()
+
+
 async def relay_websocket(
     rt: Runtime, route: RouteSettings, scope: Scope, receive: Receive, send: Send
 ) -> None:
@@ -221,7 +279,7 @@ async def relay_websocket(
     client = _Client(scope, send, route)
     offered: list[str] = list(scope.get("subprotocols") or [])
     lease: Lease | None = None
-    upstream: ClientConnection | None = None
+    upstream: ClientConnection | UpstreamSocket | None = None
     held: list[dict[str, Any]] | None = None
     tenant: str | None = None
     try:
@@ -278,12 +336,23 @@ async def relay_websocket(
         record.replica = lease.replica
         if record.decision == "queued":
             record.decision = "admitted_after_queue"
+        take_over: TakeOver | None = None
+        if not client.accepted:
+            take_over = scope.get("extensions", {}).get("headroom.splice", {}).get("take_over")
         try:
-            upstream = await _connect_upstream(rt, route, scope, lease, offered, record)
+            upstream = await _connect_upstream(
+                rt, route, scope, lease, offered, record, lean=take_over is not None
+            )
         except UpstreamConnectError as err:
             record.decision = "upstream_unreachable"
             record.error = str(err)
             await client.refuse(err, record)
+            return
+        if isinstance(upstream, UpstreamSocket):
+            assert take_over is not None
+            headers = [(FALLBACK_RESPONSE_HEADER, fallback_pool.encode())] if fallback_pool else []
+            await _splice(rt, route, lease, upstream, take_over, headers, record)
+            upstream = None
             return
         if client.accepted:
             while not notes.empty():
@@ -308,8 +377,11 @@ async def relay_websocket(
         with contextlib.suppress(Exception):
             await send({"type": "websocket.close", "code": 1011, "reason": "internal error"})
     finally:
-        if upstream is not None and upstream.state is not State.CLOSED:
-            upstream.transport.abort()  # only on cancellation or an internal error
+        # only on cancellation or an internal error:
+        if isinstance(upstream, UpstreamSocket):
+            upstream.abort()
+        elif upstream is not None and upstream.state is not State.CLOSED:
+            upstream.transport.abort()
         if lease is not None:
             lease.release()
         rt.release_tenant(tenant)

@@ -340,16 +340,10 @@ async def test_ws_client_gone_then_write_timeout_does_not_escape_the_app(
         hello = await read_frames(reader, head.rest, timeout=30, until_text="hello")
         assert hello.frames
         reset(writer)  # the client vanishes
-        await asyncio.wait_for(got_close.wait(), 30)
-
-        def parked() -> bool:  # the relay is closing the upstream after the failed send
-            return any(
-                any("client went away" in line for line in _awaiting(t))
-                for t in asyncio.all_tasks()
-            )
-
-        await wait_until(parked, 30)
-        clock.advance(25)  # the client-write timeout falls due meanwhile
+        await asyncio.wait_for(got_close.wait(), 30)  # Headroom closes the upstream (1001)
+        # The upstream never answers: the close deadline (and the client-write timeout,
+        # for a relay still sending) fall due.
+        clock.advance(25)
         await wait_until(lambda: proxy.gate.active == 0, 30)
         await asyncio.sleep(0.1)
     assert not error_log.errors()

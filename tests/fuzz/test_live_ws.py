@@ -97,8 +97,9 @@ CONFIG = json.dumps({"type": "session.config", "response_format": "pcm"}).encode
 #: name -> (route, frames sent after the handshake, acceptable close codes)
 CASES: dict[str, tuple[str, bytes, set[int]]] = {
     "over Headroom's limit (1008)": ("speech", frame(OP_BINARY, bytes(MAX_MESSAGE + 1)), {1008}),
-    "over uvicorn's limit (1009)": ("speech", frame(OP_BINARY, bytes(3 * MAX_MESSAGE)), {1009}),
-    "declared 2**62 bytes (1009)": ("speech", frame(OP_BINARY, b"", length=1 << 62), {1009}),
+    # Headroom reads the declared length from the frame header: no payload is buffered
+    "far over the limit (1008)": ("speech", frame(OP_BINARY, bytes(3 * MAX_MESSAGE)), {1008}),
+    "declared 2**62 bytes (1008)": ("speech", frame(OP_BINARY, b"", length=1 << 62), {1008}),
     "text over the limit (1008)": ("realtime", text(b"a" * (MAX_MESSAGE + 1)), {1008}),
     "invalid UTF-8 (1007)": ("speech", text(b"\xff\xfe"), {1007}),
     "truncated UTF-8 (1007)": ("speech", text(b"caf\xc3"), {1007}),

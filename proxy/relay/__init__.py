@@ -1,0 +1,1 @@
+"""Relays: the WebSocket and HTTP paths from client to replica."""

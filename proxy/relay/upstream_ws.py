@@ -1,0 +1,203 @@
+"""A lean WebSocket client handshake for the upstream leg of a spliced session.
+
+One TCP (or TLS) connection, one pre-rendered ``GET`` with the upgrade headers, and a
+check of the ``101`` answer: ``Upgrade``/``Connection``, ``Sec-WebSocket-Accept``, a
+subprotocol among those offered, no extension (none is offered: compression stays off
+on both legs). The result is the open transport, still paused, and any bytes the
+upstream sent right after its response -- the first frames of the session, which the
+splice then reads first. No task, queue or keepalive object per connection: framing is
+the splice's business (:mod:`proxy.relay.splice`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import os
+import socket
+import ssl
+from dataclasses import dataclass
+
+from websockets.exceptions import InvalidHandshake
+from websockets.uri import parse_uri
+
+__all__ = ["UpstreamSocket", "UpstreamStatus", "open_upstream"]
+
+_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+#: Bound on the upstream's response head.
+MAX_RESPONSE_HEAD = 64 * 1024
+
+_tls: ssl.SSLContext | None = None
+
+
+def _tls_context() -> ssl.SSLContext:
+    global _tls
+    if _tls is None:
+        _tls = ssl.create_default_context()
+    return _tls
+
+
+class UpstreamStatus(InvalidHandshake):
+    """The upstream answered the handshake with an HTTP status other than 101."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(f"server rejected WebSocket connection: HTTP {status}")
+        self.status = status
+
+
+@dataclass(slots=True)
+class UpstreamSocket:
+    """An open upstream WebSocket: paused transport and the chosen subprotocol."""
+
+    transport: asyncio.Transport
+    subprotocol: str | None
+    handshake: _Handshake
+
+    def take_leftover(self) -> bytes:
+        """The bytes the upstream sent after its response (its first frames)."""
+        data = bytes(self.handshake.buffer)
+        self.handshake.buffer.clear()
+        return data
+
+    @property
+    def lost(self) -> bool:
+        return self.handshake.lost
+
+    def abort(self) -> None:
+        self.transport.abort()
+
+
+class _Handshake(asyncio.Protocol):
+    """Reads the response head; pauses reading once it is complete."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.head: asyncio.Future[bytes] = loop.create_future()
+        self.lost = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if self.head.done():
+            return
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(self.buffer) > MAX_RESPONSE_HEAD:
+                self.head.set_exception(InvalidHandshake("response head too long"))
+            return
+        head = bytes(self.buffer[:end])
+        del self.buffer[: end + 4]
+        assert self.transport is not None
+        self.transport.pause_reading()
+        self.head.set_result(head)
+
+    def eof_received(self) -> bool | None:
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if not self.head.done():
+            self.head.set_exception(
+                ConnectionError("connection closed during the handshake") if exc is None else exc
+            )
+
+
+def _request(
+    host_header: str, resource: str, key: str, subprotocols: list[str],
+    headers: list[tuple[str, str]], user_agent: str | None,
+) -> bytes:  # fmt: skip
+    lines = [
+        f"GET {resource} HTTP/1.1",
+        f"Host: {host_header}",
+        "Upgrade: websocket",
+        "Connection: Upgrade",
+        f"Sec-WebSocket-Key: {key}",
+        "Sec-WebSocket-Version: 13",
+    ]
+    if subprotocols:
+        lines.append("Sec-WebSocket-Protocol: " + ", ".join(subprotocols))
+    lines += [f"{name}: {value}" for name, value in headers]
+    if user_agent is not None:
+        lines.append(f"User-Agent: {user_agent}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _check(head: bytes, key: str, offered: list[str]) -> str | None:
+    """Validate a response head; returns the chosen subprotocol."""
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        raise InvalidHandshake(f"invalid status line: {lines[0][:80]!r}")
+    status = int(parts[1])
+    if status != 101:
+        raise UpstreamStatus(status)
+    fields: dict[bytes, list[bytes]] = {}
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep:
+            raise InvalidHandshake(f"invalid header line: {line[:80]!r}")
+        fields.setdefault(name.strip().lower(), []).append(value.strip())
+
+    def tokens(name: bytes) -> list[bytes]:
+        return [t.strip().lower() for v in fields.get(name, []) for t in v.split(b",")]
+
+    if b"websocket" not in tokens(b"upgrade"):
+        raise InvalidHandshake("missing Upgrade: websocket")
+    if b"upgrade" not in tokens(b"connection"):
+        raise InvalidHandshake("missing Connection: Upgrade")
+    expected = base64.b64encode(hashlib.sha1(key.encode() + _GUID).digest())
+    if fields.get(b"sec-websocket-accept") != [expected]:
+        raise InvalidHandshake("invalid Sec-WebSocket-Accept")
+    if fields.get(b"sec-websocket-extensions"):
+        raise InvalidHandshake("the upstream chose an extension that was not offered")
+    chosen = fields.get(b"sec-websocket-protocol")
+    if not chosen:
+        return None
+    subprotocol = chosen[0].decode("latin-1")
+    if len(chosen) > 1 or subprotocol not in offered:
+        raise InvalidHandshake(f"the upstream chose a subprotocol not offered: {subprotocol!r}")
+    return subprotocol
+
+
+async def open_upstream(
+    url: str,
+    *,
+    headers: list[tuple[str, str]],
+    subprotocols: list[str],
+    user_agent: str | None,
+    timeout: float,
+) -> UpstreamSocket:
+    """Connect and complete the handshake within ``timeout`` seconds. Raises OSError,
+    TimeoutError, :class:`UpstreamStatus` or another ``InvalidHandshake``."""
+    uri = parse_uri(url)
+    loop = asyncio.get_running_loop()
+    key = base64.b64encode(os.urandom(16)).decode()
+    default_port = 443 if uri.secure else 80
+    host = f"[{uri.host}]" if ":" in uri.host else uri.host
+    host_header = host if uri.port == default_port else f"{host}:{uri.port}"
+    request = _request(host_header, uri.resource_name, key, subprotocols, headers, user_agent)
+    transport: asyncio.Transport | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            transport, protocol = await loop.create_connection(
+                lambda: _Handshake(loop),
+                uri.host,
+                uri.port,
+                ssl=_tls_context() if uri.secure else None,
+                server_hostname=uri.host if uri.secure else None,
+            )
+            transport.write(request)
+            head = await protocol.head
+        subprotocol = _check(head, key, subprotocols)
+    except BaseException:
+        if transport is not None:
+            transport.abort()
+        raise
+    return UpstreamSocket(transport, subprotocol, protocol)
