@@ -387,6 +387,7 @@ class Splice:
         adapter: WsAdapter,
         record: SessionRecord,
         limits: LimitsSettings,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self.rt = rt
         self.lease = lease
@@ -406,7 +407,7 @@ class Splice:
         self.client_closed = False  # the client started the closing handshake
         self.close_deadline: float | None = None
         self.send_since: float | None = None  # the client's socket buffer is full since
-        loop = asyncio.get_running_loop()
+        loop = loop or asyncio.get_running_loop()
         self.done: asyncio.Future[None] = loop.create_future()
         self._keepalive = _keepalive_for(loop) if limits.ping_interval_s else None
         self._timer: TimerHandle | None = None

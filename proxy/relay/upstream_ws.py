@@ -15,7 +15,6 @@ import asyncio
 import base64
 import hashlib
 import os
-import socket
 import ssl
 from dataclasses import dataclass
 
@@ -78,10 +77,8 @@ class _Handshake(asyncio.Protocol):
         self.lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # asyncio and uvloop both set TCP_NODELAY on TCP transports already
         self.transport = transport  # type: ignore[assignment]
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data

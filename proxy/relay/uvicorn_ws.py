@@ -12,15 +12,30 @@ uvicorn never parses a frame of the session.
 A client must wait for the handshake response before it sends frames (RFC 6455 4.1);
 bytes that arrive before it anyway are held (bounded), not parsed, and reach whichever
 relay path the app takes.
+
+The handshake request itself (already parsed once by uvicorn's HTTP parser and handed
+over re-serialised) is read here with a lean parser that checks what RFC 6455 4.2.1
+requires -- GET, HTTP/1.1, ``Connection: Upgrade``, ``Upgrade: websocket``, one valid
+``Sec-WebSocket-Key``, version 13 -- and builds the ASGI scope directly. Anything else
+goes through websockets' own parser, which answers it with the right HTTP error; the
+``websockets`` request/response objects are only built when a path needs them (an
+ASGI ``websocket.accept``). The take-over writes a pre-rendered 101.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import hashlib
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import unquote
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from websockets.http11 import Request
+
+_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 
 __all__ = ["EARLY_LIMIT", "HeadroomWebSocketProtocol", "TakeOver"]
 
@@ -44,6 +59,8 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         super().__init__(*args, **kwargs)
         self._early = bytearray()
         self._taken: asyncio.Protocol | None = None
+        self._accept_key = ""  # set by the lean handshake; "" if websockets parsed it
+        self._request_bytes = b""  # the request, for websockets' parser if it is needed
         self.on_shutdown: Callable[[], None] | None = None
 
     # -- handshake ----------------------------------------------------------------------
@@ -55,7 +72,98 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
                 return
             self._early += data
             return
+        if not self.handshake_initiated and self._lean_handshake(data):
+            return
         super().data_received(data)
+
+    def _lean_handshake(self, data: bytes) -> bool:
+        """Read a well-formed handshake request (the common case) without websockets'
+        parser; False leaves it to that parser (errors, odd requests)."""
+        if not data.endswith(b"\r\n\r\n"):
+            return False
+        lines = data[:-4].split(b"\r\n")
+        request_line = lines[0].split(b" ")
+        if len(request_line) != 3 or request_line[0] != b"GET" or request_line[2] != b"HTTP/1.1":
+            return False
+        target = request_line[1]
+        if not target.isascii() or not target.startswith(b"/"):
+            return False
+        headers: list[tuple[bytes, bytes]] = []
+        key: bytes | None = None
+        version: bytes | None = None
+        upgrade = connection = False
+        protocols: list[str] = []
+        for line in lines[1:]:
+            name, sep, value = line.partition(b": ")
+            if not sep or not name or name != name.lower() or b":" in name:
+                return False
+            headers.append((name, value))
+            if name == b"sec-websocket-key":
+                if key is not None:
+                    return False
+                key = value
+            elif name == b"sec-websocket-version":
+                if version is not None:
+                    return False
+                version = value
+            elif name == b"upgrade":
+                if upgrade or value.strip().lower() != b"websocket":
+                    return False
+                upgrade = True
+            elif name == b"connection":
+                connection = connection or any(
+                    t.strip().lower() == b"upgrade" for t in value.split(b",")
+                )
+            elif name == b"sec-websocket-protocol":
+                protocols += [t.strip() for t in value.decode("latin-1").split(",")]
+        if not (upgrade and connection and version == b"13" and key is not None):
+            return False
+        try:
+            if len(base64.b64decode(key, validate=True)) != 16:
+                return False
+        except binascii.Error:
+            return False
+        self._accept_key = base64.b64encode(hashlib.sha1(key + _GUID).digest()).decode()
+        self._request_bytes = data
+        raw_path, _, query = target.decode("ascii").partition("?")
+        self.handshake_initiated = True
+        self.scope = {
+            "type": "websocket",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.4"},
+            "http_version": "1.1",
+            "scheme": self.scheme,
+            "server": self.server,
+            "client": self.client,
+            "root_path": self.root_path,
+            "path": self.root_path + unquote(raw_path),
+            "raw_path": self.root_path.encode("ascii") + raw_path.encode("ascii"),
+            "query_string": query.encode("ascii"),
+            "headers": headers,
+            "subprotocols": protocols,
+            "state": self.app_state.copy(),
+            "extensions": {
+                "websocket.http.response": {},
+                "headroom.splice": {"take_over": self.take_over},
+            },
+        }
+        self.queue.put_nowait({"type": "websocket.connect"})
+        task = self.loop.create_task(self.run_asgi())
+        task.add_done_callback(self.on_task_complete)
+        self.tasks.add(task)
+        return True
+
+    def _websockets_handshake(self) -> None:
+        """Build the websockets request/response objects the lean handshake skipped,
+        for uvicorn's own ``websocket.accept`` path."""
+        if not self._request_bytes:
+            return
+        # websockets' parser reads the request now, so that it then reads frames
+        self.conn.receive_data(self._request_bytes)
+        self._request_bytes = b""
+        (request,) = self.conn.events_received()
+        assert isinstance(request, Request)
+        self.request = request
+        self.response = self.conn.accept(request)
 
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
@@ -63,6 +171,8 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
             self.scope["extensions"]["headroom.splice"] = {"take_over": self.take_over}
 
     async def send(self, message: Any) -> None:
+        if message["type"] == "websocket.accept":
+            self._websockets_handshake()
         await super().send(message)
         if message["type"] == "websocket.accept" and self._early and self.handshake_complete:
             early, self._early = bytes(self._early), bytearray()
@@ -78,17 +188,31 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         """Answer the handshake with 101 and give the socket to ``protocol``."""
         if self.disconnected or self.handshake_complete or self.transport.is_closing():
             return None
-        extra = [
-            (name.decode("latin-1").lower(), value.decode("latin-1"))
-            for name, value in (*self.default_headers, *headers)
-        ]
-        if subprotocol:
-            extra.append(("Sec-WebSocket-Protocol", subprotocol))
-        del self.response.headers["Date"]
-        self.response.headers.update(extra)
         self.handshake_complete = True
-        self.conn.send_response(self.response)
-        self.transport.write(b"".join(self.conn.data_to_send()))
+        if self._accept_key:
+            head = [
+                b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+                b"Connection: Upgrade\r\nSec-WebSocket-Accept: ",
+                self._accept_key.encode(),
+                b"\r\n",
+            ]
+            for name, value in (*self.default_headers, *headers):
+                head += [name, b": ", value, b"\r\n"]
+            if subprotocol:
+                head += [b"Sec-WebSocket-Protocol: ", subprotocol.encode("latin-1"), b"\r\n"]
+            head.append(b"\r\n")
+            self.transport.write(b"".join(head))
+        else:
+            extra = [
+                (name.decode("latin-1").lower(), value.decode("latin-1"))
+                for name, value in (*self.default_headers, *headers)
+            ]
+            if subprotocol:
+                extra.append(("Sec-WebSocket-Protocol", subprotocol))
+            del self.response.headers["Date"]
+            self.response.headers.update(extra)
+            self.conn.send_response(self.response)
+            self.transport.write(b"".join(self.conn.data_to_send()))
         if self.read_paused:
             self.read_paused = False
             self.transport.resume_reading()

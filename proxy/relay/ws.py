@@ -237,7 +237,8 @@ async def _splice(
     """Accept the client and relay in protocol callbacks until both sockets close."""
     clock = rt.clock
     meter = rt.new_meter(lease.pool, lease.replica, record.admitted_at or clock.now())
-    splice = Splice(rt, lease, rt.ws_adapter(route, meter), record, rt.settings.limits)
+    loop = upstream.handshake.head.get_loop()  # get_running_loop() costs a getpid()
+    splice = Splice(rt, lease, rt.ws_adapter(route, meter), record, rt.settings.limits, loop)
     try:
         taken = take_over(
             upstream.subprotocol, headers, splice.client,
@@ -293,9 +294,12 @@ async def relay_websocket(
             record.decision = f"rejected_{err.code}"
             await client.refuse(err, record)
             return
-        notes: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        notes: asyncio.Queue[dict[str, Any]] | None = None
+        if route.queue_feedback:
+            notes = asyncio.Queue()
 
         def on_position(position: int, eta_s: float) -> None:
+            assert notes is not None
             notes.put_nowait({"type": "headroom.queue", "position": position,
                               "eta_s": round(eta_s, 1)})  # fmt: skip
 
@@ -305,7 +309,7 @@ async def relay_websocket(
             if fallback_pool is not None:
                 record.pool = fallback_pool
             if isinstance(entry, Waiting):
-                if route.queue_feedback:
+                if notes is not None:
                     offered = offered[:1]
                     await client.accept(offered[0] if offered else None, [])
                     held = []
@@ -355,7 +359,7 @@ async def relay_websocket(
             upstream = None
             return
         if client.accepted:
-            while not notes.empty():
+            while notes is not None and not notes.empty():
                 await client.text(notes.get_nowait())
             await client.text({"type": "headroom.admitted"})
         else:

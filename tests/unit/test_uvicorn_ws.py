@@ -1,0 +1,141 @@
+"""HeadroomWebSocketProtocol's lean handshake builds the same ASGI scope as uvicorn's
+own (websockets-parsed) handshake, and leaves anything unusual to websockets."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+from typing import Any
+
+import pytest
+import uvicorn
+from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from uvicorn.server import ServerState
+
+from proxy.relay.uvicorn_ws import HeadroomWebSocketProtocol
+
+KEY = b"dGhlIHNhbXBsZSBub25jZQ=="
+
+
+class Transport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = bytearray()
+        self.closed = False
+        self.protocol: Any = None
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return {"sockname": ("127.0.0.1", 8000), "peername": ("127.0.0.1", 5555)}.get(
+            name, default
+        )
+
+    def write(self, data: Any) -> None:
+        self.out += data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None: ...
+
+    def resume_reading(self) -> None: ...
+
+    def set_protocol(self, protocol: Any) -> None:
+        self.protocol = protocol
+
+
+async def _app(scope: Any, receive: Any, send: Any) -> None:
+    await asyncio.Event().wait()  # never runs far: the test cancels it
+
+
+def _open(cls: type[WebSocketsSansIOProtocol], request: bytes) -> tuple[Any, Transport]:
+    config = uvicorn.Config(app=_app, ws=cls, ws_per_message_deflate=False, log_level="critical")
+    config.load()
+    state = ServerState()
+    protocol = cls(config=config, server_state=state, app_state={})
+    transport = Transport()
+    protocol.connection_made(transport)
+    protocol.data_received(request)
+    for task in state.tasks:
+        task.cancel()
+    return protocol, transport
+
+
+def _request(target: bytes, *extra: bytes, key: bytes = KEY, version: bytes = b"13") -> bytes:
+    lines = [
+        b"GET " + target + b" HTTP/1.1",
+        b"host: 127.0.0.1:8000",
+        b"upgrade: websocket",
+        b"connection: Upgrade",
+        b"sec-websocket-key: " + key,
+        b"sec-websocket-version: " + version,
+        *extra,
+    ]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        _request(b"/v1/audio/speech/stream"),
+        _request(b"/ws?api_key=a%20b&x=1", b"sec-websocket-protocol: a, b", b"x-custom: 1"),
+        _request(b"/caf%C3%A9/x%2Fy?q=%23", b"user-agent: test", b"x-dup: 1", b"x-dup: 2"),
+        _request(b"/ws", b"sec-websocket-protocol: one", b"sec-websocket-protocol: two"),
+    ],
+)
+async def test_the_lean_scope_equals_uvicorns(request_bytes: bytes) -> None:
+    lean, _ = _open(HeadroomWebSocketProtocol, request_bytes)
+    stock, _ = _open(WebSocketsSansIOProtocol, request_bytes)
+    assert lean._accept_key, "the lean path was not taken"
+    ours = {k: v for k, v in lean.scope.items() if k != "extensions"}
+    theirs = {k: v for k, v in stock.scope.items() if k != "extensions"}
+    assert ours == theirs
+    assert set(lean.scope["extensions"]) == {"websocket.http.response", "headroom.splice"}
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        _request(b"/ws", key=b"short"),  # not 16 bytes
+        _request(b"/ws", version=b"8"),
+        _request(b"/ws", b"sec-websocket-key: " + KEY),  # two keys
+        _request(b"/ws").replace(b"upgrade: websocket", b"upgrade: h2c"),
+        _request(b"/ws").replace(b"connection: Upgrade", b"connection: keep-alive"),
+    ],
+)
+async def test_invalid_handshakes_are_left_to_websockets(request_bytes: bytes) -> None:
+    lean, transport = _open(HeadroomWebSocketProtocol, request_bytes)
+    assert not lean._accept_key
+    assert transport.out.startswith(b"HTTP/1.1 4")  # websockets' own error answer
+
+
+async def test_take_over_answers_101_with_the_right_accept_key() -> None:
+    lean, transport = _open(
+        HeadroomWebSocketProtocol, _request(b"/ws", b"sec-websocket-protocol: a, b")
+    )
+    new = asyncio.Protocol()
+    taken = lean.take_over("b", [(b"x-headroom-fallback", b"lite")], new, lambda: None)
+    assert taken is not None and taken[0] is transport and taken[1] == b""
+    assert transport.protocol is new
+    head = bytes(transport.out).decode()
+    accept = base64.b64encode(hashlib.sha1(KEY + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+    assert head.startswith("HTTP/1.1 101 Switching Protocols\r\n")
+    assert f"Sec-WebSocket-Accept: {accept.decode()}\r\n" in head
+    assert "Sec-WebSocket-Protocol: b\r\n" in head
+    assert "x-headroom-fallback: lite\r\n" in head
+    assert head.endswith("\r\n\r\n")
+    assert lean.take_over(None, [], new, lambda: None) is None  # only once
+
+
+async def test_an_asgi_accept_after_the_lean_handshake_still_reads_frames() -> None:
+    """Queue-feedback sessions are accepted through ASGI: websockets' parser must then be
+    past the request, reading frames."""
+    lean, transport = _open(HeadroomWebSocketProtocol, _request(b"/ws"))
+    await lean.send({"type": "websocket.accept", "subprotocol": None, "headers": []})
+    assert transport.out.startswith(b"HTTP/1.1 101")
+    lean.data_received(bytes((0x81, 0x82, 1, 2, 3, 4, ord("h") ^ 1, ord("i") ^ 2)))
+    assert await lean.receive() == {"type": "websocket.connect"}
+    assert await lean.receive() == {"type": "websocket.receive", "text": "hi"}
