@@ -34,10 +34,9 @@ import os
 import weakref
 from typing import TYPE_CHECKING
 
-from websockets.speedups import apply_mask
-
-from proxy.refusal import truncate_reason
+from proxy.relay.splice_leg import Leg
 from proxy.relay.ws_pump import sendable_code
+from proxy.relay.wsframes import BINARY, PING, TEXT, close_fields, close_frame, frame
 
 if TYPE_CHECKING:
     from proxy.clock import Clock, TimerHandle
@@ -51,285 +50,8 @@ __all__ = ["Splice", "close_frame", "frame"]
 
 log = logging.getLogger("headroom.relay.ws")
 
-_CONT, _TEXT, _BINARY, _CLOSE, _PING = 0, 1, 2, 8, 9
-
-#: How long a closing handshake may take before both sockets are aborted.
+#: How long a closing handshake may take (then: upstream aborted, client socket closed).
 CLOSE_TIMEOUT_S = 5.0
-
-
-def frame(opcode: int, payload: bytes, *, masked: bool) -> bytes:
-    """One final frame; client-to-server frames are masked (RFC 6455 5.3)."""
-    n = len(payload)
-    bit = 0x80 if masked else 0
-    if n < 126:
-        head = bytes((0x80 | opcode, bit | n))
-    elif n < 65536:
-        head = bytes((0x80 | opcode, bit | 126)) + n.to_bytes(2, "big")
-    else:
-        head = bytes((0x80 | opcode, bit | 127)) + n.to_bytes(8, "big")
-    if not masked:
-        return head + payload
-    key = os.urandom(4)
-    return head + key + apply_mask(payload, key)
-
-
-def close_frame(code: int, reason: str, *, masked: bool) -> bytes:
-    return frame(_CLOSE, code.to_bytes(2, "big") + truncate_reason(reason).encode(), masked=masked)
-
-
-def _close_fields(payload: bytes) -> tuple[int, str]:
-    if len(payload) < 2:
-        return 1005, ""
-    return int.from_bytes(payload[:2], "big"), payload[2:].decode(errors="replace")
-
-
-class _Leg(asyncio.Protocol):
-    """One socket of the session. It reads frames from its endpoint and forwards them
-    into :attr:`peer`'s transport; state about *what it reads* lives here."""
-
-    __slots__ = (
-        "close_rcvd",
-        "close_sent",
-        "closed",
-        "forwarding",
-        "fparts",
-        "fresh",
-        "head",
-        "is_client",
-        "left",
-        "mask",
-        "msg_op",
-        "msg_size",
-        "parts",
-        "passing",
-        "peer",
-        "pending",
-        "ping_at",
-        "session",
-        "silent_since",
-        "transport",
-        "walking",
-    )  # fmt: skip
-
-    def __init__(self, session: Splice, *, is_client: bool, now: float) -> None:
-        self.session = session
-        self.is_client = is_client
-        self.transport: asyncio.Transport = None  # type: ignore[assignment]
-        self.peer: _Leg = None  # type: ignore[assignment]
-        self.closed = False  # the socket is gone
-        self.close_rcvd = False  # the endpoint sent a close frame
-        self.close_sent = False  # a close frame was written to the endpoint
-        self.forwarding = True  # new data frames are forwarded (off once closing)
-        self.passing = True  # the frame in progress is forwarded
-        self.head = b""  # an incomplete header (or control frame), withheld
-        self.left = 0  # payload bytes of the frame in progress still to come
-        self.mask = b""  # its masking key
-        self.fparts: list[bytes] | None = None  # its payload, when the message is kept
-        self.msg_op = 0  # opcode of the message in progress (text/binary)
-        self.msg_size = 0
-        self.parts: list[bytes] | None = None  # payloads of a fragmented message
-        self.pending: list[bytes] = []  # frames for peer's transport at our next boundary
-        self.walking = False  # inside data_received: writes to the peer wait for its flush
-        self.fresh = False  # bytes arrived since the last keepalive sweep
-        self.silent_since = 0.0  # loop time of the sweep that first found the leg silent
-        self.ping_at: float | None = None  # a ping to this endpoint is unanswered since
-
-    # -- transport callbacks -------------------------------------------------------------
-
-    def pause_writing(self) -> None:
-        self.session.paused(self, True)
-
-    def resume_writing(self) -> None:
-        self.session.paused(self, False)
-
-    def eof_received(self) -> bool | None:
-        return None  # close the socket; connection_lost follows
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.closed:
-            self.closed = True
-            self.session.lost(self)
-
-    def write(self, data: bytes) -> None:
-        if not self.closed:
-            self.transport.write(data)
-
-    def at_boundary(self) -> bool:
-        """The stream this leg forwards into its peer's socket is between frames."""
-        return not self.left or not self.passing
-
-    def inject(self, data: bytes) -> None:
-        """Write a frame into the peer's socket at this leg's next frame boundary (now,
-        if it is at one and not inside a read)."""
-        if self.walking or not self.at_boundary():
-            self.pending.append(data)
-        else:
-            self.peer.write(data)
-
-    def _flush(self, data: bytes, start: int, end: int) -> None:
-        """Forward ``data[start:end]``, then any injected frames."""
-        peer = self.peer
-        if start < end:
-            peer.write(data if start == 0 and end == len(data) else data[start:end])
-        if self.pending:
-            for pending in self.pending:
-                peer.write(pending)
-            self.pending.clear()
-
-    # -- the walk ------------------------------------------------------------------------
-
-    def data_received(self, data: bytes) -> None:
-        self.walking = True
-        try:
-            self._walk(data)
-        except Exception:
-            log.exception("internal error in session %s", self.session.record.session)
-            self.walking = False
-            self.session.fail()
-            return
-        self.walking = False
-        if self.pending and self.at_boundary():
-            self._flush(b"", 0, 0)
-
-    def _walk(self, data: bytes) -> None:  # the hot path, kept flat
-        session = self.session
-        now = session.clock.now()
-        self.fresh = True
-        peer = self.peer
-        if self.head:
-            data = self.head + data
-            self.head = b""
-        n = len(data)
-        i = 0
-        out = 0  # data[out:i] is still to be forwarded
-        if self.left:
-            take = self.left if self.left < n else n
-            if self.fparts is not None:
-                self.fparts.append(data[:take])
-            if not self.passing:
-                out = take
-            self.left -= take
-            i = take
-            if not self.left and self.fparts is not None:
-                self._frame_end(now)
-        while i < n:
-            if n - i < 2:
-                break
-            b0 = data[i]
-            b1 = data[i + 1]
-            length = b1 & 0x7F
-            h = 2 if length < 126 else 4 if length == 126 else 10
-            if b1 & 0x80:
-                h += 4
-            if n - i < h:
-                break
-            if length == 126:
-                length = int.from_bytes(data[i + 2 : i + 4], "big")
-            elif length == 127:
-                length = int.from_bytes(data[i + 2 : i + 10], "big")
-            opcode = b0 & 0x0F
-            start = i + h
-            if opcode >= 8:  # control frame: handled whole
-                if length > 125 or not b0 & 0x80:
-                    self._flush(data, out, i)
-                    self.head = b""
-                    session.protocol_error(self, "invalid control frame")
-                    return
-                if n - start < length:
-                    break
-                if opcode == _CLOSE:
-                    self._flush(data, out, i)
-                    payload = data[start : start + length]
-                    if b1 & 0x80:
-                        payload = apply_mask(payload, data[start - 4 : start])
-                    i = out = start + length
-                    session.close_received(self, payload, data[i - h - length : i])
-                    continue
-                i = start + length
-                if not self.forwarding:
-                    self._flush(data, out, i - h - length)
-                    out = i
-                continue
-            # data frame
-            if opcode:
-                self.msg_op = opcode
-                self.msg_size = length
-                self.parts = None
-            else:
-                self.msg_size += length
-            session.last_activity = now
-            if self.msg_size > session.max_bytes or not self.forwarding:
-                self._flush(data, out, i)
-                if self.forwarding:
-                    self.forwarding = False
-                    session.too_large(self)
-                self.passing = False
-                end = start + length
-                if end > n:
-                    self.left = end - n
-                    self.fparts = None
-                    return
-                i = out = end
-                continue
-            self.passing = True
-            fin = b0 & 0x80
-            keep = self.msg_op == _TEXT or not self.is_client
-            end = start + length
-            if end <= n:
-                i = end
-                if keep:
-                    payload = data[start:end]
-                    if b1 & 0x80:
-                        payload = apply_mask(payload, data[start - 4 : start])
-                    if fin and self.parts is None:
-                        session.message(self, self.msg_op, payload, now, length)
-                    else:
-                        self._part(payload, fin, now)
-                    if session.closing is not None:  # the message ended the session: held back
-                        self._flush(data, out, start - h)
-                        out = end
-                elif fin:
-                    session.message(self, self.msg_op, b"", now, self.msg_size)
-                continue
-            self.left = end - n
-            if keep:
-                self.fparts = [data[start:]]
-                self.mask = data[start - 4 : start] if b1 & 0x80 else b""
-                if not fin:
-                    self.msg_op |= 0x100  # a fragment: more frames follow
-            else:
-                self.fparts = None
-                if fin:
-                    session.message(self, self.msg_op, b"", now, self.msg_size)
-            i = n
-            break
-        if i < n:
-            self.head = data[i:]
-        if out < i:
-            peer.write(data if out == 0 and i == n else data[out:i])
-
-    def _frame_end(self, now: float) -> None:
-        parts = self.fparts
-        assert parts is not None
-        self.fparts = None
-        payload = parts[0] if len(parts) == 1 else b"".join(parts)
-        if self.mask:
-            payload = apply_mask(payload, self.mask)
-        fin = not self.msg_op & 0x100
-        self.msg_op &= 0xFF
-        if fin and self.parts is None:
-            self.session.message(self, self.msg_op, payload, now, len(payload))
-        else:
-            self._part(payload, bool(fin), now)
-
-    def _part(self, payload: bytes, fin: int | bool, now: float) -> None:
-        if self.parts is None:
-            self.parts = []
-        self.parts.append(payload)
-        if fin:
-            message = b"".join(self.parts)
-            self.parts = None
-            self.session.message(self, self.msg_op, message, now, len(message))
 
 
 class _Keepalive:
@@ -399,8 +121,8 @@ class Splice:
         self.started = now
         self.max_bytes = limits.max_message_bytes
         self.last_activity = now
-        self.client = _Leg(self, is_client=True, now=now)
-        self.upstream = _Leg(self, is_client=False, now=now)
+        self.client = Leg(self, is_client=True, now=now)
+        self.upstream = Leg(self, is_client=False, now=now)
         self.client.peer = self.upstream
         self.upstream.peer = self.client
         self.closing: tuple[int, str] | None = None  # Headroom ended it: code, reason
@@ -484,7 +206,7 @@ class Splice:
                 self._timer = None
             self.done.set_result(None)
 
-    def lost(self, leg: _Leg) -> None:
+    def lost(self, leg: Leg) -> None:
         """A socket is gone (closed by us or by the other end)."""
         client, upstream = self.client, self.upstream
         record = self.record
@@ -526,14 +248,14 @@ class Splice:
 
     # -- frames --------------------------------------------------------------------------
 
-    def message(self, leg: _Leg, opcode: int, payload: bytes, now: float, size: int) -> None:
+    def message(self, leg: Leg, opcode: int, payload: bytes, now: float, size: int) -> None:
         """A complete data message of ``size`` bytes (``payload`` empty when its content
         is not needed)."""
         record = self.record
         if leg.is_client:
             record.frames_up += 1
             record.bytes_up += size
-            if opcode == _TEXT:
+            if opcode == TEXT:
                 try:
                     text = payload.decode()
                 except UnicodeDecodeError:
@@ -543,7 +265,7 @@ class Splice:
             return
         record.frames_down += 1
         record.bytes_down += size
-        if opcode == _BINARY:
+        if opcode == BINARY:
             self.adapter.upstream_binary(now, payload)
             return
         try:
@@ -554,7 +276,7 @@ class Splice:
             return
         self.adapter.upstream_text(now, text)
 
-    def too_large(self, leg: _Leg) -> None:
+    def too_large(self, leg: Leg) -> None:
         if leg.is_client:
             self.record.error = "client message too large"
             self.stop(1008, f"message over {self.max_bytes} bytes")
@@ -562,7 +284,7 @@ class Splice:
             self.rt.upstream_error(self.lease.pool, self.lease.replica, "protocol")
             self.stop(1014, "upstream message too large", upstream_code=1009)
 
-    def protocol_error(self, leg: _Leg, what: str) -> None:
+    def protocol_error(self, leg: Leg, what: str) -> None:
         if leg.is_client:
             self.record.error = f"client protocol error: {what}"
             self.stop(1002, what)
@@ -570,13 +292,13 @@ class Splice:
             self.rt.upstream_error(self.lease.pool, self.lease.replica, "protocol")
             self.stop(1014, f"upstream protocol error: {what}", upstream_code=1002)
 
-    def close_received(self, leg: _Leg, payload: bytes, raw: bytes) -> None:
+    def close_received(self, leg: Leg, payload: bytes, raw: bytes) -> None:
         """A close frame from ``leg``'s endpoint (``raw``: the frame as it came)."""
         if leg.close_rcvd:
             return
         leg.close_rcvd = True
         leg.forwarding = False
-        code, reason = _close_fields(payload)
+        code, reason = close_fields(payload)
         client, upstream = self.client, self.upstream
         record = self.record
         if leg is client and (len(payload) == 1 or (payload and sendable_code(code, -1) != code)):
@@ -622,7 +344,7 @@ class Splice:
 
     # -- flow control --------------------------------------------------------------------
 
-    def paused(self, leg: _Leg, paused: bool) -> None:
+    def paused(self, leg: Leg, paused: bool) -> None:
         """``leg``'s socket buffer filled up (or drained): stop (resume) reading the
         other leg, so a slow reader slows its sender instead of growing our memory."""
         other = leg.peer
@@ -637,7 +359,7 @@ class Splice:
         else:
             other.transport.resume_reading()
 
-    def _resume(self, leg: _Leg) -> None:
+    def _resume(self, leg: Leg) -> None:
         if not leg.closed and not leg.transport.is_reading():
             leg.transport.resume_reading()
 
@@ -742,9 +464,9 @@ class Splice:
                 and not leg.peer.pending
             ):
                 leg.ping_at = now
-                leg.write(frame(_PING, os.urandom(4), masked=not leg.is_client))
+                leg.write(frame(PING, os.urandom(4), masked=not leg.is_client))
 
-    def _dead(self, leg: _Leg) -> None:
+    def _dead(self, leg: Leg) -> None:
         """No answer to a keepalive ping: the endpoint (or the path to it) is gone."""
         if leg.is_client:
             self.record.error = "client keepalive timeout"

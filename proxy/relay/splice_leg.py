@@ -1,0 +1,275 @@
+"""One leg of a spliced session (:mod:`proxy.relay.splice`): a socket whose frames are
+walked and forwarded into the other leg's socket as they are read.
+
+The walk reads frame headers incrementally across reads, with no payload copy except
+for what the meter needs (text messages, upstream binary messages). Control frames are
+handled whole: close frames go to the session, pings and pongs pass through. Frames
+injected by Headroom (its close frames, keepalive pings) are written at a frame
+boundary of the forwarded stream, never inside a frame.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from websockets.speedups import apply_mask
+
+from proxy.relay.wsframes import CLOSE, TEXT
+
+if TYPE_CHECKING:
+    from proxy.relay.splice import Splice
+
+__all__ = ["Leg"]
+
+log = logging.getLogger("headroom.relay.ws")
+
+
+class Leg(asyncio.Protocol):
+    """One socket of the session. It reads frames from its endpoint and forwards them
+    into :attr:`peer`'s transport; state about *what it reads* lives here."""
+
+    __slots__ = (
+        "close_rcvd",
+        "close_sent",
+        "closed",
+        "forwarding",
+        "fparts",
+        "fresh",
+        "head",
+        "is_client",
+        "left",
+        "mask",
+        "msg_op",
+        "msg_size",
+        "parts",
+        "passing",
+        "peer",
+        "pending",
+        "ping_at",
+        "session",
+        "silent_since",
+        "transport",
+        "walking",
+    )  # fmt: skip
+
+    def __init__(self, session: Splice, *, is_client: bool, now: float) -> None:
+        self.session = session
+        self.is_client = is_client
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.peer: Leg = None  # type: ignore[assignment]
+        self.closed = False  # the socket is gone
+        self.close_rcvd = False  # the endpoint sent a close frame
+        self.close_sent = False  # a close frame was written to the endpoint
+        self.forwarding = True  # new data frames are forwarded (off once closing)
+        self.passing = True  # the frame in progress is forwarded
+        self.head = b""  # an incomplete header (or control frame), withheld
+        self.left = 0  # payload bytes of the frame in progress still to come
+        self.mask = b""  # its masking key
+        self.fparts: list[bytes] | None = None  # its payload, when the message is kept
+        self.msg_op = 0  # opcode of the message in progress (text/binary)
+        self.msg_size = 0
+        self.parts: list[bytes] | None = None  # payloads of a fragmented message
+        self.pending: list[bytes] = []  # frames for peer's transport at our next boundary
+        self.walking = False  # inside data_received: writes to the peer wait for its flush
+        self.fresh = False  # bytes arrived since the last keepalive sweep
+        self.silent_since = 0.0  # loop time of the sweep that first found the leg silent
+        self.ping_at: float | None = None  # a ping to this endpoint is unanswered since
+
+    # -- transport callbacks -------------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        self.session.paused(self, True)
+
+    def resume_writing(self) -> None:
+        self.session.paused(self, False)
+
+    def eof_received(self) -> bool | None:
+        return None  # close the socket; connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed:
+            self.closed = True
+            self.session.lost(self)
+
+    def write(self, data: bytes) -> None:
+        if not self.closed:
+            self.transport.write(data)
+
+    def at_boundary(self) -> bool:
+        """The stream this leg forwards into its peer's socket is between frames."""
+        return not self.left or not self.passing
+
+    def inject(self, data: bytes) -> None:
+        """Write a frame into the peer's socket at this leg's next frame boundary (now,
+        if it is at one and not inside a read)."""
+        if self.walking or not self.at_boundary():
+            self.pending.append(data)
+        else:
+            self.peer.write(data)
+
+    def _flush(self, data: bytes, start: int, end: int) -> None:
+        """Forward ``data[start:end]``, then any injected frames."""
+        peer = self.peer
+        if start < end:
+            peer.write(data if start == 0 and end == len(data) else data[start:end])
+        if self.pending:
+            for pending in self.pending:
+                peer.write(pending)
+            self.pending.clear()
+
+    # -- the walk ------------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        self.walking = True
+        try:
+            self._walk(data)
+        except Exception:
+            log.exception("internal error in session %s", self.session.record.session)
+            self.walking = False
+            self.session.fail()
+            return
+        self.walking = False
+        if self.pending and self.at_boundary():
+            self._flush(b"", 0, 0)
+
+    def _walk(self, data: bytes) -> None:  # the hot path, kept flat
+        session = self.session
+        now = session.clock.now()
+        self.fresh = True
+        peer = self.peer
+        if self.head:
+            data = self.head + data
+            self.head = b""
+        n = len(data)
+        i = 0
+        out = 0  # data[out:i] is still to be forwarded
+        if self.left:
+            take = self.left if self.left < n else n
+            if self.fparts is not None:
+                self.fparts.append(data[:take])
+            if not self.passing:
+                out = take
+            self.left -= take
+            i = take
+            if not self.left and self.fparts is not None:
+                self._frame_end(now)
+        while i < n:
+            if n - i < 2:
+                break
+            b0 = data[i]
+            b1 = data[i + 1]
+            length = b1 & 0x7F
+            h = 2 if length < 126 else 4 if length == 126 else 10
+            if b1 & 0x80:
+                h += 4
+            if n - i < h:
+                break
+            if length == 126:
+                length = int.from_bytes(data[i + 2 : i + 4], "big")
+            elif length == 127:
+                length = int.from_bytes(data[i + 2 : i + 10], "big")
+            opcode = b0 & 0x0F
+            start = i + h
+            if opcode >= 8:  # control frame: handled whole
+                if length > 125 or not b0 & 0x80:
+                    self._flush(data, out, i)
+                    self.head = b""
+                    session.protocol_error(self, "invalid control frame")
+                    return
+                if n - start < length:
+                    break
+                if opcode == CLOSE:
+                    self._flush(data, out, i)
+                    payload = data[start : start + length]
+                    if b1 & 0x80:
+                        payload = apply_mask(payload, data[start - 4 : start])
+                    i = out = start + length
+                    session.close_received(self, payload, data[i - h - length : i])
+                    continue
+                i = start + length
+                if not self.forwarding:
+                    self._flush(data, out, i - h - length)
+                    out = i
+                continue
+            # data frame
+            if opcode:
+                self.msg_op = opcode
+                self.msg_size = length
+                self.parts = None
+            else:
+                self.msg_size += length
+            session.last_activity = now
+            if self.msg_size > session.max_bytes or not self.forwarding:
+                self._flush(data, out, i)
+                if self.forwarding:
+                    self.forwarding = False
+                    session.too_large(self)
+                self.passing = False
+                end = start + length
+                if end > n:
+                    self.left = end - n
+                    self.fparts = None
+                    return
+                i = out = end
+                continue
+            self.passing = True
+            fin = b0 & 0x80
+            keep = self.msg_op == TEXT or not self.is_client
+            end = start + length
+            if end <= n:
+                i = end
+                if keep:
+                    payload = data[start:end]
+                    if b1 & 0x80:
+                        payload = apply_mask(payload, data[start - 4 : start])
+                    if fin and self.parts is None:
+                        session.message(self, self.msg_op, payload, now, length)
+                    else:
+                        self._part(payload, fin, now)
+                    if session.closing is not None:  # the message ended the session: held back
+                        self._flush(data, out, start - h)
+                        out = end
+                elif fin:
+                    session.message(self, self.msg_op, b"", now, self.msg_size)
+                continue
+            self.left = end - n
+            if keep:
+                self.fparts = [data[start:]]
+                self.mask = data[start - 4 : start] if b1 & 0x80 else b""
+                if not fin:
+                    self.msg_op |= 0x100  # a fragment: more frames follow
+            else:
+                self.fparts = None
+                if fin:
+                    session.message(self, self.msg_op, b"", now, self.msg_size)
+            i = n
+            break
+        if i < n:
+            self.head = data[i:]
+        if out < i:
+            peer.write(data if out == 0 and i == n else data[out:i])
+
+    def _frame_end(self, now: float) -> None:
+        parts = self.fparts
+        assert parts is not None
+        self.fparts = None
+        payload = parts[0] if len(parts) == 1 else b"".join(parts)
+        if self.mask:
+            payload = apply_mask(payload, self.mask)
+        fin = not self.msg_op & 0x100
+        self.msg_op &= 0xFF
+        if fin and self.parts is None:
+            self.session.message(self, self.msg_op, payload, now, len(payload))
+        else:
+            self._part(payload, bool(fin), now)
+
+    def _part(self, payload: bytes, fin: int | bool, now: float) -> None:
+        if self.parts is None:
+            self.parts = []
+        self.parts.append(payload)
+        if fin:
+            message = b"".join(self.parts)
+            self.parts = None
+            self.session.message(self, self.msg_op, message, now, len(message))
