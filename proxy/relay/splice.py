@@ -23,7 +23,8 @@ what it reads, incrementally, to:
 Back-pressure is end to end: a leg whose socket buffer is full pauses reading on the
 other leg; a client that stops reading for ``client_write_timeout_s`` is dropped (1008
 upstream-side, so its slot is freed). One timer per session covers idle, session
-length, the write watchdog, pings and the close deadline.
+length, the write watchdog and the close deadline; one sweep a second per event loop
+sends the pings (:class:`_Keepalive`). Frame parsing is in :mod:`proxy.relay.splice_leg`.
 """
 
 from __future__ import annotations
