@@ -18,6 +18,7 @@ import os
 import ssl
 from dataclasses import dataclass
 
+import httpx
 from websockets.exceptions import InvalidHandshake
 from websockets.uri import parse_uri
 
@@ -31,9 +32,11 @@ _tls: ssl.SSLContext | None = None
 
 
 def _tls_context() -> ssl.SSLContext:
+    """The same trust as the HTTP relay's httpx client: certifi's CAs, or the bundle
+    named by ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``."""
     global _tls
     if _tls is None:
-        _tls = ssl.create_default_context()
+        _tls = httpx.create_ssl_context()
     return _tls
 
 

@@ -275,3 +275,41 @@ async def test_unknown_path_is_404(start_proxy: Any, upstream: Any) -> None:
     with pytest.raises(InvalidStatus) as info:
         await connect(proxy.ws_url + "/not/a/route", compression=None)
     assert info.value.response.status_code == 404
+
+
+async def test_a_wss_upstream_is_spliced_over_tls(
+    start_proxy: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica at https:// is reached as wss:// (SNI, certificate checked against the
+    trusted CAs) and relayed like any other."""
+    import ssl
+
+    import trustme
+
+    from proxy.relay import upstream_ws
+
+    ca = trustme.CA()
+    server_cert = ca.issue_cert("localhost")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    server_cert.cert_chain_pems[0].write_to_path(str(cert))
+    server_cert.private_key_pem.write_to_path(str(key))
+    trusted = ssl.create_default_context()
+    ca.configure_trust(trusted)
+    monkeypatch.setattr(upstream_ws, "_tls", trusted)
+    async with running_server(
+        FakeEngine(), ssl_certfile=str(cert), ssl_keyfile=str(key)
+    ) as server:
+        url = f"https://localhost:{server.port}"
+        proxy: Proxy = await start_proxy(proxy_settings([("gpu0", url, 1)], [ws_route()]))
+        async with connect(proxy.ws_url + "/ws/echo", compression=None) as ws:
+            greeting = await hello(ws)
+            assert greeting["headers"]["host"] == f"localhost:{server.port}"
+            payload = bytes(range(256)) * 64
+            await ws.send(payload)
+            assert await ws.recv() == payload
+        await wait_until(lambda: proxy.gate.active == 0)
+        # An untrusted certificate is a connect failure: the handshake is refused with 502
+        monkeypatch.setattr(upstream_ws, "_tls", ssl.create_default_context())
+        with pytest.raises(InvalidStatus) as refused:
+            await connect(proxy.ws_url + "/ws/echo", compression=None)
+        assert refused.value.response.status_code == 502
