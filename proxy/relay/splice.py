@@ -220,11 +220,7 @@ class Splice:
                 if not client.close_sent and not client.closed:
                     client.close_sent = True
                     record.client_close = 1014
-                    if not upstream.at_boundary():  # the client's stream stops mid-frame
-                        client.closed = True
-                        client.transport.abort()
-                    else:
-                        client.write(close_frame(1014, "upstream connection lost", masked=False))
+                    client.write(close_frame(1014, "upstream connection lost", masked=False))
             if not client.closed and not client.close_sent:
                 # nothing more will come from upstream: finish the client's side now
                 client.close_sent = True
@@ -239,11 +235,7 @@ class Splice:
                     self.client_closed = True
             if not upstream.close_sent and not upstream.closed:
                 upstream.close_sent = True
-                if not client.at_boundary():
-                    upstream.closed = True
-                    upstream.transport.abort()
-                else:
-                    upstream.write(close_frame(1001, "client went away", masked=True))
+                upstream.write(close_frame(1001, "client went away", masked=True))
             self._closing_started()
         self._settle()
 
@@ -432,7 +424,7 @@ class Splice:
         if not client.closed:
             client.closed = True
             transport = client.transport
-            if not client.close_sent and upstream.at_boundary():
+            if not client.close_sent:
                 client.close_sent = True
                 transport.write(close_frame(1000, "", masked=False))
             transport.close()
@@ -461,7 +453,6 @@ class Splice:
             elif (
                 now - leg.silent_since >= limits.ping_interval_s
                 # written at the frame boundary of the stream into this leg
-                and leg.peer.at_boundary()
                 and not leg.peer.pending
             ):
                 leg.ping_at = now
@@ -489,8 +480,9 @@ class Splice:
         if not self.client.closed and not self.client.close_sent:
             self.client.close_sent = True
             self.record.client_close = 1011
-            if self.upstream.at_boundary():
-                self.client.write(close_frame(1011, "internal error", masked=False))
+            self.client.write(close_frame(1011, "internal error", masked=False))
+            self.client.closed = True
+            self.client.transport.close()  # flushes the close frame
         self.abort()
 
     def abort(self) -> None:

@@ -38,13 +38,13 @@ class Leg(asyncio.Protocol):
         "fparts",
         "fresh",
         "head",
+        "held",
         "is_client",
         "left",
         "mask",
         "msg_op",
         "msg_size",
         "parts",
-        "passing",
         "peer",
         "pending",
         "ping_at",
@@ -63,8 +63,11 @@ class Leg(asyncio.Protocol):
         self.close_rcvd = False  # the endpoint sent a close frame
         self.close_sent = False  # a close frame was written to the endpoint
         self.forwarding = True  # new data frames are forwarded (off once closing)
-        self.passing = True  # the frame in progress is forwarded
         self.head = b""  # an incomplete header (or control frame), withheld
+        # A data frame still arriving is held, not forwarded, until it is complete: the
+        # stream into the peer's socket is always between frames, so a close frame (1014
+        # when this endpoint vanishes, Headroom's own closes) can always be written.
+        self.held: list[bytes] | None = None
         self.left = 0  # payload bytes of the frame in progress still to come
         self.mask = b""  # its masking key
         self.fparts: list[bytes] | None = None  # its payload, when the message is kept
@@ -97,14 +100,10 @@ class Leg(asyncio.Protocol):
         if not self.closed:
             self.transport.write(data)
 
-    def at_boundary(self) -> bool:
-        """The stream this leg forwards into its peer's socket is between frames."""
-        return not self.left or not self.passing
-
     def inject(self, data: bytes) -> None:
-        """Write a frame into the peer's socket at this leg's next frame boundary (now,
-        if it is at one and not inside a read)."""
-        if self.walking or not self.at_boundary():
+        """Write a frame into the peer's socket: now, or after what the read in progress
+        forwards."""
+        if self.walking:
             self.pending.append(data)
         else:
             self.peer.write(data)
@@ -131,7 +130,7 @@ class Leg(asyncio.Protocol):
             self.session.fail()
             return
         self.walking = False
-        if self.pending and self.at_boundary():
+        if self.pending:
             self._flush(b"", 0, 0)
 
     def _walk(self, data: bytes) -> None:  # the hot path, kept flat
@@ -145,16 +144,24 @@ class Leg(asyncio.Protocol):
         n = len(data)
         i = 0
         out = 0  # data[out:i] is still to be forwarded
-        if self.left:
+        if self.left:  # the rest of a frame: held (or dropped), never forwarded piecemeal
             take = self.left if self.left < n else n
-            if self.fparts is not None:
-                self.fparts.append(data[:take])
-            if not self.passing:
-                out = take
+            held = self.held
+            if held is not None:
+                part = data[:take] if take < n else data
+                held.append(part)
+                if self.fparts is not None:
+                    self.fparts.append(part)
+            out = i = take
             self.left -= take
-            i = take
-            if not self.left and self.fparts is not None:
-                self._frame_end(now)
+            if not self.left and held is not None:
+                self.held = None
+                if self.forwarding:
+                    if self.fparts is not None:
+                        self._frame_end(now)  # meters it; may end the session
+                    if self.forwarding:
+                        peer.writelines(held)
+                self.fparts = None
         while i < n:
             if n - i < 2:
                 break
@@ -206,7 +213,6 @@ class Leg(asyncio.Protocol):
                 if self.forwarding:
                     self.forwarding = False
                     session.too_large(self)
-                self.passing = False
                 end = start + length
                 if end > n:
                     self.left = end - n
@@ -214,7 +220,6 @@ class Leg(asyncio.Protocol):
                     return
                 i = out = end
                 continue
-            self.passing = True
             fin = b0 & 0x80
             keep = self.msg_op == TEXT or not self.is_client
             end = start + length
@@ -235,6 +240,10 @@ class Leg(asyncio.Protocol):
                     session.message(self, self.msg_op, b"", now, self.msg_size)
                 continue
             self.left = end - n
+            if out < i:
+                peer.write(data[out:i])
+            out = n
+            self.held = [data[i:] if i else data]
             if keep:
                 self.fparts = [data[start:]]
                 self.mask = data[start - 4 : start] if b1 & 0x80 else b""
@@ -250,6 +259,10 @@ class Leg(asyncio.Protocol):
             self.head = data[i:]
         if out < i:
             peer.write(data if out == 0 and i == n else data[out:i])
+
+    def writelines(self, parts: list[bytes]) -> None:
+        if not self.closed:
+            self.transport.writelines(parts)
 
     def _frame_end(self, now: float) -> None:
         parts = self.fparts

@@ -297,19 +297,33 @@ async def test_invalid_utf8_text_from_the_client_closes_with_1007() -> None:
 # -- closing handshakes --------------------------------------------------------------
 
 
-async def test_headroom_close_waits_for_the_frame_in_progress() -> None:
+async def test_a_frame_still_arriving_is_held_until_complete() -> None:
     h = Harness()
     h.start()
     chunk = server_frame(2, b"p" * 9600)
     h.from_upstream(chunk[:5000])
-    h.splice.stop(1012, "draining")  # the client's stream is mid-frame
-    assert h.client.take() == chunk[:5000]
-    h.from_upstream(chunk[5000:] + server_frame(2, b"after"))
-    out = h.client.take()
-    assert out[: len(chunk) - 5000] == chunk[5000:]
-    assert parse_frames(out[len(chunk) - 5000 :]) == [
-        (8, True, (1012).to_bytes(2, "big") + b"draining")
+    assert h.client.take() == b""  # nothing of it yet: the client's stream stays whole
+    h.from_upstream(chunk[5000:9000])
+    assert h.client.take() == b""
+    h.from_upstream(chunk[9000:] + server_frame(1, b"next"))
+    assert h.client.take() == chunk + server_frame(1, b"next")
+    assert h.adapter.events == [("upstream_binary", b"p" * 9600), ("upstream_text", "next")]
+
+
+async def test_headroom_close_drops_the_frame_in_progress() -> None:
+    h = Harness()
+    h.start()
+    h.from_upstream(server_frame(2, b"whole"))
+    chunk = server_frame(2, b"p" * 9600)
+    h.from_upstream(chunk[:5000])
+    h.splice.stop(1012, "draining")  # the client's stream is between frames: close now
+    assert parse_frames(h.client.take()) == [
+        (2, True, b"whole"),
+        (8, True, (1012).to_bytes(2, "big") + b"draining"),
     ]
+    h.from_upstream(chunk[5000:] + server_frame(2, b"after"))
+    assert h.client.take() == b""  # the held frame and what follows are dropped
+    assert h.adapter.events == [("upstream_binary", b"whole")]  # and not metered
     # the upstream got 1001 (going away), the client's echo completes its side
     assert parse_frames(h.upstream.take())[0][2][:2] == (1001).to_bytes(2, "big")
     h.from_client(client_frame(8, (1012).to_bytes(2, "big")))
@@ -374,13 +388,15 @@ async def test_upstream_vanishing_gives_the_client_1014() -> None:
     assert h.client.closed and h.splice.done.done()
 
 
-async def test_upstream_vanishing_mid_frame_drops_the_client() -> None:
+async def test_upstream_vanishing_mid_frame_still_gives_the_client_1014() -> None:
     h = Harness()
     h.start()
     h.from_upstream(server_frame(2, b"q" * 9600)[:100])
     h.splice.upstream.connection_lost(None)
-    assert h.client.aborted and h.splice.done.done()
-    assert h.record.client_close == 1014
+    assert parse_frames(h.client.take()) == [
+        (8, True, (1014).to_bytes(2, "big") + b"upstream connection lost")
+    ]
+    assert h.record.client_close == 1014 and not h.client.aborted
 
 
 async def test_client_vanishing_closes_the_upstream_with_1001() -> None:
