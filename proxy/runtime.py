@@ -400,8 +400,11 @@ class Runtime:
             await asyncio.sleep(interval)
             try:
                 response = await self.http.get(url, timeout=min(interval, 5.0))
-            except httpx.HTTPError as exc:
-                log.info("replica %s/%s still unreachable: %s", pool, replica, exc)
+            except Exception as exc:
+                # httpx errors, and whatever else the HTTP stack raises while a
+                # connection is reset under it (the chaos soak found one): the probe
+                # must outlive them all, or the replica would stay ejected for good.
+                log.info("replica %s/%s still unreachable: %r", pool, replica, exc)
                 continue
             if response.status_code < 500:
                 self.gate.set_healthy(pool, replica, True)
