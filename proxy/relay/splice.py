@@ -36,8 +36,16 @@ import weakref
 from typing import TYPE_CHECKING
 
 from proxy.relay.splice_leg import Leg
-from proxy.relay.ws_pump import sendable_code
-from proxy.relay.wsframes import BINARY, PING, TEXT, close_fields, close_frame, frame
+from proxy.relay.wsframes import (
+    BINARY,
+    PING,
+    TEXT,
+    client_code_for_upstream_close,
+    close_fields,
+    close_frame,
+    frame,
+    sendable_code,
+)  # fmt: skip
 
 if TYPE_CHECKING:
     from proxy.clock import Clock, TimerHandle
@@ -53,6 +61,17 @@ log = logging.getLogger("headroom.relay.ws")
 
 #: How long a closing handshake may take (then: upstream aborted, client socket closed).
 CLOSE_TIMEOUT_S = 5.0
+
+
+def _invalid_close(payload: bytes, code: int) -> tuple[int, str] | None:
+    """Why a client's close frame is invalid (RFC 6455 5.5.1, 7.4), as our answer."""
+    if len(payload) == 1 or (payload and sendable_code(code, -1) != code):
+        return 1002, "invalid close frame"
+    try:
+        payload[2:].decode()
+    except UnicodeDecodeError:
+        return 1007, "invalid UTF-8 in the close reason"
+    return None
 
 
 class _Keepalive:
@@ -215,7 +234,7 @@ class Splice:
             self._resume(client)
             if not upstream.close_rcvd and self.closing is None and not self.client_closed:
                 record.upstream_close = None
-                self.rt.upstream_error(self.lease.pool, self.lease.replica, "midstream")
+                self._upstream_error("midstream")
                 self.closing = (1014, "upstream connection lost")
                 if not client.close_sent and not client.closed:
                     client.close_sent = True
@@ -264,17 +283,20 @@ class Splice:
         try:
             text = payload.decode()
         except UnicodeDecodeError:
-            self.rt.upstream_error(self.lease.pool, self.lease.replica, "protocol")
+            self._upstream_error("protocol")
             self.stop(1014, "upstream sent invalid UTF-8", upstream_code=1007)
             return
         self.adapter.upstream_text(now, text)
+
+    def _upstream_error(self, kind: str) -> None:
+        self.rt.upstream_error(self.lease.pool, self.lease.replica, kind)
 
     def too_large(self, leg: Leg) -> None:
         if leg.is_client:
             self.record.error = "client message too large"
             self.stop(1008, f"message over {self.max_bytes} bytes")
         else:
-            self.rt.upstream_error(self.lease.pool, self.lease.replica, "protocol")
+            self._upstream_error("protocol")
             self.stop(1014, "upstream message too large", upstream_code=1009)
 
     def protocol_error(self, leg: Leg, what: str) -> None:
@@ -282,7 +304,7 @@ class Splice:
             self.record.error = f"client protocol error: {what}"
             self.stop(1002, what)
         else:
-            self.rt.upstream_error(self.lease.pool, self.lease.replica, "protocol")
+            self._upstream_error("protocol")
             self.stop(1014, f"upstream protocol error: {what}", upstream_code=1002)
 
     def close_received(self, leg: Leg, payload: bytes, raw: bytes) -> None:
@@ -294,44 +316,30 @@ class Splice:
         code, reason = close_fields(payload)
         client, upstream = self.client, self.upstream
         record = self.record
-        if leg is client and (len(payload) == 1 or (payload and sendable_code(code, -1) != code)):
-            record.client_close = code
-            self.stop(1002, "invalid close frame")
-            return
-        if leg is client and "\ufffd" in reason:
-            try:
-                payload[2:].decode()
-            except UnicodeDecodeError:
-                record.client_close = code
-                self.stop(1007, "invalid UTF-8 in the close reason")
-                return
         if leg is client:
+            invalid = _invalid_close(payload, code)
+            if invalid is not None:  # answered, not forwarded
+                record.client_close = code
+                self.stop(*invalid)
+                return
             if self.closing is None and not client.close_sent:
                 self.client_closed = True  # the client started it
                 record.client_close = code
             if not upstream.close_sent and not upstream.closed:
                 upstream.close_sent = True
-                sendable = code == 1005 or sendable_code(code, -1) == code
-                upstream.write(
-                    raw if sendable else close_frame(sendable_code(code, 1001), reason, masked=True)
-                )
+                upstream.write(raw)
         else:
             record.upstream_close = code
             if not client.close_sent and not client.closed:
                 client.close_sent = True
-                if self.client_closed:  # the upstream's answer to the client's close
-                    client.write(raw)
-                else:
-                    if code == 1005:
-                        code, reason, raw = 1000, "", close_frame(1000, "", masked=False)
-                    elif sendable_code(code, -1) != code:
-                        code, raw = 1011, close_frame(1011, reason, masked=False)
-                    if code == 1011:
-                        self.rt.upstream_error(
-                            self.lease.pool, self.lease.replica, "upstream_internal_error"
-                        )
-                    record.client_close = code
-                    client.write(raw)
+                if not self.client_closed:  # not the answer to the client's close: mapped
+                    mapped = client_code_for_upstream_close(code)
+                    if mapped != code:
+                        raw = close_frame(mapped, reason if code != 1005 else "", masked=False)
+                    if mapped == 1011:
+                        self._upstream_error("upstream_internal_error")
+                    record.client_close = mapped
+                client.write(raw)
         self._closing_started()
         self._settle()
 
@@ -342,9 +350,10 @@ class Splice:
         other leg, so a slow reader slows its sender instead of growing our memory."""
         other = leg.peer
         if leg.is_client:
-            self.send_since = self.clock.now() if paused else None
+            self.send_since = None
             if paused:
-                self._arm(self.send_since + self.limits.client_write_timeout_s)  # type: ignore[operator]
+                self.send_since = now = self.clock.now()
+                self._arm(now + self.limits.client_write_timeout_s)
         if other.closed:
             return
         if paused:
@@ -400,8 +409,7 @@ class Splice:
                 client.close_sent = True  # nothing more can be written to it
                 self.record.client_close = 1008
                 self.stop(1008, "client not reading")
-                client.closed = True
-                client.transport.abort()
+                client.drop()
                 self.lost(client)
                 return
             if limits.idle_timeout_s and now >= self.last_activity + limits.idle_timeout_s - eps:
@@ -418,9 +426,7 @@ class Splice:
         is still delivered (a slow reader is not cut short) -- and dropped after
         ``client_write_timeout_s`` if it never drains. The slot is freed now."""
         client, upstream = self.client, self.upstream
-        if not upstream.closed:
-            upstream.closed = True
-            upstream.transport.abort()
+        upstream.drop()
         if not client.closed:
             client.closed = True
             transport = client.transport
@@ -450,11 +456,7 @@ class Splice:
                 if now - leg.ping_at >= limits.ping_timeout_s:
                     self._dead(leg)
                     return
-            elif (
-                now - leg.silent_since >= limits.ping_interval_s
-                # written at the frame boundary of the stream into this leg
-                and not leg.peer.pending
-            ):
+            elif now - leg.silent_since >= limits.ping_interval_s:
                 leg.ping_at = now
                 leg.write(frame(PING, os.urandom(4), masked=not leg.is_client))
 
@@ -466,10 +468,9 @@ class Splice:
             leg.close_sent = True
             self.stop(1011, "keepalive ping timeout")
         else:
-            self.rt.upstream_error(self.lease.pool, self.lease.replica, "midstream")
+            self._upstream_error("midstream")
             self.stop(1014, "upstream connection lost", upstream_code=1011)
-        leg.closed = True
-        leg.transport.abort()
+        leg.drop()
         self.lost(leg)
 
     # -- drain and shutdown --------------------------------------------------------------
@@ -487,11 +488,8 @@ class Splice:
 
     def abort(self) -> None:
         """Drop both sockets at once (cancellation, internal error)."""
-        for leg in (self.client, self.upstream):
-            if not leg.closed:
-                leg.closed = True
-                if leg.transport is not None:
-                    leg.transport.abort()
+        self.client.drop()
+        self.upstream.drop()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

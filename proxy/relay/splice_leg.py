@@ -34,12 +34,14 @@ class Leg(asyncio.Protocol):
         "close_rcvd",
         "close_sent",
         "closed",
+        "fin",
         "forwarding",
-        "fparts",
         "fresh",
         "head",
         "held",
+        "hlen",
         "is_client",
+        "keep",
         "left",
         "mask",
         "msg_op",
@@ -68,9 +70,11 @@ class Leg(asyncio.Protocol):
         # stream into the peer's socket is always between frames, so a close frame (1014
         # when this endpoint vanishes, Headroom's own closes) can always be written.
         self.held: list[bytes] | None = None
-        self.left = 0  # payload bytes of the frame in progress still to come
+        self.left = 0  # bytes still to come of the frame in progress (held, or dropped)
+        self.hlen = 0  # the held frame's header length
+        self.fin = False  # its FIN bit
+        self.keep = False  # its payload goes to the meter
         self.mask = b""  # its masking key
-        self.fparts: list[bytes] | None = None  # its payload, when the message is kept
         self.msg_op = 0  # opcode of the message in progress (text/binary)
         self.msg_size = 0
         self.parts: list[bytes] | None = None  # payloads of a fragmented message
@@ -99,6 +103,13 @@ class Leg(asyncio.Protocol):
     def write(self, data: bytes) -> None:
         if not self.closed:
             self.transport.write(data)
+
+    def drop(self) -> None:
+        """Close the socket at once, unsent data discarded."""
+        if not self.closed:
+            self.closed = True
+            if self.transport is not None:  # None before the session starts
+                self.transport.abort()
 
     def inject(self, data: bytes) -> None:
         """Write a frame into the peer's socket: now, or after what the read in progress
@@ -148,20 +159,19 @@ class Leg(asyncio.Protocol):
             take = self.left if self.left < n else n
             held = self.held
             if held is not None:
-                part = data[:take] if take < n else data
-                held.append(part)
-                if self.fparts is not None:
-                    self.fparts.append(part)
+                held.append(data[:take] if take < n else data)
             out = i = take
             self.left -= take
             if not self.left and held is not None:
                 self.held = None
                 if self.forwarding:
-                    if self.fparts is not None:
-                        self._frame_end(now)  # meters it; may end the session
+                    whole = b"".join(held)
+                    payload = whole[self.hlen :] if self.keep else b""
+                    if self.mask:
+                        payload = apply_mask(payload, self.mask)
+                    self._deliver(payload, self.fin, self.keep, now)  # may end the session
                     if self.forwarding:
-                        peer.writelines(held)
-                self.fparts = None
+                        peer.write(whole)
         while i < n:
             if n - i < 2:
                 break
@@ -208,81 +218,48 @@ class Leg(asyncio.Protocol):
             else:
                 self.msg_size += length
             session.last_activity = now
+            end = start + length
             if self.msg_size > session.max_bytes or not self.forwarding:
                 self._flush(data, out, i)
                 if self.forwarding:
                     self.forwarding = False
                     session.too_large(self)
-                end = start + length
                 if end > n:
                     self.left = end - n
-                    self.fparts = None
                     return
                 i = out = end
                 continue
-            fin = b0 & 0x80
+            fin = bool(b0 & 0x80)
             keep = self.msg_op == TEXT or not self.is_client
-            end = start + length
-            if end <= n:
-                i = end
-                if keep:
-                    payload = data[start:end]
-                    if b1 & 0x80:
-                        payload = apply_mask(payload, data[start - 4 : start])
-                    if fin and self.parts is None:
-                        session.message(self, self.msg_op, payload, now, length)
-                    else:
-                        self._part(payload, fin, now)
-                    if session.closing is not None:  # the message ended the session: held back
-                        self._flush(data, out, start - h)
-                        out = end
-                elif fin:
-                    session.message(self, self.msg_op, b"", now, self.msg_size)
-                continue
-            self.left = end - n
-            if out < i:
-                peer.write(data[out:i])
-            out = n
-            self.held = [data[i:] if i else data]
-            if keep:
-                self.fparts = [data[start:]]
-                self.mask = data[start - 4 : start] if b1 & 0x80 else b""
-                if not fin:
-                    self.msg_op |= 0x100  # a fragment: more frames follow
-            else:
-                self.fparts = None
-                if fin:
-                    session.message(self, self.msg_op, b"", now, self.msg_size)
-            i = n
-            break
+            mask = data[start - 4 : start] if b1 & 0x80 else b""
+            if end > n:  # completed by later reads: held until then
+                self._flush(data, out, i)
+                self.held = [data[i:] if i else data]
+                self.left = end - n
+                self.hlen, self.fin, self.keep, self.mask = h, fin, keep, mask
+                return
+            i = end
+            payload = data[start:end] if keep else b""
+            if mask and keep:
+                payload = apply_mask(payload, mask)
+            self._deliver(payload, fin, keep, now)
+            if session.closing is not None:  # the message ended the session: held back
+                self._flush(data, out, start - h)
+                out = end
         if i < n:
             self.head = data[i:]
-        if out < i:
-            peer.write(data if out == 0 and i == n else data[out:i])
+        self._flush(data, out, i)
 
-    def writelines(self, parts: list[bytes]) -> None:
-        if not self.closed:
-            self.transport.writelines(parts)
-
-    def _frame_end(self, now: float) -> None:
-        parts = self.fparts
-        assert parts is not None
-        self.fparts = None
-        payload = parts[0] if len(parts) == 1 else b"".join(parts)
-        if self.mask:
-            payload = apply_mask(payload, self.mask)
-        fin = not self.msg_op & 0x100
-        self.msg_op &= 0xFF
-        if fin and self.parts is None:
-            self.session.message(self, self.msg_op, payload, now, len(payload))
-        else:
-            self._part(payload, bool(fin), now)
-
-    def _part(self, payload: bytes, fin: int | bool, now: float) -> None:
-        if self.parts is None:
-            self.parts = []
-        self.parts.append(payload)
-        if fin:
-            message = b"".join(self.parts)
+    def _deliver(self, payload: bytes, fin: bool, keep: bool, now: float) -> None:
+        """One data frame's payload (empty unless ``keep``): to the session once its
+        message is complete, fragments of a kept message assembled first."""
+        if keep and (self.parts is not None or not fin):
+            if self.parts is None:
+                self.parts = []
+            self.parts.append(payload)
+            if not fin:
+                return
+            payload = b"".join(self.parts)
             self.parts = None
-            self.session.message(self, self.msg_op, message, now, len(message))
+        if fin:
+            self.session.message(self, self.msg_op, payload, now, self.msg_size)

@@ -19,7 +19,8 @@ requires -- GET, HTTP/1.1, ``Connection: Upgrade``, ``Upgrade: websocket``, one 
 ``Sec-WebSocket-Key``, version 13 -- and builds the ASGI scope directly. Anything else
 goes through websockets' own parser, which answers it with the right HTTP error; the
 ``websockets`` request/response objects are only built when a path needs them (an
-ASGI ``websocket.accept``). The take-over writes a pre-rendered 101.
+ASGI ``websocket.accept``). The take-over writes the 101 itself, whichever parser read
+the request.
 """
 
 from __future__ import annotations
@@ -58,10 +59,9 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._early = bytearray()
-        self._taken: asyncio.Protocol | None = None
-        self._accept_key = ""  # set by the lean handshake; "" if websockets parsed it
-        self._request_bytes = b""  # the request, for websockets' parser if it is needed
-        self.on_shutdown: Callable[[], None] | None = None
+        self._accept_key = ""  # Sec-WebSocket-Accept, once a handshake request is read
+        self._request_bytes = b""  # a request the lean parser read, for websockets' if needed
+        self.on_shutdown: Callable[[], None] | None = None  # set once taken over
 
     # -- handshake ----------------------------------------------------------------------
 
@@ -141,10 +141,7 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
             "headers": headers,
             "subprotocols": protocols,
             "state": self.app_state.copy(),
-            "extensions": {
-                "websocket.http.response": {},
-                "headroom.splice": {"take_over": self.take_over},
-            },
+            "extensions": {"websocket.http.response": {}, **self._splice_extension()},
         }
         self.queue.put_nowait({"type": "websocket.connect"})
         task = self.loop.create_task(self.run_asgi())
@@ -168,7 +165,11 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
     def handle_connect(self, event: Any) -> None:
         super().handle_connect(event)
         if self.handshake_initiated and not self.handshake_complete:
-            self.scope["extensions"]["headroom.splice"] = {"take_over": self.take_over}
+            self._accept_key = self.response.headers["Sec-WebSocket-Accept"]
+            self.scope["extensions"].update(self._splice_extension())
+
+    def _splice_extension(self) -> dict[str, Any]:
+        return {"headroom.splice": {"take_over": self.take_over}}
 
     async def send(self, message: Any) -> None:
         if message["type"] == "websocket.accept":
@@ -189,35 +190,22 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         if self.disconnected or self.handshake_complete or self.transport.is_closing():
             return None
         self.handshake_complete = True
-        if self._accept_key:
-            head = [
-                b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
-                b"Connection: Upgrade\r\nSec-WebSocket-Accept: ",
-                self._accept_key.encode(),
-                b"\r\n",
-            ]
-            for name, value in (*self.default_headers, *headers):
-                head += [name, b": ", value, b"\r\n"]
-            if subprotocol:
-                head += [b"Sec-WebSocket-Protocol: ", subprotocol.encode("latin-1"), b"\r\n"]
-            head.append(b"\r\n")
-            self.transport.write(b"".join(head))
-        else:
-            extra = [
-                (name.decode("latin-1").lower(), value.decode("latin-1"))
-                for name, value in (*self.default_headers, *headers)
-            ]
-            if subprotocol:
-                extra.append(("Sec-WebSocket-Protocol", subprotocol))
-            del self.response.headers["Date"]
-            self.response.headers.update(extra)
-            self.conn.send_response(self.response)
-            self.transport.write(b"".join(self.conn.data_to_send()))
+        head = [
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Accept: ",
+            self._accept_key.encode(),
+            b"\r\n",
+        ]
+        for name, value in (*self.default_headers, *headers):
+            head += [name, b": ", value, b"\r\n"]
+        if subprotocol:
+            head += [b"Sec-WebSocket-Protocol: ", subprotocol.encode("latin-1"), b"\r\n"]
+        head.append(b"\r\n")
+        self.transport.write(b"".join(head))
         if self.read_paused:
             self.read_paused = False
             self.transport.resume_reading()
         early, self._early = bytes(self._early), bytearray()
-        self._taken = protocol
         self.on_shutdown = on_shutdown
         self.transport.set_protocol(protocol)
         return self.transport, early
@@ -230,14 +218,12 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
     # -- while taken over ----------------------------------------------------------------
 
     def shutdown(self) -> None:
-        if self._taken is None:
+        if self.on_shutdown is None:
             super().shutdown()
-        elif self.on_shutdown is not None:
-            self.on_shutdown()
         else:
-            self.transport.close()
+            self.on_shutdown()
 
     async def run_asgi(self) -> None:
         await super().run_asgi()
-        if self._taken is not None:
+        if self.on_shutdown is not None:
             self.released()

@@ -27,8 +27,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidHandshake, InvalidStatus
@@ -65,8 +64,6 @@ Receive = Any
 Send = Any
 
 _MAX_HELD_MESSAGES = 16
-
-T = TypeVar("T")
 
 
 class _Client:
@@ -200,17 +197,10 @@ async def _connect_upstream(
 
     path = route.upstream_path or scope["path"]
     query = upstream_query(scope, auth=rt.settings.auth is not None)
-    return await _with_failover(
-        rt, lease, record, lambda base: attempt(base + path + (f"?{query}" if query else ""))
-    )
-
-
-async def _with_failover(
-    rt: Runtime, lease: Lease, record: SessionRecord, attempt: Callable[[str], Awaitable[T]]
-) -> T:
     while True:
+        url = rt.ws_url(lease.pool, lease.replica) + path + (f"?{query}" if query else "")
         try:
-            return await attempt(rt.ws_url(lease.pool, lease.replica))
+            return await attempt(url)
         except (InvalidStatus, UpstreamStatus) as exc:
             status = exc.status if isinstance(exc, UpstreamStatus) else exc.response.status_code
             kind = "handshake"
@@ -352,9 +342,9 @@ async def relay_websocket(
             record.error = str(err)
             await client.refuse(err, record)
             return
+        headers = [(FALLBACK_RESPONSE_HEADER, fallback_pool.encode())] if fallback_pool else []
         if isinstance(upstream, UpstreamSocket):
             assert take_over is not None
-            headers = [(FALLBACK_RESPONSE_HEADER, fallback_pool.encode())] if fallback_pool else []
             await _splice(rt, route, lease, upstream, take_over, headers, record)
             upstream = None
             return
@@ -363,7 +353,6 @@ async def relay_websocket(
                 await client.text(notes.get_nowait())
             await client.text({"type": "headroom.admitted"})
         else:
-            headers = [(FALLBACK_RESPONSE_HEADER, fallback_pool.encode())] if fallback_pool else []
             await client.accept(upstream.subprotocol, headers)
         await relay_frames(rt, route, lease, upstream, receive, send, record, held or ())
     except asyncio.CancelledError:

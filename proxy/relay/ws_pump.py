@@ -23,29 +23,18 @@ from proxy.errors import MessageTooLarge
 from proxy.gate import Lease
 from proxy.refusal import truncate_reason
 from proxy.relay.session import SessionRecord
+from proxy.relay.wsframes import client_code_for_upstream_close, sendable_code
 
 if TYPE_CHECKING:
     from proxy.runtime import Runtime
     from proxy.settings import RouteSettings
 
-__all__ = ["relay_frames", "sendable_code"]
+__all__ = ["relay_frames"]
 
 log = logging.getLogger("headroom.relay.ws")
 
 Receive = Any
 Send = Any
-
-#: Codes a peer may put in a close frame (RFC 6455 7.4); others are mapped.
-_SENDABLE = frozenset({1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 1011, 1012, 1013, 1014})
-
-
-def sendable_code(code: int | None, default: int = 1000) -> int:
-    if code is None:
-        return default
-    if code in _SENDABLE or 3000 <= code <= 4999:
-        return code
-    return default
-
 
 class Closing(Exception):
     """Ends a relay with a close code for the client (limits, timeouts, drain)."""
@@ -245,10 +234,9 @@ async def _finish(
     elif rcvd is None or rcvd == 1006:
         rt.upstream_error(lease.pool, lease.replica, "midstream")
         code, reason = 1014, "upstream connection lost"
-    elif rcvd == 1005:
-        code, reason = 1000, ""
     else:
-        code, reason = sendable_code(rcvd, 1011), upstream.close_reason or ""
+        code = client_code_for_upstream_close(rcvd)
+        reason = (upstream.close_reason or "") if rcvd != 1005 else ""
         if code == 1011:
             rt.upstream_error(lease.pool, lease.replica, "upstream_internal_error")
     record.client_close = code

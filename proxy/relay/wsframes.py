@@ -9,9 +9,30 @@ from websockets.speedups import apply_mask
 
 from proxy.refusal import truncate_reason
 
-__all__ = ["BINARY", "CLOSE", "CONT", "PING", "TEXT", "close_fields", "close_frame", "frame"]
+__all__ = [
+    "BINARY", "CLOSE", "CONT", "PING", "TEXT", "client_code_for_upstream_close",
+    "close_fields", "close_frame", "frame", "sendable_code",
+]  # fmt: skip
 
 CONT, TEXT, BINARY, CLOSE, PING = 0, 1, 2, 8, 9
+
+#: Codes a peer may put in a close frame (RFC 6455 7.4); others are mapped.
+_SENDABLE = frozenset({1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 1011, 1012, 1013, 1014})
+
+
+def sendable_code(code: int | None, default: int = 1000) -> int:
+    if code is None:
+        return default
+    if code in _SENDABLE or 3000 <= code <= 4999:
+        return code
+    return default
+
+
+def client_code_for_upstream_close(code: int) -> int:
+    """The code the client gets when the upstream closed cleanly with ``code``: its own
+    when a peer may send it, 1000 for none (1005), 1011 otherwise. Both relays use this;
+    a 1011 is also counted as an ``upstream_internal_error``."""
+    return 1000 if code == 1005 else sendable_code(code, 1011)
 
 
 def frame(opcode: int, payload: bytes, *, masked: bool) -> bytes:
