@@ -127,11 +127,7 @@ class PrometheusReplicaSink:
 
     __slots__ = (
         "_finalize",
-        "_gap_bounds",
-        "_gap_counts",
         "_gap_p99",
-        "_ratio_bounds",
-        "_ratio_counts",
         "_series",
         "_signals",
         "_ttfa",
@@ -143,11 +139,7 @@ class PrometheusReplicaSink:
         self.pool = pool
         self.replica = replica
         self._signals = signals
-        series = self._series = metrics.replica_series(pool, replica)
-        self._gap_bounds = series.gap_bounds
-        self._gap_counts = series.gap_counts
-        self._ratio_bounds = series.ratio_bounds
-        self._ratio_counts = series.ratio_counts
+        self._series = metrics.replica_series(pool, replica)
         self._ttfa = metrics.time_to_first_audio.labels(pool)
         self._gap_p99 = metrics.stream_gap_p99.labels(pool)
         self._finalize = metrics.asr_finalize.labels(pool)
@@ -158,12 +150,12 @@ class PrometheusReplicaSink:
             series.audio += audio_s
         if gap is None:
             return
-        self._gap_counts[bisect_left(self._gap_bounds, gap)] += 1
+        series.gap_counts[bisect_left(series.gap_bounds, gap)] += 1
         series.gap_sum += gap
         if ratio is None:
             self._signals.observe_gap(now, gap)
             return
-        self._ratio_counts[bisect_left(self._ratio_bounds, ratio)] += 1
+        series.ratio_counts[bisect_left(series.ratio_bounds, ratio)] += 1
         series.ratio_sum += ratio
         # Stream-active time is the sum of audio gaps, pushed per chunk so rate() is live.
         series.active += gap

@@ -35,8 +35,7 @@ _log, _ceil = math.log, math.ceil
 
 
 def _bucket(value: float) -> int:
-    """The bucket key of ``value``. The hot paths (:meth:`LogHistogram.add`,
-    :meth:`ReplicaSignals.observe`) inline this; keep them in step."""
+    """The bucket key of ``value``."""
     if not value > 0.0:  # zero, negative, NaN
         return _ZERO
     # min(max(value, _MIN), _MAX), without the two builtin calls
@@ -62,11 +61,7 @@ class LogHistogram:
         self.count = 0
 
     def add(self, value: float) -> None:
-        if value > 0.0:  # _bucket(value), inlined
-            v = _MIN if value < _MIN else _MAX if value > _MAX else value
-            key = _ceil(_log(v) * _INV_LOG_GAMMA)
-        else:
-            key = _ZERO
+        key = _bucket(value)
         buckets = self.buckets
         buckets[key] = buckets.get(key, 0) + 1
         self.count += 1
@@ -199,25 +194,8 @@ class ReplicaSignals:
         if now >= self._open_until:
             self._rotate(now)
         current = self._open
-        # _bucket(ratio) and _bucket(gap), inlined: this runs once per relayed chunk
-        if ratio > 0.0:
-            v = _MIN if ratio < _MIN else _MAX if ratio > _MAX else ratio
-            key = _ceil(_log(v) * _INV_LOG_GAMMA)
-        else:
-            key = _ZERO
-        hist = current.ratios
-        buckets = hist.buckets
-        buckets[key] = buckets.get(key, 0) + 1
-        hist.count += 1
-        if gap > 0.0:
-            v = _MIN if gap < _MIN else _MAX if gap > _MAX else gap
-            key = _ceil(_log(v) * _INV_LOG_GAMMA)
-        else:
-            key = _ZERO
-        hist = current.gaps
-        buckets = hist.buckets
-        buckets[key] = buckets.get(key, 0) + 1
-        hist.count += 1
+        current.ratios.add(ratio)
+        current.gaps.add(gap)
 
     def observe_gap(self, now: float, gap: float) -> None:
         """One gap between gap-only events (no audio, so no ratio)."""

@@ -174,11 +174,11 @@ def test_window_matches_a_brute_force_reference(
         assert min(maybe_in) * (1 - ERROR) <= worst <= max(maybe_in) * (1 + ERROR)
 
 
-# --- the inlined bucket key ------------------------------------------------------------------
+# --- one bucket key for every path ------------------------------------------------------------
 
 
 def reference_key(value: float) -> int:
-    """The key ``_bucket`` computed before it was inlined into the hot paths."""
+    """The key as ``_bucket`` first computed it (builtin min/max)."""
     if not value > 0.0:
         return -(10**9)
     return math.ceil(math.log(min(max(value, 1e-6), 1e6)) * (1.0 / math.log(GAMMA)))
