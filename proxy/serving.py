@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,3 +125,19 @@ async def running_server(
             await task
         sock.close()
 
+
+@contextlib.contextmanager
+def signal_handlers(handlers: Mapping[int, Callable[[], None]]) -> Iterator[None]:
+    """Run ``handlers`` on their signals while the block runs, where the platform lets
+    the event loop take signals (Unix, main thread); elsewhere the defaults stay."""
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig, handler in handlers.items():
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, handler)
+            installed.append(sig)
+    try:
+        yield
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)

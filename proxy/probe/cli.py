@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import signal
 import sys
@@ -30,6 +29,7 @@ from proxy.probe.runner import ProbeError, ProbeResult, ProbeSettings, run_probe
 from proxy.probe.session import PROTOCOL_KINDS, ClientOptions, endpoint_url
 from proxy.probe.traces import RecordedLevel, write_traces
 from proxy.probe.workload import open_workload
+from proxy.serving import signal_handlers
 
 __all__ = ["add_arguments", "main", "parse_levels", "run", "settings_from_args"]
 
@@ -146,7 +146,6 @@ def settings_from_args(args: argparse.Namespace) -> ProbeSettings:
 
 async def _probe(settings: ProbeSettings, progress: TerminalProgress | None) -> ProbeResult:
     """Run with Ctrl-C handling: the first stops and reports, the second aborts."""
-    loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     main = asyncio.current_task()
     presses = 0
@@ -164,15 +163,8 @@ async def _probe(settings: ProbeSettings, progress: TerminalProgress | None) -> 
         elif main is not None:
             main.cancel()
 
-    installed = False
-    with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-        loop.add_signal_handler(signal.SIGINT, interrupt)
-        installed = True
-    try:
+    with signal_handlers({signal.SIGINT: interrupt}):
         return await run_probe(settings, progress=progress, stop=stop)
-    finally:
-        if installed:
-            loop.remove_signal_handler(signal.SIGINT)
 
 
 def _run_loop(settings: ProbeSettings, progress: TerminalProgress | None) -> ProbeResult:

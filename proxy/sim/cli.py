@@ -18,6 +18,7 @@ import signal
 import sys
 from typing import TextIO
 
+from proxy.serving import signal_handlers
 from proxy.sim.capacity import describe
 from proxy.sim.cluster import running_cluster
 from proxy.sim.faults import add_fault_arguments, faults_from_args
@@ -104,11 +105,7 @@ async def _serve(args: argparse.Namespace, out: TextIO) -> None:
         )
     timeouts = Timeouts(args.speech_config_timeout, args.speech_idle_timeout)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-            loop.add_signal_handler(sig, stop.set)
-    try:
+    with signal_handlers({signal.SIGINT: stop.set, signal.SIGTERM: stop.set}):
         async with running_cluster(
             preset, args.gpus, args.host, args.port, args.seed, faults_from_args(args), timeouts
         ) as cluster:
@@ -124,10 +121,6 @@ async def _serve(args: argparse.Namespace, out: TextIO) -> None:
                     await asyncio.wait_for(stop.wait(), args.exit_after)
             else:
                 await stop.wait()
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
-                loop.remove_signal_handler(sig)
 
 
 def _require_no_running_loop() -> None:
