@@ -1,6 +1,6 @@
 """The chaos soak (``bench/chaos.py``) in CI: a few hundred sessions against every fault,
-every invariant asserted. The bigger run is ``slow`` (``HEADROOM_SLOW=1``); the
-10,000-session run is ``python bench/chaos.py --sessions 10000`` (docs/reliability.md).
+every invariant asserted. Bigger runs are ``python bench/chaos.py --sessions N``
+(docs/reliability.md records them).
 
 Outcomes vary with scheduling (a loaded machine refuses more); the invariants do not:
 no cap crossed, no slot leaked, an empty queue, tasks and descriptors back to their
@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import chaos  # bench/chaos.py (tests/chaos/conftest.py puts bench/ on sys.path)
-import pytest
 
 
 def _check(report: dict[str, Any], sessions: int) -> None:
@@ -34,9 +33,3 @@ def _check(report: dict[str, Any], sessions: int) -> None:
 async def test_short_soak_keeps_every_invariant(tmp_path: Path) -> None:
     config = chaos.ChaosConfig(sessions=200, concurrency=12, seed=20261129, workdir=str(tmp_path))
     _check(await chaos.run_soak(config), 200)
-
-
-@pytest.mark.slow
-async def test_long_soak_keeps_every_invariant(tmp_path: Path) -> None:
-    config = chaos.ChaosConfig(sessions=2000, concurrency=24, seed=7, workdir=str(tmp_path))
-    _check(await chaos.run_soak(config), 2000)
