@@ -8,7 +8,9 @@ Every failure -- a missing or unreadable file, YAML syntax (with line and column
 top level that is not a mapping, a bad environment variable, and every validation problem
 -- is one :class:`~proxy.errors.ConfigError` listing all problems at once as
 ``(field path, reason)``, e.g. ``("pools[0].replicas[1].max_sessions", "must be >= 1
-(got 0)")``. Unknown keys are errors, with a "did you mean" where a name is close.
+(got 0)")``. Unknown keys are errors, with a "did you mean" where a name is close; so
+is a key repeated in one mapping (:mod:`proxy.strict_yaml`), in the file or in a
+variable's YAML value.
 
 All models are frozen and hashable, so a reload can compare old and new settings.
 """
@@ -41,6 +43,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from proxy import strict_yaml
 from proxy.errors import ConfigError, FallbackHint
 from proxy.settings_env import (
     CONFIG_VAR,
@@ -641,7 +644,17 @@ def load_settings(
 
 def _parse_yaml(text: str, source: str) -> Any:
     try:
-        data = yaml.safe_load(text)
+        data = strict_yaml.load(text)
+    except strict_yaml.DuplicateKeyError as exc:
+        # A repeated key is an error, never "the last one wins": for a hard cap like
+        # max_sessions the silently kept value could be ten times the measured ceiling.
+        mark = exc.problem_mark
+        assert mark is not None
+        found = strict_yaml.key_path(text, mark.index)
+        where = f"line {mark.line + 1}, column {mark.column + 1}"
+        loc = format_loc(found) if found else where
+        reason = f"{exc.problem}" + (f" ({where})" if found else "")
+        raise ConfigError([(loc, reason)], source) from None
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else _FILE

@@ -17,6 +17,7 @@ Environment rules operators rely on:
   (``8`` -> 8, ``true`` -> True, ``null``, ``~`` or empty -> None). Where the setting is a
   string, the text is taken verbatim (surrounding whitespace stripped), so a replica named
   ``0`` or a voice named ``on`` stays a string.
+* A key repeated inside a value (``{"port": 1, "port": 2}``) is an error, as in the file.
 * Shorter paths apply first: replace a whole list, then adjust one element of it.
 * The environment wins over the file.
 * ``HEADROOM_CONFIG`` names the file; it is not a setting. Another variable whose first
@@ -45,6 +46,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticUndefined
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
+from proxy import strict_yaml
 from proxy.errors import ConfigError
 
 __all__ = [
@@ -164,7 +166,9 @@ def _parse_value(raw: str, target: Any) -> Any:
     if _is_text(target):
         return text
     try:
-        return yaml.safe_load(text)
+        return strict_yaml.load(text)
+    except strict_yaml.DuplicateKeyError:
+        raise
     except (yaml.YAMLError, ValueError, TypeError, OverflowError, RecursionError):
         return text  # validation then says what the setting expects, naming the variable
 
@@ -251,15 +255,19 @@ def apply_env(
             problems.append((name, f"empty name between {delimiter!r} separators"))
             continue
         path: Loc = tuple(
-        int(s) if s.isascii() and s.isdigit() and len(s) <= 9 else s for s in segs
-    )
+            int(s) if s.isascii() and s.isdigit() and len(s) <= 9 else s for s in segs
+        )
         overrides.append((path, name, raw))
 
     state: dict[str, Any] = dict(base)
     touched: dict[str, None] = {}
     origins: dict[Loc, str] = {}
     for path, name, raw in sorted(overrides, key=lambda item: (len(item[0]), item[1])):
-        value = _parse_value(raw, annotation_at(root, path))
+        try:
+            value = _parse_value(raw, annotation_at(root, path))
+        except strict_yaml.DuplicateKeyError as exc:
+            problems.append((name, f"invalid value: {exc.problem}"))
+            continue
         try:
             state = _assign(state, path, value, (), root, (prefix, delimiter))
         except _PathError as exc:

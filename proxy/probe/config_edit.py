@@ -15,6 +15,8 @@ from pathlib import Path
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
+from proxy import strict_yaml
+
 __all__ = ["ConfigEditError", "set_max_sessions", "write_max_sessions"]
 
 
@@ -64,7 +66,10 @@ def set_max_sessions(text: str, pool: str, replica: str, value: int) -> tuple[st
         )
     start, end = old.start_mark.index, old.end_mark.index
     new = text[:start] + str(value) + text[end:]
-    check = yaml.safe_load(new)
+    try:
+        check = strict_yaml.load(new)
+    except strict_yaml.DuplicateKeyError as exc:
+        raise ConfigEditError(f"invalid configuration: {exc}") from None
     for p in check["pools"]:
         if p.get("name") == pool:
             for r in p["replicas"]:

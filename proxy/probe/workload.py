@@ -42,6 +42,8 @@ from typing import Any, Literal
 
 import yaml
 
+from proxy import strict_yaml
+
 __all__ = [
     "ASR_SAMPLE_RATE",
     "AudioRequest",
@@ -266,7 +268,7 @@ def _parse(text: str, source: str) -> tuple[dict[str, Any], list[Any]]:
                     raise WorkloadError(f"{source}:{n}: invalid JSON ({exc.msg})") from None
         return {}, items
     try:
-        doc = yaml.safe_load(text)
+        doc = strict_yaml.load(text)
     except yaml.YAMLError as exc:
         raise WorkloadError(f"{source}: invalid YAML: {exc}") from None
     if isinstance(doc, list):
