@@ -8,7 +8,8 @@
     headroom probe ...               find a GPU's ceiling (see headroom probe --help)
     headroom demo                    the simulator + the gateway in front of it, one command
 
-Exit codes: 0 success, 1 runtime failure, 2 invalid configuration or usage.
+Exit codes: 0 success, 1 runtime failure (e.g. a listen or admin port already in use:
+one line naming the address and the reason), 2 invalid configuration or usage.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from proxy import __version__
-from proxy.errors import ConfigError
+from proxy.errors import ConfigError, ListenError
 
 __all__ = ["main", "run_async"]
 
@@ -158,6 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"headroom: {err}", file=sys.stderr)
         return 2
+    except ListenError as err:  # a busy or unavailable port: one line, no traceback
+        print(f"headroom: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     parser.print_help()

@@ -9,6 +9,7 @@ the boundary; they never reach the admission core.
 
     HeadroomError                          (500 / 1011)
     ├── ConfigError                        invalid configuration: field path + reason
+    ├── ListenError                        a listener's address cannot be bound
     ├── Refused                            a session is not admitted (DESIGN "Contracts")
     │   ├── CapacityRefused                503 / 1013  pool_full, queue_full, queue_timeout,
     │   │                                              guard, no_healthy_replica
@@ -45,6 +46,7 @@ __all__ = [
     "Forbidden",
     "HeadroomError",
     "InternalError",
+    "ListenError",
     "MessageTooLarge",
     "PolicyViolation",
     "Refused",
@@ -89,6 +91,17 @@ class ConfigError(HeadroomError):
         lines = [f"invalid configuration{where}:"]
         lines += [f"  {path}: {reason}" for path, reason in problems]
         super().__init__("\n".join(lines))
+
+
+class ListenError(HeadroomError):
+    """A listener cannot be bound. The message names the listener, ``host:port`` and
+    the operating system's reason (e.g. "Address already in use")."""
+
+    def __init__(self, what: str, host: str, port: int, exc: OSError) -> None:
+        self.host, self.port = host, port
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        reason = exc.strerror or str(exc) or type(exc).__name__
+        super().__init__(f"cannot bind the {what} to {address}: {reason}")
 
 
 @dataclass(frozen=True, slots=True)

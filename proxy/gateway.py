@@ -15,12 +15,13 @@ import contextlib
 import gc
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Mapping
 from typing import Any
 
 from proxy.admin import create_admin_app
 from proxy.app import create_app
-from proxy.errors import ConfigError
+from proxy.errors import ConfigError, ListenError
 from proxy.relay.uvicorn_ws import HeadroomWebSocketProtocol
 from proxy.runtime import Runtime
 from proxy.serving import EmbeddedServer, bind_socket, make_config
@@ -52,6 +53,15 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
     }
 
 
+def _listen(what: str, host: str, port: int) -> socket.socket:
+    """A bound listening socket, or ListenError naming ``what``, the address and the
+    operating system's reason (a busy port is an operator's problem, not a traceback)."""
+    try:
+        return bind_socket(host, port)
+    except OSError as exc:
+        raise ListenError(what, host, port, exc) from None
+
+
 class Gateway:
     """A gateway bound to ``settings.listen`` (and the admin listener, if enabled);
     :meth:`serve` runs until stopped. ``config_path`` is what a reload re-reads."""
@@ -70,7 +80,7 @@ class Gateway:
         self.runtime = runtime or Runtime(settings)
         self.app = create_app(self.runtime)
         self.server = EmbeddedServer(make_config(self.app, **uvicorn_options(settings)))
-        self._sock = bind_socket(settings.listen.host, settings.listen.port)
+        self._sock = _listen("listener", settings.listen.host, settings.listen.port)
         self.port: int = self._sock.getsockname()[1]
         self.admin_server: EmbeddedServer | None = None
         self._admin_sock = None
@@ -80,7 +90,12 @@ class Gateway:
             self.admin_server = EmbeddedServer(
                 make_config(admin, log_level=settings.log_level, lifespan="off")
             )
-            self._admin_sock = bind_socket(settings.admin.host, settings.admin.port)
+            try:
+                self._admin_sock = _listen("admin listener", settings.admin.host,
+                                           settings.admin.port)  # fmt: skip
+            except ListenError:
+                self._sock.close()
+                raise
             self.admin_port = self._admin_sock.getsockname()[1]
         self._drain_task: asyncio.Task[None] | None = None
         self._signals = 0

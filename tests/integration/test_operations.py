@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,9 +18,10 @@ import yaml
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from proxy.errors import ListenError
 from proxy.gateway import Gateway
 from proxy.runtime import parse_engine_metrics
-from proxy.settings import load_settings
+from proxy.settings import load_settings, settings_from_mapping
 from tests.integration.test_ws_relay import hello, upstream, wait_until
 
 __all__ = ["upstream"]
@@ -133,9 +138,7 @@ async def test_reload_lowers_and_raises_caps_under_live_sessions(
         await wait_until(lambda: gateway.runtime.gate.active == 0)
 
 
-async def test_bad_reload_keeps_the_running_configuration(
-    upstream: Any, tmp_path: Path
-) -> None:
+async def test_bad_reload_keeps_the_running_configuration(upstream: Any, tmp_path: Path) -> None:
     server, _ = upstream
     path = tmp_path / "headroom.yaml"
     path.write_text(yaml.safe_dump(config(server.http_url, 2)))
@@ -207,3 +210,53 @@ async def test_engine_metrics_are_scraped_and_re_exported(start_proxy: Any) -> N
     assert 'headroom_engine_requests_waiting{pool="main",replica="gpu0"} 0.0' in text
     assert 'headroom_engine_requests_running{pool="main",replica="gpu0"}' in text
     assert 'headroom_engine_kv_cache_usage_ratio{pool="main",replica="gpu0"}' in text
+
+
+# -- a busy port: one clear line, no traceback ------------------------------------------
+
+
+def held_port() -> socket.socket:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    return sock
+
+
+@pytest.mark.parametrize("busy", ["listen", "admin"])
+def test_busy_port_fails_with_one_line_naming_the_address(busy: str, tmp_path: Path) -> None:
+    with held_port() as holder, held_port() as spare:
+        port = holder.getsockname()[1]
+        free = spare.getsockname()[1]
+        spare.close()  # a port that was free a moment ago, for the other listener
+        cfg = config("http://127.0.0.1:9", 1)
+        cfg["listen"]["port"] = port if busy == "listen" else free
+        cfg["admin"]["port"] = port if busy == "admin" else free
+        path = tmp_path / "headroom.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        done = subprocess.run(
+            [sys.executable, "-m", "proxy", "serve", "--config", str(path)],
+            capture_output=True, text=True, timeout=60, env={**os.environ, "HEADROOM_CONFIG": ""},
+        )  # fmt: skip
+    what = "listener" if busy == "listen" else "admin listener"
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"headroom: cannot bind the {what} to 127.0.0.1:{port}: Address already in use"
+    )
+
+
+def test_busy_admin_port_releases_the_listen_port(tmp_path: Path) -> None:
+    with held_port() as holder, held_port() as spare:
+        listen_port = spare.getsockname()[1]
+        spare.close()
+        cfg = config("http://127.0.0.1:9", 1)
+        cfg["listen"]["port"] = listen_port
+        cfg["admin"]["port"] = holder.getsockname()[1]
+        admin = f"admin listener to 127.0.0.1:{cfg['admin']['port']}"
+        with pytest.raises(ListenError, match=admin) as info:
+            Gateway(settings_from_mapping(cfg, env={}))
+        # The traceback (kept alive by ``info``) still references the half-built gateway:
+        # its listen socket must have been closed, not left bound.
+        assert info.value.port == cfg["admin"]["port"]
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", listen_port))
