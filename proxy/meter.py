@@ -18,6 +18,18 @@ Definitions (per session):
   ratio: time to first audio covers the first one. A zero gap (two chunks in one read)
   gives :data:`RATIO_CAP`, which also caps ratios so Prometheus sums stay finite.
 - **time to first audio**: admission to the first chunk with audio, observed once.
+- **active time** (``headroom_stream_active_seconds_total``, the denominator of the
+  aggregate delivery ratio): the wall time a listener spent waiting for or receiving
+  audio. Each gap counts, and so does the *opening* of each stream segment (the wait for
+  its first chunk, which has no gap): for the session's first audio, admission to that
+  chunk (its time to first audio), so a response delivered in one chunk counts its whole
+  wall time instead of adding audio with no time at all; after an utterance end (a
+  sentence boundary while the response continues), the wait since the previous audio
+  chunk; after a response end (the upstream idled for the client, whose think time cannot
+  be told apart from generation time), that wait capped at the chunk's own audio seconds
+  (a neutral 1.0x: never faster than measured, never slowed by the client). Every audio
+  second thus has wall time behind it and ``audio / active`` is the delivery speed a
+  listener saw from request to last chunk.
 - **playback**: :class:`proxy.playback.PlaybackBuffer` (prebuffer, immediate resume).
 - **finalize latency** (ASR): the earliest unanswered ``commit_final`` to the next
   ``transcript_final``; each answered commit is observed once. The summary keeps the worst.
@@ -61,7 +73,9 @@ class SessionSummary:
     99th percentile of gaps; both None without samples, ``time_to_first_audio`` None
     without audio, ``finalize_seconds`` None without an answered ASR commit (the worst one
     if several). ``chunks`` counts audio chunks, ``events`` metered non-audio events;
-    ``wall_seconds`` runs from admission to :meth:`SessionMeter.finish`."""
+    ``wall_seconds`` runs from admission to :meth:`SessionMeter.finish`; ``active_seconds``
+    is the session's share of ``headroom_stream_active_seconds_total`` (module docstring),
+    so ``audio_seconds / active_seconds`` is its aggregate delivery ratio."""
 
     audio_seconds: float
     wall_seconds: float
@@ -73,6 +87,7 @@ class SessionSummary:
     chunks: int
     events: int
     finalize_seconds: float | None
+    active_seconds: float = 0.0
 
     def as_log_fields(self) -> dict[str, float | int | None]:
         """Flat, rounded fields for a JSON log line."""
@@ -83,7 +98,8 @@ class SessionSummary:
         return {
             "audio_s": r(self.audio_seconds),
             "wall_s": r(self.wall_seconds),
-            "delivery_ratio_p1": r(self.worst_ratio),
+            "active_s": r(self.active_seconds),
+            "delivery_ratio_worst_1pct": r(self.worst_ratio),
             "gap_p99_s": r(self.p99_gap, 4),
             "underruns": self.underruns,
             "stall_s": r(self.stall_seconds),
@@ -103,6 +119,10 @@ class ReplicaSink(Protocol):
 
     def first_audio(self, ttfa_s: float) -> None:
         """Admission to first audio, once per session that has audio."""
+
+    def opening(self, wait_s: float) -> None:
+        """Active time of a stream segment's first audio chunk (which has no gap): the
+        wait it ended, as defined in the module docstring. Called before its ``chunk``."""
 
     def underrun(self, stall_s: float) -> None:
         """The modelled buffer ran dry; ``stall_s`` of silence ended with this chunk."""
@@ -164,6 +184,9 @@ class PrometheusReplicaSink:
     def first_audio(self, ttfa_s: float) -> None:
         self._ttfa.observe(ttfa_s)
 
+    def opening(self, wait_s: float) -> None:
+        self._series.active += wait_s
+
     def underrun(self, stall_s: float) -> None:
         series = self._series
         series.underruns += 1.0
@@ -186,6 +209,7 @@ class RecordingReplicaSink:
 
     chunks: list[tuple[float, float, float | None, float | None]] = field(default_factory=list)
     ttfa: list[float] = field(default_factory=list)
+    openings: list[float] = field(default_factory=list)
     stalls: list[float] = field(default_factory=list)
     finalizes: list[float] = field(default_factory=list)
     summaries: list[SessionSummary] = field(default_factory=list)
@@ -195,6 +219,9 @@ class RecordingReplicaSink:
 
     def first_audio(self, ttfa_s: float) -> None:
         self.ttfa.append(ttfa_s)
+
+    def opening(self, wait_s: float) -> None:
+        self.openings.append(wait_s)
 
     def underrun(self, stall_s: float) -> None:
         self.stalls.append(stall_s)
@@ -213,11 +240,19 @@ class RecordingReplicaSink:
     def ratios(self) -> list[float]:
         return [r for _, _, _, r in self.chunks if r is not None]
 
+    @property
+    def active_seconds(self) -> float:
+        """What :class:`PrometheusReplicaSink` adds to the stream-active counter: the gaps
+        of audio chunks, and the openings."""
+        gaps = [g for _, _, g, r in self.chunks if g is not None and r is not None]
+        return sum(gaps) + sum(self.openings)
+
 
 class SessionMeter:
     """Meters one admitted session; implements :class:`proxy.protocols.MeterSink`."""
 
     __slots__ = (
+        "_active",
         "_admitted",
         "_audio_err",
         "_audio_s",
@@ -229,6 +264,8 @@ class SessionMeter:
         "_gaps",
         "_last_audio",
         "_last_event",
+        "_open_capped",
+        "_open_from",
         "_playback",
         "_ratios",
         "_sink",
@@ -247,6 +284,9 @@ class SessionMeter:
         self._events = 0
         self._first_audio: float | None = None
         self._last_audio: float | None = None  # previous audio chunk of this utterance
+        self._active = 0.0  # this session's stream-active seconds (module docstring)
+        self._open_from = admitted_at  # the next segment opening's wait runs from here...
+        self._open_capped = False  # ...capped at its chunk's audio (after a response end)
         self._last_event: float | None = None
         self._commit: float | None = None  # earliest unanswered commit_final
         self._finalize: float | None = None
@@ -277,6 +317,14 @@ class SessionMeter:
             ratio = seconds / gap if gap * RATIO_CAP > seconds else RATIO_CAP
             self._gaps.add(gap)
             self._ratios.add(ratio)
+            self._active += gap
+        else:
+            start = self._open_from
+            wait = now - start if now > start else 0.0
+            if self._open_capped and wait > seconds:
+                wait = seconds
+            self._active += wait
+            self._sink.opening(wait)
         stall = self._playback.add(now, seconds)
         self._sink.chunk(now, seconds, gap, ratio)
         if stall > 0.0:
@@ -298,12 +346,16 @@ class SessionMeter:
         self._sink.chunk(now, 0.0, gap, None)
 
     def utterance_end(self, now: float) -> None:
+        if self._last_audio is not None:
+            # The response goes on: the wait for the next sentence is delivery time.
+            self._open_from, self._open_capped = self._last_audio, False
         self._last_audio = None
 
     def response_end(self, now: float) -> None:
         if self._summary is not None:
             return
         self._last_audio = None
+        self._open_from, self._open_capped = now, True
         self._playback.idle(now)
 
     def commit_final(self, now: float) -> None:
@@ -336,6 +388,7 @@ class SessionMeter:
             chunks=self._chunks,
             events=self._events,
             finalize_seconds=self._finalize,
+            active_seconds=self._active,
         )
         self._summary = summary
         self._sink.stream_end(summary)

@@ -190,8 +190,8 @@ _STALL = (
 _AUDIO = ("headroom_audio_delivered_seconds_total", "Seconds of audio relayed to clients.")
 _ACTIVE = (
     "headroom_stream_active_seconds_total",
-    "Wall seconds of streams after their first audio; audio_delivered / this = "
-    "aggregate delivery ratio.",
+    "Wall seconds listeners waited for or received audio: admission to a stream's first "
+    "chunk, then the gaps between chunks; audio_delivered / this = aggregate delivery ratio.",
 )
 
 

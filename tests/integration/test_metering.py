@@ -97,6 +97,36 @@ async def test_speech_http_meters_exactly_two_seconds(
     assert gaps(proxy) == 9, label
 
 
+async def one_body(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """An upstream that answers speech requests in one body: 2 s of PCM, not streamed."""
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"audio/pcm")]})  # fmt: skip
+    await send({"type": "http.response.body", "body": bytes(96_000)})
+
+
+async def test_a_non_streamed_response_counts_active_time(start_proxy: Any) -> None:
+    """Audio delivered in one chunk has wall time behind it (admission to that chunk, its
+    time to first audio), so the aggregate delivery ratio stays finite and honest; it
+    used to add 2 s of audio and no active time."""
+    async with running_server(one_body) as server:
+        proxy = await start(start_proxy, server)
+        async with httpx.AsyncClient() as client:
+            request = {"model": "m", "input": "hi", "response_format": "pcm"}
+            response = await client.post(proxy.http_url + "/v1/audio/speech", json=request)
+        assert response.status_code == 200 and len(response.content) == 96_000
+        await wait_until(lambda: proxy.gate.active == 0)
+    active = proxy.metric("headroom_stream_active_seconds_total", pool="main", replica="gpu0")
+    ttfa = proxy.metric("headroom_time_to_first_audio_seconds_sum", pool="main")
+    assert delivered(proxy) == pytest.approx(2.0, abs=1e-9)
+    assert gaps(proxy) == 0
+    assert active > 0.0
+    assert active == pytest.approx(ttfa, abs=1e-9)
+
+
 async def test_asr_streams_meter_event_gaps_and_finalize(
     start_proxy: Any, engine: RunningServer
 ) -> None:

@@ -16,7 +16,7 @@ from proxy.meter import (
     SessionSummary,
 )
 from proxy.metrics import Metrics
-from proxy.protocols import AudioFormat, ws_adapter
+from proxy.protocols import AudioFormat, http_adapter, ws_adapter
 from proxy.signals import ReplicaSignals
 
 
@@ -197,11 +197,13 @@ def test_summary_log_fields() -> None:
         chunks=10,
         events=0,
         finalize_seconds=None,
+        active_seconds=2.5004,
     )
     assert summary.as_log_fields() == {
         "audio_s": 2.0,
         "wall_s": 3.5,
-        "delivery_ratio_p1": 1.235,
+        "active_s": 2.5,
+        "delivery_ratio_worst_1pct": 1.235,
         "gap_p99_s": 0.2123,
         "underruns": 1,
         "stall_s": 0.5,
@@ -237,6 +239,96 @@ def test_session_p99_gap_is_the_nearest_rank_value(gaps: list[float]) -> None:
     assert session.finish(now).p99_gap == observed[rank - 1]
 
 
+# --- active time: the aggregate delivery ratio's denominator ---------------------------
+
+
+def aggregate_ratio(metrics: Metrics, pool: str, replica: str) -> float:
+    """audio_delivered / stream_active, as the recording rule computes it."""
+    rep = {"pool": pool, "replica": replica}
+    audio = sample(metrics, "headroom_audio_delivered_seconds_total", **rep)
+    active = sample(metrics, "headroom_stream_active_seconds_total", **rep)
+    assert audio is not None and active is not None
+    return audio / active if active else math.inf
+
+
+def test_a_one_chunk_response_counts_its_wall_time_as_active() -> None:
+    """A non-streamed HTTP response (the whole body in one chunk) used to add 5 s of audio
+    and no active time, so the aggregate delivery ratio of a pool serving such responses
+    was infinite (or inflated by every one of them)."""
+    metrics = Metrics()
+    sink = PrometheusReplicaSink(metrics, "tts", "gpu0", ReplicaSignals())
+    session = SessionMeter(0.0, sink)
+    http = http_adapter("openai-speech-http", session, AudioFormat(24000, 1, 2))
+    http.request("POST", {}, "application/json", b'{"input": "hello"}')
+    http.response_start(200, {"Content-Type": "audio/pcm"})
+    http.response_chunk(2.0, bytes(240_000))  # 5 s of audio, 2 s after admission
+    http.response_complete(2.001)
+    summary = session.finish(2.01)
+    assert summary.audio_seconds == pytest.approx(5.0)
+    assert summary.active_seconds == pytest.approx(2.0)
+    assert aggregate_ratio(metrics, "tts", "gpu0") == pytest.approx(2.5)
+
+
+def test_a_streamed_response_counts_from_admission_to_its_last_chunk() -> None:
+    """Ten 0.2 s chunks every 0.2 s after 0.3 s to first audio: the listener received 2 s
+    of audio over 2.1 s. Counting only the gaps (1.8 s) read 1.11x, faster than realtime."""
+    session, sink = meter(admitted_at=0.0)
+    for i in range(10):
+        session.audio(0.3 + i * 0.2, 0.2)
+    summary = session.finish(2.5)
+    assert sink.openings == pytest.approx([0.3])
+    assert summary.active_seconds == pytest.approx(2.1) == pytest.approx(sink.active_seconds)
+    assert summary.audio_seconds / summary.active_seconds == pytest.approx(2.0 / 2.1)
+
+
+def test_a_sentence_boundary_counts_its_wait_in_full() -> None:
+    session, sink = meter(admitted_at=0.0)
+    session.audio(0.5, 1.0)
+    session.audio(1.0, 1.0)
+    session.utterance_end(1.05)
+    session.audio(3.0, 1.0)  # the next sentence: 2 s after the previous chunk
+    summary = session.finish(4.0)
+    assert sink.openings == pytest.approx([0.5, 2.0])
+    assert summary.active_seconds == pytest.approx(3.0)  # admission to the last chunk
+
+
+def test_after_a_response_end_the_clients_think_time_is_not_active() -> None:
+    session, sink = meter(admitted_at=0.0)
+    session.audio(0.5, 1.0)
+    session.response_end(0.6)
+    session.audio(30.0, 0.4)  # the client asked again, much later: neutral, 0.4 s
+    session.response_end(30.1)
+    session.audio(30.2, 0.4)  # answered 0.1 s after the response end: 0.1 s, under the cap
+    summary = session.finish(31.0)
+    assert sink.openings == pytest.approx([0.5, 0.4, 0.1])
+    assert summary.active_seconds == pytest.approx(1.0)
+
+
+@given(
+    st.lists(
+        st.tuples(st.floats(0.0, 2.0), st.floats(0.001, 1.0), st.booleans()),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_within_one_response_active_time_runs_from_admission_to_the_last_chunk(
+    chunks: list[tuple[float, float, bool]],
+) -> None:
+    metrics = Metrics()
+    sink = PrometheusReplicaSink(metrics, "tts", "gpu0", ReplicaSignals())
+    session = SessionMeter(10.0, sink)
+    now = 10.0
+    for wait, seconds, sentence_end in chunks:
+        now += wait
+        session.audio(now, seconds)
+        if sentence_end:
+            session.utterance_end(now)
+    summary = session.finish(now + 1.0)
+    assert summary.active_seconds == pytest.approx(now - 10.0, abs=1e-9)
+    counted = sample(metrics, "headroom_stream_active_seconds_total", pool="tts", replica="gpu0")
+    assert counted == pytest.approx(summary.active_seconds, abs=1e-9)
+
+
 def sample(metrics: Metrics, name: str, **labels: str) -> float | None:
     return metrics.registry.get_sample_value(name, labels)
 
@@ -256,7 +348,8 @@ def test_prometheus_sink_observes_the_contract_metrics() -> None:
     assert sample(metrics, "headroom_chunk_gap_seconds_count", **rep) == 10
     assert sample(metrics, "headroom_chunk_delivery_ratio_count", **rep) == 10
     assert sample(metrics, "headroom_audio_delivered_seconds_total", **rep) == pytest.approx(2.2)
-    assert sample(metrics, "headroom_stream_active_seconds_total", **rep) == pytest.approx(4.5)
+    # Active: admission (10.0) to the first audio (10.5), then the gaps to 15.0.
+    assert sample(metrics, "headroom_stream_active_seconds_total", **rep) == pytest.approx(5.0)
     assert sample(metrics, "headroom_playback_underruns_total", **rep) == 1
     assert sample(metrics, "headroom_playback_stall_seconds_total", **rep) == pytest.approx(2.3)
     assert sample(metrics, "headroom_time_to_first_audio_seconds_sum", pool="tts") == pytest.approx(

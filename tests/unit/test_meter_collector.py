@@ -113,7 +113,7 @@ headroom_playback_stall_seconds_total{pool="asr",replica="gpu2"} 0.0
 headroom_audio_delivered_seconds_total{pool="tts",replica="gpu0"} 1.5784
 headroom_audio_delivered_seconds_total{pool="tts",replica="gpu1"} 0.0
 headroom_audio_delivered_seconds_total{pool="asr",replica="gpu2"} 0.0
-# HELP headroom_stream_active_seconds_total Wall seconds of streams after their first audio; audio_delivered / this = aggregate delivery ratio.
+# HELP headroom_stream_active_seconds_total Wall seconds listeners waited for or received audio: admission to a stream's first chunk, then the gaps between chunks; audio_delivered / this = aggregate delivery ratio.
 # TYPE headroom_stream_active_seconds_total counter
 headroom_stream_active_seconds_total{pool="tts",replica="gpu0"} 8.3
 headroom_stream_active_seconds_total{pool="tts",replica="gpu1"} 0.0
@@ -227,8 +227,9 @@ class Reference:
         )  # fmt: skip
         self.active = Counter(
             "headroom_stream_active_seconds_total",
-            "Wall seconds of streams after their first audio; audio_delivered / this = "
-            "aggregate delivery ratio.",
+            "Wall seconds listeners waited for or received audio: admission to a stream's first "
+            "chunk, then the gaps between chunks; audio_delivered / this = aggregate delivery "
+            "ratio.",
             ["pool", "replica"], registry=r,
         )  # fmt: skip
 
@@ -247,6 +248,9 @@ class Reference:
             return
         self.ratio.labels(pool, replica).observe(ratio)
         self.active.labels(pool, replica).inc(gap)
+
+    def opening(self, pool: str, replica: str, wait_s: float) -> None:
+        self.active.labels(pool, replica).inc(wait_s)
 
     def underrun(self, pool: str, replica: str, stall_s: float) -> None:
         self.underruns.labels(pool, replica).inc()
@@ -376,6 +380,10 @@ def test_a_metered_session_matches_prometheus_client() -> None:
             super().chunk(now, audio_s, gap, ratio)
             reference.chunk(self.pool, self.replica, audio_s, gap, ratio)
 
+        def opening(self, wait_s: float) -> None:
+            super().opening(wait_s)
+            reference.opening(self.pool, self.replica, wait_s)
+
         def underrun(self, stall_s: float) -> None:
             super().underrun(stall_s)
             reference.underrun(self.pool, self.replica, stall_s)
@@ -385,6 +393,8 @@ def test_a_metered_session_matches_prometheus_client() -> None:
     for i in range(600):  # past the sketches' exact limit
         now += (0.05, 0.2, 0.2, 0.21, 0.0, 1.3)[i % 6]
         session.audio(now, 0.2)
+        if i % 100 == 99:
+            session.utterance_end(now)  # the next chunk opens a segment: an opening
     session.event(now + 0.1)
     session.finish(now + 1.0)
     ours, theirs = exposition(metrics.registry), exposition(reference.registry)
