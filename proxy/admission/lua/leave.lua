@@ -1,0 +1,19 @@
+-- ARGV: id, ttl_ms, prefix, then the replica view.
+-- A waiter leaves the queue. Returns 'left' if it was waiting, 'granted' with the
+-- replica if a slot had already been handed to it (the lease is kept: the caller
+-- either uses it or releases it), or 'gone' if Redis no longer knows it.
+local id, ttl, prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local view = view_of(4, #ARGV - 3)
+local now = now_ms()
+if redis.call('ZREM', K_QUEUE, id) == 1 then
+  redis.call('ZREM', K_BEATS, id)
+  purge(now)
+  local _, blocked_until = generation(now, ttl)
+  assign(now, ttl, prefix, view, blocked_until)
+  return {'left'}
+end
+local replica = redis.call('HGET', K_OWNER, id)
+if replica then
+  return {'granted', replica}
+end
+return {'gone'}

@@ -1,0 +1,58 @@
+-- The gateway's periodic tick for one pool, in one round trip.
+-- ARGV: ttl_ms, prefix, beat_ms, known generation ('' if none), guard_ms,
+--       n_view, view..., n_leases, (lease id, replica)..., n_waiters, waiter ids...,
+--       n_guards, guarded replicas...
+-- Extends this gateway's leases; after a data loss (new generation) and while grants
+-- are blocked, re-asserts them. Refreshes its waiters' heartbeats and its guard
+-- flags, then hands free slots (expired leases) to the head waiters.
+-- Returns {generation, lost lease ids, waiter states, held per replica, queue depth}
+-- where a waiter state is its queue position, or 0 if granted, -1 if gone.
+local ttl, prefix, beat = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
+local known, guard_ms = ARGV[4], tonumber(ARGV[5])
+local i = 6
+local n_view = tonumber(ARGV[i])
+local view = view_of(i + 1, n_view)
+i = i + 1 + n_view
+local now = now_ms()
+purge(now)
+local gen, blocked_until = generation(now, ttl)
+local reassert = known ~= '' and known ~= gen and now < blocked_until
+local lost = {}
+local n_leases = tonumber(ARGV[i])
+for j = i + 1, i + 2 * n_leases, 2 do
+  local id, replica = ARGV[j], ARGV[j + 1]
+  if redis.call('ZSCORE', K_LEASES, id) then
+    redis.call('ZADD', K_LEASES, now + ttl, id)
+  elseif reassert then
+    grant(id, replica, now, ttl)
+  else
+    lost[#lost + 1] = id
+  end
+end
+i = i + 1 + 2 * n_leases
+local states = {}
+local n_waiters = tonumber(ARGV[i])
+for j = i + 1, i + n_waiters do
+  local w = ARGV[j]
+  local rank = redis.call('ZRANK', K_QUEUE, w)
+  if rank then
+    redis.call('ZADD', K_BEATS, now + beat, w)
+    states[#states + 1] = rank + 1
+  elseif redis.call('HEXISTS', K_OWNER, w) == 1 then
+    states[#states + 1] = 0
+  else
+    states[#states + 1] = -1
+  end
+end
+i = i + 1 + n_waiters
+local n_guards = tonumber(ARGV[i])
+for j = i + 1, i + n_guards do
+  local field = 'guard:' .. ARGV[j]
+  local current = tonumber(redis.call('HGET', K_FLAGS, field) or '0')
+  if current < now + guard_ms then
+    redis.call('HSET', K_FLAGS, field, now + guard_ms)
+  end
+end
+assign(now, ttl, prefix, view, blocked_until)
+local held = redis.call('HGETALL', K_HELD)
+return {gen, lost, states, held, redis.call('ZCARD', K_QUEUE)}

@@ -1,0 +1,277 @@
+"""Shared admission state in Redis: leases, the cross-gateway FIFO, the data generation.
+
+A thin client over five atomic Lua scripts (``proxy/admission/lua``), loaded once and
+called by their SHA (redis-py's ``register_script``: EVALSHA, falling back to EVAL
+only when the server lost its script cache). It holds no admission state of its own;
+the asyncio shell :class:`proxy.shared_gate.SharedGate` keeps the gateway's side.
+
+Model, per pool (every key under the hash tag ``{pool}`` so one script touches one
+Redis Cluster slot):
+
+* a **lease** per admitted session, with an expiry on Redis's own clock (``TIME``
+  inside the scripts), extended by the owning gateway's batched renewals; an expired
+  lease gives its slot back, so a crashed gateway's slots return within one TTL plus
+  one renewal interval;
+* a **FIFO** of waiters from every gateway, each kept alive by heartbeats; a freed
+  slot is handed to the head waiter inside the release script (no barging) and its
+  gateway is woken by a push onto its wake list, which it reads with ``BLPOP``;
+* a **generation**: when Redis has lost its data, the first script to run starts a
+  new generation and grants are blocked for one TTL while surviving gateways
+  re-assert their live leases in their next renewal.
+
+The placement rule is the pure core's (``PoolCore._pick``): least-loaded healthy,
+unguarded replica with a free slot, ties to the first configured.
+
+Every Redis failure surfaces as :class:`BackendUnavailable`; callers refuse new
+sessions (``backend_unavailable``) rather than fall back to per-process caps.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "BackendUnavailable",
+    "RedisAdmission",
+    "ReplicaView",
+    "TickResult",
+    "redis_available",
+]
+
+_SCRIPTS = ("acquire", "release", "leave", "renew")
+_KEYS = ("leases", "owner", "held", "queue", "beats", "gen", "seq", "flags")
+
+
+class BackendUnavailable(Exception):
+    """Redis could not be reached or did not answer in time."""
+
+
+def redis_available() -> bool:
+    """Whether the ``redis`` package (the ``headroom-proxy[redis]`` extra) is installed."""
+    try:
+        import redis.asyncio  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaView:
+    """What this gateway knows of one replica: it is configured, healthy and not
+    retired (others are left out of the view), its cap, and whether its own guard
+    holds it."""
+
+    name: str
+    cap: int
+    guarded: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class TickResult:
+    """The answer to one renewal tick of one pool."""
+
+    generation: str
+    #: This gateway's leases that Redis no longer holds (expired: the gateway was
+    #: cut off or paused past the TTL). Their sessions must end.
+    lost: tuple[str, ...]
+    #: Per waiter sent: its queue position (1 = head), 0 if a slot was handed to it,
+    #: -1 if Redis no longer knows it (its heartbeat lapsed, or data was lost).
+    waiters: tuple[int, ...]
+    #: Sessions held per replica, counted over every gateway.
+    held: dict[str, int]
+    queue_depth: int
+
+
+def _load(name: str) -> str:
+    return (importlib.resources.files("proxy.admission") / "lua" / f"{name}.lua").read_text()
+
+
+def _view_args(view: Sequence[ReplicaView]) -> list[str | int]:
+    args: list[str | int] = []
+    for r in view:
+        args += [r.name, r.cap, 1 if r.guarded else 0]
+    return args
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class RedisAdmission:
+    """The Redis side of shared admission for one gateway process.
+
+    ``gateway_id`` names this process in lease and waiter ids (``<gateway>:<n>``); it
+    must be unique among live gateways (the default is host, pid and random bits)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = "headroom:",
+        lease_ttl_s: float = 10.0,
+        heartbeat_ttl_s: float = 3.0,
+        timeout_s: float = 1.0,
+        gateway_id: str | None = None,
+    ) -> None:
+        try:
+            import redis.asyncio as aioredis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError as exc:  # pragma: no cover - exercised by the CLI check
+            raise RuntimeError(
+                "admission.backend: redis needs the 'redis' package: "
+                "pip install 'headroom-proxy[redis]'"
+            ) from exc
+        if lease_ttl_s <= 0 or heartbeat_ttl_s <= 0 or timeout_s <= 0:
+            raise ValueError("lease_ttl_s, heartbeat_ttl_s and timeout_s must be > 0")
+        self.key_prefix = key_prefix
+        self.ttl_ms = round(lease_ttl_s * 1000)
+        self.beat_ms = round(heartbeat_ttl_s * 1000)
+        self.timeout_s = timeout_s
+        self.gateway_id = gateway_id or (
+            f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+        ).replace(":", "-")
+        common = dict(
+            socket_connect_timeout=timeout_s,
+            # One retry, ours (_run): every script is idempotent per lease/waiter id, so
+            # a reply lost with a dropped connection is safe to ask for again.
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=30,
+        )
+        self._client: Any = aioredis.from_url(url, socket_timeout=timeout_s, **common)
+        # BLPOP holds its connection while it blocks: a client of its own, whose socket
+        # timeout outlasts the longest block.
+        self._blocking: Any = aioredis.from_url(url, socket_timeout=timeout_s + 5.0, **common)
+        prelude = _load("common")
+        self._scripts = {
+            name: self._client.register_script(prelude + "\n" + _load(name)) for name in _SCRIPTS
+        }
+        from redis import exceptions
+
+        self._errors: tuple[type[BaseException], ...] = (
+            exceptions.RedisError, OSError, TimeoutError
+        )
+        self._connection_errors: tuple[type[BaseException], ...] = (exceptions.ConnectionError,)
+
+    # -- keys -------------------------------------------------------------------------
+
+    def prefix(self, pool: str) -> str:
+        return f"{self.key_prefix}{{{pool}}}:"
+
+    def keys(self, pool: str) -> list[str]:
+        p = self.prefix(pool)
+        return [p + k for k in _KEYS]
+
+    def wake_key(self, pool: str) -> str:
+        return f"{self.prefix(pool)}wake:{self.gateway_id}"
+
+    # -- scripts ----------------------------------------------------------------------
+
+    async def _run(self, script: str, pool: str, args: list[str | int]) -> Any:
+        call = self._scripts[script]
+        try:
+            try:
+                return await call(keys=self.keys(pool), args=args)
+            except self._connection_errors:  # a pooled connection the server dropped
+                return await call(keys=self.keys(pool), args=args)
+        except self._errors as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    async def acquire(
+        self, pool: str, lease_id: str, view: Sequence[ReplicaView], max_depth: int
+    ) -> tuple[str, str | int]:
+        """Take a slot for ``lease_id``. Returns ``('admit', replica)``,
+        ``('queued', position)``, ``('reject', reason)`` or ``('blocked', ms)``."""
+        args: list[str | int] = [lease_id, self.ttl_ms, self.prefix(pool), max_depth]
+        reply = await self._run("acquire", pool, [*args, self.beat_ms, *_view_args(view)])
+        kind = _text(reply[0])
+        value = reply[1]
+        return kind, (value if isinstance(value, int) else _text(value))
+
+    async def release(self, pool: str, lease_id: str, view: Sequence[ReplicaView]) -> bool:
+        """Drop ``lease_id`` and hand its slot to the head waiter. Idempotent: returns
+        False if the lease was already gone."""
+        args: list[str | int] = [lease_id, self.ttl_ms, self.prefix(pool)]
+        return bool(await self._run("release", pool, [*args, *_view_args(view)]))
+
+    async def leave(
+        self, pool: str, waiter_id: str, view: Sequence[ReplicaView]
+    ) -> tuple[str, str | None]:
+        """Take a waiter out of the queue: ``('left', None)``, ``('granted', replica)``
+        if a slot reached it first (it now holds a lease), or ``('gone', None)``."""
+        args: list[str | int] = [waiter_id, self.ttl_ms, self.prefix(pool)]
+        reply = await self._run("leave", pool, [*args, *_view_args(view)])
+        kind = _text(reply[0])
+        return kind, (_text(reply[1]) if len(reply) > 1 else None)
+
+    async def tick(
+        self,
+        pool: str,
+        *,
+        generation: str,
+        view: Sequence[ReplicaView],
+        leases: Sequence[tuple[str, str]],
+        waiters: Sequence[str],
+        guards: Sequence[str],
+        guard_ttl_s: float,
+    ) -> TickResult:
+        """Renew ``leases`` ((id, replica) pairs), beat for ``waiters``, refresh the
+        guard flags of ``guards`` and hand out slots freed by expiry -- one round trip."""
+        args: list[str | int] = [
+            self.ttl_ms, self.prefix(pool), self.beat_ms, generation, round(guard_ttl_s * 1000)
+        ]  # fmt: skip
+        view_args = _view_args(view)
+        args += [len(view_args), *view_args, len(leases)]
+        for lease_id, replica in leases:
+            args += [lease_id, replica]
+        args += [len(waiters), *waiters, len(guards), *guards]
+        reply = await self._run("renew", pool, args)
+        held_flat = reply[3]
+        held = {_text(held_flat[i]): int(held_flat[i + 1]) for i in range(0, len(held_flat), 2)}
+        return TickResult(
+            generation=_text(reply[0]),
+            lost=tuple(_text(x) for x in reply[1]),
+            waiters=tuple(int(x) for x in reply[2]),
+            held=held,
+            queue_depth=int(reply[4]),
+        )
+
+    async def wakeups(self, pool: str, block_s: float) -> list[tuple[str, str]]:
+        """Wait up to ``block_s`` for slots handed to this gateway's waiters; returns
+        (waiter id, replica) pairs, everything pending at once."""
+        key = self.wake_key(pool)
+        try:
+            first = await self._blocking.blpop([key], timeout=block_s)
+            if first is None:
+                return []
+            items = [first[1]]
+            rest = await self._blocking.lpop(key, 1000)
+            items += rest or []
+        except self._errors as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        out = []
+        for item in items:
+            waiter, _, replica = _text(item).partition(" ")
+            out.append((waiter, replica))
+        return out
+
+    async def ping(self) -> None:
+        try:
+            try:
+                await self._client.ping()
+            except self._connection_errors:
+                await self._client.ping()
+        except self._errors as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    async def close(self) -> None:
+        await self._client.aclose()
+        await self._blocking.aclose()
+
+    def __repr__(self) -> str:
+        return f"<RedisAdmission gateway={self.gateway_id} prefix={self.key_prefix!r}>"
