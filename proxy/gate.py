@@ -232,6 +232,8 @@ class Gate:
         p = self._pools.get(name)
         if p is None:
             core = PoolCore(name, replicas, queue, session_estimate_s=session_estimate_s)
+            if self.draining:  # a pool added by a reload during drain drains too
+                core.drain(now)
             self._pools[name] = _Pool(core, fallback)
             return
         p.fallback = fallback

@@ -19,13 +19,15 @@ import socket
 from collections.abc import Awaitable, Mapping
 from typing import Any
 
+from prometheus_client import Counter
+
 from proxy.admin import create_admin_app
 from proxy.app import create_app
 from proxy.errors import ConfigError, ListenError
 from proxy.relay.uvicorn_ws import HeadroomWebSocketProtocol
 from proxy.runtime import Runtime
 from proxy.serving import EmbeddedServer, bind_socket, make_config
-from proxy.settings import Settings, load_settings
+from proxy.settings import Settings, load_settings, reload_problems
 
 __all__ = ["Gateway", "uvicorn_options"]
 
@@ -99,6 +101,15 @@ class Gateway:
             self.admin_port = self._admin_sock.getsockname()[1]
         self._drain_task: asyncio.Task[None] | None = None
         self._signals = 0
+        self._reloads = Counter(
+            "headroom_config_reloads",
+            "Configuration reloads (SIGHUP, POST /admin/reload) by result: applied, "
+            "invalid (the file does not validate), refused (valid but unsafe live)",
+            ["result"],
+            registry=self.runtime.metrics.registry,
+        )
+        for result in ("applied", "invalid", "refused"):
+            self._reloads.labels(result)
 
     async def serve(self, *, install_signals: bool = True) -> None:
         loop = asyncio.get_running_loop()
@@ -139,20 +150,47 @@ class Gateway:
 
     def reload(self) -> list[str]:
         """Re-read the configuration file and apply it live. Raises ConfigError (the
-        running configuration stays) if the new one is invalid."""
+        running configuration stays) if the new one is invalid, or valid but unsafe to
+        apply live (:func:`~proxy.settings.reload_problems`: authentication dropped
+        without ``auth: {enabled: false}``, the admin key removed while the admin
+        listener is bound off loopback). Each outcome is counted in
+        ``headroom_config_reloads_total{result="applied"|"invalid"|"refused"}``."""
         if self.config_path is None:
             raise ConfigError([("<file>", "this gateway was not started from a file")])
-        settings = load_settings(self.config_path, env=self._env)
+        try:
+            settings = load_settings(self.config_path, env=self._env)
+        except ConfigError as err:
+            self._reloads.labels("invalid").inc()
+            log.error("reload refused, keeping the running configuration: %s", err)
+            raise
+        old = self.runtime.settings
+        problems = reload_problems(old, settings, admin_bound=self._admin_host())
+        if problems:
+            self._reloads.labels("refused").inc()
+            unsafe = ConfigError(problems, self.config_path)
+            log.error("reload refused as unsafe, keeping the running configuration: %s", unsafe)
+            raise unsafe
         changes = self.runtime.apply(settings)
         self.settings = settings
+        self._reloads.labels("applied").inc()
+        if old.auth is not None and settings.auth is None:
+            log.warning(
+                "client authentication is now OFF (auth.enabled: false in %s): every "
+                "client is admitted without a key",
+                self.config_path,
+            )
         log.info("configuration reloaded: %s", "; ".join(changes) or "no changes")
         return changes
 
+    def _admin_host(self) -> str | None:
+        """The host the admin listener is bound to (None without one)."""
+        if self._admin_sock is None:
+            return None
+        return str(self._admin_sock.getsockname()[0])
+
     def _on_sighup(self) -> None:
-        try:
+        with contextlib.suppress(ConfigError):  # reload() has logged why
             self.reload()
-        except ConfigError as err:
-            log.error("reload refused, keeping the running configuration: %s", err)
 
     @property
     def started(self) -> bool:

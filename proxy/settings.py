@@ -32,6 +32,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ModelWrapValidatorHandler,
+    PrivateAttr,
     ValidationError,
     field_validator,
     model_validator,
@@ -77,6 +78,7 @@ __all__ = [
     "RouteSettings",
     "Settings",
     "load_settings",
+    "reload_problems",
     "settings_from_mapping",
     "summary",
     "ws_base",
@@ -385,9 +387,25 @@ class ApiKeySettings(_Frozen):
 
 
 class AuthSettings(_Frozen):
-    """Client API keys; when present, every request needs one."""
+    """Client API keys; when present, every request needs one.
 
-    keys: tuple[ApiKeySettings, ...] = Field(min_length=1)
+    ``enabled: false`` turns client authentication off *explicitly* (the keys, if any, are
+    kept but not checked). A reload may turn authentication off only this way: a file that
+    merely lacks ``auth`` -- which is also what a file cut short by a partial write looks
+    like -- is refused while authentication is on (:func:`reload_problems`)."""
+
+    enabled: bool = True
+    keys: tuple[ApiKeySettings, ...] = ()
+
+    @model_validator(mode="after")
+    def _keys_when_enabled(self) -> AuthSettings:
+        if self.enabled and not self.keys:
+            why = (
+                "needs at least 1 key; to turn client authentication off on purpose, "
+                "write auth: {enabled: false}"
+            )
+            raise Problems([(("keys",), why)])
+        return self
 
     def key_for(self, sha256_hex: str) -> ApiKeySettings | None:
         return next((key for key in self.keys if key.sha256 == sha256_hex), None)
@@ -423,6 +441,20 @@ class Settings(BaseSettings):
     pools: tuple[PoolSettings, ...] = Field(min_length=1)
     routes: tuple[RouteSettings, ...] = Field(min_length=1)
     auth: AuthSettings | None = None
+    # The file says ``auth: {enabled: false}`` (``auth`` is then None); see auth_disabled.
+    _auth_disabled: bool = PrivateAttr(False)
+
+    @field_validator("auth")
+    @classmethod
+    def _auth_off(cls, value: AuthSettings | None) -> AuthSettings | None:
+        # Everything that enforces auth reads ``settings.auth is None`` as "off".
+        return value if value is None or value.enabled else None
+
+    @property
+    def auth_disabled(self) -> bool:
+        """True when client authentication is off because the configuration says so
+        (``auth: {enabled: false}``), not merely because ``auth`` is absent."""
+        return self._auth_disabled
 
     @classmethod
     def settings_customise_sources(
@@ -452,6 +484,9 @@ class Settings(BaseSettings):
         problems += settings._port_problems()
         if problems:
             raise Problems(problems)
+        raw_auth = data.get("auth") if isinstance(data, Mapping) else None
+        # A mapping that validated yet left no AuthSettings said ``enabled: false``.
+        settings._auth_disabled = raw_auth is not None and settings.auth is None
         return settings
 
     def _port_problems(self) -> list[tuple[Loc, str]]:
@@ -669,6 +704,38 @@ def _parse_yaml(text: str, source: str) -> Any:
     return data
 
 
+def reload_problems(
+    old: Settings, new: Settings, *, admin_bound: str | None = None
+) -> list[tuple[str, str]]:
+    """Why the valid configuration ``new`` must not replace the running ``old`` live, as
+    ``(field path, reason)``; empty when the reload is safe.
+
+    * Client authentication may be turned off only explicitly (``auth: {enabled:
+      false}``): a file without ``auth`` is what a truncated write looks like.
+    * ``admin_bound`` is the host the running admin listener is bound to (None: no admin
+      listener). Addresses change only on restart, so while that host is not loopback the
+      new configuration must keep an admin key: the key in force follows the bound socket,
+      not the file.
+    """
+    problems: list[tuple[str, str]] = []
+    if old.auth is not None and new.auth is None and not new.auth_disabled:
+        problems.append((
+            "auth",
+            "missing, which would turn client authentication off; refused, the running "
+            "configuration stays. A file cut short by a partial write looks the same: write "
+            "the file to a temporary name and rename it. To turn authentication off on "
+            "purpose, write auth: {enabled: false}",
+        ))  # fmt: skip
+    if admin_bound is not None and not _is_loopback(admin_bound) and not new.admin.api_key_sha256:
+        problems.append((
+            "admin.api_key_sha256",
+            f"required: the admin listener stays bound to {admin_bound} until a restart, "
+            "so a reload cannot remove its key (to drop the key, set admin.host: 127.0.0.1 "
+            "and restart)",
+        ))  # fmt: skip
+    return problems
+
+
 def ws_base(http_url: str) -> str:
     """The WebSocket form of an http(s) base URL: http -> ws, https -> wss."""
     scheme, sep, rest = http_url.partition("://")
@@ -709,10 +776,11 @@ def summary(settings: Settings) -> str:
             f"  {route.path} -> {route.pool}  {protocol}, refusal {route.refusal}{upstream}"
         )
     lines.append(
-        f"guard   {guard.mode} (p1 delivery ratio < {guard.threshold:g}, "
+        f"guard   {guard.mode} (worst-1% delivery ratio < {guard.threshold:g}, "
         f"hysteresis {guard.hysteresis:g}, hold {guard.hold_s:g} s)"
     )
     keys = settings.auth.keys if settings.auth else ()
     names = ", ".join(key.name for key in keys)
-    lines.append(f"auth    {len(keys)} key(s): {names}" if keys else "auth    off (no API keys)")
+    off = "off (auth.enabled: false)" if settings.auth_disabled else "off (no API keys)"
+    lines.append(f"auth    {len(keys)} key(s): {names}" if keys else f"auth    {off}")
     return "\n".join(lines)

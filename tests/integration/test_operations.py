@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import yaml
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from proxy.errors import ListenError
+from proxy.errors import ConfigError, ListenError
 from proxy.gateway import Gateway
 from proxy.runtime import parse_engine_metrics
 from proxy.settings import load_settings, settings_from_mapping
@@ -260,3 +261,130 @@ def test_busy_admin_port_releases_the_listen_port(tmp_path: Path) -> None:
         assert info.value.port == cfg["admin"]["port"]
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", listen_port))
+
+
+# -- reload safety (issue 14 item 7) ----------------------------------------------------
+
+
+def reloads(gateway: Gateway, result: str) -> float:
+    value = gateway.runtime.metrics.registry.get_sample_value(
+        "headroom_config_reloads_total", {"result": result}
+    )
+    assert value is not None
+    return value
+
+
+async def test_pool_added_by_reload_during_drain_refuses_with_draining(
+    upstream: Any, tmp_path: Path
+) -> None:
+    server, _ = upstream
+    path = tmp_path / "headroom.yaml"
+    path.write_text(yaml.safe_dump(config(server.http_url, 4)))
+    async with running_gateway(path) as gateway:
+        session = await open_session(gateway)  # keeps the drain from completing
+        drain = gateway.drain()
+        added = config(server.http_url, 4)
+        added["pools"].append(
+            {
+                "name": "extra",
+                "replicas": [{"name": "gpu9", "url": server.http_url, "max_sessions": 4}],
+            }
+        )
+        added["routes"].append({"path": "/ws/extra", "pool": "extra",
+                                "protocol": "passthrough-ws"})  # fmt: skip
+        path.write_text(yaml.safe_dump(added))
+        assert "pool extra: added" in gateway.reload()
+        for route in ("/ws/extra", "/ws/echo"):
+            with pytest.raises(InvalidStatus) as info:
+                await connect(f"ws://127.0.0.1:{gateway.port}{route}", compression=None)
+            assert info.value.response.status_code == 503
+            assert info.value.response.headers["X-Headroom-Reason"] == "draining"
+        assert gateway.runtime.gate.core("extra").draining
+        assert gateway.runtime.gate.active == 1
+        await session.close()
+        await asyncio.wait_for(drain, 10)
+
+
+async def test_reload_cannot_remove_the_admin_key_while_bound_off_loopback(
+    upstream: Any, tmp_path: Path
+) -> None:
+    import hashlib
+
+    server, _ = upstream
+    key = "s3cret-admin-key"
+    cfg = config(server.http_url, 1)
+    # The reported exposure: bound to every interface (reached here through loopback).
+    cfg["admin"] = {"host": "0.0.0.0", "port": 0,
+                    "api_key_sha256": hashlib.sha256(key.encode()).hexdigest()}  # fmt: skip
+    path = tmp_path / "headroom.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    async with running_gateway(path) as gateway, httpx.AsyncClient() as client:
+        admin = f"http://127.0.0.1:{gateway.admin_port}"
+        auth = {"Authorization": f"Bearer {key}"}
+        before = gateway.runtime.settings
+        # Valid on its own (loopback needs no key), but the socket stays on 0.0.0.0.
+        cfg["admin"] = {"host": "127.0.0.1", "port": 0}
+        path.write_text(yaml.safe_dump(cfg))
+        response = await client.post(admin + "/admin/reload", headers=auth)
+        assert response.status_code == 400
+        (problem,) = response.json()["problems"]
+        assert problem["field"] == "admin.api_key_sha256"
+        assert "bound to 0.0.0.0 until a restart" in problem["reason"]
+        assert gateway.runtime.settings is before
+        assert reloads(gateway, "refused") == 1 and reloads(gateway, "applied") == 0
+        for method, url in (("POST", "/admin/drain"), ("GET", "/admin/status")):
+            refused = await client.request(method, admin + url)
+            assert refused.status_code == 401  # the key still guards the listener
+        assert not gateway.runtime.gate.draining
+        cfg["admin"] = {"host": "127.0.0.1", "port": 0, "enabled": False}  # same hole
+        path.write_text(yaml.safe_dump(cfg))
+        gateway._on_sighup()
+        assert gateway.runtime.settings is before and reloads(gateway, "refused") == 2
+        rotated = hashlib.sha256(b"rotated-key").hexdigest()  # rotating the key is fine
+        cfg["admin"] = {"host": "0.0.0.0", "port": 0, "api_key_sha256": rotated}
+        path.write_text(yaml.safe_dump(cfg))
+        assert (await client.post(admin + "/admin/reload", headers=auth)).status_code == 200
+        assert reloads(gateway, "applied") == 1
+        new = {"Authorization": "Bearer rotated-key"}
+        assert (await client.get(admin + "/admin/status", headers=auth)).status_code == 401
+        assert (await client.get(admin + "/admin/status", headers=new)).status_code == 200
+
+
+async def test_truncated_file_cannot_turn_authentication_off(
+    upstream: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import hashlib
+
+    server, _ = upstream
+    cfg = config(server.http_url, 2)
+    cfg["auth"] = {"keys": [{"name": "a", "sha256": hashlib.sha256(b"key-a").hexdigest()}]}
+    full = yaml.safe_dump(cfg, sort_keys=False)
+    path = tmp_path / "headroom.yaml"
+    path.write_text(full)
+    async with running_gateway(path) as gateway:
+        before = gateway.runtime.settings
+        path.write_text(full[: full.index("auth:")])  # a partial write that still parses
+        with (
+            caplog.at_level(logging.ERROR, logger="headroom.gateway"),
+            pytest.raises(ConfigError) as info,
+        ):
+            gateway.reload()
+        ((where, why),) = info.value.problems
+        assert where == "auth" and "auth: {enabled: false}" in why
+        assert "reload refused as unsafe" in caplog.text and "partial write" in caplog.text
+        assert gateway.runtime.settings is before and reloads(gateway, "refused") == 1
+        with pytest.raises(InvalidStatus) as denied:  # authentication still on
+            await connect(ws(gateway), compression=None)
+        assert denied.value.response.status_code == 401
+        path.write_text("pools: [unclosed")
+        gateway._on_sighup()
+        assert reloads(gateway, "invalid") == 1 and gateway.runtime.settings is before
+        # Turning it off on purpose is applied, and logged loudly.
+        path.write_text(full.replace("auth:\n", "auth:\n  enabled: false\n"))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="headroom.gateway"):
+            assert "auth updated" in gateway.reload()
+        assert "client authentication is now OFF" in caplog.text
+        assert gateway.runtime.settings.auth is None and reloads(gateway, "applied") == 1
+        session = await open_session(gateway)  # no key needed now
+        await session.close()

@@ -512,7 +512,7 @@ def test_env_fills_absent_sections_and_defaults() -> None:
         ),
         ({"HEADROOM_POOLS__0__REPLICAS__2__MAX_SESSIONS": "4"}, "pools[0].replicas[2] does not"),
         ({"HEADROOM_POOLS__NAME": "x"}, "index it with a number, e.g. HEADROOM_POOLS__0__NAME"),
-        ({"HEADROOM_AUTH__KEYS__0__NAME": "x"}, "auth.keys is not set, so it has no element 0"),
+        ({"HEADROOM_AUTH__KEYS__0__NAME": "x"}, "auth.keys[0] does not exist (auth.keys has 0"),
         ({"HEADROOM_LISTN__PORT": "1"}, "'listn' is not a setting; did you mean 'listen'?"),
         ({"HEADROOM_DRAIN_TIMEOUT": "5"}, "did you mean 'drain_timeout_s'?"),
         ({"HEADROOM_LISTEN__": "5"}, "empty name"),
@@ -701,3 +701,56 @@ def test_empty_fallback_is_no_fallback() -> None:
     data = valid()
     data["pools"][0]["fallback"] = {}
     assert load(data).pools[0].fallback is None
+
+
+# -- turning authentication off, and what a reload may not do --------------------------
+
+
+def with_auth(**auth: Any) -> dict[str, Any]:
+    data = valid()
+    data["auth"] = auth
+    return data
+
+
+def test_auth_off_must_be_explicit() -> None:
+    on = load(with_auth(keys=[{"name": "a", "sha256": KEY_HASH}]))
+    assert on.auth is not None and not on.auth_disabled
+    absent = load(valid())
+    assert absent.auth is None and not absent.auth_disabled
+    off = load(with_auth(enabled=False, keys=[{"name": "a", "sha256": KEY_HASH}]))
+    assert off.auth is None and off.auth_disabled  # keys kept in the file, not checked
+    assert load(with_auth(enabled=False)).auth_disabled
+    assert "auth    off (auth.enabled: false)" in summary(off)
+    env = {"HEADROOM_AUTH__ENABLED": "false"}
+    assert load(with_auth(keys=[{"name": "a", "sha256": KEY_HASH}]), env).auth_disabled
+    assert has(problems(with_auth()), "auth.keys", "auth: {enabled: false}")
+    assert has(problems(with_auth(keys=[])), "auth.keys", "needs at least 1 key")
+
+
+def test_reload_may_not_drop_auth_without_saying_so() -> None:
+    from proxy.settings import reload_problems
+
+    on = load(with_auth(keys=[{"name": "a", "sha256": KEY_HASH}]))
+    off = load(with_auth(enabled=False))
+    absent = load(valid())
+    ((where, why),) = reload_problems(on, absent)
+    assert where == "auth" and "auth: {enabled: false}" in why and "rename" in why
+    assert reload_problems(on, off) == []  # explicit
+    assert reload_problems(absent, absent) == [] and reload_problems(off, absent) == []
+    assert reload_problems(absent, on) == []
+
+
+def test_reload_keeps_an_admin_key_while_the_listener_is_off_loopback() -> None:
+    from proxy.settings import reload_problems
+
+    keyed = valid()
+    keyed["admin"] = {"host": "0.0.0.0", "api_key_sha256": KEY_HASH}
+    old, plain = load(keyed), load(valid())
+    disabled = valid()
+    disabled["admin"] = {"enabled": False}
+    for new in (plain, load(disabled)):
+        ((where, why),) = reload_problems(old, new, admin_bound="0.0.0.0")
+        assert where == "admin.api_key_sha256" and "bound to 0.0.0.0" in why
+    assert reload_problems(old, old, admin_bound="0.0.0.0") == []
+    for host in ("127.0.0.1", "::1", None):
+        assert reload_problems(old, plain, admin_bound=host) == []
