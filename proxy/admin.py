@@ -51,7 +51,7 @@ def create_admin_app(
             return JSONResponse(
                 {"error": {"type": "unauthorized", "message": "admin key required"}},
                 status_code=401,
-                headers={"WWW-Authenticate": "Bearer"},
+                headers={"WWW-Authenticate": 'Bearer realm="headroom-admin"'},
             )
         return await call_next(request)
 

@@ -243,6 +243,9 @@ class PolicyViolation(HeadroomError):
 class Unauthorized(PolicyViolation):
     http_status: ClassVar[int] = 401
     code: ClassVar[str] = "unauthorized"
+    #: ``WWW-Authenticate`` of every 401, HTTP and refused WebSocket handshake alike (RFC
+    #: 9110 requires one): the key goes in ``Authorization: Bearer`` (RFC 6750).
+    challenge: ClassVar[str] = 'Bearer realm="headroom"'
 
 
 class Forbidden(PolicyViolation):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from proxy.errors import HeadroomError, Refused
+from proxy.errors import HeadroomError, Refused, Unauthorized
 
 __all__ = ["close_reason", "error_body", "error_event", "http_error", "truncate_reason"]
 
@@ -65,6 +65,8 @@ def http_error(
     headers: dict[str, str] = {"content-type": "application/json"}
     if isinstance(err, Refused):
         headers.update({k.lower(): v for k, v in err.headers().items()})
+    elif isinstance(err, Unauthorized):
+        headers["www-authenticate"] = err.challenge
     if extra_headers:
         headers.update({k.lower(): v for k, v in extra_headers.items()})
     headers["content-length"] = str(len(body))

@@ -65,10 +65,18 @@ async def test_missing_wrong_and_forbidden_keys_take_no_slot(
         body = json.loads(info.value.response.body)["error"]
         assert body["type"] == "invalid_request_error"
         assert body["code"] == ("forbidden" if status == 403 else "unauthorized")
+        challenge = info.value.response.headers.get("WWW-Authenticate")
+        assert challenge == ('Bearer realm="headroom"' if status == 401 else None)
         assert proxy.gate.active == 0 and proxy.gate.queued == 0
     async with httpx.AsyncClient() as client:
         response = await client.post(proxy.http_url + "/echo-http", content=b"x" * 100_000)
         assert response.status_code == 401
+        assert response.headers["WWW-Authenticate"] == 'Bearer realm="headroom"'
+        wrong = await client.post(proxy.http_url + "/echo-http", headers=bearer("nope"))
+        assert wrong.status_code == 401
+        assert wrong.headers["WWW-Authenticate"] == 'Bearer realm="headroom"'
+        allowed = await client.post(proxy.http_url + "/echo-http", headers=bearer("key-a"))
+        assert "WWW-Authenticate" not in allowed.headers
     assert app.controls.ws_connections == 0  # the upstream never saw any of them
 
 

@@ -171,7 +171,9 @@ async def test_admin_key_required_off_loopback_and_ping(upstream: Any, tmp_path:
     path.write_text(yaml.safe_dump(cfg))
     async with running_gateway(path) as gateway, httpx.AsyncClient() as client:
         admin = f"http://127.0.0.1:{gateway.admin_port}/admin/status"
-        assert (await client.get(admin)).status_code == 401
+        missing = await client.get(admin)
+        assert missing.status_code == 401
+        assert missing.headers["WWW-Authenticate"] == 'Bearer realm="headroom-admin"'
         bad = await client.get(admin, headers={"Authorization": "Bearer nope"})
         assert bad.status_code == 401
         good = await client.get(admin, headers={"Authorization": f"Bearer {key}"})
