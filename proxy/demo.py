@@ -71,7 +71,12 @@ def demo_settings(
     return settings_from_mapping(data, env={}, source="headroom demo")
 
 
-def _banner(preset: Any, ceiling: int, cap: int, gateway_url: str, urls: list[str]) -> str:
+def _banner(
+    preset: Any, ceiling: int, cap: int, settings: Settings, gateway_url: str, urls: list[str]
+) -> str:
+    """What the demo serves. The route list is generated from ``settings`` -- the same
+    object the gateway serves -- so the banner cannot list a route that is not there or
+    miss one that is."""
     ws_url = gateway_url.replace("http://", "ws://", 1)
     lines = [
         f"Headroom demo: {preset.name} ({preset.description})",
@@ -81,19 +86,33 @@ def _banner(preset: Any, ceiling: int, cap: int, gateway_url: str, urls: list[st
         f"  gateway        : {gateway_url}",
         f"  metrics        : {gateway_url}/metrics",
         f"  ready          : {gateway_url}/readyz",
+        "",
+        "Routes (each admitted through the gate, then relayed to a simulated GPU):",
     ]
-    if preset.kind == "tts":
+    served = [
+        ((ws_url if r.is_websocket else gateway_url) + r.path, r.is_websocket, r.protocol)
+        for r in settings.routes
+    ]
+    width = max(len(url) for url, _, _ in served)
+    for url, websocket, protocol in served:
+        lines.append(f"  {url:<{width}}  {'WebSocket' if websocket else 'POST'}, {protocol}")
+    paths = {route.path for route in settings.routes}
+    if "/v1/audio/speech" in paths:
         lines += [
             "",
             "Stream speech through the gateway into a WAV file:",
             f"  curl -sN {gateway_url}/v1/audio/speech -H 'Content-Type: application/json' "
-            f"-d '{{\"model\": \"{preset.model}\", \"input\": \"Hello from Headroom. Every "
-            f"listener keeps realtime.\", \"voice\": \"default\", \"response_format\": \"wav\", "
-            f"\"stream\": true, \"stream_format\": \"audio\"}}' -o hello.wav",
-            f"  WebSocket: {ws_url}/v1/audio/speech/stream",
+            f'-d \'{{"model": "{preset.model}", "input": "Hello from Headroom. Every '
+            f'listener keeps realtime.", "voice": "default", "response_format": '
+            f'"wav", "stream": true, "stream_format": "audio"}}\' -o hello.wav',
         ]
-    else:
-        lines += ["", f"  realtime ASR WebSocket: {ws_url}/v1/realtime"]
+    if "/v1/audio/transcriptions" in paths:
+        lines += [
+            "",
+            "Transcribe a WAV file (PCM16) through the gateway, streamed as it is decoded:",
+            f"  curl -sN {gateway_url}/v1/audio/transcriptions -F file=@speech.wav "
+            f"-F model={preset.model} -F stream=true",
+        ]
     lines += ["", "Ctrl-C to stop."]
     return "\n".join(lines)
 
@@ -118,7 +137,7 @@ async def _run(args: argparse.Namespace, out: TextIO) -> None:
         await asyncio.wait({serving, ready}, return_when=asyncio.FIRST_COMPLETED)
         ready.cancel()
         url = f"http://{args.host}:{gateway.port}"
-        print(_banner(preset, ceiling, cap, url, c.urls), file=out, flush=True)
+        print(_banner(preset, ceiling, cap, settings, url, c.urls), file=out, flush=True)
         try:
             if args.exit_after is not None:
                 await asyncio.wait({serving}, timeout=args.exit_after)
