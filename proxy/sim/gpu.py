@@ -51,6 +51,14 @@ class Timeouts:
     speech_idle_s: float = 30.0
 
 
+def _serves(protocol: object, scope: Mapping[str, Any]) -> bool:
+    """Whether uvicorn's connection ``protocol`` is serving ``scope`` right now (the
+    HTTP protocols keep the request in flight on ``cycle``, the WebSocket ones on
+    ``scope``)."""
+    cycle = getattr(protocol, "cycle", None)
+    return getattr(protocol, "scope", None) is scope or getattr(cycle, "scope", None) is scope
+
+
 def _placeholder(host: str, port: int) -> socket.socket:
     """A bound, non-listening socket: it reserves the port and refuses connects."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -152,7 +160,11 @@ class SimGpu:
 
     async def _listen(self) -> None:
         assert self._sock is not None
-        config = make_config(self.app, timeout_graceful_shutdown=2, lifespan="off")
+        # proxy_headers=False: scope["client"] stays the socket's peer even when a
+        # gateway in front sends X-Forwarded-For (faults find connections by it).
+        config = make_config(
+            self.app, timeout_graceful_shutdown=2, lifespan="off", proxy_headers=False
+        )
         server = EmbeddedServer(config)
         sock = self._sock
         task = asyncio.create_task(server.serve(sockets=[sock]), name=f"sim-http{self.index}")
@@ -214,22 +226,32 @@ class SimGpu:
 
     def abort(self, scope: Mapping[str, Any]) -> bool:
         """Abort the TCP connection of ``scope``: no WebSocket close frame, no end of
-        HTTP body. ``False`` if the connection is already gone."""
-        client = scope.get("client")
-        for server, _ in self._servers:
-            for protocol in list(server.server_state.connections):
-                if getattr(protocol, "client", None) == client:
-                    transport = getattr(protocol, "transport", None)
-                    if transport is not None and not transport.is_closing():
-                        transport.abort()
-                        return True
-        return False
+        HTTP body. ``False`` if the connection is already gone.
 
-    async def drop(self, scope: Mapping[str, Any]) -> None:
-        """:meth:`abort`, then let the server notice, so later sends are no-ops."""
-        self.abort(scope)
+        The connection is found by the scope object uvicorn handed to the app (the
+        request in flight on that connection), not by ``scope["client"]``: behind a
+        proxy that address is whatever ``X-Forwarded-For`` said, shared by many
+        connections or by none. The peer address is only a fallback, and it is the
+        socket's own peer because the simulator serves with ``proxy_headers=False``.
+        """
+        protocols = [p for server, _ in self._servers for p in server.server_state.connections]
+        match = next((p for p in protocols if _serves(p, scope)), None)
+        if match is None:
+            peer = scope.get("client")
+            match = next((p for p in protocols if getattr(p, "client", None) == peer), None)
+        transport = getattr(match, "transport", None)
+        if transport is None or transport.is_closing():
+            return False
+        transport.abort()
+        return True
+
+    async def drop(self, scope: Mapping[str, Any]) -> bool:
+        """:meth:`abort`, then let the server notice, so later sends are no-ops.
+        ``False`` if there was no connection left to abort."""
+        aborted = self.abort(scope)
         for _ in range(3):
             await asyncio.sleep(0.002)
+        return aborted
 
     # -- work ------------------------------------------------------------------------------
 

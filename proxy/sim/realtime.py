@@ -28,6 +28,7 @@ import base64
 import binascii
 import contextlib
 import json
+import logging
 import time
 import uuid
 import zlib
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from proxy.sim.gpu import SimGpu
 
 __all__ = ["INPUT_SAMPLE_RATE", "RealtimeSession", "realtime"]
+
+log = logging.getLogger("proxy.sim")
 
 #: PCM16 mono input rate of ``input_audio_buffer.append``.
 INPUT_SAMPLE_RATE = 16000
@@ -145,6 +148,7 @@ class RealtimeSession:
                     self.stream.close_input()
             if self.task is None or self.task.done():
                 self.task = asyncio.get_running_loop().create_task(self._generate())
+                self.task.add_done_callback(_retrieve)
         else:
             await self.error(f"Unknown event type: {kind}", "unknown_event")
 
@@ -191,7 +195,7 @@ class RealtimeSession:
                     action = await self.faults.before_chunk()
                     if action == "drop":
                         await gpu.drop(self.scope)
-                        raise ChannelClosed()
+                        return
                     if action == "error":
                         await self.error(
                             "simulated engine fault (headroom sim --fault-error-after)",
@@ -232,12 +236,25 @@ class RealtimeSession:
                 await ch.send_json({"type": "response.audio.done", "has_audio": sent_audio})
         except EngineStopped:
             await ch.close(1012, "simulated GPU shutting down")
+        except ChannelClosed:
+            pass  # the client is gone; the receive loop ends the session
         finally:
             stream.cancel()
             self.stream = None
             # As upstream, audio left over belongs to no one: the next commit starts fresh.
             self.samples = self.released = 0
             self.input_closed = False
+
+
+def _retrieve(task: asyncio.Task[None]) -> None:
+    """Done callback of a generation task: its outcome is always retrieved, so a
+    failure is logged once instead of as "Task exception was never retrieved" (a
+    task replaced by the next commit is never awaited)."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, ChannelClosed):
+        log.error("realtime generation failed", exc_info=exc)
 
 
 async def realtime(gpu: SimGpu, ch: WsChannel, scope: Mapping[str, Any]) -> None:
