@@ -182,6 +182,20 @@ async def test_admin_key_required_off_loopback_and_ping(upstream: Any, tmp_path:
         assert ping.status_code == 200
 
 
+async def test_admin_listener_serves_only_admin_endpoints(upstream: Any, tmp_path: Path) -> None:
+    server, _ = upstream
+    path = tmp_path / "headroom.yaml"
+    path.write_text(yaml.safe_dump(config(server.http_url, 1)))
+    async with running_gateway(path) as gateway, httpx.AsyncClient() as client:
+        admin = f"http://127.0.0.1:{gateway.admin_port}"
+        main = f"http://127.0.0.1:{gateway.port}"
+        for endpoint in ("/metrics", "/healthz", "/readyz", "/ping"):
+            assert (await client.get(admin + endpoint)).status_code == 404
+            assert (await client.get(main + endpoint)).status_code == 200
+        assert (await client.get(admin + "/admin/status")).status_code == 200
+        assert (await client.get(main + "/admin/status")).status_code == 404
+
+
 def test_parse_engine_metrics() -> None:
     text = (
         "# TYPE vllm:num_requests_waiting gauge\n"

@@ -754,3 +754,28 @@ def test_reload_keeps_an_admin_key_while_the_listener_is_off_loopback() -> None:
     assert reload_problems(old, old, admin_bound="0.0.0.0") == []
     for host in ("127.0.0.1", "::1", None):
         assert reload_problems(old, plain, admin_bound=host) == []
+
+
+def admin_block(text: str) -> str:
+    """The ``admin:`` section of a YAML file, comments included."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("admin:"))
+    end = next(
+        (i for i in range(start + 1, len(lines)) if lines[i][:1] not in ("", " ", "#")),
+        len(lines),
+    )
+    return "\n".join(lines[start:end])
+
+
+@pytest.mark.parametrize("path", sorted(CONFIG_DIR.glob("*.yaml")), ids=lambda p: p.name)
+def test_example_admin_listener_is_loopback_and_described_truly(path: Path) -> None:
+    # What each listener serves is checked against the running apps in
+    # tests/integration/test_operations.py::test_admin_listener_serves_only_admin_endpoints.
+    s = load_settings(path, env={})
+    assert s.admin.host == "127.0.0.1"
+    block = admin_block(path.read_text())
+    assert "scrape" not in block.lower()  # Prometheus scrapes the client listener
+    for endpoint in ("/metrics", "/healthz", "/readyz", "/ping"):
+        if endpoint in block:  # only to say it is *not* here
+            assert "listener above" in block or ":8080" in block, block
+    assert "/admin/" in block or "reload" in block
