@@ -300,12 +300,21 @@ class Splice:
             self.stop(1014, "upstream message too large", upstream_code=1009)
 
     def protocol_error(self, leg: Leg, what: str) -> None:
+        """``leg``'s endpoint broke RFC 6455 (:func:`proxy.relay.splice_leg.violation`):
+        the offending frame is not forwarded, and the connection is failed (7.1.7): our
+        close frame is flushed and the socket closed, nothing more is read from it."""
         if leg.is_client:
             self.record.error = f"client protocol error: {what}"
             self.stop(1002, what)
         else:
             self._upstream_error("protocol")
             self.stop(1014, f"upstream protocol error: {what}", upstream_code=1002)
+        if not leg.closed:
+            leg.close_rcvd = True  # no close frame will be read from it: none is awaited
+            leg.forwarding = False
+            leg.closed = True
+            leg.transport.close()
+            self.lost(leg)
 
     def close_received(self, leg: Leg, payload: bytes, raw: bytes) -> None:
         """A close frame from ``leg``'s endpoint (``raw``: the frame as it came)."""

@@ -6,6 +6,14 @@ for what the meter needs (text messages, upstream binary messages). Control fram
 handled whole: close frames go to the session, pings and pongs pass through. Frames
 injected by Headroom (its close frames, keepalive pings) are written at a frame
 boundary of the forwarded stream, never inside a frame.
+
+A frame that breaks RFC 6455 is refused, never forwarded: reserved bits set (no
+extension is ever negotiated on either leg), a reserved opcode, the wrong masking for
+its direction (5.1: client frames masked, server frames not), a continuation frame with
+no message in progress or a new message inside a fragmented one (5.4), an invalid
+control frame (5.5). The frames before it are forwarded; the session ends at once
+(:meth:`proxy.relay.splice.Splice.protocol_error`: 1002 for a client, 1014 for the client
+when its upstream is at fault).
 """
 
 from __future__ import annotations
@@ -21,9 +29,41 @@ from proxy.relay.wsframes import CLOSE, TEXT
 if TYPE_CHECKING:
     from proxy.relay.splice import Splice
 
-__all__ = ["Leg"]
+__all__ = ["RESERVED_OPCODES", "Leg", "violation"]
 
 log = logging.getLogger("headroom.relay.ws")
+
+#: Opcodes 0x3-0x7 and 0xB-0xF are reserved (RFC 6455 5.2): bit n set for opcode n.
+RESERVED_OPCODES = 0b1111_1000_1111_1000
+
+#: Indexed by a frame's first byte: 1 if it sets a reserved bit or a reserved opcode
+#: (one lookup on the hot path instead of three tests).
+_BAD_FIRST_BYTE = bytes(
+    1 if b & 0x70 or RESERVED_OPCODES >> (b & 0x0F) & 1 else 0 for b in range(256)
+)
+
+
+def violation(b0: int, b1: int, is_client: bool, in_message: bool) -> str | None:
+    """What is wrong with a frame header whose first two bytes are ``b0``, ``b1`` (read
+    from a client if ``is_client``; ``in_message``: a fragmented message is in progress),
+    or None. The hot path tests the same conditions inline and calls this only to name
+    a violation it found."""
+    opcode = b0 & 0x0F
+    if b0 & 0x70:
+        return "reserved bits set without an extension"
+    if RESERVED_OPCODES >> opcode & 1:
+        return f"reserved opcode {opcode:#x}"
+    if bool(b1 & 0x80) != is_client:
+        return "unmasked client frame" if is_client else "masked server frame"
+    if opcode >= 8:
+        if not b0 & 0x80 or (b1 & 0x7F) > 125:
+            return "invalid control frame"
+        return None
+    if opcode and in_message:
+        return "new message inside a fragmented one"
+    if not opcode and not in_message:
+        return "continuation frame outside a message"
+    return None
 
 
 class Leg(asyncio.Protocol):
@@ -40,6 +80,7 @@ class Leg(asyncio.Protocol):
         "head",
         "held",
         "hlen",
+        "in_message",
         "is_client",
         "keep",
         "left",
@@ -77,6 +118,7 @@ class Leg(asyncio.Protocol):
         self.mask = b""  # its masking key
         self.msg_op = 0  # opcode of the message in progress (text/binary)
         self.msg_size = 0
+        self.in_message = False  # a fragmented data message is in progress (RFC 6455 5.4)
         self.parts: list[bytes] | None = None  # payloads of a fragmented message
         self.pending: list[bytes] = []  # frames for peer's transport at our next boundary
         self.walking = False  # inside data_received: writes to the peer wait for its flush
@@ -155,6 +197,8 @@ class Leg(asyncio.Protocol):
         n = len(data)
         i = 0
         out = 0  # data[out:i] is still to be forwarded
+        mask_bit = 0x80 if self.is_client else 0  # the masking its direction requires
+        bad_first = _BAD_FIRST_BYTE
         if self.left:  # the rest of a frame: held (or dropped), never forwarded piecemeal
             take = self.left if self.left < n else n
             held = self.held
@@ -177,6 +221,10 @@ class Leg(asyncio.Protocol):
                 break
             b0 = data[i]
             b1 = data[i + 1]
+            opcode = b0 & 0x0F
+            if bad_first[b0] or (b1 & 0x80) != mask_bit:
+                self._refuse(data, out, i, b0, b1)
+                return
             length = b1 & 0x7F
             h = 2 if length < 126 else 4 if length == 126 else 10
             if b1 & 0x80:
@@ -187,13 +235,10 @@ class Leg(asyncio.Protocol):
                 length = int.from_bytes(data[i + 2 : i + 4], "big")
             elif length == 127:
                 length = int.from_bytes(data[i + 2 : i + 10], "big")
-            opcode = b0 & 0x0F
             start = i + h
             if opcode >= 8:  # control frame: handled whole
                 if length > 125 or not b0 & 0x80:
-                    self._flush(data, out, i)
-                    self.head = b""
-                    session.protocol_error(self, "invalid control frame")
+                    self._refuse(data, out, i, b0, b1)
                     return
                 if n - start < length:
                     break
@@ -212,11 +257,21 @@ class Leg(asyncio.Protocol):
                 continue
             # data frame
             if opcode:
+                if self.in_message:
+                    self._refuse(data, out, i, b0, b1)
+                    return
                 self.msg_op = opcode
                 self.msg_size = length
                 self.parts = None
+                if not b0 & 0x80:
+                    self.in_message = True
             else:
+                if not self.in_message:
+                    self._refuse(data, out, i, b0, b1)
+                    return
                 self.msg_size += length
+                if b0 & 0x80:
+                    self.in_message = False
             session.last_activity = now
             end = start + length
             if self.msg_size > session.max_bytes or not self.forwarding:
@@ -249,6 +304,14 @@ class Leg(asyncio.Protocol):
         if i < n:
             self.head = data[i:]
         self._flush(data, out, i)
+
+    def _refuse(self, data: bytes, out: int, i: int, b0: int, b1: int) -> None:
+        """The frame at ``data[i]`` breaks RFC 6455: what came before it is forwarded,
+        it and everything after it are not, and the session ends."""
+        self._flush(data, out, i)
+        self.head = b""
+        what = violation(b0, b1, self.is_client, self.in_message) or "invalid frame"
+        self.session.protocol_error(self, what)
 
     def _deliver(self, payload: bytes, fin: bool, keep: bool, now: float) -> None:
         """One data frame's payload (empty unless ``keep``): to the session once its

@@ -74,7 +74,16 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
             return
         if not self.handshake_initiated and self._lean_handshake(data):
             return
-        super().data_received(data)
+        if not self.handshake_complete:
+            super().data_received(data)
+            return
+        # uvicorn's own version drops the frames read before a protocol violation in
+        # the same read; deliver them first, as the splice does, then fail with 1002
+        # (websockets' parser refuses unmasked frames, reserved bits and opcodes).
+        self.conn.receive_data(data)
+        self.handle_events()
+        if self.conn.parser_exc is not None:
+            self.handle_parser_exception()
 
     def _lean_handshake(self, data: bytes) -> bool:
         """Read a well-formed handshake request (the common case) without websockets'

@@ -455,6 +455,105 @@ async def test_a_refused_text_message_is_not_forwarded() -> None:
     assert up[1][0] == 8 and len(up) == 2
 
 
+def with_bits(raw: bytes, *, set0: int = 0, clear1: int = 0, set1: int = 0) -> bytes:
+    """``raw`` with bits of its first two header bytes changed."""
+    return bytes((raw[0] | set0, (raw[1] & ~clear1) | set1)) + raw[2:]
+
+
+def unmasked(opcode: int, payload: bytes) -> bytes:
+    return frame(opcode, payload, masked=False)
+
+
+#: name -> (the offending frame, reason in Headroom's 1002); frames before it are valid
+CLIENT_VIOLATIONS: dict[str, tuple[bytes, str]] = {
+    "unmasked": (unmasked(2, b"secret"), "unmasked client frame"),
+    "unmasked control": (unmasked(9, b"p"), "unmasked client frame"),
+    "rsv1": (with_bits(client_frame(2, b"secret"), set0=0x40), "reserved bits set"),
+    "rsv2": (with_bits(client_frame(1, b"{}"), set0=0x20), "reserved bits set"),
+    "rsv3": (with_bits(client_frame(2, b"secret"), set0=0x10), "reserved bits set"),
+    "opcode 0x3": (client_frame(3, b"secret"), "reserved opcode 0x3"),
+    "opcode 0x7": (client_frame(7, b"secret"), "reserved opcode 0x7"),
+    "opcode 0xb": (client_frame(0xB, b""), "reserved opcode 0xb"),
+    "opcode 0xf": (client_frame(0xF, b"x"), "reserved opcode 0xf"),
+    "continuation first": (client_frame(0, b"secret"), "continuation frame outside"),
+    "new message mid-fragment": (client_frame(2, b"secret"), "new message inside a fragmented"),
+    "fragmented ping": (client_frame(9, b"p", fin=False), "invalid control frame"),
+    "ping over 125 bytes": (client_frame(9, bytes(126)), "invalid control frame"),
+}
+
+
+@pytest.mark.parametrize("name", list(CLIENT_VIOLATIONS))
+@pytest.mark.parametrize("split", [False, True], ids=["one-read", "byte-by-byte"])
+async def test_a_client_frame_violation_closes_1002_and_is_not_forwarded(
+    name: str, split: bool
+) -> None:
+    bad, reason = CLIENT_VIOLATIONS[name]
+    h = Harness()
+    h.start()
+    good = client_frame(2, b"ok")
+    if name == "new message mid-fragment":
+        good = client_frame(1, b"ok", fin=False)
+    stream = good + bad + client_frame(2, b"after")
+    for part in [stream[i : i + 1] for i in range(len(stream))] if split else [stream]:
+        if h.client.closed:
+            break
+        h.from_client(part)
+    up = parse_frames(h.upstream.take())
+    # the good frame and a close; nothing of the bad frame or what followed it
+    assert up[0][2] == b"ok", up
+    assert [op for op, _, _ in up[1:]] == [8], up
+    assert b"secret" not in b"".join(p for _, _, p in up)
+    (close,) = parse_frames(h.client.take())
+    assert close[0] == 8 and close[2][:2] == (1002).to_bytes(2, "big"), close
+    assert reason in close[2][2:].decode()
+    assert h.client.closed and not h.client.aborted  # failed, our close frame flushed
+    assert h.record.client_close == 1002
+    assert h.record.error is not None and reason in h.record.error
+    h.from_upstream(server_frame(8, (1000).to_bytes(2, "big")))
+    h.splice.upstream.connection_lost(None)
+    assert h.splice.done.done()
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        (frame(2, b"secret", masked=True), "masked server frame"),
+        (with_bits(server_frame(2, b"secret"), set0=0x40), "reserved bits set"),
+        (server_frame(5, b"secret"), "reserved opcode 0x5"),
+        (server_frame(0, b"secret"), "continuation frame outside"),
+    ],
+    ids=["masked", "rsv1", "opcode-0x5", "continuation-first"],
+)
+async def test_an_upstream_frame_violation_is_an_upstream_protocol_error(
+    bad: bytes, reason: str
+) -> None:
+    h = Harness()
+    h.start()
+    h.from_upstream(server_frame(2, b"ok") + bad + server_frame(2, b"after"))
+    down = parse_frames(h.client.take())
+    assert down[0] == (2, True, b"ok")
+    assert down[1][0] == 8 and down[1][2][:2] == (1014).to_bytes(2, "big")
+    assert reason in down[1][2][2:].decode() and len(down) == 2
+    (up_close,) = parse_frames(h.upstream.take())
+    assert up_close[2][:2] == (1002).to_bytes(2, "big")
+    assert h.upstream.closed and h.rt.errors == ["protocol"]
+    assert h.adapter.events == [("upstream_binary", b"ok")]
+
+
+async def test_fragments_and_interleaved_control_frames_are_still_valid() -> None:
+    h = Harness()
+    h.start()
+    stream = b"".join([
+        client_frame(1, b'{"a":', fin=False), client_frame(9, b"p"),
+        client_frame(0, b"1", fin=False), client_frame(10, b""), client_frame(0, b"}"),
+        client_frame(2, b"next"),
+    ])  # fmt: skip
+    h.from_client(stream)
+    assert h.upstream.take() == stream
+    assert h.adapter.events == [("client_text", '{"a":1}')]
+    assert not h.client.closed
+
+
 # -- back-pressure and keepalive -----------------------------------------------------
 
 
