@@ -17,6 +17,7 @@ import logging
 import signal
 import socket
 from collections.abc import Awaitable, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 from prometheus_client import Counter
@@ -53,6 +54,22 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "log_level": settings.log_level,
         "timeout_graceful_shutdown": 5,
     }
+
+
+#: True in the admin server's task (and only there).
+_ADMIN_SERVER: ContextVar[bool] = ContextVar("headroom_admin_server", default=False)
+_LIFECYCLE = ("Started server process", "Shutting down", "Finished server process")
+
+
+class _AdminLifecycleFilter(logging.Filter):
+    """Drops uvicorn's start/stop lines when the admin server logs them. Both servers run
+    in one process and log them word for word (same message, same process id), so every
+    start-up and shut-down line appeared twice; the gateway logs one line naming the
+    admin listener instead."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        lifecycle = isinstance(record.msg, str) and record.msg.startswith(_LIFECYCLE)
+        return not (lifecycle and _ADMIN_SERVER.get())
 
 
 def _listen(what: str, host: str, port: int) -> socket.socket:
@@ -101,6 +118,7 @@ class Gateway:
             self.admin_port = self._admin_sock.getsockname()[1]
         self._drain_task: asyncio.Task[None] | None = None
         self._signals = 0
+        self._admin_lifecycle = _AdminLifecycleFilter()
         self._reloads = Counter(
             "headroom_config_reloads",
             "Configuration reloads (SIGHUP, POST /admin/reload) by result: applied, "
@@ -118,8 +136,11 @@ class Gateway:
                 loop.add_signal_handler(sig, self._on_signal)
             loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         admin_task = None
+        uvicorn_log = logging.getLogger("uvicorn.error")
+        uvicorn_log.addFilter(self._admin_lifecycle)
         if self.admin_server is not None and self._admin_sock is not None:
-            admin_task = asyncio.ensure_future(self.admin_server.serve(sockets=[self._admin_sock]))
+            admin = self._serve_admin(self.admin_server, self._admin_sock)
+            admin_task = asyncio.ensure_future(admin)
         freeze = asyncio.ensure_future(self._freeze_when_started())
         try:
             await self.server.serve(sockets=[self._sock])
@@ -135,6 +156,15 @@ class Gateway:
             self._sock.close()
             if self._admin_sock is not None:
                 self._admin_sock.close()
+            uvicorn_log.removeFilter(self._admin_lifecycle)
+
+    async def _serve_admin(self, server: EmbeddedServer, sock: socket.socket) -> None:
+        _ADMIN_SERVER.set(True)  # this task's context only: see _AdminLifecycleFilter
+        host, port = sock.getsockname()[:2]
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        log.info("admin listener on http://%s (/admin/status, /admin/reload, /admin/drain)",
+                 address)  # fmt: skip
+        await server.serve(sockets=[sock])
 
     async def _freeze_when_started(self) -> None:
         """Move everything allocated during start-up out of the collector's reach: a

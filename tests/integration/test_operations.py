@@ -196,6 +196,45 @@ async def test_admin_listener_serves_only_admin_endpoints(upstream: Any, tmp_pat
         assert (await client.get(main + "/admin/status")).status_code == 404
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+async def test_start_and_stop_lines_appear_once(upstream: Any, tmp_path: Path) -> None:
+    server, _ = upstream
+    path = tmp_path / "headroom.yaml"
+    path.write_text(yaml.safe_dump(config(server.http_url, 1)))
+    handler = _Lines()
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "headroom.gateway")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    try:
+        async with running_gateway(path) as gateway:
+            admin_port = gateway.admin_port
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(level)
+    pid = os.getpid()
+    for line in (f"Started server process [{pid}]", "Shutting down",
+                 f"Finished server process [{pid}]"):  # fmt: skip
+        assert handler.lines.count(line) == 1, handler.lines
+    admin = [line for line in handler.lines if line.startswith("admin listener on ")]
+    assert admin == [
+        f"admin listener on http://127.0.0.1:{admin_port} "
+        "(/admin/status, /admin/reload, /admin/drain)"
+    ]
+    left = [type(f).__name__ for f in logging.getLogger("uvicorn.error").filters]
+    assert "_AdminLifecycleFilter" not in left  # removed when serving ends
+
+
 def test_parse_engine_metrics() -> None:
     text = (
         "# TYPE vllm:num_requests_waiting gauge\n"
