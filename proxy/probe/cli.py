@@ -7,8 +7,9 @@ The lead's ``proxy/cli.py`` wires :func:`add_arguments` and :func:`run` into the
         --json probe.json --csv probe.csv --plot probe.png
 
 Exit status: 0 done (also when the time limit cut it short: see ``complete`` in the
-JSON), 1 the target could not be probed, 2 invalid usage, 130 Ctrl-C (what was measured
-is still printed and written).
+JSON), 1 the target could not be probed (the pre-flight failed, or a level measured
+nothing: the wrong protocol for the endpoint), 2 invalid usage, 130 Ctrl-C (what was
+measured is still printed and written).
 """
 
 from __future__ import annotations

@@ -269,8 +269,16 @@ def replica_url(endpoint: str) -> str:
 
 
 def config_snippet(result: ProbeResult, pool: str, replica: str) -> str:
-    """YAML for this replica with ``max_sessions`` = the ceiling."""
+    """YAML for this replica with ``max_sessions`` = the ceiling; with a ceiling of 0
+    only a comment (a replica that cannot serve one stream has no cap to suggest)."""
     s = result.settings
+    if result.summary.ceiling < 1:
+        return (
+            f"# headroom probe: {s.client.protocol} at {s.client.url}: ceiling 0 - not even "
+            f"one session kept {s.threshold:g}x realtime, so there is no max_sessions to "
+            "suggest.\n# Serve this model on a faster GPU, or lower --threshold only if "
+            "listeners buffer more than --prebuffer.\n"
+        )
     exact = "" if result.summary.bounded else " (a lower bound)"
     return (
         f"# headroom probe: {s.client.protocol} at {s.client.url}: ceiling "
@@ -279,5 +287,5 @@ def config_snippet(result: ProbeResult, pool: str, replica: str) -> str:
         f"  - name: {pool}\n"
         "    replicas:\n"
         f'      - {{name: {replica}, url: "{replica_url(s.client.url)}", '
-        f"max_sessions: {max(result.summary.ceiling, 1)}}}\n"
+        f"max_sessions: {result.summary.ceiling}}}\n"
     )

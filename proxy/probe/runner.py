@@ -66,7 +66,8 @@ _LAG_PERIOD_S = 0.05
 
 
 class ProbeError(Exception):
-    """The probe cannot run (unreachable target, wrong protocol, ...): say what to do."""
+    """The probe cannot run (unreachable target, wrong protocol, a level that measured
+    nothing, ...): the message says what was wrong and what to try."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,6 +362,8 @@ async def run_probe(
             runs.append(run)
             if progress is not None:
                 progress.level_done(run.stats)
+            if run.stats.verdict == "no data":
+                raise ProbeError(_no_data_message(settings, run, model))
             if not run.window.complete:
                 stopped = "interrupted (Ctrl-C)"
                 break
@@ -380,6 +383,41 @@ async def run_probe(
         model=model,
         notes=tuple(notes),
     )
+
+
+def _no_data_message(settings: ProbeSettings, run: LevelRun, model: str | None) -> str:
+    """Why a level that ran without errors measured nothing, and what to try."""
+    c, stats = settings.client, run.stats
+    kind = settings.kind
+    wanted = "audio chunk" if kind == "tts" else "transcript event"
+    audio = sum(1 for t in run.traces for a in t.arrivals if a.audio_s > 0.0)
+    text = sum(1 for t in run.traces for a in t.arrivals if a.audio_s <= 0.0)
+    served = f" (it serves {model})" if model else ""
+    head = (
+        f"measured nothing at concurrency {stats.level}: {stats.sessions} session(s) against "
+        f"{c.url} ({c.protocol}) ran, {stats.completed} completed, without errors, but "
+        f"not one {wanted} could be timed in the {settings.hold_s:g} s hold, so there is "
+        "no ceiling to report."
+    )
+    if kind == "asr" and audio:
+        why = (
+            f" The target sent {audio} audio chunk(s) and {text} transcript event(s): it "
+            f"is a speech-synthesis or speech-to-speech model{served}, not a "
+            "transcription one. Probe it with --protocol vllm-omni-speech-ws or "
+            "openai-speech-http."
+        )
+    elif kind == "tts" and not audio:
+        why = (
+            f" No audio arrived{served}: check that the endpoint speaks {c.protocol} "
+            "(for a transcription model use --protocol vllm-realtime or "
+            "openai-transcription-sse) and that --voice is one it knows."
+        )
+    else:
+        why = (
+            f" Check that --protocol matches the endpoint{served}, or raise --hold above "
+            "the time between two chunks (a ratio needs two chunks of one stream)."
+        )
+    return head + why
 
 
 def _with_model(settings: ProbeSettings, model: str) -> ProbeSettings:

@@ -125,6 +125,32 @@ def test_transcription_sse_measures_the_engine_speed(tmp_path: Path) -> None:
     assert level["median_ratio"] == pytest.approx(speed, rel=0.1)
 
 
+def test_wrong_protocol_that_measures_nothing_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A transcription protocol against a speech-synthesis GPU: sessions complete, the
+    pre-flight passes (the omni endpoint answers), but no transcript event can be timed.
+    The probe must fail (not report "ceiling 0" and suggest max_sessions: 1) and say
+    what was wrong and what to try; the config file is left alone."""
+    config = tmp_path / "headroom.yaml"
+    shutil.copy(ROOT / "config" / "single-gpu.yaml", config)
+    before = config.read_text()
+    with sim_process("h200-voxtral-tts-4b") as url:
+        status = main(
+            f"--target {url} --protocol vllm-realtime --levels 1,2 {QUICK} "
+            f"--json {tmp_path}/p.json --write-config {config} --pool tts-main "
+            "--replica gpu0".split()
+        )
+    captured = capsys.readouterr()
+    assert status == 1
+    assert "measured nothing at concurrency 1" in captured.err
+    assert "speech-synthesis or speech-to-speech model" in captured.err
+    assert "--protocol vllm-omni-speech-ws or openai-speech-http" in captured.err
+    assert "max_sessions" not in captured.out
+    assert not (tmp_path / "p.json").exists()
+    assert config.read_text() == before
+
+
 class RecordingProgress:
     def __init__(self) -> None:
         self.started: list[tuple[int, str, float, float]] = []

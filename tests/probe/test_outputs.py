@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from proxy.probe.ceiling import summarize
 from proxy.probe.cli import add_arguments, main, parse_levels, settings_from_args
 from proxy.probe.config_edit import ConfigEditError, set_max_sessions, write_max_sessions
 from proxy.probe.plot import PlotUnavailable, write_plot
@@ -101,6 +102,17 @@ def test_config_snippet_is_a_valid_headroom_replica() -> None:
     ]
     settings = settings_from_mapping(data, env={})
     assert settings.pools[0].replicas[0].max_sessions == 2
+
+
+def test_a_ceiling_of_zero_suggests_no_cap() -> None:
+    result = recorded_result()
+    slow = [replace(r.stats, passed=False, verdict="slow") for r in result.runs]
+    zero = replace(result, summary=summarize(slow, 100.0))
+    assert zero.summary.ceiling == 0
+    snippet = config_snippet(zero, "tts-main", "gpu0")
+    assert "max_sessions:" not in snippet  # used to say max_sessions: 1
+    assert "ceiling 0 - not even one session kept 1.2x realtime" in snippet
+    assert yaml.safe_load(snippet) is None  # comments only
 
 
 def test_write_config_changes_only_the_value(tmp_path: Path) -> None:
