@@ -6,7 +6,10 @@
 * ``POST /admin/drain``  -- start a graceful drain (as SIGTERM does).
 
 Bound anywhere but loopback, it requires ``Authorization: Bearer <key>`` whose SHA-256
-is ``admin.api_key_sha256`` (the settings refuse a non-loopback admin without one).
+is ``admin.api_key_sha256`` (the settings refuse a non-loopback admin without one, and a
+reload may change that key but not remove it while the socket stays bound off loopback:
+:func:`proxy.settings.reload_problems`). The listener serves only these three endpoints;
+``/metrics`` and the health checks are on the client listener (:mod:`proxy.app`).
 """
 
 from __future__ import annotations
