@@ -48,6 +48,8 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from prometheus_client import Histogram
+
 from proxy.metrics import Metrics
 from proxy.playback import PlaybackBuffer
 from proxy.signals import QuantileSketch, ReplicaSignals
@@ -88,6 +90,7 @@ class SessionSummary:
     events: int
     finalize_seconds: float | None
     active_seconds: float = 0.0
+    first_chunk_underruns: int = 0
 
     def as_log_fields(self) -> dict[str, float | int | None]:
         """Flat, rounded fields for a JSON log line."""
@@ -102,6 +105,7 @@ class SessionSummary:
             "delivery_ratio_worst_1pct": r(self.worst_ratio),
             "gap_p99_s": r(self.p99_gap, 4),
             "underruns": self.underruns,
+            "first_chunk_underruns": self.first_chunk_underruns,
             "stall_s": r(self.stall_seconds),
             "ttfa_s": r(self.time_to_first_audio),
             "chunks": self.chunks,
@@ -127,6 +131,10 @@ class ReplicaSink(Protocol):
     def underrun(self, stall_s: float) -> None:
         """The modelled buffer ran dry; ``stall_s`` of silence ended with this chunk."""
 
+    def first_chunk_underrun(self) -> None:
+        """The underrun just reported was ended by its stream's second chunk (a start-up
+        transient, see :mod:`proxy.playback`); called right after that ``underrun``."""
+
     def finalize(self, latency_s: float) -> None:
         """ASR commit-final to final transcript."""
 
@@ -142,12 +150,14 @@ class PrometheusReplicaSink:
     once. Per chunk it only adds plain numbers (bucket index by ``bisect``), no
     prometheus_client call and no lock: see :mod:`proxy.metrics` for the threading
     assumption (one event-loop thread). ``headroom_session_duration_seconds`` is not
-    observed here (the relay knows the session's end); ``headroom_delivery_ratio_p99`` is a
-    scrape-time gauge read from ``signals.worst_ratio(now)``."""
+    observed here (the relay knows the session's end);
+    ``headroom_delivery_ratio_worst_1pct`` is a scrape-time gauge read from
+    ``signals.worst_ratio(now)``."""
 
     __slots__ = (
         "_finalize",
         "_gap_p99",
+        "_metrics",
         "_series",
         "_signals",
         "_ttfa",
@@ -158,11 +168,14 @@ class PrometheusReplicaSink:
     def __init__(self, metrics: Metrics, pool: str, replica: str, signals: ReplicaSignals):
         self.pool = pool
         self.replica = replica
+        self._metrics = metrics
         self._signals = signals
         self._series = metrics.replica_series(pool, replica)
         self._ttfa = metrics.time_to_first_audio.labels(pool)
         self._gap_p99 = metrics.stream_gap_p99.labels(pool)
-        self._finalize = metrics.asr_finalize.labels(pool)
+        # Created by the pool's first answered ASR commit: a pool that only speaks (TTS)
+        # never has a headroom_asr_finalize_seconds series, not even one of zeros.
+        self._finalize: Histogram | None = None
 
     def chunk(self, now: float, audio_s: float, gap: float | None, ratio: float | None) -> None:
         series = self._series
@@ -192,8 +205,14 @@ class PrometheusReplicaSink:
         series.underruns += 1.0
         series.stall += stall_s
 
+    def first_chunk_underrun(self) -> None:
+        self._series.first_chunk_underruns += 1.0
+
     def finalize(self, latency_s: float) -> None:
-        self._finalize.observe(latency_s)
+        child = self._finalize
+        if child is None:
+            child = self._finalize = self._metrics.asr_finalize.labels(self.pool)
+        child.observe(latency_s)
 
     def stream_end(self, summary: SessionSummary) -> None:
         if summary.p99_gap is not None:
@@ -211,6 +230,7 @@ class RecordingReplicaSink:
     ttfa: list[float] = field(default_factory=list)
     openings: list[float] = field(default_factory=list)
     stalls: list[float] = field(default_factory=list)
+    first_chunk_stalls: list[float] = field(default_factory=list)
     finalizes: list[float] = field(default_factory=list)
     summaries: list[SessionSummary] = field(default_factory=list)
 
@@ -225,6 +245,9 @@ class RecordingReplicaSink:
 
     def underrun(self, stall_s: float) -> None:
         self.stalls.append(stall_s)
+
+    def first_chunk_underrun(self) -> None:
+        self.first_chunk_stalls.append(self.stalls[-1] if self.stalls else 0.0)
 
     def finalize(self, latency_s: float) -> None:
         self.finalizes.append(latency_s)
@@ -325,10 +348,13 @@ class SessionMeter:
                 wait = seconds
             self._active += wait
             self._sink.opening(wait)
-        stall = self._playback.add(now, seconds)
+        playback = self._playback
+        stall = playback.add(now, seconds)
         self._sink.chunk(now, seconds, gap, ratio)
         if stall > 0.0:
             self._sink.underrun(stall)
+            if playback.stream_chunks == 2:
+                self._sink.first_chunk_underrun()
 
     def event(self, now: float) -> None:
         if self._summary is not None:
@@ -383,6 +409,7 @@ class SessionMeter:
             worst_ratio=self._ratios.quantile(0.01),
             p99_gap=self._gaps.quantile(0.99),
             underruns=self._playback.underruns,
+            first_chunk_underruns=self._playback.first_chunk_underruns,
             stall_seconds=self._playback.stall_seconds,
             time_to_first_audio=None if first is None else max(first - self._admitted, 0.0),
             chunks=self._chunks,

@@ -9,6 +9,13 @@ Gauges that describe the gate's state (active sessions, slots, queue depth, heal
 guard, rolling delivery ratio) are not pushed: a collector reads the gate's frozen
 snapshots at scrape time, so they can never drift from the truth.
 
+Naming: the slow tail of the delivery ratio is the *worst 1%* (the 1st percentile; low is
+bad) everywhere: ``headroom_delivery_ratio_worst_1pct`` here, ``delivery_ratio_worst_1pct``
+on the session log line, ``worst_1pct`` in the probe's output, and the recording rule
+``pool_replica:headroom_chunk_delivery_ratio:worst_1pct_5m``. The gauge's old name,
+``headroom_delivery_ratio_p99`` (a misnomer: it never was a 99th percentile), is exported
+too, with the same value, for one release (:data:`DEPRECATED_ALIASES`).
+
 The per-chunk metrics of a replica (gap and delivery-ratio histograms, audio-delivered and
 stream-active counters, and the underrun counters next to them) are not prometheus_client
 metrics either: a prometheus_client observation takes a lock per value and costs about a
@@ -43,6 +50,7 @@ from prometheus_client.utils import floatToGoString
 
 __all__ = [
     "DELIVERY_RATIO_BUCKETS",
+    "DEPRECATED_ALIASES",
     "GAP_BUCKETS",
     "Metrics",
     "ReplicaGauges",
@@ -72,6 +80,18 @@ _DURATION_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 6
 _FINALIZE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 
+#: Deprecated metric name -> its replacement (same value, same labels). Removed in the
+#: release after the one that introduced the new name; see README "Metrics".
+DEPRECATED_ALIASES: dict[str, str] = {
+    "headroom_delivery_ratio_p99": "headroom_delivery_ratio_worst_1pct",
+}
+
+_WORST_1PCT_HELP = (
+    "Rolling worst-1% (1st percentile) per-chunk delivery ratio (audio s per wall s); below "
+    "1.0 listeners hear stalls, below 1.2 the guard engages. Absent without recent audio."
+)
+
+
 def gap_buckets(chunk_durations_s: Iterable[float] = ()) -> tuple[float, ...]:
     """The gap buckets with the configured chunk durations added as edges."""
     extra = {round(d, 4) for d in chunk_durations_s if 0.005 <= d <= 5.0}
@@ -88,7 +108,7 @@ class ReplicaGauges:
     slots: int
     healthy: bool
     guarded: bool
-    delivery_ratio_p99: float | None
+    delivery_ratio_worst_1pct: float | None
     engine_waiting: float | None = None
     engine_running: float | None = None
     engine_kv_usage: float | None = None
@@ -124,9 +144,13 @@ class _StateCollector(Collector):
             labels=labels,
         )
         ratio = GaugeMetricFamily(
+            "headroom_delivery_ratio_worst_1pct", _WORST_1PCT_HELP, labels=labels
+        )
+        ratio_alias = GaugeMetricFamily(
             "headroom_delivery_ratio_p99",
-            "Rolling worst-1% per-chunk delivery ratio (audio s per wall s); below 1.0 "
-            "listeners hear stalls, below 1.2 the guard engages. Absent without recent audio.",
+            "DEPRECATED (removed in the next release): the same value as "
+            "headroom_delivery_ratio_worst_1pct, which it was always measuring. "
+            + _WORST_1PCT_HELP,
             labels=labels,
         )
         waiting = GaugeMetricFamily(
@@ -157,14 +181,16 @@ class _StateCollector(Collector):
             slots.add_metric(key, r.slots)
             healthy.add_metric(key, 1.0 if r.healthy else 0.0)
             guarded.add_metric(key, 1.0 if r.guarded else 0.0)
-            if r.delivery_ratio_p99 is not None:
-                ratio.add_metric(key, r.delivery_ratio_p99)
+            if r.delivery_ratio_worst_1pct is not None:
+                ratio.add_metric(key, r.delivery_ratio_worst_1pct)
+                ratio_alias.add_metric(key, r.delivery_ratio_worst_1pct)
         depth = GaugeMetricFamily(
             "headroom_queue_depth", "Sessions waiting in Headroom's FIFO queue.", labels=["pool"]
         )
         for pool, n in self._queues():
             depth.add_metric([pool], n)
-        yield from (active, slots, depth, healthy, guarded, ratio, waiting, running, kv)
+        yield from (active, slots, depth, healthy, guarded, ratio, ratio_alias)
+        yield from (waiting, running, kv)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -182,6 +208,11 @@ _RATIO = (
 _UNDERRUNS = (
     "headroom_playback_underruns_total",
     "Modelled client playback buffer ran dry mid-stream (a listener heard a stall).",
+)
+_FIRST_CHUNK_UNDERRUNS = (
+    "headroom_playback_first_chunk_underruns_total",
+    "Of headroom_playback_underruns_total, those ended by a stream's second chunk: the "
+    "buffer ran dry on the first chunk alone (a start-up transient, not a slow replica).",
 )
 _STALL = (
     "headroom_playback_stall_seconds_total",
@@ -208,6 +239,7 @@ class ReplicaSeries:
     __slots__ = (
         "active",
         "audio",
+        "first_chunk_underruns",
         "gap_bounds",
         "gap_counts",
         "gap_sum",
@@ -236,6 +268,7 @@ class ReplicaSeries:
         self.ratio_counts = [0] * len(ratio_bounds)
         self.ratio_sum = 0.0
         self.underruns = 0.0
+        self.first_chunk_underruns = 0.0
         self.stall = 0.0
         self.audio = 0.0
         self.active = 0.0
@@ -289,17 +322,18 @@ class _ReplicaStore:
         return gap, ratio
 
     def counters(self, samples: bool = True) -> tuple[Metric, ...]:
-        underruns, stall, audio, active = (
+        underruns, first, stall, audio, active = (
             CounterMetricFamily(*spec, labels=_REPLICA_LABELS)
-            for spec in (_UNDERRUNS, _STALL, _AUDIO, _ACTIVE)
+            for spec in (_UNDERRUNS, _FIRST_CHUNK_UNDERRUNS, _STALL, _AUDIO, _ACTIVE)
         )
         for s in list(self._series.values()) if samples else ():
             key = [s.pool, s.replica]
             underruns.add_metric(key, s.underruns)
+            first.add_metric(key, s.first_chunk_underruns)
             stall.add_metric(key, s.stall)
             audio.add_metric(key, s.audio)
             active.add_metric(key, s.active)
-        return underruns, stall, audio, active
+        return underruns, first, stall, audio, active
 
 
 class _ReplicaCollector(Collector):
@@ -362,6 +396,9 @@ class Metrics:
             *_RATIO, _REPLICA_LABELS, buckets=DELIVERY_RATIO_BUCKETS, registry=None
         )
         self.underruns = _CollectedCounter(*_UNDERRUNS, _REPLICA_LABELS, registry=None)
+        self.first_chunk_underruns = _CollectedCounter(
+            *_FIRST_CHUNK_UNDERRUNS, _REPLICA_LABELS, registry=None
+        )
         self.stall_seconds = _CollectedCounter(*_STALL, _REPLICA_LABELS, registry=None)
         self.audio_delivered = _CollectedCounter(*_AUDIO, _REPLICA_LABELS, registry=None)
         self.stream_active = _CollectedCounter(*_ACTIVE, _REPLICA_LABELS, registry=None)
@@ -386,6 +423,8 @@ class Metrics:
             "Upstream failures by kind: connect, handshake, midstream, protocol, timeout.",
             ["pool", "replica", "kind"], registry=r,
         )  # fmt: skip
+        # A pool's series appears with its first answered ASR commit (proxy.meter), so
+        # pools that only speak (TTS) export none.
         self.asr_finalize = Histogram(
             "headroom_asr_finalize_seconds",
             "ASR: client's final commit to the final transcript event.",

@@ -19,6 +19,11 @@ The model, for one stream:
   chunk simply queues behind the remaining audio.
 - :meth:`finish` ends the stream: queued audio plays out and nothing after the last chunk
   is a stall (a finished stream cannot be told from a silent one).
+- An underrun ended by a stream's second chunk (the buffer only ever held the first one)
+  is also counted as a **first-chunk underrun**: the start-up transient of an engine whose
+  first chunk is small and whose second is a full-size one that takes longer to make. It
+  says nothing about the replica running slower than realtime, which every later underrun
+  does; alerts tell the two apart (``stream_chunks`` is 2 right after such a chunk).
 
 Chunks with no audio (``seconds <= 0``, NaN) are ignored: they neither feed the buffer nor
 end a stall, so a pause split by an empty frame is still one underrun.
@@ -38,7 +43,9 @@ class PlaybackBuffer:
         "_play_start",
         "_played_until",
         "_prebuffer",
+        "first_chunk_underruns",
         "stall_seconds",
+        "stream_chunks",
         "underruns",
     )
 
@@ -54,6 +61,11 @@ class PlaybackBuffer:
         self.underruns = 0
         #: Seconds of silence heard because of those underruns.
         self.stall_seconds = 0.0
+        #: Of :attr:`underruns`, those ended by a stream's second chunk (module docstring).
+        self.first_chunk_underruns = 0
+        #: Audio chunks of the current stream (since playback last (re)started with a
+        #: prebuffer), including the one just added.
+        self.stream_chunks = 0
 
     @property
     def prebuffer_s(self) -> float:
@@ -75,14 +87,18 @@ class PlaybackBuffer:
             self._play_start = now + self._prebuffer
             self._played_until = self._play_start + seconds
             self._ended = False
+            self.stream_chunks = 1
             return 0.0
         self._ended = False
+        self.stream_chunks += 1
         if now <= until:
             self._played_until = until + seconds
             return 0.0
         stall = now - until
         self.underruns += 1
         self.stall_seconds += stall
+        if self.stream_chunks == 2:
+            self.first_chunk_underruns += 1
         self._played_until = now + seconds
         return stall
 
@@ -104,5 +120,5 @@ class PlaybackBuffer:
     def __repr__(self) -> str:
         return (
             f"<PlaybackBuffer prebuffer={self._prebuffer}s underruns={self.underruns} "
-            f"stall={self.stall_seconds:.3f}s>"
+            f"(first-chunk {self.first_chunk_underruns}) stall={self.stall_seconds:.3f}s>"
         )

@@ -315,12 +315,12 @@ class Runtime:
     def http_adapter(self, route: RouteSettings, meter: SessionMeter) -> HttpAdapter:
         return http_adapter(route.protocol, meter, self._formats[route.path])
 
-    def delivery_ratio_p99(self, pool: str, replica: str) -> float | None:
+    def delivery_ratio_worst_1pct(self, pool: str, replica: str) -> float | None:
         signals = self.signals.get((pool, replica))
         return signals.worst_ratio(self.clock.now()) if signals else None
 
     def _replica_gauges(self) -> list[Any]:
-        gauges = self.gate.replica_gauges(self.delivery_ratio_p99, self.guarded)
+        gauges = self.gate.replica_gauges(self.delivery_ratio_worst_1pct, self.guarded)
         if not self.engine:
             return gauges
         out = []

@@ -572,7 +572,7 @@ async def test_a_client_declared_output_rate_cannot_trip_the_guard_for_everyone(
             while json.loads(await ws.recv())["type"] != "response.done":
                 pass
         proxy.runtime.evaluate_guards()
-        ratio = proxy.runtime.delivery_ratio_p99("main", "gpu0")
+        ratio = proxy.runtime.delivery_ratio_worst_1pct("main", "gpu0")
         assert not proxy.runtime.guarded("main", "gpu0"), f"worst-1% delivery ratio {ratio}"
         async with connect(proxy.ws_url + "/v1/realtime", compression=None) as other:
             assert json.loads(await other.recv())["type"] == "session.created"

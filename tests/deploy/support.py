@@ -98,7 +98,7 @@ def _metrics() -> Metrics:
     metrics = Metrics()
     gauges = ReplicaGauges(
         pool="p", replica="r", active=1, slots=2, healthy=True, guarded=False,
-        delivery_ratio_p99=1.5, engine_waiting=0.0, engine_running=1.0, engine_kv_usage=0.5,
+        delivery_ratio_worst_1pct=1.5, engine_waiting=0.0, engine_running=1.0, engine_kv_usage=0.5,
     )  # fmt: skip
     metrics.bind_state(lambda: [gauges], lambda: [("p", 0)])
     return metrics

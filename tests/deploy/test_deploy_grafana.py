@@ -60,7 +60,7 @@ def test_every_selector_is_filtered_by_pool_and_replica_variables() -> None:
 def test_delivery_ratio_panel_draws_the_1_2_line() -> None:
     panel = next(
         p for p in _panels()
-        if any("headroom_delivery_ratio_p99" in t["expr"] for t in p["targets"])
+        if any("headroom_delivery_ratio_worst_1pct" in t["expr"] for t in p["targets"])
     )  # fmt: skip
     defaults = panel["fieldConfig"]["defaults"]
     assert defaults["custom"]["thresholdsStyle"]["mode"] in {"line", "line+area", "dashed"}

@@ -115,10 +115,24 @@ def test_recording_rules_used_by_alerts_are_defined() -> None:
     assert used <= defined, f"undefined recording rules: {sorted(used - defined)}"
 
 
+@pytest.mark.parametrize("source", ["rules", "dashboard"])
+def test_no_deprecated_name_is_queried(source: str) -> None:
+    """Alerts, recording rules and the dashboard use the new names; the deprecated ones are
+    only exported (and one recording rule re-records its new name under its old one)."""
+    from proxy.metrics import DEPRECATED_ALIASES
+
+    deprecated_rules = {"pool_replica:headroom_chunk_delivery_ratio:p01_5m"}
+    exprs = _rule_exprs() if source == "rules" else _dashboard_exprs()
+    used = set().union(*(headroom_series(e) | recording_rule_names(e) for e in exprs))
+    assert not used & (DEPRECATED_ALIASES.keys() | deprecated_rules)
+    assert "headroom_delivery_ratio_worst_1pct" in exported_series()
+    assert set(DEPRECATED_ALIASES) <= exported_series().keys()
+
+
 def test_dashboard_shows_the_required_signals() -> None:
     used = set().union(*(headroom_series(e) for e in _dashboard_exprs()))
     required = {
-        "headroom_delivery_ratio_p99",
+        "headroom_delivery_ratio_worst_1pct",
         "headroom_chunk_gap_seconds_bucket",
         "headroom_playback_underruns_total",
         "headroom_playback_stall_seconds_total",
@@ -149,8 +163,8 @@ def test_alert_thresholds_sit_on_bucket_edges() -> None:
     # histogram_quantile interpolates linearly inside a bucket; a threshold between edges
     # would be compared against an interpolation, not a measurement.
     gap = _threshold(_alert("HeadroomChunkGapP99High")["expr"], "p99_5m")
-    ratio_guard = _threshold(_alert("HeadroomChunkGapP99High")["expr"], "p01_5m")
-    ratio_page = _threshold(_alert("HeadroomDeliveryRatioLow")["expr"], "ratio_p99")
+    ratio_guard = _threshold(_alert("HeadroomChunkGapP99High")["expr"], "worst_1pct_5m")
+    ratio_page = _threshold(_alert("HeadroomDeliveryRatioLow")["expr"], "ratio_worst_1pct")
     assert gap in GAP_BUCKETS
     assert ratio_guard in DELIVERY_RATIO_BUCKETS
     assert ratio_page == 1.2

@@ -91,9 +91,9 @@ def _alert_exprs() -> dict[str, dict[str, Any]]:
 @pytest.mark.parametrize(
     ("name", "fragment", "severity"),
     [
-        ("HeadroomDeliveryRatioLow", "headroom_delivery_ratio_p99 < 1.2", "page"),
+        ("HeadroomDeliveryRatioLow", "headroom_delivery_ratio_worst_1pct < 1.2", "page"),
         ("HeadroomChunkGapP99High", "headroom_chunk_gap_seconds:p99_5m > 1", "warning"),
-        ("HeadroomPlaybackUnderruns", "headroom_playback_underruns", "warning"),
+        ("HeadroomPlaybackUnderruns", "headroom_playback_midstream_underruns", "warning"),
         ("HeadroomQueuePersistentlyNonEmpty", "headroom_queue_depth > 0", "warning"),
         ("HeadroomRefusalsSpiking", "headroom_session_rejections", "warning"),
         ("HeadroomReplicaUnhealthy", "headroom_replica_healthy == 0", "warning"),

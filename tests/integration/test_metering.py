@@ -145,6 +145,22 @@ async def test_asr_streams_meter_event_gaps_and_finalize(
     assert proxy.metric("headroom_asr_finalize_seconds_count", pool="main") == 2
 
 
+async def test_asr_finalize_is_exported_only_once_a_pool_answers_a_commit(
+    start_proxy: Any, engine: RunningServer
+) -> None:
+    proxy = await start(start_proxy, engine)
+    await run_ws(proxy.ws_url, "/v1/audio/speech/stream")  # speech only
+    await wait_until(lambda: proxy.gate.active == 0)
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(proxy.http_url + "/metrics")).text
+    assert "headroom_asr_finalize_seconds_count" not in text
+    await run_ws(proxy.ws_url, "/v1/asr")
+    await wait_until(lambda: proxy.gate.active == 0)
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(proxy.http_url + "/metrics")).text
+    assert 'headroom_asr_finalize_seconds_count{pool="main"} 1.0' in text
+
+
 async def test_upstream_pause_is_one_underrun_with_its_stall(start_proxy: Any) -> None:
     """Real pacing, wide margins: 5 chunks (1.0 s of audio) at once, a 1.5 s pause, then
     5 more. Playback starts 0.2 s after the first chunk and runs dry about 1.2 s in, so a
@@ -180,7 +196,8 @@ DESIGN_METRICS = {
     "headroom_chunk_gap_seconds": ("histogram", {"pool", "replica"}),
     "headroom_chunk_delivery_ratio": ("histogram", {"pool", "replica"}),
     "headroom_stream_gap_p99_seconds": ("histogram", {"pool"}),
-    "headroom_delivery_ratio_p99": ("gauge", {"pool", "replica"}),
+    "headroom_delivery_ratio_worst_1pct": ("gauge", {"pool", "replica"}),
+    "headroom_delivery_ratio_p99": ("gauge", {"pool", "replica"}),  # deprecated alias
     "headroom_time_to_first_audio_seconds": ("histogram", {"pool"}),
     "headroom_playback_underruns": ("counter", {"pool", "replica"}),
     "headroom_playback_stall_seconds": ("counter", {"pool", "replica"}),

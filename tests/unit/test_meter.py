@@ -7,6 +7,7 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from prometheus_client import generate_latest
 
 from proxy.meter import (
     RATIO_CAP,
@@ -206,6 +207,7 @@ def test_summary_log_fields() -> None:
         "delivery_ratio_worst_1pct": 1.235,
         "gap_p99_s": 0.2123,
         "underruns": 1,
+        "first_chunk_underruns": 0,
         "stall_s": 0.5,
         "ttfa_s": 0.3,
         "chunks": 10,
@@ -358,6 +360,50 @@ def test_prometheus_sink_observes_the_contract_metrics() -> None:
     assert sample(metrics, "headroom_stream_gap_p99_seconds_count", pool="tts") == 1
     assert signals.samples(15.0) == 10
     assert signals.worst_ratio(15.0) == pytest.approx(0.2 / 2.7, rel=0.02)
+
+
+def test_a_speech_only_pool_exports_no_asr_finalize_series() -> None:
+    """headroom_asr_finalize_seconds{pool="tts"} used to be created (all zeros) by every
+    TTS replica's sink; only a pool that has answered an ASR commit has a series now."""
+    metrics = Metrics()
+    tts = SessionMeter(0.0, PrometheusReplicaSink(metrics, "tts", "gpu0", ReplicaSignals()))
+    tts.audio(0.5, 0.2)
+    tts.audio(0.7, 0.2)
+    tts.finish(1.0)
+    asr = SessionMeter(0.0, PrometheusReplicaSink(metrics, "asr", "gpu1", ReplicaSignals()))
+    asr.event(0.5)
+    asr.finish(1.0)  # no commit answered yet: no series either
+    text = generate_latest(metrics.registry).decode()
+    assert "# TYPE headroom_asr_finalize_seconds histogram" in text  # still registered
+    assert "headroom_asr_finalize_seconds_count" not in text
+    asr = SessionMeter(2.0, PrometheusReplicaSink(metrics, "asr", "gpu1", ReplicaSignals()))
+    asr.commit_final(2.0)
+    asr.transcript_final(2.25)
+    asr.finish(3.0)
+    assert sample(metrics, "headroom_asr_finalize_seconds_count", pool="asr") == 1
+    assert sample(metrics, "headroom_asr_finalize_seconds_count", pool="tts") is None
+    assert 'headroom_asr_finalize_seconds_count{pool="tts"}' not in (
+        generate_latest(metrics.registry).decode()
+    )
+
+
+def test_first_chunk_underruns_are_counted_apart_and_among_all_underruns() -> None:
+    metrics = Metrics()
+    session = SessionMeter(0.0, PrometheusReplicaSink(metrics, "tts", "gpu0", ReplicaSignals()))
+    session.audio(0.1, 0.32)  # plays 0.3 .. 0.62
+    session.audio(1.0, 2.0)  # first-chunk underrun: 0.38 s
+    session.audio(4.0, 2.0)  # mid-stream: the buffer ran dry at 3.0
+    summary = session.finish(5.0)
+    assert (summary.underruns, summary.first_chunk_underruns) == (2, 1)
+    assert summary.as_log_fields()["first_chunk_underruns"] == 1
+    rep = {"pool": "tts", "replica": "gpu0"}
+    assert sample(metrics, "headroom_playback_underruns_total", **rep) == 2
+    assert sample(metrics, "headroom_playback_first_chunk_underruns_total", **rep) == 1
+    recording, sink = meter(admitted_at=0.0)
+    for now, seconds in ((0.1, 0.32), (1.0, 2.0), (4.0, 2.0)):
+        recording.audio(now, seconds)
+    assert sink.stalls == pytest.approx([0.38, 1.0])
+    assert sink.first_chunk_stalls == pytest.approx([0.38])
 
 
 def test_prometheus_sink_text_events_and_finalize() -> None:

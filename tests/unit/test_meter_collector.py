@@ -325,6 +325,7 @@ def test_each_replica_family_is_exported_once_in_the_old_order() -> None:
         "headroom_stream_gap_p99_seconds",
         "headroom_time_to_first_audio_seconds",
         "headroom_playback_underruns_total",
+        "headroom_playback_first_chunk_underruns_total",
         "headroom_playback_stall_seconds_total",
         "headroom_audio_delivered_seconds_total",
         "headroom_stream_active_seconds_total",
@@ -401,3 +402,32 @@ def test_a_metered_session_matches_prometheus_client() -> None:
     for name in REPLICA_FAMILIES:
         assert family_block(ours, name) == family_block(theirs, name), name
     assert 'headroom_playback_underruns_total{pool="tts",replica="gpu0"} 0.0' not in ours
+
+
+# --- the worst-1% gauge and its deprecated alias -----------------------------------------------
+
+
+def test_the_deprecated_p99_gauge_is_the_worst_1pct_gauge_under_its_old_name() -> None:
+    """``headroom_delivery_ratio_p99`` was the 1st percentile all along; it is renamed
+    ``headroom_delivery_ratio_worst_1pct`` and kept, same value, for one release."""
+    from proxy.metrics import DEPRECATED_ALIASES, ReplicaGauges
+
+    metrics = Metrics()
+    gauges = [
+        ReplicaGauges("tts", "gpu0", 1, 2, True, False, delivery_ratio_worst_1pct=0.875),
+        ReplicaGauges("tts", "gpu1", 1, 2, True, False, delivery_ratio_worst_1pct=None),
+    ]
+    metrics.bind_state(lambda: gauges, lambda: [("tts", 0)])
+    value = metrics.registry.get_sample_value
+    assert DEPRECATED_ALIASES == {
+        "headroom_delivery_ratio_p99": "headroom_delivery_ratio_worst_1pct"
+    }
+    for old, new in DEPRECATED_ALIASES.items():
+        rep = {"pool": "tts", "replica": "gpu0"}
+        assert value(new, rep) == 0.875
+        assert value(old, rep) == value(new, rep)
+        idle = {"pool": "tts", "replica": "gpu1"}
+        assert value(new, idle) is None and value(old, idle) is None  # absent without audio
+        text = exposition(metrics.registry)
+        assert f"# HELP {old} DEPRECATED" in text
+        assert f"# TYPE {old} gauge" in text and f"# TYPE {new} gauge" in text

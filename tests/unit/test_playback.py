@@ -135,3 +135,38 @@ def test_any_stream_faster_than_realtime_never_underruns(
         buffer.add(now, size)
         now += data.draw(st.floats(0.0, size))  # the next chunk comes within this one's audio
     assert buffer.underruns == 0
+
+
+def test_a_stall_on_the_first_chunk_alone_is_a_first_chunk_underrun() -> None:
+    """The start-up transient: 0.32 s first chunk, the 2 s second one 0.95 s later
+    (vllm-omni Qwen3-TTS at batch 8): the buffer ran dry at 0.52. Later stalls are not
+    first-chunk ones."""
+    buffer = PlaybackBuffer(0.2)
+    assert buffer.add(0.0, 0.32) == 0.0 and buffer.stream_chunks == 1
+    assert buffer.add(0.95, 2.0) == pytest.approx(0.43) and buffer.stream_chunks == 2
+    assert (buffer.underruns, buffer.first_chunk_underruns) == (1, 1)
+    buffer.add(5.0, 2.0)  # mid-stream: the 2 s ran out at 2.95
+    assert (buffer.underruns, buffer.first_chunk_underruns) == (2, 1)
+    assert buffer.stream_chunks == 3
+
+
+def test_each_restarted_stream_has_its_own_first_chunk() -> None:
+    buffer = PlaybackBuffer(0.2)
+    buffer.add(0.0, 0.32)
+    buffer.add(0.3, 2.0)  # in time
+    buffer.idle(0.3)
+    buffer.add(10.0, 0.32)  # the client's next request: a new stream, a new prebuffer
+    assert buffer.stream_chunks == 1
+    buffer.add(11.0, 2.0)  # ran dry at 10.52
+    assert (buffer.underruns, buffer.first_chunk_underruns) == (1, 1)
+
+
+@given(st.lists(st.tuples(st.floats(0.0, 3.0), st.floats(0.01, 2.0)), max_size=40))
+def test_first_chunk_underruns_are_at_most_one_per_stream(
+    chunks: list[tuple[float, float]],
+) -> None:
+    buffer, now = PlaybackBuffer(0.2), 0.0
+    for wait, seconds in chunks:
+        now += wait
+        buffer.add(now, seconds)
+    assert buffer.first_chunk_underruns <= min(buffer.underruns, 1)

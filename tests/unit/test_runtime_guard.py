@@ -58,7 +58,7 @@ async def test_observe_exports_but_does_not_hold_admissions() -> None:
     rt.evaluate_guards()
     text = generate_latest(rt.metrics.registry).decode()
     assert 'headroom_replica_guarded{pool="main",replica="gpu0"} 1.0' in text
-    assert 'headroom_delivery_ratio_p99{pool="main",replica="gpu0"}' in text
+    assert 'headroom_delivery_ratio_worst_1pct{pool="main",replica="gpu0"}' in text
     leases = [await rt.gate.acquire("main") for _ in range(8)]  # all slots still usable
     for lease in leases:
         lease.release()
