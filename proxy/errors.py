@@ -12,7 +12,8 @@ the boundary; they never reach the admission core.
     ├── ListenError                        a listener's address cannot be bound
     ├── Refused                            a session is not admitted (DESIGN "Contracts")
     │   ├── CapacityRefused                503 / 1013  pool_full, queue_full, queue_timeout,
-    │   │                                              guard, no_healthy_replica
+    │   │                                              guard, no_healthy_replica,
+    │   │                                              backend_unavailable
     │   ├── DrainingRefused                503 / 1013  draining
     │   └── TenantLimitRefused             429 / 1013  tenant_limit
     ├── PolicyViolation                    400 / 1008  client broke a limit or the protocol
@@ -70,6 +71,7 @@ REASONS = frozenset(
         "guard",
         "no_healthy_replica",
         "tenant_limit",
+        "backend_unavailable",
     }
 )
 
@@ -124,6 +126,8 @@ _MESSAGES = {
     "guard": "The GPU is at its realtime limit; admitting more would stall live audio.",
     "no_healthy_replica": "No healthy upstream replica is available for this model.",
     "tenant_limit": "Your key has reached its own concurrency quota.",
+    "backend_unavailable": "The shared admission store is unreachable, so no slot can be "
+    "granted safely.",
 }
 
 

@@ -155,6 +155,13 @@ class Gate:
             on_position(decision.position, decision.eta_s)
         return Waiting(self, pool, decision)
 
+    async def admit(
+        self, pool: str, *, on_position: PositionCallback | None = None
+    ) -> Lease | Waiting:
+        """:meth:`enter` for callers that serve either admission backend (the shared
+        one, :class:`proxy.shared_gate.SharedGate`, must await Redis)."""
+        return self.enter(pool, on_position=on_position)
+
     async def acquire(self, pool: str, *, on_position: PositionCallback | None = None) -> Lease:
         """Admit a session to ``pool``, waiting in its queue if need be: returns a
         :class:`Lease` or raises :class:`~proxy.errors.Refused`. Cancellation-safe."""

@@ -133,9 +133,10 @@ class RedisAdmission:
         self.ttl_ms = round(lease_ttl_s * 1000)
         self.beat_ms = round(heartbeat_ttl_s * 1000)
         self.timeout_s = timeout_s
-        self.gateway_id = gateway_id or (
-            f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
-        ).replace(":", "-")
+        host = "".join(c if c.isalnum() or c in "-._" else "-" for c in socket.gethostname())
+        self.gateway_id = gateway_id or f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
+        if not self.gateway_id or any(c in self.gateway_id for c in ":=, "):
+            raise ValueError(f"gateway id {self.gateway_id!r}: must be non-empty, without ':=, '")
         common = dict(
             socket_connect_timeout=timeout_s,
             # One retry, ours (_run): every script is idempotent per lease/waiter id, so
@@ -147,6 +148,7 @@ class RedisAdmission:
         # BLPOP holds its connection while it blocks: a client of its own, whose socket
         # timeout outlasts the longest block.
         self._blocking: Any = aioredis.from_url(url, socket_timeout=timeout_s + 5.0, **common)
+        self._closed = False
         prelude = _load("common")
         self._scripts = {
             name: self._client.register_script(prelude + "\n" + _load(name)) for name in _SCRIPTS
@@ -173,6 +175,8 @@ class RedisAdmission:
     # -- scripts ----------------------------------------------------------------------
 
     async def _run(self, script: str, pool: str, args: list[str | int]) -> Any:
+        if self._closed:
+            raise BackendUnavailable("admission store client closed")
         call = self._scripts[script]
         try:
             try:
@@ -223,7 +227,8 @@ class RedisAdmission:
         """Renew ``leases`` ((id, replica) pairs), beat for ``waiters``, refresh the
         guard flags of ``guards`` and hand out slots freed by expiry -- one round trip."""
         args: list[str | int] = [
-            self.ttl_ms, self.prefix(pool), self.beat_ms, generation, round(guard_ttl_s * 1000)
+            self.ttl_ms, self.prefix(pool), self.beat_ms, generation, round(guard_ttl_s * 1000),
+            self.gateway_id,
         ]  # fmt: skip
         view_args = _view_args(view)
         args += [len(view_args), *view_args, len(leases)]
@@ -245,6 +250,8 @@ class RedisAdmission:
         """Wait up to ``block_s`` for slots handed to this gateway's waiters; returns
         (waiter id, replica) pairs, everything pending at once."""
         key = self.wake_key(pool)
+        if self._closed:
+            raise BackendUnavailable("admission store client closed")
         try:
             first = await self._blocking.blpop([key], timeout=block_s)
             if first is None:
@@ -270,6 +277,9 @@ class RedisAdmission:
             raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
     async def close(self) -> None:
+        """Close both clients; any call after this raises :class:`BackendUnavailable`
+        without opening a connection."""
+        self._closed = True
         await self._client.aclose()
         await self._blocking.aclose()
 

@@ -9,7 +9,7 @@
 --   5 beats   zset   waiter id -> heartbeat expiry (ms)
 --   6 gen     hash   id, since: the data generation (recreated after a data loss)
 --   7 seq     string arrival counter
---   8 flags   hash   'guard:<replica>' -> guard expiry (ms)
+--   8 flags   hash   'guard:<replica>' -> 'gateway=expiry ms,...'
 -- Wake lists ('<prefix>wake:<gateway>') are named from ARGV but share the hash tag.
 --
 -- A replica view (the caller's configured, healthy, non-retired replicas, in
@@ -53,9 +53,46 @@ local function generation(now, ttl)
   return g[1], tonumber(g[2]) + ttl
 end
 
+-- A guard flag holds, per gateway whose guard engaged, an expiry: 'gw=ms,gw=ms'.
+-- A replica is guarded while any of them is in the future.
+local function guard_entries(replica)
+  local entries = {}
+  local raw = redis.call('HGET', K_FLAGS, 'guard:' .. replica)
+  if raw then
+    for gateway, until_ms in string.gmatch(raw, '([^=,]+)=(%d+)') do
+      entries[gateway] = tonumber(until_ms)
+    end
+  end
+  return entries
+end
+
 local function guarded(replica, now)
-  local until_ms = redis.call('HGET', K_FLAGS, 'guard:' .. replica)
-  return until_ms ~= false and tonumber(until_ms) > now
+  for _, until_ms in pairs(guard_entries(replica)) do
+    if until_ms > now then
+      return true
+    end
+  end
+  return false
+end
+
+-- Set (until_ms) or clear (nil) one gateway's guard on a replica.
+local function set_guard(replica, gateway, until_ms, now)
+  local entries = guard_entries(replica)
+  if entries[gateway] == until_ms then
+    return
+  end
+  entries[gateway] = until_ms
+  local parts = {}
+  for g, u in pairs(entries) do
+    if u > now then
+      parts[#parts + 1] = g .. '=' .. u
+    end
+  end
+  if #parts == 0 then
+    redis.call('HDEL', K_FLAGS, 'guard:' .. replica)
+  else
+    redis.call('HSET', K_FLAGS, 'guard:' .. replica, table.concat(parts, ','))
+  end
 end
 
 -- The placement rule of proxy/admission/core.py (PoolCore._pick): the least loaded

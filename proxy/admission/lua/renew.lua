@@ -1,5 +1,5 @@
 -- The gateway's periodic tick for one pool, in one round trip.
--- ARGV: ttl_ms, prefix, beat_ms, known generation ('' if none), guard_ms,
+-- ARGV: ttl_ms, prefix, beat_ms, known generation ('' if none), guard_ms, gateway,
 --       n_view, view..., n_leases, (lease id, replica)..., n_waiters, waiter ids...,
 --       n_guards, guarded replicas...
 -- Extends this gateway's leases; after a data loss (new generation) and while grants
@@ -8,8 +8,8 @@
 -- Returns {generation, lost lease ids, waiter states, held per replica, queue depth}
 -- where a waiter state is its queue position, or 0 if granted, -1 if gone.
 local ttl, prefix, beat = tonumber(ARGV[1]), ARGV[2], tonumber(ARGV[3])
-local known, guard_ms = ARGV[4], tonumber(ARGV[5])
-local i = 6
+local known, guard_ms, gateway = ARGV[4], tonumber(ARGV[5]), ARGV[6]
+local i = 7
 local n_view = tonumber(ARGV[i])
 local view = view_of(i + 1, n_view)
 i = i + 1 + n_view
@@ -45,12 +45,16 @@ for j = i + 1, i + n_waiters do
   end
 end
 i = i + 1 + n_waiters
+-- This gateway's guard: on for the replicas listed, off for the rest of its view.
+local mine = {}
 local n_guards = tonumber(ARGV[i])
 for j = i + 1, i + n_guards do
-  local field = 'guard:' .. ARGV[j]
-  local current = tonumber(redis.call('HGET', K_FLAGS, field) or '0')
-  if current < now + guard_ms then
-    redis.call('HSET', K_FLAGS, field, now + guard_ms)
+  mine[ARGV[j]] = true
+  set_guard(ARGV[j], gateway, now + guard_ms, now)
+end
+for j = 1, #view, 3 do
+  if not mine[view[j]] then
+    set_guard(view[j], gateway, nil, now)
   end
 end
 assign(now, ttl, prefix, view, blocked_until)

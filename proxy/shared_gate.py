@@ -1,0 +1,750 @@
+"""Admission shared by several gateway processes through Redis (``admission.backend: redis``).
+
+:class:`SharedGate` offers what the relays and the runtime use of
+:class:`~proxy.gate.Gate` -- :meth:`admit` giving a :class:`~proxy.gate.Lease` or a
+:class:`~proxy.gate.Waiting`, idempotent release, drain, live pool changes, health and
+guard, statistics -- but every slot and queue place is decided by the atomic scripts
+of :mod:`proxy.admission.redis_backend`, so one cap per replica holds over every
+gateway. What stays local: this gateway's configuration view (caps, health, its own
+guard, retired replicas), its sessions, its waiters' futures and deadlines.
+
+Safety rules:
+
+* **Fail closed.** Any Redis failure refuses the new session with
+  ``backend_unavailable`` (503); there is no per-process fallback.
+* **Release always runs.** :meth:`Lease.release` is synchronous and idempotent; the
+  Redis release runs in a task of the gate (retried until it lands or the lease has
+  expired anyway), so a cancelled session task cannot skip it. A grant that arrives
+  for a session already gone (cancelled during the acquire, or in the queue) is
+  released the same way.
+* **Self-fencing.** Leases are renewed every ``renew_interval_s``. If a pool's last
+  successful renewal is older than ``lease_ttl_s - fence_margin_s`` on the monotonic
+  clock, or Redis reports one of this gateway's leases gone, the gateway ends its own
+  sessions (``on_backend_loss: close``, the default) before other gateways can reuse
+  those slots; ``keep`` only logs and counts (the replica may then run over its cap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Callable, Collection, Coroutine, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from prometheus_client import Counter, Gauge
+
+from proxy.admission import (
+    RETRY_AFTER_MAX_S,
+    RETRY_AFTER_MIN_S,
+    Admit,
+    PoolStatistics,
+    QueuePolicy,
+    Reject,
+    ReplicaSpec,
+    ReplicaStatistics,
+)
+from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission, ReplicaView
+from proxy.clock import Clock, TimerHandle
+from proxy.errors import FallbackHint, Refused, refusal_for
+from proxy.gate import Lease, PositionCallback, Waiting
+from proxy.metrics import Metrics, ReplicaGauges
+
+__all__ = ["FenceCallback", "SharedGate", "SharedPoolSpec"]
+
+log = logging.getLogger("headroom.shared_gate")
+
+#: Called with (pool, reason) when the gateway must end its sessions on ``pool``.
+FenceCallback = Callable[[str, str], None]
+
+_EWMA_ALPHA = 0.2
+_WAKE_BLOCK_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class SharedPoolSpec:
+    name: str
+    replicas: tuple[ReplicaSpec, ...]
+    queue: QueuePolicy
+    fallback: FallbackHint | None = None
+    session_estimate_s: float = 20.0
+
+
+@dataclass(eq=False, slots=True)
+class _Replica:
+    cap: int
+    healthy: bool = True
+    guarded: bool = False
+    retired: bool = False
+
+
+@dataclass(eq=False)
+class _Waiter:
+    future: asyncio.Future[Admit | Reject]
+    on_position: PositionCallback | None
+    arrived: float
+    position: int = 0
+    queued: bool = False
+    timer: TimerHandle | None = None
+
+
+@dataclass(eq=False)
+class _Pool:
+    name: str
+    replicas: dict[str, _Replica]
+    queue: QueuePolicy
+    fallback: FallbackHint | None
+    session_estimate_s: float
+    draining: bool = False
+    generation: str = ""
+    last_renewed: float | None = None
+    fence_timer: TimerHandle | None = None
+    leases: dict[str, SharedLease] = field(default_factory=dict)
+    waiters: dict[str, _Waiter] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=dict)
+    queue_depth: int = 0
+
+    def view(self) -> list[ReplicaView]:
+        return [
+            ReplicaView(name, r.cap, r.guarded)
+            for name, r in self.replicas.items()
+            if r.healthy and not r.retired
+        ]
+
+
+class SharedLease(Lease):
+    """A slot held through Redis; :meth:`release` is idempotent and never awaits."""
+
+    __slots__ = ("_shared", "lease_id")
+
+    def __init__(
+        self, gate: SharedGate, pool: str, lease_id: str, replica: str, waited_s: float,
+        admitted_at: float,
+    ) -> None:  # fmt: skip
+        self._shared = gate
+        self.pool = pool
+        self.lease_id = lease_id
+        self.ticket = int(lease_id.rsplit(":", 1)[1])
+        self.replica = replica
+        self.waited_s = waited_s
+        self.admitted_at = admitted_at
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._shared._release(self)
+
+    def fail_over(self, *, eject: bool = True, exclude: Collection[str] = ()) -> bool:
+        """Moving a lease needs a Redis round trip, which this synchronous call cannot
+        make: the replica is ejected (if ``eject``) and the session is not moved."""
+        if eject:
+            self._shared.set_healthy(self.pool, self.replica, False)
+        return False
+
+
+class SharedWaiting(Waiting):
+    """A place in the pool's Redis FIFO; cancelling :meth:`wait` leaves it."""
+
+    __slots__ = ("_shared", "waiter_id")
+
+    def __init__(self, gate: SharedGate, pool: str, waiter_id: str, position: int, eta_s: float):
+        self._shared = gate
+        self.pool = pool
+        self.waiter_id = waiter_id
+        self.ticket = int(waiter_id.rsplit(":", 1)[1])
+        self.position = position
+        self.eta_s = eta_s
+
+    async def wait(self) -> Lease:
+        return await self._shared._wait(self.pool, self.waiter_id)
+
+
+class SharedGate:
+    """Admission for every pool through one Redis, on one event loop."""
+
+    def __init__(
+        self,
+        pools: Iterable[SharedPoolSpec],
+        *,
+        backend: RedisAdmission,
+        clock: Clock,
+        metrics: Metrics | None = None,
+        renew_interval_s: float = 2.0,
+        fence_margin_s: float = 1.0,
+        lease_ttl_s: float = 10.0,
+        on_backend_loss: Literal["close", "keep"] = "close",
+        seed: int = 0,
+    ) -> None:
+        if not 0 < renew_interval_s < lease_ttl_s - fence_margin_s:
+            raise ValueError("need 0 < renew_interval_s < lease_ttl_s - fence_margin_s")
+        self.backend = backend
+        self.clock = clock
+        self.metrics = metrics
+        self.renew_interval_s = renew_interval_s
+        self.fence_margin_s = fence_margin_s
+        self.lease_ttl_s = lease_ttl_s
+        self.on_backend_loss = on_backend_loss
+        self._pools: dict[str, _Pool] = {}
+        self._healthy_listeners: list[Callable[[str, str, bool], None]] = []
+        self._fence_listeners: list[FenceCallback] = []
+        self._idle_waiters: list[asyncio.Future[None]] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._loops: list[asyncio.Task[None]] = []
+        self._next = 0
+        self._rng = random.Random(seed)
+        self.draining = False
+        #: Whether the last call to Redis succeeded (``/readyz``).
+        self.available = False
+        self._gauges: tuple[Gauge, Gauge, Counter] | None = None
+        if metrics is not None:
+            r = metrics.registry
+            self._gauges = (
+                Gauge("headroom_admission_backend_up",
+                      "1 if this gateway's last call to the shared admission store succeeded.",
+                      registry=r),
+                Gauge("headroom_shared_sessions_active",
+                      "Sessions holding a slot on the replica, counted over every gateway "
+                      "(pool-wide: every gateway reports the same value; use max, not sum).",
+                      ["pool", "replica", "scope"], registry=r),
+                Counter("headroom_lease_loss_closes_total",
+                        "Times this gateway ended its sessions because it could not prove "
+                        "its leases (renewal failed past TTL - margin, or a lease was lost).",
+                        ["pool"], registry=r),
+            )  # fmt: skip
+        for spec in pools:
+            self.apply_pool(spec.name, spec.replicas, spec.queue, spec.fallback,
+                            session_estimate_s=spec.session_estimate_s)  # fmt: skip
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start renewing and listening for wake-ups. Redis may be down: the gate then
+        refuses with ``backend_unavailable`` until it answers."""
+        try:
+            await self.backend.ping()
+            self._set_available(True)
+        except BackendUnavailable as exc:
+            log.error("shared admission store unreachable at start-up: %s", exc)
+            self._set_available(False)
+        self._loops.append(asyncio.ensure_future(self._renew_loop()))
+        for name in self._pools:
+            self._loops.append(asyncio.ensure_future(self._wake_loop(name)))
+
+    async def stop(self) -> None:
+        for task in self._loops:
+            task.cancel()
+        for task in self._loops:
+            with contextlib.suppress(BaseException):
+                await task
+        self._loops.clear()
+        if self._tasks:  # releases still in flight
+            await asyncio.wait(set(self._tasks), timeout=self.backend.timeout_s * 3)
+        for p in self._pools.values():
+            if p.fence_timer is not None:
+                p.fence_timer.cancel()
+        await self.backend.close()
+
+    async def quiesce(self) -> None:
+        """Wait for every Redis call this gate has started in the background (releases,
+        renewals asked for by a configuration, health or guard change) to finish."""
+        while self._tasks:
+            await asyncio.wait(set(self._tasks))
+
+    # -- admission --------------------------------------------------------------------
+
+    async def admit(
+        self, pool: str, *, on_position: PositionCallback | None = None
+    ) -> Lease | Waiting:
+        """A :class:`Lease` if admitted at once, a :class:`Waiting` already in the
+        Redis queue, or raises :class:`~proxy.errors.Refused`. Cancellation-safe: a
+        slot or queue place taken by a call cancelled mid-flight is given back."""
+        p = self._pool(pool)
+        now = self.clock.now()
+        if self.draining or p.draining:
+            raise self._refuse(p, "draining", 1)
+        view = p.view()
+        if not view:
+            raise self._refuse(p, "no_healthy_replica", 1)
+        self._next += 1
+        waiter_id = f"{self.backend.gateway_id}:{self._next}"
+        future: asyncio.Future[Admit | Reject] = asyncio.get_running_loop().create_future()
+        # Registered before the call: a wake-up may arrive before the reply does.
+        waiter = _Waiter(future, on_position, now)
+        p.waiters[waiter_id] = waiter
+        depth = p.queue.max_depth if p.queue.enabled else 0
+        call = asyncio.ensure_future(self.backend.acquire(pool, waiter_id, view, depth))
+        try:
+            kind, value = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            p.waiters.pop(waiter_id, None)
+            self._spawn(self._give_back(pool, waiter_id, call))
+            raise
+        except BackendUnavailable as exc:
+            p.waiters.pop(waiter_id, None)
+            self._set_available(False)
+            log.warning("refusing a session on %s: admission store unreachable (%s)", pool, exc)
+            raise self._refuse(p, "backend_unavailable", 1) from None
+        self._set_available(True)
+        if kind == "admit":
+            p.waiters.pop(waiter_id, None)
+            return self._lease(p, waiter_id, str(value), now)
+        if kind == "queued":
+            if future.done():  # handed a slot before the reply arrived
+                outcome = future.result()
+                p.waiters.pop(waiter_id, None)
+                if isinstance(outcome, Admit):
+                    return self._lease(p, waiter_id, outcome.replica, now)
+            waiter.queued = True
+            waiter.position = int(value)
+            waiter.timer = self.clock.call_at(
+                now + p.queue.max_wait_s, lambda: self._on_deadline(pool, waiter_id)
+            )
+            self._count(pool, "queued")
+            eta = self.estimate_wait(pool, waiter.position)
+            if on_position is not None:
+                on_position(waiter.position, eta)
+            return SharedWaiting(self, pool, waiter_id, waiter.position, eta)
+        p.waiters.pop(waiter_id, None)
+        if kind == "blocked":  # Redis lost its data: survivors are re-asserting
+            raise self._refuse(p, "backend_unavailable", int(value) / 1000)
+        raise self._refuse(p, str(value), self._estimate(p, p.queue_depth + 1))
+
+    async def acquire(self, pool: str, *, on_position: PositionCallback | None = None) -> Lease:
+        entry = await self.admit(pool, on_position=on_position)
+        if isinstance(entry, Lease):
+            return entry
+        return await entry.wait()
+
+    async def _wait(self, pool: str, waiter_id: str) -> Lease:
+        p = self._pools[pool]
+        waiter = p.waiters[waiter_id]
+        try:
+            outcome = await waiter.future
+        except BaseException:
+            self._leave(p, waiter_id)
+            raise
+        self._forget_waiter(p, waiter_id)
+        if self.metrics is not None:
+            self.metrics.queue_wait.labels(pool).observe(self.clock.now() - waiter.arrived)
+        if isinstance(outcome, Reject):
+            self._count(pool, f"rejected_{outcome.reason}")
+            if outcome.reason != "queue_timeout":  # (a timed-out waiter has left already)
+                self._spawn(self._leave_remote(pool, waiter_id))
+            raise self._refusal(p, outcome)
+        return self._lease(p, waiter_id, outcome.replica, waiter.arrived)
+
+    def _lease(self, p: _Pool, lease_id: str, replica: str, arrived: float) -> SharedLease:
+        now = self.clock.now()
+        lease = SharedLease(self, p.name, lease_id, replica, now - arrived, now)
+        p.leases[lease_id] = lease
+        if p.last_renewed is None:  # the grant itself proves the lease until now + TTL
+            p.last_renewed = arrived
+            self._arm_fence(p)
+        self._count(p.name, "admitted")
+        return lease
+
+    def _release(self, lease: SharedLease) -> None:
+        p = self._pools[lease.pool]
+        p.leases.pop(lease.lease_id, None)
+        now = self.clock.now()
+        duration = max(0.0, now - lease.admitted_at)
+        p.session_estimate_s += _EWMA_ALPHA * (duration - p.session_estimate_s)
+        p.session_estimate_s = max(p.session_estimate_s, 0.05)
+        if self.metrics is not None:
+            self.metrics.session_duration.labels(lease.pool).observe(duration)
+        self._spawn(self._release_remote(lease.pool, lease.lease_id))
+        if self._idle_waiters and self.active == 0:
+            for future in self._idle_waiters:
+                if not future.done():
+                    future.set_result(None)
+
+    async def _release_remote(self, pool: str, lease_id: str) -> None:
+        """Release in Redis, retrying while Redis is unreachable; gives up once the
+        lease has expired on its own (it then frees its slot anyway)."""
+        give_up = self.clock.now() + self.lease_ttl_s
+        delay = 0.05
+        while True:
+            try:
+                await self.backend.release(pool, lease_id, self._pools[pool].view())
+                self._set_available(True)
+                return
+            except BackendUnavailable:
+                self._set_available(False)
+                if self.clock.now() + delay > give_up:
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _give_back(self, pool: str, waiter_id: str, call: asyncio.Future[Any]) -> None:
+        """An acquire whose caller was cancelled: undo whatever it took."""
+        with contextlib.suppress(BaseException):
+            await call
+        await self._leave_remote(pool, waiter_id)
+
+    async def _leave_remote(self, pool: str, waiter_id: str) -> None:
+        try:
+            kind, _ = await self.backend.leave(pool, waiter_id, self._pools[pool].view())
+        except BackendUnavailable:
+            return  # its heartbeat stops: Redis drops it within the heartbeat TTL
+        if kind == "granted":
+            await self._release_remote(pool, waiter_id)
+
+    def _leave(self, p: _Pool, waiter_id: str) -> None:
+        """The waiter's task ended without taking its outcome (cancelled)."""
+        waiter = self._forget_waiter(p, waiter_id)
+        if waiter is None:
+            return
+        self._count(p.name, "abandoned")
+        if waiter.future.done() and not waiter.future.cancelled():
+            if isinstance(waiter.future.result(), Admit):
+                self._spawn(self._release_remote(p.name, waiter_id))
+            return
+        self._spawn(self._leave_remote(p.name, waiter_id))
+
+    def _forget_waiter(self, p: _Pool, waiter_id: str) -> _Waiter | None:
+        waiter = p.waiters.pop(waiter_id, None)
+        if waiter is not None and waiter.timer is not None:
+            waiter.timer.cancel()
+        return waiter
+
+    def _on_deadline(self, pool: str, waiter_id: str) -> None:
+        self._spawn(self._expire(pool, waiter_id))
+
+    async def _expire(self, pool: str, waiter_id: str) -> None:
+        p = self._pools[pool]
+        waiter = p.waiters.get(waiter_id)
+        if waiter is None or waiter.future.done():
+            return
+        try:
+            kind, replica = await self.backend.leave(pool, waiter_id, p.view())
+        except BackendUnavailable:
+            kind, replica = "gone", None
+        if waiter.future.done():
+            return
+        if kind == "granted" and replica is not None:
+            waiter.future.set_result(Admit(0, replica, self.clock.now() - waiter.arrived))
+        else:
+            waited = self.clock.now() - waiter.arrived
+            waiter.future.set_result(
+                Reject(0, "queue_timeout", self._estimate(p, 1), waited_s=waited)
+            )
+
+    # -- background: renewals, fencing, wake-ups ------------------------------------
+
+    async def _renew_loop(self) -> None:
+        while True:
+            await self.renew()
+            await asyncio.sleep(self.renew_interval_s)
+
+    async def renew(self) -> None:
+        """One renewal tick of every pool (the loop calls it every ``renew_interval_s``)."""
+        for name in list(self._pools):
+            await self._renew_pool(name)
+
+    async def _renew_pool(self, name: str) -> None:
+        p = self._pools[name]
+        sent = self.clock.now()
+        leases = [(lid, lease.replica) for lid, lease in p.leases.items()]
+        waiters = [wid for wid, w in p.waiters.items() if w.queued and not w.future.done()]
+        guards = [r for r, s in p.replicas.items() if s.guarded and not s.retired]
+        try:
+            result = await self.backend.tick(
+                name, generation=p.generation, view=p.view(), leases=leases, waiters=waiters,
+                guards=guards, guard_ttl_s=self.renew_interval_s * 3,
+            )  # fmt: skip
+        except BackendUnavailable as exc:
+            self._set_available(False)
+            log.warning("renewal of pool %s failed: %s", name, exc)
+            return
+        self._set_available(True)
+        if p.generation and result.generation != p.generation:
+            log.warning("pool %s: admission store lost its data (new generation); "
+                        "re-asserted %d leases", name, len(leases) - len(result.lost))  # fmt: skip
+        p.generation = result.generation
+        p.held = result.held
+        p.queue_depth = result.queue_depth
+        p.last_renewed = sent
+        self._arm_fence(p)
+        if result.lost:
+            self._fence(p, f"{len(result.lost)} lease(s) expired in the admission store")
+        for wid, state in zip(waiters, result.waiters, strict=True):
+            waiter = p.waiters.get(wid)
+            if waiter is None or waiter.future.done():
+                continue
+            if state < 0:
+                waiter.future.set_result(Reject(0, "backend_unavailable", 1.0,
+                                                waited_s=self.clock.now() - waiter.arrived))
+            elif state > 0 and state != waiter.position:
+                waiter.position = state
+                if waiter.on_position is not None:
+                    waiter.on_position(state, self.estimate_wait(name, state))
+
+    def _arm_fence(self, p: _Pool) -> None:
+        if p.fence_timer is not None:
+            p.fence_timer.cancel()
+            p.fence_timer = None
+        if p.last_renewed is not None:
+            deadline = p.last_renewed + self.lease_ttl_s - self.fence_margin_s
+            p.fence_timer = self.clock.call_at(deadline, lambda: self._on_fence_deadline(p))
+
+    def _on_fence_deadline(self, p: _Pool) -> None:
+        p.fence_timer = None
+        if p.leases:
+            self._fence(p, "leases not renewed within lease_ttl_s - fence_margin_s")
+        p.last_renewed = None  # until a renewal succeeds again
+
+    def _fence(self, p: _Pool, why: str) -> None:
+        count = len(p.leases)
+        if self._gauges is not None:
+            self._gauges[2].labels(p.name).inc()
+        if self.on_backend_loss == "keep":
+            log.error("pool %s: %s; on_backend_loss=keep: %d sessions keep running and the "
+                      "replicas may exceed their caps", p.name, why, count)  # fmt: skip
+            return
+        log.error("pool %s: %s; closing this gateway's %d sessions (1012)", p.name, why, count)
+        for listener in self._fence_listeners:
+            listener(p.name, why)
+
+    async def _wake_loop(self, pool: str) -> None:
+        delay = 0.05
+        while True:
+            try:
+                woken = await self.backend.wakeups(pool, _WAKE_BLOCK_S)
+            except BackendUnavailable:
+                self._set_available(False)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+                continue
+            delay = 0.05
+            p = self._pools.get(pool)
+            for waiter_id, replica in woken:
+                waiter = p.waiters.get(waiter_id) if p is not None else None
+                if waiter is None or waiter.future.done():
+                    self._spawn(self._release_remote(pool, waiter_id))  # nobody takes it
+                    continue
+                waiter.future.set_result(Admit(0, replica, self.clock.now() - waiter.arrived))
+
+    # -- drain, configuration, health, guard --------------------------------------------
+
+    def drain(self) -> None:
+        self.draining = True
+        for p in self._pools.values():
+            self._refuse_waiters(p, "draining")
+
+    def _refuse_waiters(self, p: _Pool, reason: str) -> None:
+        for waiter in list(p.waiters.values()):
+            if waiter.queued and not waiter.future.done():
+                waiter.future.set_result(Reject(0, reason, self._estimate(p, 1),
+                                                waited_s=self.clock.now() - waiter.arrived))
+
+    async def wait_idle(self) -> None:
+        if self.active == 0:
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._idle_waiters.append(future)
+        try:
+            await future
+        finally:
+            if future in self._idle_waiters:
+                self._idle_waiters.remove(future)
+
+    def set_healthy(self, pool: str, replica: str, healthy: bool) -> None:
+        r = self._pool(pool).replicas.get(replica)
+        if r is not None and r.healthy != healthy:
+            log.warning("replica %s/%s is now %s", pool, replica,
+                        "healthy" if healthy else "unhealthy")  # fmt: skip
+            r.healthy = healthy
+            self._poke(pool)
+            for listener in self._healthy_listeners:
+                listener(pool, replica, healthy)
+
+    def set_guarded(self, pool: str, replica: str, guarded: bool) -> None:
+        r = self._pool(pool).replicas.get(replica)
+        if r is not None and r.guarded != guarded:
+            r.guarded = guarded
+            self._poke(pool)
+
+    def set_cap(self, pool: str, replica: str, cap: int) -> None:
+        if cap < 1:
+            raise ValueError(f"replica {replica!r}: cap must be >= 1 (got {cap})")
+        self._pool(pool).replicas[replica].cap = cap
+        self._poke(pool)
+
+    def apply_pool(
+        self,
+        name: str,
+        replicas: Sequence[ReplicaSpec],
+        queue: QueuePolicy,
+        fallback: FallbackHint | None,
+        *,
+        session_estimate_s: float = 20.0,
+    ) -> None:
+        """Create a pool or change one live. Caps take effect for new admissions on
+        every gateway at once (each gateway's acquire carries its own view); running
+        sessions are never cut."""
+        p = self._pools.get(name)
+        if p is None:
+            self._pools[name] = _Pool(
+                name, {r.name: _Replica(r.max_sessions) for r in replicas}, queue, fallback,
+                session_estimate_s,
+            )  # fmt: skip
+            if self._loops:
+                self._loops.append(asyncio.ensure_future(self._wake_loop(name)))
+            return
+        p.fallback = fallback
+        p.queue = queue
+        if not self.draining:
+            p.draining = False
+        wanted = {r.name: r.max_sessions for r in replicas}
+        for r_name, r in p.replicas.items():
+            r.retired = r_name not in wanted
+        for r_name, cap in wanted.items():
+            existing = p.replicas.get(r_name)
+            if existing is None:
+                p.replicas[r_name] = _Replica(cap)
+            else:
+                existing.cap = cap
+        self._poke(name)
+
+    def retire_pool(self, name: str) -> None:
+        p = self._pool(name)
+        p.draining = True
+        self._refuse_waiters(p, "draining")
+
+    def on_health_change(self, listener: Callable[[str, str, bool], None]) -> None:
+        self._healthy_listeners.append(listener)
+
+    def on_fence(self, listener: FenceCallback) -> None:
+        self._fence_listeners.append(listener)
+
+    def _poke(self, pool: str) -> None:
+        """Renew now: hands freed capacity to waiters and publishes guard flags."""
+        if self._loops:
+            self._spawn(self._renew_pool(pool))
+
+    # -- queries --------------------------------------------------------------------------
+
+    def pools(self) -> list[str]:
+        return list(self._pools)
+
+    def fallback(self, pool: str) -> FallbackHint | None:
+        return self._pool(pool).fallback
+
+    def estimate_wait(self, pool: str, position: int) -> float:
+        p = self._pool(pool)
+        slots = sum(r.cap for r in p.replicas.values() if r.healthy and not r.retired)
+        return p.session_estimate_s * position / max(1, slots)
+
+    def statistics(self) -> dict[str, PoolStatistics]:
+        """This gateway's view: its own sessions per replica (``active``) and waiters."""
+        out = {}
+        for name, p in self._pools.items():
+            mine: dict[str, int] = {}
+            for lease in p.leases.values():
+                mine[lease.replica] = mine.get(lease.replica, 0) + 1
+            out[name] = PoolStatistics(
+                name=name,
+                replicas=tuple(
+                    ReplicaStatistics(
+                        r_name, mine.get(r_name, 0), r.cap, r.healthy, r.guarded, r.retired
+                    )
+                    for r_name, r in p.replicas.items()
+                ),
+                queue_depth=self._queued(p),
+                max_depth=p.queue.max_depth,
+                max_wait_s=p.queue.max_wait_s,
+                draining=p.draining or self.draining,
+                session_estimate_s=p.session_estimate_s,
+            )
+        return out
+
+    def pool_totals(self, pool: str) -> tuple[dict[str, int], int]:
+        """Pool-wide figures from the last renewal: held per replica over every gateway,
+        and the depth of the shared queue."""
+        p = self._pool(pool)
+        return dict(p.held), p.queue_depth
+
+    @property
+    def active(self) -> int:
+        return sum(len(p.leases) for p in self._pools.values())
+
+    @property
+    def queued(self) -> int:
+        return sum(self._queued(p) for p in self._pools.values())
+
+    def replica_gauges(
+        self,
+        ratio: Callable[[str, str], float | None] | None = None,
+        guarded: Callable[[str, str], bool] | None = None,
+    ) -> list[ReplicaGauges]:
+        out: list[ReplicaGauges] = []
+        for name, stats in self.statistics().items():
+            for r in stats.replicas:
+                out.append(ReplicaGauges(
+                    name, r.name, r.active, r.cap, r.healthy,
+                    guarded(name, r.name) if guarded else r.guarded,
+                    ratio(name, r.name) if ratio else None,
+                ))  # fmt: skip
+            if self._gauges is not None:
+                held, _ = self.pool_totals(name)
+                for r in stats.replicas:
+                    self._gauges[1].labels(name, r.name, "pool").set(held.get(r.name, 0))
+        return out
+
+    def queue_depths(self) -> list[tuple[str, int]]:
+        return [(name, self._queued(p)) for name, p in self._pools.items()]
+
+    def __repr__(self) -> str:
+        inner = ", ".join(
+            f"{n} leases={len(p.leases)} waiters={self._queued(p)}" for n, p in self._pools.items()
+        )
+        state = " draining" if self.draining else ""
+        return f"<SharedGate {self.backend.gateway_id}{state} [{inner}]>"
+
+    # -- internals --------------------------------------------------------------------------
+
+    @staticmethod
+    def _queued(p: _Pool) -> int:
+        return sum(1 for w in p.waiters.values() if w.queued and not w.future.done())
+
+    def _pool(self, name: str) -> _Pool:
+        try:
+            return self._pools[name]
+        except KeyError:
+            raise LookupError(f"no pool named {name!r}") from None
+
+    def _set_available(self, up: bool) -> None:
+        self.available = up
+        if self._gauges is not None:
+            self._gauges[0].set(1 if up else 0)
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _count(self, pool: str, decision: str) -> None:
+        if self.metrics is not None:
+            self.metrics.decisions.labels(pool, decision).inc()
+
+    def _estimate(self, p: _Pool, position: int) -> float:
+        base = self.estimate_wait(p.name, position) * (1.0 + self._rng.uniform(-0.1, 0.1))
+        return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, base))
+
+    def _refuse(self, p: _Pool, reason: str, retry_after_s: float) -> Refused:
+        self._count(p.name, f"rejected_{reason}")
+        retry = min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, retry_after_s))
+        return refusal_for(reason, retry_after_s=retry, pool=p.name, fallback=p.fallback)
+
+    def _refusal(self, p: _Pool, reject: Reject) -> Refused:
+        return refusal_for(
+            reject.reason,
+            retry_after_s=reject.retry_after_s,
+            pool=p.name,
+            queue_position=reject.queue_position,
+            fallback=p.fallback,
+        )
+
