@@ -95,6 +95,15 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = _load(args, overrides)
+    from proxy.admission.redis_backend import redis_available
+
+    if settings.admission.backend == "redis" and not redis_available():
+        print(
+            "headroom: admission.backend is redis but the 'redis' package is not installed: "
+            "pip install 'headroom-proxy[redis]' (or set admission.backend: memory)",
+            file=sys.stderr,
+        )
+        return 2
     from proxy.gateway import Gateway
     from proxy.logs import configure_logging
 

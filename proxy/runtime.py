@@ -27,6 +27,7 @@ from proxy.meter import PrometheusReplicaSink, SessionMeter
 from proxy.metrics import Metrics
 from proxy.protocols import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
 from proxy.settings import PoolSettings, RouteSettings, Settings
+from proxy.shared_gate import SharedGate, build_shared_gate
 from proxy.signals import ReplicaSignals
 
 __all__ = ["Runtime", "build_gate", "parse_engine_metrics"]
@@ -97,7 +98,11 @@ class Runtime:
         self.settings = settings
         self.clock: Clock = clock or LoopClock()
         self.metrics = metrics or Metrics(settings.meter.chunk_durations_s)
-        self.gate = build_gate(settings, self.clock, self.metrics)
+        self.gate: Gate | SharedGate = (
+            build_shared_gate(settings, self.clock, self.metrics)
+            if settings.admission.backend == "redis"
+            else build_gate(settings, self.clock, self.metrics)
+        )
         self.signals: dict[tuple[str, str], ReplicaSignals] = {}
         self.guards: dict[tuple[str, str], ReplicaGuard] = {}
         self._guard_timer: TimerHandle | None = None
@@ -115,6 +120,8 @@ class Runtime:
         self.started = False
         self.metrics.bind_state(self._replica_gauges, self.gate.queue_depths)
         self.gate.on_health_change(self._on_health_change)
+        if isinstance(self.gate, SharedGate):
+            self.gate.on_fence(self._on_lease_loss)
 
     def _apply_settings(self, settings: Settings) -> None:
         self.settings = settings
@@ -167,6 +174,8 @@ class Runtime:
             changes.append(f"pool {name}: removed (running sessions finish)")
         if settings.routes != old.routes:
             changes.append("routes updated")
+        if settings.admission != old.admission:
+            changes.append("admission backend changes need a restart: not applied")
         for section in ("limits", "meter", "guard", "health", "auth", "drain_timeout_s"):
             if getattr(settings, section) != getattr(old, section):
                 changes.append(f"{section} updated")
@@ -194,6 +203,8 @@ class Runtime:
             follow_redirects=False,
             trust_env=False,
         )
+        if isinstance(self.gate, SharedGate):
+            await self.gate.start()
         self.started = True
         self._arm_guard()
         if self.settings.health.engine_metrics_interval_s > 0:
@@ -211,6 +222,8 @@ class Runtime:
         if self._http is not None:
             await self._http.aclose()
             self._http = None
+        if isinstance(self.gate, SharedGate):
+            await self.gate.stop()
         self.started = False
 
     @property
@@ -232,6 +245,13 @@ class Runtime:
 
     def unregister_session(self, stop: StopSession) -> None:
         self._sessions.discard(stop)
+
+    def _on_lease_loss(self, pool: str, why: str) -> None:
+        """The shared gate can no longer prove this gateway's leases: end its sessions
+        before other gateways reuse their slots (admission.on_backend_loss: close)."""
+        closed = self.close_sessions(1012, "admission backend lost")
+        log.error("closed %d sessions (1012) after losing leases on pool %s: %s",
+                  closed, pool, why)  # fmt: skip
 
     def close_sessions(self, code: int, reason: str) -> int:
         """Ask every relaying session to close with ``code``; returns how many."""
@@ -262,7 +282,10 @@ class Runtime:
         key = authenticate(self.settings.auth, scope, pool)
         if key is None:
             return None
-        estimate = self.gate.core(pool).estimate_wait(1)
+        if isinstance(self.gate, SharedGate):
+            estimate = self.gate.estimate_wait(pool, 1)
+        else:
+            estimate = self.gate.core(pool).estimate_wait(1)
         retry = min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, estimate))
         try:
             return self.tenants.reserve(key, pool, retry)
@@ -289,6 +312,8 @@ class Runtime:
             return False, "draining"
         if not self.started:
             return False, "starting"
+        if isinstance(self.gate, SharedGate) and not self.gate.available:
+            return False, "admission backend unavailable"
         healthy = sum(s.healthy_replicas for s in self.gate.statistics().values())
         if healthy == 0:
             return False, "no healthy replica"

@@ -61,6 +61,7 @@ from proxy.settings_env import (
 __all__ = [
     "HTTP_PROTOCOLS",
     "WS_PROTOCOLS",
+    "AdmissionSettings",
     "AdminSettings",
     "ApiKeySettings",
     "AudioSettings",
@@ -74,6 +75,7 @@ __all__ = [
     "PoolSettings",
     "Protocol",
     "QueueSettings",
+    "RedisSettings",
     "ReplicaSettings",
     "RouteSettings",
     "Settings",
@@ -411,6 +413,62 @@ class AuthSettings(_Frozen):
         return next((key for key in self.keys if key.sha256 == sha256_hex), None)
 
 
+def _check_redis_url(value: str) -> str:
+    # Never echo the URL: it may carry the Redis password.
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 -- raises ValueError on a bad port
+    except ValueError:
+        raise ValueError("is not a valid URL") from None
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise ValueError("must use redis://, rediss:// (TLS) or unix://")
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ValueError("must include a host")
+    return value
+
+
+class RedisSettings(_Frozen):
+    """The shared admission store (``admission.backend: redis``). TLS (``rediss://``)
+    and AUTH (``redis://:password@host``) come with the URL."""
+
+    url: Annotated[str, AfterValidator(_check_redis_url), Field(repr=False)] = (
+        "redis://127.0.0.1:6379/0"
+    )
+    key_prefix: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.:-]*$")] = "headroom:"
+    lease_ttl_s: Annotated[float, Field(ge=1, le=300)] = 10.0
+    renew_interval_s: PositiveSeconds = 2.0
+    fence_margin_s: PositiveSeconds = 1.0
+    timeout_s: Annotated[float, Field(gt=0, le=30)] = 1.0
+
+    @model_validator(mode="after")
+    def _renew_before_fence(self) -> RedisSettings:
+        if self.renew_interval_s * 2 > self.lease_ttl_s - self.fence_margin_s:
+            why = (
+                f"must leave room for two renewals before the fence: renew_interval_s x 2 "
+                f"<= lease_ttl_s - fence_margin_s (got {self.renew_interval_s:g} x 2 > "
+                f"{self.lease_ttl_s:g} - {self.fence_margin_s:g})"
+            )
+            raise Problems([(("renew_interval_s",), why)])
+        if self.timeout_s >= self.renew_interval_s:
+            why = f"must be below renew_interval_s ({self.renew_interval_s:g})"
+            raise Problems([(("timeout_s",), why)])
+        return self
+
+
+class AdmissionSettings(_Frozen):
+    """Where caps and queues live. ``memory`` (default): in this process. ``redis``:
+    shared by every gateway on the same Redis (one cap per replica over all of them).
+
+    ``on_backend_loss`` says what a gateway does with its running sessions once it can
+    no longer prove its leases (renewals failing for lease_ttl_s - fence_margin_s):
+    ``close`` them (1012; the caps hold, the default) or ``keep`` them (no session is
+    cut, but other gateways reuse those slots: replicas may run over their caps)."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    redis: RedisSettings = RedisSettings()
+    on_backend_loss: Literal["close", "keep"] = "close"
+
+
 class Settings(BaseSettings):
     """Everything Headroom reads from the outside world, validated and frozen.
 
@@ -438,6 +496,7 @@ class Settings(BaseSettings):
     meter: MeterSettings = MeterSettings()
     guard: GuardSettings = GuardSettings()
     health: HealthSettings = HealthSettings()
+    admission: AdmissionSettings = AdmissionSettings()
     pools: tuple[PoolSettings, ...] = Field(min_length=1)
     routes: tuple[RouteSettings, ...] = Field(min_length=1)
     auth: AuthSettings | None = None

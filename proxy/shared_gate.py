@@ -32,7 +32,7 @@ import logging
 import random
 from collections.abc import Callable, Collection, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from prometheus_client import Counter, Gauge
 
@@ -52,7 +52,10 @@ from proxy.errors import FallbackHint, Refused, refusal_for
 from proxy.gate import Lease, PositionCallback, Waiting
 from proxy.metrics import Metrics, ReplicaGauges
 
-__all__ = ["FenceCallback", "SharedGate", "SharedPoolSpec"]
+if TYPE_CHECKING:
+    from proxy.settings import Settings
+
+__all__ = ["FenceCallback", "SharedGate", "SharedPoolSpec", "build_shared_gate"]
 
 log = logging.getLogger("headroom.shared_gate")
 
@@ -196,6 +199,7 @@ class SharedGate:
         self._next = 0
         self._rng = random.Random(seed)
         self.draining = False
+        self._stopped = False
         #: Whether the last call to Redis succeeded (``/readyz``).
         self.available = False
         self._gauges: tuple[Gauge, Gauge, Counter] | None = None
@@ -240,8 +244,11 @@ class SharedGate:
             with contextlib.suppress(BaseException):
                 await task
         self._loops.clear()
-        if self._tasks:  # releases still in flight
+        self._stopped = True
+        if self._tasks:  # releases still in flight: a last chance to land
             await asyncio.wait(set(self._tasks), timeout=self.backend.timeout_s * 3)
+        for task in list(self._tasks):  # the rest lapse with their leases' TTL
+            task.cancel()
         for p in self._pools.values():
             if p.fence_timer is not None:
                 p.fence_timer.cancel()
@@ -373,7 +380,7 @@ class SharedGate:
                 return
             except BackendUnavailable:
                 self._set_available(False)
-                if self.clock.now() + delay > give_up:
+                if self._stopped or self.clock.now() + delay > give_up:
                     return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
@@ -617,6 +624,10 @@ class SharedGate:
     def on_health_change(self, listener: Callable[[str, str, bool], None]) -> None:
         self._healthy_listeners.append(listener)
 
+    def set_recheck_interval(self, seconds: float | None) -> None:
+        """(The in-process gate advises ``no_healthy_replica`` refusals of the next
+        health re-check; this one advises 1 s.)"""
+
     def on_fence(self, listener: FenceCallback) -> None:
         self._fence_listeners.append(listener)
 
@@ -748,3 +759,35 @@ class SharedGate:
             fallback=p.fallback,
         )
 
+
+
+def build_shared_gate(settings: Settings, clock: Clock, metrics: Metrics | None) -> SharedGate:
+    """The gate for ``admission.backend: redis``. Raises RuntimeError with what to do if
+    the ``redis`` package is missing."""
+    r = settings.admission.redis
+    backend = RedisAdmission(
+        r.url,
+        key_prefix=r.key_prefix,
+        lease_ttl_s=r.lease_ttl_s,
+        heartbeat_ttl_s=r.renew_interval_s * 2.5,
+        timeout_s=r.timeout_s,
+    )
+    return SharedGate(
+        [
+            SharedPoolSpec(
+                p.name,
+                tuple(ReplicaSpec(x.name, x.max_sessions) for x in p.replicas),
+                QueuePolicy(p.queue.max_depth, p.queue.max_wait_s),
+                p.fallback.as_hint() if p.fallback else None,
+                p.session_estimate_s,
+            )
+            for p in settings.pools
+        ],
+        backend=backend,
+        clock=clock,
+        metrics=metrics,
+        renew_interval_s=r.renew_interval_s,
+        fence_margin_s=r.fence_margin_s,
+        lease_ttl_s=r.lease_ttl_s,
+        on_backend_loss=settings.admission.on_backend_loss,
+    )

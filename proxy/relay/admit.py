@@ -54,7 +54,7 @@ def upstream_query(scope: dict[str, Any], *, auth: bool = False) -> str:
     return urlencode([(k, v) for k, v in pairs if k not in own])
 
 
-def enter(
+async def enter(
     rt: Runtime,
     route: RouteSettings,
     scope: dict[str, Any],
@@ -64,7 +64,7 @@ def enter(
     primary refuses. Returns the entry and the fallback pool used (None if primary).
     Raises the primary's :class:`Refused` (naming the fallback) if neither admits."""
     try:
-        return rt.gate.enter(route.pool, on_position=on_position), None
+        return await rt.gate.admit(route.pool, on_position=on_position), None
     except Refused as refusal:
         hint = refusal.fallback
         target = hint.pool if hint else None
@@ -73,6 +73,6 @@ def enter(
         if not rt.key_allows(scope, target):
             raise
         try:
-            return rt.gate.enter(target, on_position=on_position), target
+            return await rt.gate.admit(target, on_position=on_position), target
         except Refused:
             raise refusal from None

@@ -145,7 +145,7 @@ async def relay_http(
             return
         record.bytes_up = len(body)
         try:
-            entry, fallback_pool = enter(rt, route, scope)
+            entry, fallback_pool = await enter(rt, route, scope)
             if fallback_pool is not None:
                 record.pool = fallback_pool
             if isinstance(entry, Lease):

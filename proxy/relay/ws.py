@@ -295,7 +295,7 @@ async def relay_websocket(
 
         try:
             feedback = on_position if route.queue_feedback else None
-            entry, fallback_pool = enter(rt, route, scope, feedback)
+            entry, fallback_pool = await enter(rt, route, scope, feedback)
             if fallback_pool is not None:
                 record.pool = fallback_pool
             if isinstance(entry, Waiting):
