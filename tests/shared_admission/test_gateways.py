@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -33,7 +34,9 @@ def redis() -> Iterator[RedisServer]:
         server.stop()
 
 
-def shared_settings(url: str, redis_url: str, cap: int = 1, **admission: Any) -> Settings:
+def shared_settings(
+    url: str, redis_url: str, cap: int = 1, queue: dict[str, Any] | None = None, **admission: Any
+) -> Settings:
     redis_options = {
         "url": redis_url, "lease_ttl_s": 10, "renew_interval_s": 2, "fence_margin_s": 1,
         "timeout_s": 0.5, **admission.pop("redis", {}),
@@ -41,6 +44,7 @@ def shared_settings(url: str, redis_url: str, cap: int = 1, **admission: Any) ->
     return proxy_settings(
         [("gpu0", url, cap)],
         [{"path": "/sse", "pool": "main", "protocol": "passthrough-http"}],
+        queue=queue,
         admission={"backend": "redis", "redis": redis_options, **admission},
     )
 
@@ -67,6 +71,29 @@ async def test_two_gateways_hold_one_cap_and_hand_the_slot_over(
         await a.gate.quiesce()  # the release has reached Redis
         admitted = await client.post(b.http_url + "/sse")
         assert admitted.status_code == 200
+
+
+async def test_a_request_queued_on_one_gateway_gets_the_slot_another_frees(
+    start_proxy: Any, upstream: Any, redis: RedisServer
+) -> None:
+    server, app = upstream
+    await seed_generation(redis.url, pool="main")
+    queue = {"max_depth": 4, "max_wait_s": 30}
+    a: Proxy = await start_proxy(shared_settings(server.http_url, redis.url, queue=queue))
+    b: Proxy = await start_proxy(shared_settings(server.http_url, redis.url, queue=queue))
+    async with httpx.AsyncClient(timeout=30) as client:
+        async with client.stream("POST", a.http_url + "/sse") as held:
+            chunks = held.aiter_raw()
+            await anext(chunks)
+            queued = asyncio.create_task(client.post(b.http_url + "/sse"))
+            await wait_until(lambda: b.gate.queued == 1)
+            assert not queued.done()
+            app.controls.release.set()  # the held stream ends; its slot goes to b's waiter
+            async for _ in chunks:
+                pass
+        response = await queued
+        assert response.status_code == 200
+    assert b.metric("headroom_session_decisions_total", pool="main", decision="queued") == 1
 
 
 async def test_redis_down_refuses_backend_unavailable_and_fails_readyz(
