@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -144,3 +145,13 @@ def test_profile_summary_folds_lines_into_functions(tmp_path: Path) -> None:
     assert total == 8
     assert own == {"send (b.py)": 4, "meter (c.py)": 4}
     assert inclusive["run (a.py)"] == 8
+
+
+def test_admission_redis_bench_quick(tmp_path: Path) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    rows = _run("admission_redis.py", tmp_path / "admission.json")
+    assert [row["backend"] for row in rows][:2] == ["memory", "redis"]
+    for row in rows:
+        assert row["sessions"] > 0 and row["acquire_p50_us"] > 0
+        assert math.isfinite(row["gateway_cpu_us_per_session"])
