@@ -65,3 +65,13 @@ def test_serve_with_redis_backend_and_no_redis_package_fails_clearly(
     assert main(["serve", "--config", str(config)]) == 2
     err = capsys.readouterr().err
     assert "pip install 'headroom-proxy[redis]'" in err and "admission.backend" in err
+
+
+def test_the_shipped_shared_redis_example_loads_without_warnings() -> None:
+    from proxy.settings import load_settings
+
+    root = Path(__file__).resolve().parents[2]
+    settings = load_settings(root / "config" / "gateway-shared-redis.yaml", env={})
+    assert settings.admission.backend == "redis"
+    assert settings.admission.on_backend_loss == "close"
+    assert settings.warnings() == []
