@@ -202,7 +202,7 @@ class SharedGate:
         self._stopped = False
         #: Whether the last call to Redis succeeded (``/readyz``).
         self.available = False
-        self._gauges: tuple[Gauge, Gauge, Counter] | None = None
+        self._gauges: tuple[Gauge, Gauge, Counter, Gauge] | None = None
         if metrics is not None:
             r = metrics.registry
             self._gauges = (
@@ -217,6 +217,9 @@ class SharedGate:
                         "Times this gateway ended its sessions because it could not prove "
                         "its leases (renewal failed past TTL - margin, or a lease was lost).",
                         ["pool"], registry=r),
+                Gauge("headroom_shared_queue_depth",
+                      "Sessions waiting in the pool's queue, over every gateway (pool-wide: "
+                      "use max, not sum).", ["pool", "scope"], registry=r),
             )  # fmt: skip
         for spec in pools:
             self.apply_pool(spec.name, spec.replicas, spec.queue, spec.fallback,
@@ -292,6 +295,9 @@ class SharedGate:
         except BackendUnavailable as exc:
             p.waiters.pop(waiter_id, None)
             self._set_available(False)
+            # The call may have run before its answer was lost: undo it if Redis lets us
+            # (if not, the lease expires and the queue place lapses on their own).
+            self._spawn(self._leave_remote(pool, waiter_id))
             log.warning("refusing a session on %s: admission store unreachable (%s)", pool, exc)
             raise self._refuse(p, "backend_unavailable", 1) from None
         self._set_available(True)
@@ -473,6 +479,10 @@ class SharedGate:
         p.generation = result.generation
         p.held = result.held
         p.queue_depth = result.queue_depth
+        if self._gauges is not None:
+            for replica in p.replicas:
+                self._gauges[1].labels(name, replica, "pool").set(p.held.get(replica, 0))
+            self._gauges[3].labels(name, "pool").set(p.queue_depth)
         p.last_renewed = sent
         self._arm_fence(p)
         if result.lost:
@@ -699,10 +709,6 @@ class SharedGate:
                     guarded(name, r.name) if guarded else r.guarded,
                     ratio(name, r.name) if ratio else None,
                 ))  # fmt: skip
-            if self._gauges is not None:
-                held, _ = self.pool_totals(name)
-                for r in stats.replicas:
-                    self._gauges[1].labels(name, r.name, "pool").set(held.get(r.name, 0))
         return out
 
     def queue_depths(self) -> list[tuple[str, int]]:

@@ -88,6 +88,12 @@ async def test_a_request_queued_on_one_gateway_gets_the_slot_another_frees(
             queued = asyncio.create_task(client.post(b.http_url + "/sse"))
             await wait_until(lambda: b.gate.queued == 1)
             assert not queued.done()
+            await a.gate.renew()  # reads the pool-wide figures from Redis
+            metrics = (await client.get(a.http_url + "/metrics")).text
+            held = 'headroom_shared_sessions_active{pool="main",replica="gpu0",scope="pool"} 1.0'
+            assert held in metrics
+            assert 'headroom_shared_queue_depth{pool="main",scope="pool"} 1.0' in metrics
+            assert 'headroom_sessions_active{pool="main",replica="gpu0"} 1.0' in metrics
             app.controls.release.set()  # the held stream ends; its slot goes to b's waiter
             async for _ in chunks:
                 pass
