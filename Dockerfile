@@ -25,7 +25,8 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proxy ./proxy
-RUN pip wheel --wheel-dir /wheels .
+# The redis extra: admission.backend: redis (several gateways sharing caps).
+RUN pip wheel --wheel-dir /wheels '.[redis]'
 
 # --- runtime: only the wheels installed, no source tree, no build tools --------------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -41,7 +42,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 # The wheels are bind-mounted from the builder, so they never land in a layer.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-index --find-links=/wheels headroom-proxy \
+    pip install --no-cache-dir --no-index --find-links=/wheels 'headroom-proxy[redis]' \
  && groupadd --system --gid 10001 headroom \
  && useradd --system --uid 10001 --gid headroom --no-create-home \
         --home-dir /nonexistent --shell /usr/sbin/nologin headroom \

@@ -90,7 +90,7 @@ def test_headroom_replicas_are_the_simulators() -> None:
     assert {(urlsplit(u).hostname, urlsplit(u).port) for u in urls} == set(sims.items())
     assert config["listen"]["port"] == PROXY_PORT
     depends = _services()["headroom"]["depends_on"]
-    assert set(depends) == set(sims)
+    assert set(depends) == set(sims) | {"redis"}
     assert all(d["condition"] == "service_healthy" for d in depends.values())
     for name in sims:
         assert _sims()[name]["healthcheck"]["test"], name
@@ -116,3 +116,23 @@ def test_prometheus_scrapes_headroom_and_every_simulator() -> None:
     assert f"headroom:{PROXY_PORT}" in targets
     for name, sim in _sims().items():
         assert f"{name}:{_flag(sim['command'], '--port')}" in targets
+
+
+def test_two_gateways_share_caps_through_the_redis_service() -> None:
+    services = _services()
+    config = load_yaml(REPO / "deploy" / "compose" / "headroom.yaml")
+    assert config["admission"]["backend"] == "redis"
+    url = urlsplit(config["admission"]["redis"]["url"])
+    assert (url.hostname, url.port) == ("redis", 6379)
+    assert services["redis"]["healthcheck"]["test"]
+    assert "noeviction" in services["redis"]["command"]
+    first, second = services["headroom"], services["headroom-2"]
+    for key in ("image", "command", "volumes", "depends_on"):
+        assert first[key] == second[key], key
+    assert "8081:8080" in second["ports"]
+    prometheus = load_yaml(REPO / "deploy" / "compose" / "prometheus.yml")
+    targets = {
+        t for job in prometheus["scrape_configs"] for sc in job["static_configs"]
+        for t in sc["targets"]
+    }
+    assert {"headroom:8080", "headroom-2:8080"} <= targets
