@@ -26,11 +26,13 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 from typing import Any
 
-from proxy.sim.engine import Engine
+from proxy.playback import PlaybackBuffer
+from proxy.sim.engine import Emission, Engine
 from proxy.sim.presets import Preset, get_preset
 
 __all__ = [
     "LoadResult",
+    "Rules",
     "describe",
     "find_ceiling",
     "percentile",
@@ -56,7 +58,7 @@ def percentile(values: list[float], q: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class LoadResult:
-    """What one virtual load run measured."""
+    """What one virtual load run measured (chunks and streams after the warm-up)."""
 
     concurrency: int
     chunks: int  #: delivery ratios measured
@@ -68,9 +70,33 @@ class LoadResult:
     mean_batch: float
     ttfa_p50_s: float
     max_waiting: int  #: most sequences left waiting by a step's admission
+    ttfa_p99_s: float = float("nan")
+    ttfa_mean_s: float = float("nan")
+    #: mean over finished requests of (last chunk - submit) / audio seconds
+    request_rtf: float = float("nan")
+    throughput: float = 0.0  #: audio seconds delivered per wall second (all streams)
+    streams: int = 0  #: streams that started playing after the warm-up
+    stalled_streams: int = 0  #: of those, streams whose modelled playback ran dry
+    startup_stalls: int = 0  #: streams whose first stall was at their first seam
+
+    @property
+    def stalled_share(self) -> float:
+        return self.stalled_streams / self.streams if self.streams else 0.0
 
     def as_json(self) -> dict[str, Any]:
-        return {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        out = {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
+        out["stalled_share"] = round(self.stalled_share, 4)
+        return out
+
+
+@dataclass(slots=True)
+class _Stream:
+    client: int
+    submitted_at: float
+    audio_s: float
+    playback: PlaybackBuffer
+    last_at: float | None = None
+    counted: bool = False
 
 
 def run_load(
@@ -81,69 +107,93 @@ def run_load(
     duration_s: float = 40.0,
     warmup_s: float = 8.0,
     utterance_s: tuple[float, float] = (8.0, 20.0),
+    stagger_s: float = 1.0,
+    think_s: float = 0.3,
+    prebuffer_s: float = 0.2,
 ) -> LoadResult:
     """Drive ``concurrency`` closed-loop streams through the engine for ``duration_s``
-    virtual seconds; see the module docstring."""
+    virtual seconds; see the module docstring. ``stagger_s`` 0 starts every client at
+    once (a benchmark's burst); ``prebuffer_s`` is the modelled listener's buffer."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     rng = random.Random(seed * 1_000_003 + concurrency)
     engine = Engine(preset.engine, seed=seed * 7919 + concurrency)
     rate = preset.token_rate_hz
-    arrivals: list[tuple[float, int]] = [(rng.uniform(0.0, 1.0), i) for i in range(concurrency)]
+    arrivals: list[tuple[float, int]] = [
+        (rng.uniform(0.0, stagger_s) if stagger_s > 0 else 0.0, i) for i in range(concurrency)
+    ]
     heapq.heapify(arrivals)
-    submitted_at: dict[int, float] = {}
-    last_chunk: dict[int, float] = {}
-    client_of: dict[int, int] = {}
+    streams: dict[int, _Stream] = {}
     ratios: list[float] = []
-    audio_total = wall_total = 0.0
+    audio_total = wall_total = delivered = 0.0
     ttfas: list[float] = []
+    rtfs: list[float] = []
     steps: list[float] = []
     batches: list[int] = []
+    counted: list[PlaybackBuffer] = []
     max_waiting = 0
     now = 0.0
+
+    def deliver(em: Emission) -> None:
+        nonlocal audio_total, wall_total, delivered
+        stream = streams[em.seq_id]
+        audio, at = (em.end - em.start) / rate, em.at
+        measuring = at >= warmup_s
+        if audio > 0:
+            if stream.last_at is None:
+                if measuring:
+                    ttfas.append(at - stream.submitted_at)
+                    stream.counted = True
+                    counted.append(stream.playback)
+            elif measuring and at > stream.last_at:
+                wall = at - stream.last_at
+                ratios.append(audio / wall)
+                audio_total += audio
+                wall_total += wall
+            if measuring and at <= duration_s:
+                delivered += audio
+            stream.playback.add(at, audio)
+            stream.last_at = at
+        if em.final:
+            stream.playback.finish(at)
+            del streams[em.seq_id]
+            if stream.counted:
+                rtfs.append((at - stream.submitted_at) / stream.audio_s)
+            think = rng.uniform(0.0, think_s) if think_s > 0 else 0.0
+            heapq.heappush(arrivals, (at + think, stream.client))
+
     while now < duration_s:
         while arrivals and arrivals[0][0] <= now:
             _, client = heapq.heappop(arrivals)
             audio_s = rng.uniform(*utterance_s)
             text_tokens = 0 if preset.kind == "asr" else round(audio_s * _TEXT_TOKENS_PER_AUDIO_S)
+            output = max(1, round(audio_s * rate))
             seq_id = engine.submit(
                 now=now,
                 prompt_tokens=preset.prompt_overhead_tokens + text_tokens,
-                output_tokens=max(1, round(audio_s * rate)),
-                first_chunk_tokens=preset.first_chunk_tokens,
-                chunk_tokens=preset.chunk_tokens,
+                output_tokens=output,
+                schedule=preset.schedule,
             )
-            submitted_at[seq_id] = now
-            client_of[seq_id] = client
+            streams[seq_id] = _Stream(client, now, output / rate, PlaybackBuffer(prebuffer_s))
         if not engine.has_work():
+            for em in sorted(engine.drain_codec(), key=lambda e: e.at):
+                deliver(em)
             if not arrivals:
                 break
-            now = arrivals[0][0]
+            now = max(now, arrivals[0][0])
             continue
         step = engine.step(now)
         now = step.ends_at
         max_waiting = max(max_waiting, step.waiting)
-        measuring = now >= warmup_s
-        if measuring:
+        if now >= warmup_s:
             steps.append(step.duration)
             batches.append(step.batch)
-        for em in step.emissions:
-            previous = last_chunk.get(em.seq_id)
-            if previous is None:
-                if measuring:
-                    ttfas.append(now - submitted_at[em.seq_id])
-            elif measuring and now > previous:
-                audio, wall = (em.end - em.start) / rate, now - previous
-                ratios.append(audio / wall)
-                audio_total += audio
-                wall_total += wall
-            last_chunk[em.seq_id] = now
-            if em.final:
-                last_chunk.pop(em.seq_id, None)
-                submitted_at.pop(em.seq_id, None)
-                heapq.heappush(arrivals, (now + rng.uniform(0.0, 0.3), client_of.pop(em.seq_id)))
+        for em in sorted(step.emissions, key=lambda e: e.at):
+            deliver(em)
     if not ratios or not steps:
         raise ValueError("the run measured nothing; lengthen duration_s")
+    stalled = sum(1 for p in counted if p.underruns)
+    startup = sum(1 for p in counted if p.first_chunk_underruns)
     return LoadResult(
         concurrency=concurrency,
         chunks=len(ratios),
@@ -155,6 +205,13 @@ def run_load(
         mean_batch=statistics.fmean(batches),
         ttfa_p50_s=statistics.median(ttfas) if ttfas else float("nan"),
         max_waiting=max_waiting,
+        ttfa_p99_s=percentile(ttfas, 0.99) if ttfas else float("nan"),
+        ttfa_mean_s=statistics.fmean(ttfas) if ttfas else float("nan"),
+        request_rtf=statistics.fmean(rtfs) if rtfs else float("nan"),
+        throughput=delivered / max(duration_s - warmup_s, 1e-9),
+        streams=len(counted),
+        stalled_streams=stalled,
+        startup_stalls=startup,
     )
 
 
@@ -166,16 +223,48 @@ def single_stream(preset: Preset, *, seed: int = 0) -> tuple[float, float]:
     return 1.0 / result.aggregate_delivery_ratio, result.ttfa_p50_s
 
 
+@dataclass(frozen=True, slots=True)
+class Rules:
+    """What a level must keep to count (the probe's verdict uses the same three):
+    the worst-1% per-chunk ``threshold``, at most ``max_stall_share`` of streams whose
+    modelled playback (``prebuffer_s``) ran dry, and TTFA p99 within ``ttfa_p99_s``."""
+
+    threshold: float = THRESHOLD
+    prebuffer_s: float = 0.2
+    max_stall_share: float = 0.0
+    ttfa_p99_s: float = 1.0
+
+    def failed(self, result: LoadResult) -> list[str]:
+        """The rules ``result`` breaks: ``steady`` (ratio), ``stalls``, ``ttfa``."""
+        out = []
+        if not result.p01_delivery_ratio >= self.threshold:
+            out.append("steady")
+        if result.stalled_share > self.max_stall_share:
+            out.append("stalls")
+        if not result.ttfa_p99_s <= self.ttfa_p99_s:
+            out.append("ttfa")
+        return out
+
+
 def find_ceiling(
-    preset: Preset, *, seed: int = 0, threshold: float = THRESHOLD, limit: int = 1024
+    preset: Preset,
+    *,
+    seed: int = 0,
+    threshold: float = THRESHOLD,
+    limit: int = 1024,
+    rules: Rules | None = None,
 ) -> tuple[int, list[LoadResult]]:
-    """``(ceiling, runs)``: ramp 1, 2, 4, ... until the worst-1% delivery ratio drops
-    below ``threshold``, then bisect. ``ceiling`` is 0 when one stream already fails."""
+    """``(ceiling, runs)``: ramp 1, 2, 4, ... until a level breaks a rule (by default
+    only the worst-1% ``threshold``; pass :class:`Rules` for all three), then bisect.
+    ``ceiling`` is 0 when one stream already fails."""
     runs: dict[int, LoadResult] = {}
+    prebuffer = rules.prebuffer_s if rules is not None else 0.2
 
     def passes(n: int) -> bool:
         if n not in runs:
-            runs[n] = run_load(preset, n, seed=seed)
+            runs[n] = run_load(preset, n, seed=seed, prebuffer_s=prebuffer)
+        if rules is not None:
+            return not rules.failed(runs[n])
         return runs[n].p01_delivery_ratio >= threshold
 
     if not passes(1):
@@ -196,10 +285,16 @@ def find_ceiling(
 
 @lru_cache(maxsize=64)
 def _describe(name: str, seed: int) -> tuple[tuple[str, Any], ...]:
-    preset = get_preset(name)
+    return _measure(get_preset(name), seed)
+
+
+def _measure(preset: Preset, seed: int) -> tuple[tuple[str, Any], ...]:
     engine = preset.engine
     rtf, ttfa = single_stream(preset, seed=seed)
-    ceiling, runs = find_ceiling(preset, seed=seed)
+    rules = Rules()
+    ceiling, runs = find_ceiling(preset, seed=seed, rules=rules)
+    steady, _ = find_ceiling(preset, seed=seed)
+    failing = next((r for r in runs if r.concurrency == ceiling + 1), None)
     mean_ceiling = 0
     budget = 1.0 / (THRESHOLD * preset.token_rate_hz)
     while engine.mean_step_s(mean_ceiling + 1) <= budget and mean_ceiling < engine.max_num_seqs:
@@ -221,6 +316,10 @@ def _describe(name: str, seed: int) -> tuple[tuple[str, Any], ...]:
         "knee_batch": engine.knee_batch(300),
         "ceiling": ceiling,
         "ceiling_threshold": THRESHOLD,
+        "ceiling_rules": asdict(rules),
+        "limited_by": rules.failed(failing) if failing is not None else [],
+        "ceiling_steady_only": steady,
+        "chunk_schedule": preset.schedule.describe(),
         "ceiling_mean_model": mean_ceiling,
         "expected_ceiling": preset.expected_ceiling,
         "max_num_seqs": engine.max_num_seqs,
@@ -239,7 +338,10 @@ def _describe(name: str, seed: int) -> tuple[tuple[str, Any], ...]:
     return tuple(info.items())
 
 
-def describe(preset: str, seed: int = 0) -> dict[str, Any]:
+def describe(preset: str | Preset, seed: int = 0) -> dict[str, Any]:
     """The preset's figures and its measured ``single_stream_rtf`` and ``ceiling``
-    (memoised per ``(preset, seed)``)."""
-    return copy.deepcopy(dict(_describe(preset, seed)))
+    (memoised per ``(name, seed)``; a :class:`Preset` value, e.g. one with another chunk
+    schedule, is measured every time)."""
+    if isinstance(preset, str):
+        return copy.deepcopy(dict(_describe(preset, seed)))
+    return dict(_measure(preset, seed))

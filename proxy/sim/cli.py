@@ -20,10 +20,11 @@ from typing import TextIO
 
 from proxy.serving import signal_handlers
 from proxy.sim.capacity import describe
+from proxy.sim.chunks import parse_ramp
 from proxy.sim.cluster import running_cluster
 from proxy.sim.faults import add_fault_arguments, faults_from_args
 from proxy.sim.gpu import Timeouts
-from proxy.sim.presets import DEFAULT_PRESET, PRESETS, get_preset, preset_names
+from proxy.sim.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset, preset_names
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -47,6 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.add_argument("--max-num-seqs", type=int, metavar="N", help="override vLLM max_num_seqs")
     parser.add_argument("--kv-cache-gib", type=float, metavar="GIB", help="override KV cache size")
+    parser.add_argument(
+        "--codec-chunk-ramp", metavar="LIST",
+        help="vLLM-Omni codec_chunk_ramp: initial chunk frames, e.g. 4,4,8,16,25",
+    )  # fmt: skip
+    parser.add_argument(
+        "--initial-codec-chunk-frames", type=int, metavar="N",
+        help="vLLM-Omni initial_codec_chunk_frames: a fixed first chunk of N frames",
+    )  # fmt: skip
     parser.add_argument(
         "--speech-config-timeout", type=float, default=10.0, metavar="S",
         help="speech WebSocket: seconds to wait for session.config (vLLM-Omni: 10)",
@@ -80,29 +89,53 @@ def _print_description(info: dict[str, object], args: argparse.Namespace, out: T
     if args.json:
         print(json.dumps(info, indent=2), file=out)
         return
-    keys = ("preset", "model", "gpu", "token_rate_hz", "single_stream_rtf",
-            "single_stream_delivery_ratio", "ttfa_s", "knee_batch", "ceiling",
-            "ceiling_mean_model", "expected_ceiling")  # fmt: skip
+    keys = ("preset", "model", "gpu", "token_rate_hz", "chunk_schedule", "max_num_seqs",
+            "single_stream_rtf", "single_stream_delivery_ratio", "ttfa_s", "knee_batch",
+            "ceiling", "limited_by", "ceiling_steady_only", "ceiling_mean_model",
+            "expected_ceiling")  # fmt: skip
     for key in keys:
         print(f"{key:30s} {info[key]}", file=out)
-    print("ramp (concurrency: worst-1% / median delivery ratio, mean step ms)", file=out)
+    print(
+        "ramp (concurrency: worst-1% / median delivery ratio, mean step ms, share of "
+        "streams stalling, TTFA p99)",
+        file=out,
+    )
     ramp = info["ramp"]
     assert isinstance(ramp, list)
     for row in ramp:
         print(
             f"  {row['concurrency']:5d}: {row['p01_delivery_ratio']:6.3f} / "
-            f"{row['median_delivery_ratio']:6.3f}  {row['mean_step_ms']:7.1f}",
+            f"{row['median_delivery_ratio']:6.3f}  {row['mean_step_ms']:7.1f}  "
+            f"{row['stalled_share']:5.0%}  {row['ttfa_p99_s']:6.3f} s",
             file=out,
         )
 
 
-async def _serve(args: argparse.Namespace, out: TextIO) -> None:
-    preset = get_preset(args.preset)
+def _preset_from_args(name: str, args: argparse.Namespace) -> Preset:
+    """The named preset with the command line's engine options applied."""
+    preset = get_preset(name)
     if args.max_num_seqs is not None or args.kv_cache_gib is not None:
         preset = preset.with_overrides(
             max_num_seqs=args.max_num_seqs,
             kv_cache_bytes=None if args.kv_cache_gib is None else args.kv_cache_gib * 2**30,
         )
+    ramp = parse_ramp(args.codec_chunk_ramp) if args.codec_chunk_ramp else None
+    first = args.initial_codec_chunk_frames
+    if first is not None and first < 1:
+        raise ValueError("--initial-codec-chunk-frames must be >= 1")
+    if ramp is not None or first is not None:
+        preset = preset.with_schedule(initial_frames=first, ramp=ramp)
+    return preset
+
+
+def _customised(args: argparse.Namespace) -> bool:
+    options = (args.max_num_seqs, args.kv_cache_gib, args.codec_chunk_ramp,
+               args.initial_codec_chunk_frames)  # fmt: skip
+    return any(o is not None for o in options)
+
+
+async def _serve(args: argparse.Namespace, out: TextIO) -> None:
+    preset = _preset_from_args(args.preset, args)
     timeouts = Timeouts(args.speech_config_timeout, args.speech_idle_timeout)
     stop = asyncio.Event()
     with signal_handlers({signal.SIGINT: stop.set, signal.SIGTERM: stop.set}):
@@ -142,7 +175,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             _print_presets(args, out)
             return 0
         if args.describe:
-            _print_description(describe(args.describe, args.seed), args, out)
+            target = _preset_from_args(args.describe, args) if _customised(args) else args.describe
+            _print_description(describe(target, args.seed), args, out)
             return 0
         if args.gpus < 1:
             raise ValueError("--gpus must be >= 1")

@@ -7,14 +7,23 @@ the step takes and which chunks it emits. The emissions become visible at
 ``step.started_at + step.duration``; the next step may start then. Tests drive it on
 a virtual clock; :mod:`proxy.sim.runner` drives it in real time, one loop per GPU.
 
-Step time (ENGINE_FIGURES section 5)::
+Step time (docs/sim.md §1)::
 
     memory  = (weight bytes read per step + KV bytes of the ready sequences) / bandwidth
-    compute = batch x (1 - vocoder_share) x F_eff / peak FLOPs
+    compute = batch ** batch_exponent x (1 - vocoder_share) x F_eff / peak FLOPs
     step    = (max(memory, compute) + c0 + c_seq x batch
                + prefill of newly admitted prompts
                + vocoder_share x F_eff x chunk tokens / peak, per chunk emitted)
               x jitter
+
+Chunks follow each sequence's :class:`~proxy.sim.chunks.ChunkSchedule` (the initial
+sizes are fixed at admission, from the load when the schedule is load-dependent). With
+a codec stage (``spec.codec``) a chunk the step completes goes to the codec's FIFO
+queue instead of out: the codec decodes up to ``batch`` queued chunks per call (each
+chunk's frames plus its left context) on its own timeline, overlapping later steps,
+and the chunk becomes visible when its call ends (:attr:`Emission.at`). Every chunk
+may also wait a per-chunk random delay (``emit_jitter_s``), never overtaking the
+stream's previous chunk.
 
 ``jitter`` is a seeded log-normal factor with mean 1 whose 95th percentile is
 ``jitter_p95`` (1.3 in the published-curve fits). It is an AR(1) process in time
@@ -37,8 +46,9 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from proxy.sim.chunks import ChunkSchedule
 from proxy.sim.spec import EngineSpec, jitter_sigma
 
 __all__ = [
@@ -53,12 +63,15 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Emission:
-    """Tokens ``[start, end)`` of sequence ``seq_id`` became available (one chunk)."""
+    """Tokens ``[start, end)`` of sequence ``seq_id`` became available (one chunk) at
+    ``at``: the end of the step that made them, or, with a codec stage, the end of the
+    codec call that decoded them (possibly after later steps)."""
 
     seq_id: int
     start: int
     end: int
     final: bool
+    at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,8 +118,7 @@ class EngineStats:
 class _Seq:
     seq_id: int
     prompt_tokens: int
-    first_chunk: int
-    chunk: int
+    schedule: ChunkSchedule
     gated: bool
     submitted_at: float
     limit: int  #: tokens it may generate so far (input received, or the target)
@@ -118,6 +130,26 @@ class _Seq:
     first_token_at: float | None = None
     recompute: bool = False
     context: int = 0  #: KV tokens held while running
+    plan: tuple[int, ...] | None = None  #: initial chunk sizes, fixed at first admission
+    chunks: int = 0  #: chunks emitted so far
+
+    def chunk_size(self, index: int) -> int:
+        plan = self.plan if self.plan is not None else self.schedule.initial
+        return plan[index] if index < len(plan) else self.schedule.steady
+
+    def first_size(self) -> int:
+        if self.plan is not None:
+            return self.chunk_size(0)
+        s = self.schedule
+        return max(s.load_first, default=0) or (s.initial[0] if s.initial else s.steady)
+
+
+@dataclass(frozen=True, slots=True)
+class _CodecJob:
+    ready_at: float
+    emission: Emission
+    frames: int  #: the chunk's frames plus its left context
+    delay: float  #: the chunk's own extra delay after decoding (emit_jitter_s)
 
 
 @dataclass(slots=True)
@@ -148,6 +180,10 @@ class Engine:
         self._running: list[_Seq] = []
         self._kv_tokens = 0
         self._count = _Counters()
+        self._codec_jobs: deque[_CodecJob] = deque()
+        self._codec_free_at = 0.0
+        self._emit_rng = random.Random(seed * 31 + 7)
+        self._visible_at: dict[int, float] = {}  #: seq_id -> its latest chunk's ``at``
 
     # -- submissions ------------------------------------------------------------------
 
@@ -157,37 +193,40 @@ class Engine:
         now: float,
         prompt_tokens: int,
         output_tokens: int | None = None,
-        first_chunk_tokens: int,
-        chunk_tokens: int,
+        first_chunk_tokens: int = 0,
+        chunk_tokens: int = 0,
+        schedule: ChunkSchedule | None = None,
     ) -> int:
         """Queue a sequence; return its id.
 
         ``output_tokens`` set: a free-running generation of that many tokens (TTS, file
         ASR). ``None``: a gated stream whose tokens are released by :meth:`extend_input`
-        and which finishes after :meth:`close_input`. Chunks are ``first_chunk_tokens``
-        then ``chunk_tokens`` long (the last one may be shorter).
+        and which finishes after :meth:`close_input`. Chunks follow ``schedule``, or are
+        ``first_chunk_tokens`` then ``chunk_tokens`` long (the last one may be shorter).
         """
-        if prompt_tokens < 0 or first_chunk_tokens < 1 or chunk_tokens < 1:
+        if schedule is None:
+            if first_chunk_tokens < 1 or chunk_tokens < 1:
+                raise ValueError("prompt_tokens >= 0 and chunk sizes >= 1 required")
+            schedule = ChunkSchedule.simple(first_chunk_tokens, chunk_tokens)
+        if prompt_tokens < 0:
             raise ValueError("prompt_tokens >= 0 and chunk sizes >= 1 required")
         if output_tokens is not None and output_tokens < 0:
             raise ValueError("output_tokens must be >= 0")
-        need = (prompt_tokens + first_chunk_tokens) * self.spec.kv_bytes_per_token
+        seq = _Seq(
+            seq_id=self._next_id,
+            prompt_tokens=prompt_tokens,
+            schedule=schedule,
+            gated=output_tokens is None,
+            submitted_at=now,
+            limit=output_tokens or 0,
+            closed=output_tokens is not None,
+        )
+        need = (prompt_tokens + seq.first_size()) * self.spec.kv_bytes_per_token
         if need > self.spec.kv_budget_bytes:
             raise ValueError(
                 f"prompt of {prompt_tokens} tokens does not fit the KV cache "
                 f"({self.spec.kv_budget_bytes / 2**30:.1f} GiB)"
             )
-        seq = _Seq(
-            seq_id=self._next_id,
-            prompt_tokens=prompt_tokens,
-            first_chunk=first_chunk_tokens,
-            chunk=chunk_tokens,
-            gated=output_tokens is None,
-            submitted_at=now,
-            limit=output_tokens or 0,
-            closed=output_tokens is not None,
-            next_emit=first_chunk_tokens,
-        )
         self._next_id += 1
         self._seqs[seq.seq_id] = seq
         self._waiting.append(seq)
@@ -207,7 +246,11 @@ class Engine:
             seq.closed = True
 
     def cancel(self, seq_id: int) -> None:
-        """Abort a sequence (client went away); frees its slot and KV. Idempotent."""
+        """Abort a sequence (client went away); frees its slot and KV, and drops its
+        chunks still waiting for the codec. Idempotent."""
+        self._visible_at.pop(seq_id, None)
+        if any(job.emission.seq_id == seq_id for job in self._codec_jobs):
+            self._codec_jobs = deque(j for j in self._codec_jobs if j.emission.seq_id != seq_id)
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
@@ -227,6 +270,12 @@ class Engine:
         if self._waiting and self._can_admit(self._waiting[0]):
             return True
         return any(self._ready(s) for s in self._running)
+
+    def drain_codec(self) -> list[Emission]:
+        """Decode every queued chunk now (the LM is idle, so no chunk can join them):
+        the emissions, each with its ``at``. The runner calls this when
+        :meth:`has_work` is false."""
+        return self._run_codec(math.inf)
 
     def contains(self, seq_id: int) -> bool:
         return seq_id in self._seqs
@@ -259,19 +308,20 @@ class Engine:
     def step(self, now: float) -> Step:
         """Run one iteration starting at ``now``; see the module docstring."""
         spec = self.spec
+        decoded = self._run_codec(now)
         admitted, queue_times, prefill_s = self._admit(now)
         preempted = self._preempt_for_growth()
         running, waiting = len(self._running), len(self._waiting)
         kv_per_step = 0
         batch = 0
         vocoder_tokens = 0
-        emissions: list[Emission] = []
+        made: list[tuple[_Seq, int, int, bool]] = []
         first_tokens: list[tuple[int, float]] = []
         finished_seqs: list[_Seq] = []
         for seq in self._running:
             if seq.generated >= seq.limit:
                 if seq.closed:  # input ended after it caught up: close the stream
-                    emissions.append(Emission(seq.seq_id, seq.emitted, seq.generated, True))
+                    made.append((seq, seq.emitted, seq.generated, True))
                     vocoder_tokens += seq.generated - seq.emitted
                     seq.emitted = seq.generated
                     finished_seqs.append(seq)
@@ -285,10 +335,11 @@ class Engine:
                 first_tokens.append((seq.seq_id, 0.0))
             done = seq.closed and seq.generated >= seq.limit
             if seq.generated >= seq.next_emit or done:
-                emissions.append(Emission(seq.seq_id, seq.emitted, seq.generated, done))
+                made.append((seq, seq.emitted, seq.generated, done))
                 vocoder_tokens += seq.generated - seq.emitted
                 seq.emitted = seq.generated
-                seq.next_emit = seq.generated + seq.chunk
+                seq.chunks += 1
+                seq.next_emit = seq.generated + seq.chunk_size(seq.chunks)
             if done:
                 finished_seqs.append(seq)
         self._kv_tokens += batch
@@ -297,6 +348,15 @@ class Engine:
         duration += vocoder_tokens * spec.vocoder_share * spec.flops_per_token / spec.peak_flops
         duration *= self._jitter(duration)
         end = now + duration
+        emissions = list(decoded)
+        for seq, start, stop, final in made:
+            em = Emission(seq.seq_id, start, stop, final)
+            delay = self._emit_delay()
+            if spec.codec is None:
+                emissions.append(self._visible(em, end + delay))
+            else:
+                context = min(seq.schedule.left_context, start)
+                self._codec_jobs.append(_CodecJob(end, em, stop - start + context, delay))
         firsts = []
         for seq_id, _ in first_tokens:
             seq = self._seqs[seq_id]
@@ -340,7 +400,7 @@ class Engine:
     def _can_admit(self, seq: _Seq) -> bool:
         if len(self._running) >= self.spec.max_num_seqs:
             return False
-        need = self._prompt_cost(seq) + seq.first_chunk
+        need = self._prompt_cost(seq) + seq.first_size()
         return (self._kv_tokens + need) * self.spec.kv_bytes_per_token <= self.spec.kv_budget_bytes
 
     def _admit(self, now: float) -> tuple[list[int], list[tuple[int, float]], float]:
@@ -358,6 +418,10 @@ class Engine:
                 queue_times.append((seq.seq_id, now - seq.submitted_at))
                 self._count.prompt_tokens += seq.prompt_tokens
             seq.admitted_at = now
+            if seq.plan is None:
+                running = len(self._running) + 1
+                seq.plan = seq.schedule.plan(running, spec.max_num_seqs)
+                seq.next_emit = seq.chunk_size(0)
             seq.context = cost
             seq.recompute = False
             self._kv_tokens += cost
@@ -390,6 +454,40 @@ class Engine:
             self._count.preemptions += 1
             preempted.append(victim.seq_id)
         return preempted
+
+    def _emit_delay(self) -> float:
+        """A chunk's own extra delay (``emit_jitter_s`` mean, exponential)."""
+        mean = self.spec.emit_jitter_s
+        return self._emit_rng.expovariate(1.0 / mean) if mean > 0 else 0.0
+
+    def _visible(self, em: Emission, at: float) -> Emission:
+        """``em`` visible at ``at``, but never before the stream's previous chunk."""
+        previous = self._visible_at.get(em.seq_id)
+        if previous is not None:
+            at = max(at, previous + 1e-6)  # strictly after: timers keep the order
+        if em.final:
+            self._visible_at.pop(em.seq_id, None)
+        else:
+            self._visible_at[em.seq_id] = at
+        return replace(em, at=at)
+
+    def _run_codec(self, until: float) -> list[Emission]:
+        """Run the codec calls that start by ``until``: FIFO, up to ``batch`` chunks per
+        call, each call taking the chunks ready when it starts."""
+        codec = self.spec.codec
+        out: list[Emission] = []
+        jobs = self._codec_jobs
+        while codec is not None and jobs:
+            start = max(self._codec_free_at, jobs[0].ready_at)
+            if start > until:
+                break
+            take: list[_CodecJob] = []
+            while jobs and len(take) < codec.batch and jobs[0].ready_at <= start:
+                take.append(jobs.popleft())
+            end = start + codec.call_time(sum(j.frames for j in take))
+            self._codec_free_at = end
+            out.extend(self._visible(job.emission, end + job.delay) for job in take)
+        return out
 
     def _jitter(self, duration: float) -> float:
         if self._sigma == 0.0:

@@ -258,13 +258,13 @@ class SimGpu:
     def open_stream(
         self, *, prompt_tokens: int, output_tokens: int | None, first_chunk_tokens: int = 0
     ) -> SeqStream:
-        """Submit one sequence with the preset's chunking (``first_chunk_tokens`` > 0
-        overrides the first chunk, like vLLM-Omni's ``initial_codec_chunk_frames``)."""
+        """Submit one sequence with the preset's chunk schedule (``first_chunk_tokens`` >
+        0 fixes the first chunk, like vLLM-Omni's ``initial_codec_chunk_frames``)."""
+        schedule = self.preset.schedule
+        if first_chunk_tokens > 0:
+            schedule = schedule.with_first(first_chunk_tokens)
         return self.runner.open(
-            prompt_tokens=prompt_tokens,
-            output_tokens=output_tokens,
-            first_chunk_tokens=first_chunk_tokens or self.preset.first_chunk_tokens,
-            chunk_tokens=self.preset.chunk_tokens,
+            prompt_tokens=prompt_tokens, output_tokens=output_tokens, schedule=schedule
         )
 
     def next_session_seed(self) -> int:

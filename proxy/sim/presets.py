@@ -1,17 +1,18 @@
 """Presets: representative (GPU, speech model) deployments for the simulator.
 
-Every number comes from ``shared/ENGINE_FIGURES.md`` (GPU specs, table 1; model facts,
-table 2; published serving curves, section 3; chunk sizes, section 4; fitted
-overheads, section 5) or is derived from them; ``sources`` on each preset names the
-rows. Where a figure is an assumption it says so. ``docs/sim.md`` explains the fits.
+Every number is a public figure or derived from one (docs/sim.md §2 lists them: GPU
+specs, model facts, published serving curves, chunk sizes); ``sources`` on each preset
+names them. Where a figure is an assumption it says so. docs/sim.md explains the fits,
+and ``python -m proxy.sim.validate`` compares every preset with every published point.
 
-Two fitted terms carry the work a roofline does not see (ENGINE_FIGURES section 5):
+Two fitted terms carry the work a roofline does not see (docs/sim.md §1):
 ``flops_per_token`` is an *effective* per-stream cost (F_eff: vocoder on the same GPU,
 per-request Python work, multi-pass code predictors) and ``step_overhead_s`` (c0) the
 fixed per-step cost. ``vocoder_share`` moves that part of F_eff from every step to the
 step that emits a chunk, which is where a codec/vocoder really runs. Where a published
 single-stream RTF exists, c0 is fitted to it (one step per token); the slope past the
-knee is F_eff (+ c_seq), as in the ENGINE_FIGURES fits.
+knee is F_eff (+ c_seq). The presets with published curves instead fit c0, F_eff, the
+bend (``batch_exponent``) and the codec stage to every published point at once.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from proxy.sim.spec import EngineSpec
+from proxy.sim.chunks import ChunkSchedule
+from proxy.sim.spec import CodecSpec, EngineSpec
 
 __all__ = [
     "DEFAULT_PRESET",
@@ -34,10 +36,18 @@ __all__ = [
 GB = 1e9
 KIB = 1024
 
+#: vLLM-Omni Qwen3-TTS: load-dependent first chunk, then 25 frames (2 s), decoded with
+#: 72 frames of left context (``deploy/qwen3_tts.yaml``).
+QWEN3_TTS_CHUNKS = ChunkSchedule(steady=25, load_first=(2, 4, 8, 16), left_context=72)
+#: Voxtral TTS: five 5-frame chunks, then 25-frame ones (left context not published).
+VOXTRAL_TTS_CHUNKS = ChunkSchedule(steady=25, initial=(5, 5, 5, 5, 5))
+#: CosyVoice 2: token_hop_len 25 doubling (stream_scale_factor 2) up to 4 x 25.
+COSYVOICE2_CHUNKS = ChunkSchedule(steady=100, initial=(25, 50))
+
 
 @dataclass(frozen=True, slots=True)
 class Gpu:
-    """A GPU's public figures (ENGINE_FIGURES table 1; dense BF16, no sparsity)."""
+    """A GPU's public figures (docs/sim.md §2; dense BF16, no sparsity)."""
 
     name: str
     memory_bytes: float
@@ -77,7 +87,28 @@ class Preset:
     gpu_memory_utilization: float
     sources: tuple[str, ...]
     published_rtf: float | None = None  #: the single-stream RTF the fit reproduces
-    expected_ceiling: str = ""  #: ENGINE_FIGURES' estimate, for the docs
+    expected_ceiling: str = ""  #: the published estimate, for the docs
+    #: The engine's own chunking (None: ``first_chunk_tokens`` then ``chunk_tokens``).
+    chunk_schedule: ChunkSchedule | None = None
+
+    @property
+    def schedule(self) -> ChunkSchedule:
+        """The chunk schedule; ``chunk_tokens`` is always its steady size."""
+        if self.chunk_schedule is None:
+            return ChunkSchedule.simple(self.first_chunk_tokens, self.chunk_tokens)
+        return replace(self.chunk_schedule, steady=self.chunk_tokens)
+
+    def with_schedule(
+        self, *, initial_frames: int | None = None, ramp: tuple[int, ...] | None = None
+    ) -> Preset:
+        """vLLM-Omni's ``initial_codec_chunk_frames`` (a fixed first chunk) or
+        ``codec_chunk_ramp`` (initial chunks) applied to this preset."""
+        schedule = self.schedule
+        if ramp is not None:
+            schedule = schedule.with_ramp(ramp)
+        if initial_frames is not None:
+            schedule = schedule.with_first(initial_frames)
+        return replace(self, chunk_schedule=schedule, first_chunk_tokens=schedule.initial[0])
 
     def with_overrides(
         self, *, max_num_seqs: int | None = None, kv_cache_bytes: float | None = None
@@ -122,13 +153,22 @@ def _preset(
     activations: float = 3 * GB,
     utilization: float = 0.9,
     max_num_seqs: int = 256,
+    batch_exponent: float = 1.0,
+    codec: CodecSpec | None = None,
+    schedule: ChunkSchedule | None = None,
+    emit_jitter_s: float = 0.0,
+    jitter_p95: float = 1.3,
+    fit_c0: bool = True,
+    prefill_overhead_s: float = 0.004,
 ) -> Preset:
     # c0 is fitted so the single-stream step reproduces the published RTF (one step
-    # per token); with no published RTF the ENGINE_FIGURES c0 is used as is.
+    # per token); with no published RTF (or ``fit_c0=False``) c0 is used as is.
     per_stream = f_eff / gpu.peak_flops
     memory = weight_bytes / gpu.bandwidth
     at_one = max(memory, (1 - vocoder_share) * per_stream) + vocoder_share * per_stream + c_seq
-    fitted_c0 = c0 if published_rtf is None else published_rtf / token_rate_hz - at_one
+    fitted_c0 = (
+        c0 if published_rtf is None or not fit_c0 else published_rtf / token_rate_hz - at_one
+    )
     if fitted_c0 <= 0:
         raise ValueError(f"preset {name}: published RTF is below the roofline")
     engine = EngineSpec(
@@ -142,8 +182,12 @@ def _preset(
         per_seq_overhead_s=c_seq,
         vocoder_share=vocoder_share,
         prefill_flops_per_token=2 * prefill_params,
-        prefill_overhead_s=0.004,
+        prefill_overhead_s=prefill_overhead_s,
         max_num_seqs=max_num_seqs,
+        batch_exponent=batch_exponent,
+        codec=codec,
+        emit_jitter_s=emit_jitter_s,
+        jitter_p95=jitter_p95,
     )
     return Preset(
         name=name,
@@ -162,6 +206,7 @@ def _preset(
         sources=sources,
         published_rtf=published_rtf,
         expected_ceiling=expected_ceiling,
+        chunk_schedule=schedule,
     )
 
 
@@ -184,19 +229,20 @@ PRESETS: dict[str, Preset] = {
             prefill_params=0.49e9,
             token_rate_hz=25.0,
             sample_rate=24000,
-            first_chunk=5,  # vllm-omni initial_codec_chunk_frames
-            chunk=25,  # CosyVoice token_hop_len (1 s)
+            first_chunk=25,  # token_hop_len (1 s), doubling: 1 s, 2 s, then 4 s
+            chunk=100,
+            schedule=COSYVOICE2_CHUNKS,
             prompt_overhead=40,
             activations=2 * GB,
             sources=(
-                "ENGINE_FIGURES 1: L4 300 GB/s, 121 TF",
-                "ENGINE_FIGURES 2: CosyVoice 2, Qwen2.5-0.5B, 25 Hz, 12 KiB/token",
-                "ENGINE_FIGURES 3: CosyVoice 2 on L20 TRT-LLM RTF 0.089 at c=1 "
+                "GPU: L4 300 GB/s, 121 TF",
+                "model: CosyVoice 2, Qwen2.5-0.5B, 25 Hz, 12 KiB/token",
+                "published: CosyVoice 2 on L20 TRT-LLM RTF 0.089 at c=1 "
                 "(x 864/300 bandwidth -> ~0.26 on L4); DiT first chunk 197/511/1215 ms "
                 "at c=1/4/10",
-                "ENGINE_FIGURES 3: RTX 5090 vLLM RTF 0.43 at c=1, 1.21 at c=8 [U]",
-                "ENGINE_FIGURES 4: token_hop_len 25; vllm-omni initial 5 frames",
-                "ENGINE_FIGURES 3: CosyVoice 3 ~30% of time in token2wav",
+                "published: RTX 5090 vLLM RTF 0.43 at c=1, 1.21 at c=8 [U]",
+                "chunking: token_hop_len 25 growing x2 up to 4 x 25 (1 s, 2 s, 4 s)",
+                "published: CosyVoice 3 ~30% of time in token2wav",
             ),
             published_rtf=0.25,
             expected_ceiling="~5 (derived; no published L4 curve)",
@@ -211,23 +257,32 @@ PRESETS: dict[str, Preset] = {
             weight_bytes=4.9 * GB,  # talker 2.8 GB + 15 x 0.136 GB predictor [D]
             resident_bytes=4.5 * GB,
             kv_per_token=112 * KIB,  # 28 layers x 8 x 128 x 2 x 2 B
-            f_eff=1.24e12,
-            c0=0.0139,
-            vocoder_share=0.2,  # Code2Wav on the same GPU [U]
+            # Fitted to all four published points (docs/sim.md §2): per-stream cost
+            # 10.24 ms x batch^0.641 above c0 9.80 ms.
+            f_eff=0.010242 * GPUS["L40S"].peak_flops,
+            c0=0.009796,
+            batch_exponent=0.6406,
+            fit_c0=False,
+            vocoder_share=0.0,
+            # Code2Wav as its own stage at batch 1; no L40S TTFA is published, so its
+            # cost is the H200 fit's [U].
+            codec=CodecSpec(batch=1, call_s=0.03146, frame_s=0.000043),
+            max_num_seqs=16,  # the DLC run's config is not published: its largest c [U]
             prefill_params=1.7e9,
             token_rate_hz=12.5,
             sample_rate=24000,
-            first_chunk=4,  # ramp start [4, 4, 8, 16, 25]
-            chunk=25,  # codec_chunk_frames (2 s)
+            first_chunk=2,  # load-dependent 2/4/8/16, then codec_chunk_frames 25 (2 s)
+            chunk=25,
+            schedule=QWEN3_TTS_CHUNKS,
             prompt_overhead=32,
             sources=(
-                "ENGINE_FIGURES 1: L40S 864 GB/s, 362 TF",
-                "ENGINE_FIGURES 2: Qwen3-TTS 12.5 Hz, 112 KiB/token",
-                "ENGINE_FIGURES 3: L40S aggregate 4.08x at c=1, 8.17x c=4, 13.0x c=8, "
+                "GPU: L40S 864 GB/s, 362 TF",
+                "model: Qwen3-TTS 12.5 Hz, 112 KiB/token",
+                "published: L40S aggregate 4.08x at c=1, 8.17x c=4, 13.0x c=8, "
                 "18.0x c=16 (aws/deep-learning-containers PR #6022)",
-                "ENGINE_FIGURES 4: codec_chunk_frames 25, ramp [4,4,8,16,25]",
-                "ENGINE_FIGURES 5: W 4.9 GB, c0 13.9 ms, F_eff 1.24e12, RTF 0.245, "
-                "ceiling ~11 (mean 15)",
+                "chunking: codec_chunk_frames 25, left context 72, load-dependent "
+                "first chunk 2/4/8/16, optional ramp [4,4,8,16,25]",
+                "derived: W 4.9 GB",
             ),
             published_rtf=0.245,
             expected_ceiling="~11 (mean model 15)",
@@ -241,20 +296,29 @@ PRESETS: dict[str, Preset] = {
             weight_bytes=4.9 * GB,
             resident_bytes=4.5 * GB,
             kv_per_token=112 * KIB,
-            f_eff=1.35e12,
-            c0=0.0118,
-            vocoder_share=0.2,
+            # Fitted to both RTF and all three TTFP points (docs/sim.md §2).
+            f_eff=0.0012373 * GPUS["H200"].peak_flops,
+            c0=0.011364,
+            batch_exponent=0.9975,
+            fit_c0=False,
+            vocoder_share=0.0,
+            codec=CodecSpec(batch=1, call_s=0.03146, frame_s=0.000043),  # codec batch 1
+            max_num_seqs=10,  # the published run's talker batch
             prefill_params=1.7e9,
             token_rate_hz=12.5,
             sample_rate=24000,
-            first_chunk=4,
+            first_chunk=2,
             chunk=25,
+            schedule=QWEN3_TTS_CHUNKS,
             prompt_overhead=32,
             sources=(
-                "ENGINE_FIGURES 1: H200 4.8 TB/s, 989 TF",
-                "ENGINE_FIGURES 3: H200 RTF 0.160 at c=1 (TTFP 64 ms), 0.314 at c=10 "
+                "GPU: H200 4.8 TB/s, 989 TF",
+                "published: H200 RTF 0.160 at c=1 (TTFP 64 ms), TTFP 119 ms at c=4, "
+                "RTF 0.314 at c=10 (TTFP 425 ms); talker batch 10, codec batch 1 "
                 "(vllm-omni qwen3_omni_tts_performance_optimization.md)",
-                "ENGINE_FIGURES 5: W 4.9 GB, c0 11.8 ms, F_eff 1.35e12, ceiling ~30 (mean 40)",
+                "chunking: codec_chunk_frames 25, left context 72, load-dependent "
+                "first chunk 2/4/8/16",
+                "derived: W 4.9 GB",
             ),
             published_rtf=0.160,
             expected_ceiling="~30 (mean model 40)",
@@ -269,21 +333,30 @@ PRESETS: dict[str, Preset] = {
             weight_bytes=13 * GB,  # 6.8 GB backbone + 0.78 GB x 8 NFE [D, U]
             resident_bytes=8.5 * GB,
             kv_per_token=104 * KIB,  # 26 layers x 8 x 128 x 2 x 2 B
-            f_eff=7e11,
-            c0=0.0055,
-            vocoder_share=0.2,
+            # Fitted to all three RTF and all three latency points (docs/sim.md §2):
+            # 5.10 ms x batch^0.409 above c0 2.85 ms; 17.4 ms per admitted request.
+            f_eff=0.0050966 * GPUS["H200"].peak_flops,
+            c0=0.0028453,
+            batch_exponent=0.40895,
+            fit_c0=False,
+            prefill_overhead_s=0.017421,
+            vocoder_share=0.0,
+            codec=CodecSpec(batch=4, call_s=0.009651, frame_s=0.000227),  # [U, fitted]
+            max_num_seqs=32,  # the deploy config's
             prefill_params=3.4e9,
             token_rate_hz=12.5,
             sample_rate=24000,
-            first_chunk=4,  # same vllm-omni async-chunk stack as Qwen3-TTS [U]
+            first_chunk=5,  # five 5-frame chunks, then 25
             chunk=25,
+            schedule=VOXTRAL_TTS_CHUNKS,
             prompt_overhead=32,
             sources=(
-                "ENGINE_FIGURES 1: H200 4.8 TB/s, 989 TF",
-                "ENGINE_FIGURES 2: Voxtral TTS 12.5 Hz, 104 KiB/token",
-                "ENGINE_FIGURES 3: H200 RTF 0.103 at c=1, 0.237 at c=16, 0.302 at c=32 "
-                "(HF model card via secondary sources) [U]",
-                "ENGINE_FIGURES 5: W ~13 GB, c0 5.5 ms, F_eff 7e11, ceiling ~65 (mean 87)",
+                "GPU: H200 4.8 TB/s, 989 TF",
+                "model: Voxtral TTS 12.5 Hz, 104 KiB/token",
+                "published: H200 RTF 0.103 / 0.237 / 0.302 and latency 70 / 331 / "
+                "552 ms at c=1 / 16 / 32, 500-character input (HF model card via "
+                "secondary sources) [U]",
+                "derived: W ~13 GB",
             ),
             published_rtf=0.103,
             expected_ceiling="~65 (mean model 87; extrapolated past c=32)",
@@ -298,10 +371,10 @@ PRESETS: dict[str, Preset] = {
             weight_bytes=6.4 * GB,
             resident_bytes=6.6 * GB,
             kv_per_token=112 * KIB,  # 28 layers x 8 x 128 x 2 x 2 B
-            # Stock engine. ENGINE_FIGURES adds the memory term to 1.8e11's compute
-            # term to reach Baseten's ~24 streams; under max() that same tail budget
-            # (7.8 ms) needs F_eff ~2.6e11 [fitted].
-            f_eff=2.6e11,
+            # Stock engine. The public estimate adds the memory term to 1.8e11's compute
+            # term to reach Baseten's ~24 streams; under max() F_eff 2.4e11 puts
+            # describe()'s ceiling at 21-24 over seeds 0-4 (mean 23 over 0-2) [fitted].
+            f_eff=2.4e11,
             c0=0.0015,
             vocoder_share=0.1,  # SNAC (~20M params) decodes the last 28 tokens per emit
             prefill_params=3.2e9,
@@ -311,12 +384,12 @@ PRESETS: dict[str, Preset] = {
             chunk=7,  # then every frame (~85 ms)
             prompt_overhead=24,
             sources=(
-                "ENGINE_FIGURES 1: H100 SXM 3.35 TB/s, 989 TF",
-                "ENGINE_FIGURES 2: Orpheus 3B, ~82 tok/s, 112 KiB/token",
-                "ENGINE_FIGURES 3: ~24 realtime streams per H100 at Baseten's baseline "
+                "GPU: H100 SXM 3.35 TB/s, 989 TF",
+                "model: Orpheus 3B, ~82 tok/s, 112 KiB/token",
+                "published: ~24 realtime streams per H100 at Baseten's baseline "
                 "(silares.com); 16-24 on an H100 MIG (Baseten talk)",
-                "ENGINE_FIGURES 4: first emit after 28 tokens, then every 7",
-                "ENGINE_FIGURES 5: c0 1.5 ms [U], F_eff 1.8e11 (stock) with the memory "
+                "chunking: first emit after 28 tokens, then every 7",
+                "derived: c0 1.5 ms [U], F_eff 1.8e11 (stock) with the memory "
                 "term added, RTF ~0.28; budget 10.2 ms, tail 7.8 ms",
             ),
             published_rtf=0.28,
@@ -344,10 +417,10 @@ PRESETS: dict[str, Preset] = {
             chunk=6,  # transcript segments of 480 ms
             prompt_overhead=16,
             sources=(
-                "ENGINE_FIGURES 1: H100 SXM 3.35 TB/s, 989 TF",
-                "ENGINE_FIGURES 2: Voxtral Mini 4B Realtime, 1 text token per 80 ms, "
+                "GPU: H100 SXM 3.35 TB/s, 989 TF",
+                "model: Voxtral Mini 4B Realtime, 1 text token per 80 ms, "
                 "~104 KiB/token [U]; delay 80 ms-2.4 s, default 480 ms",
-                "ENGINE_FIGURES 5: Voxtral TTS c0 5.5 ms; Orpheus stock/roofline ~28x",
+                "derived: Voxtral TTS c0 5.5 ms; Orpheus stock/roofline ~28x",
             ),
             published_rtf=None,
             expected_ceiling="no published curve; derived",

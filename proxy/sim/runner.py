@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
+from proxy.sim.chunks import ChunkSchedule
 from proxy.sim.engine import Emission, Engine, Step
 
 __all__ = ["EngineStopped", "Runner", "SeqStream"]
@@ -95,6 +97,8 @@ class Runner:
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
+        self._timers: dict[int, asyncio.TimerHandle] = {}
+        self._timer_keys = itertools.count()
 
     @property
     def open_streams(self) -> int:
@@ -117,6 +121,9 @@ class Runner:
     async def stop(self) -> None:
         """Stop stepping; every open stream's :meth:`SeqStream.next` raises."""
         self._stopped = True
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
         for stream in list(self._streams.values()):
             stream._deliver(_STOP)
         self._streams.clear()
@@ -132,8 +139,9 @@ class Runner:
         *,
         prompt_tokens: int,
         output_tokens: int | None,
-        first_chunk_tokens: int,
-        chunk_tokens: int,
+        first_chunk_tokens: int = 0,
+        chunk_tokens: int = 0,
+        schedule: ChunkSchedule | None = None,
     ) -> SeqStream:
         """Submit a sequence now (see :meth:`Engine.submit`); ``ValueError`` if it can
         never fit, :class:`EngineStopped` after :meth:`stop`."""
@@ -146,6 +154,7 @@ class Runner:
             output_tokens=output_tokens,
             first_chunk_tokens=first_chunk_tokens,
             chunk_tokens=chunk_tokens,
+            schedule=schedule,
         )
         stream = SeqStream(self, seq_id)
         self._streams[seq_id] = stream
@@ -165,6 +174,7 @@ class Runner:
         next_start = loop.time()
         while True:
             if not engine.has_work():
+                self._publish(engine.drain_codec())
                 self._wake.clear()
                 await self._wake.wait()
                 next_start = loop.time()
@@ -177,13 +187,30 @@ class Runner:
             if delay > 0:
                 await asyncio.sleep(delay)
             next_start = step.ends_at
-            streams = self._streams
-            for em in step.emissions:
-                stream = streams.get(em.seq_id)
-                if stream is not None:
-                    stream._deliver(em)
-                    if em.final:
-                        del streams[em.seq_id]
+            self._publish(step.emissions)
+
+    def _publish(self, emissions: Iterable[Emission]) -> None:
+        """Hand each emission to its stream at its ``at`` (now if that has passed; a
+        codec stage makes chunks visible after the step that made them)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for em in emissions:
+            if em.at <= now:
+                self._deliver(em)
+            else:
+                key = next(self._timer_keys)
+                self._timers[key] = loop.call_at(em.at, self._deliver_later, key, em)
+
+    def _deliver_later(self, key: int, em: Emission) -> None:
+        self._timers.pop(key, None)
+        self._deliver(em)
+
+    def _deliver(self, em: Emission) -> None:
+        stream = self._streams.get(em.seq_id)
+        if stream is not None:
+            stream._deliver(em)
+            if em.final:
+                del self._streams[em.seq_id]
 
     def __repr__(self) -> str:
         return f"<Runner streams={len(self._streams)} {self.engine!r}>"

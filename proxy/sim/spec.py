@@ -1,9 +1,10 @@
 """The figures of one simulated GPU: hardware, model, fitted overheads, jitter.
 
 :class:`EngineSpec` is plain data plus the step-time formula's terms, so presets,
-the engine and the capacity model share one definition (ENGINE_FIGURES section 5)::
+the engine and the capacity model share one definition (docs/sim.md §1)::
 
     step = max(memory, compute) + c0 + c_seq x batch (+ prefill, vocoder) x jitter
+    compute = batch ** batch_exponent x (1 - vocoder_share) x F_eff / peak FLOPs
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["EngineSpec", "jitter_sigma"]
+__all__ = ["CodecSpec", "EngineSpec", "jitter_sigma"]
 
 
 def jitter_sigma(p95: float) -> float:
@@ -21,6 +22,25 @@ def jitter_sigma(p95: float) -> float:
     # p95 = exp(1.645 s - s^2 / 2): take the smaller root.
     z, target = 1.6448536269514722, math.log(p95)
     return z - math.sqrt(z * z - 2.0 * target)
+
+
+@dataclass(frozen=True, slots=True)
+class CodecSpec:
+    """The codec (Code2Wav, flow matching + vocoder) as its own stage: a FIFO queue of
+    chunks, decoded ``batch`` at a time on its own stream of the GPU while the LM keeps
+    stepping. One call costs ``call_s`` plus ``frame_s`` per frame decoded, a chunk's
+    frames plus the left context the schedule re-decodes."""
+
+    batch: int = 1
+    call_s: float = 0.0
+    frame_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.batch < 1 or self.call_s < 0 or self.frame_s < 0:
+            raise ValueError("codec batch must be >= 1, call_s and frame_s >= 0")
+
+    def call_time(self, frames: int) -> float:
+        return self.call_s + self.frame_s * frames
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +62,14 @@ class EngineSpec:
     max_num_batched_tokens: int = 8192  #: prefill tokens admitted per step
     jitter_p95: float = 1.3
     jitter_tau_s: float = 0.5
+    #: compute = per-stream cost x batch ** batch_exponent: below 1 the curve bends
+    #: (each added stream costs less as the batch grows), as the published curves do.
+    batch_exponent: float = 1.0
+    #: The codec as its own stage (None: folded into the step through vocoder_share).
+    codec: CodecSpec | None = None
+    #: Mean extra delay of each chunk after it is made (per-request work: detokenise,
+    #: encode, send), drawn per chunk and stream: the per-stream part of the tail.
+    emit_jitter_s: float = 0.0
 
     def __post_init__(self) -> None:
         positive = ("mem_bandwidth", "peak_flops", "kv_budget_bytes", "flops_per_token")
@@ -54,6 +82,8 @@ class EngineSpec:
             raise ValueError("vocoder_share must be in [0, 1)")
         if self.jitter_p95 < 1.0 or self.jitter_tau_s <= 0:
             raise ValueError("jitter_p95 must be >= 1 and jitter_tau_s > 0")
+        if not 0.0 < self.batch_exponent <= 1.0 or self.emit_jitter_s < 0:
+            raise ValueError("batch_exponent must be in (0, 1] and emit_jitter_s >= 0")
 
     def memory_term(self, kv_tokens: int) -> float:
         return (self.weight_bytes_per_step + kv_tokens * self.kv_bytes_per_token) / (
@@ -61,7 +91,10 @@ class EngineSpec:
         )
 
     def compute_term(self, batch: int) -> float:
-        return batch * (1.0 - self.vocoder_share) * self.flops_per_token / self.peak_flops
+        if batch <= 0:
+            return 0.0
+        scale: float = math.pow(batch, self.batch_exponent)
+        return scale * (1.0 - self.vocoder_share) * self.flops_per_token / self.peak_flops
 
     def mean_step_s(self, batch: int, kv_tokens: int = 0) -> float:
         """Expected decode step time (no prefill, vocoder amortised, jitter mean 1)."""

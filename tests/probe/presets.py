@@ -40,6 +40,7 @@ def _deterministic(
         token_rate_hz=12.5,
         chunk_tokens=chunk,
         first_chunk_tokens=first,
+        chunk_schedule=None,  # first, then chunk (not the base preset's schedule)
         published_rtf=None,
         expected_ceiling="deterministic test preset",
     )

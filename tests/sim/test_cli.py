@@ -45,10 +45,18 @@ def test_describe_json() -> None:
     assert cli.run(parse("--describe", "l40s-qwen3tts-1.7b", "--json"), out) == 0
     info = json.loads(out.getvalue())
     assert info["single_stream_rtf"] == pytest.approx(0.245, rel=0.05)
-    assert info["ceiling"] == 11
+    assert info["ceiling"] == 0  # vLLM-Omni's default chunking stalls at the first seam
+    assert info["limited_by"] == ["stalls"]
+    out = io.StringIO()
+    assert cli.run(parse("--describe", "l40s-qwen3tts-1.7b", "--json",
+                         "--codec-chunk-ramp", "4,4,8,16,25"), out) == 0  # fmt: skip
+    ramped = json.loads(out.getvalue())
+    assert ramped["chunk_schedule"] == "4, 4, 8, 16, 25, then 25"
+    assert ramped["ceiling"] >= 4
     out = io.StringIO()
     assert cli.run(parse("--describe", "l40s-qwen3tts-1.7b"), out) == 0
-    assert "ceiling" in out.getvalue()
+    assert "limited_by" in out.getvalue()
+    assert cli.run(parse("--describe", "l40s-qwen3tts-1.7b", "--codec-chunk-ramp", "4,x")) == 2
 
 
 def test_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
