@@ -34,7 +34,7 @@ from collections.abc import Callable, Collection, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from proxy.admission import (
     RETRY_AFTER_MAX_S,
@@ -55,7 +55,13 @@ from proxy.metrics import Metrics, ReplicaGauges
 if TYPE_CHECKING:
     from proxy.settings import Settings
 
-__all__ = ["FenceCallback", "SharedGate", "SharedPoolSpec", "build_shared_gate"]
+__all__ = [
+    "FenceCallback",
+    "SharedAdmissionMetrics",
+    "SharedGate",
+    "SharedPoolSpec",
+    "build_shared_gate",
+]
 
 log = logging.getLogger("headroom.shared_gate")
 
@@ -115,6 +121,35 @@ class _Pool:
             for name, r in self.replicas.items()
             if r.healthy and not r.retired
         ]
+
+
+class SharedAdmissionMetrics:
+    """The shared gate's own series, registered beside :class:`~proxy.metrics.Metrics`.
+    Pool-wide figures carry ``scope="pool"``: every gateway reports the same value, so
+    dashboards take ``max``, never ``sum``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.backend_up = Gauge(
+            "headroom_admission_backend_up",
+            "1 if this gateway's last call to the shared admission store succeeded.",
+            ["backend"], registry=registry,
+        )  # fmt: skip
+        self.held = Gauge(
+            "headroom_shared_sessions_active",
+            "Sessions holding a slot on the replica, counted over every gateway.",
+            ["pool", "replica", "scope"], registry=registry,
+        )  # fmt: skip
+        self.queue_depth = Gauge(
+            "headroom_shared_queue_depth",
+            "Sessions waiting in the pool's queue, over every gateway.",
+            ["pool", "scope"], registry=registry,
+        )  # fmt: skip
+        self.lease_loss_closes = Counter(
+            "headroom_lease_loss_closes_total",
+            "Times this gateway ended its sessions because it could not prove its leases "
+            "(renewals failing past lease_ttl_s - fence_margin_s, or a lease found gone).",
+            ["pool"], registry=registry,
+        )  # fmt: skip
 
 
 class SharedLease(Lease):
@@ -202,25 +237,7 @@ class SharedGate:
         self._stopped = False
         #: Whether the last call to Redis succeeded (``/readyz``).
         self.available = False
-        self._gauges: tuple[Gauge, Gauge, Counter, Gauge] | None = None
-        if metrics is not None:
-            r = metrics.registry
-            self._gauges = (
-                Gauge("headroom_admission_backend_up",
-                      "1 if this gateway's last call to the shared admission store succeeded.",
-                      registry=r),
-                Gauge("headroom_shared_sessions_active",
-                      "Sessions holding a slot on the replica, counted over every gateway "
-                      "(pool-wide: every gateway reports the same value; use max, not sum).",
-                      ["pool", "replica", "scope"], registry=r),
-                Counter("headroom_lease_loss_closes_total",
-                        "Times this gateway ended its sessions because it could not prove "
-                        "its leases (renewal failed past TTL - margin, or a lease was lost).",
-                        ["pool"], registry=r),
-                Gauge("headroom_shared_queue_depth",
-                      "Sessions waiting in the pool's queue, over every gateway (pool-wide: "
-                      "use max, not sum).", ["pool", "scope"], registry=r),
-            )  # fmt: skip
+        self._metrics = SharedAdmissionMetrics(metrics.registry) if metrics else None
         for spec in pools:
             self.apply_pool(spec.name, spec.replicas, spec.queue, spec.fallback,
                             session_estimate_s=spec.session_estimate_s)  # fmt: skip
@@ -479,10 +496,10 @@ class SharedGate:
         p.generation = result.generation
         p.held = result.held
         p.queue_depth = result.queue_depth
-        if self._gauges is not None:
+        if self._metrics is not None:
             for replica in p.replicas:
-                self._gauges[1].labels(name, replica, "pool").set(p.held.get(replica, 0))
-            self._gauges[3].labels(name, "pool").set(p.queue_depth)
+                self._metrics.held.labels(name, replica, "pool").set(p.held.get(replica, 0))
+            self._metrics.queue_depth.labels(name, "pool").set(p.queue_depth)
         p.last_renewed = sent
         self._arm_fence(p)
         if result.lost:
@@ -515,8 +532,8 @@ class SharedGate:
 
     def _fence(self, p: _Pool, why: str) -> None:
         count = len(p.leases)
-        if self._gauges is not None:
-            self._gauges[2].labels(p.name).inc()
+        if self._metrics is not None:
+            self._metrics.lease_loss_closes.labels(p.name).inc()
         if self.on_backend_loss == "keep":
             log.error("pool %s: %s; on_backend_loss=keep: %d sessions keep running and the "
                       "replicas may exceed their caps", p.name, why, count)  # fmt: skip
@@ -735,8 +752,8 @@ class SharedGate:
 
     def _set_available(self, up: bool) -> None:
         self.available = up
-        if self._gauges is not None:
-            self._gauges[0].set(1 if up else 0)
+        if self._metrics is not None:
+            self._metrics.backend_up.labels("redis").set(1 if up else 0)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.ensure_future(coro)

@@ -16,6 +16,7 @@ import yaml
 from prometheus_client import Counter, Histogram
 
 from proxy.metrics import Metrics, ReplicaGauges
+from proxy.shared_gate import SharedAdmissionMetrics
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -101,6 +102,13 @@ def _metrics() -> Metrics:
         delivery_ratio_worst_1pct=1.5, engine_waiting=0.0, engine_running=1.0, engine_kv_usage=0.5,
     )  # fmt: skip
     metrics.bind_state(lambda: [gauges], lambda: [("p", 0)])
+    # The shared admission backend's series (admission.backend: redis), with a sample each.
+    shared = SharedAdmissionMetrics(metrics.registry)
+    shared.backend_up.labels("redis").set(1)
+    shared.held.labels("p", "r", "pool").set(1)
+    shared.queue_depth.labels("p", "pool").set(0)
+    shared.lease_loss_closes.labels("p")
+    metrics.shared_admission = shared  # type: ignore[attr-defined]
     return metrics
 
 
@@ -113,7 +121,8 @@ def exported_series() -> dict[str, set[str]]:
     """
     metrics = _metrics()
     labels: dict[str, tuple[str, ...]] = {}
-    for attr in vars(metrics).values():
+    shared = vars(metrics.shared_admission)  # type: ignore[attr-defined]
+    for attr in [*vars(metrics).values(), *shared.values()]:
         if isinstance(attr, Counter | Histogram):
             labels[attr._name] = tuple(attr._labelnames)  # no public accessor
     series: dict[str, set[str]] = {}
