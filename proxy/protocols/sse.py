@@ -84,7 +84,10 @@ class SseParser:
                 else:
                     nxt = cr + 1
                     self._skip_lf = True
-            self._line(buf, line, eol, events)
+            if eol - line > self._max:  # as if it had arrived in pieces: dropped whole
+                self._drop_event()
+            else:
+                self._line(buf, line, eol, events)
             line = nxt
             if 0 <= lf < nxt:
                 lf = buf.find(b"\n", nxt)

@@ -486,8 +486,6 @@ class _ScriptedChannel:
         self.closed = True
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (open, issue 10): the simulator leaves a "
-                   "realtime generation task's exception unretrieved when a drop fault kills it")
 async def test_sim_realtime_generation_killed_by_a_drop_is_not_left_unretrieved() -> None:
     """``drop_after_chunks`` kills the generation task with ChannelClosed; a commit the
     client had already sent (queued before the abort was noticed) must not replace that

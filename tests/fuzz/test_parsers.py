@@ -70,9 +70,6 @@ def test_sse_events_do_not_depend_on_chunking(
     assert parse(split(data, cuts), bound) == parse([data], bound)
 
 
-@pytest.mark.xfail(strict=False, reason="known bug (open, issue 10): SseParser drops an "
-                   "over-long line differently depending on where a chunk ends; hypothesis "
-                   "does not find it on every run, hence not strict")
 @fuzz_settings(800)
 @given(stream=sse_streams, cuts=st.lists(st.integers(0, 10**6), max_size=20),
        bound=st.integers(1, 64))  # fmt: skip
@@ -85,8 +82,6 @@ def test_sse_events_do_not_depend_on_chunking_with_a_small_bound(
     assert parse(split(stream, cuts), bound) == parse([stream], bound)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug (open, issue 10): an over-long comment "
-                   "line drops its event only for some chunkings")
 def test_an_over_long_comment_line_drops_its_event_however_it_arrives() -> None:
     """The smallest case of the property above, as hypothesis shrinks it."""
     stream = b": " + b"x" * 40 + b"\ndata: hi\n\n"
