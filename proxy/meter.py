@@ -143,7 +143,8 @@ class ReplicaSink(Protocol):
 
 
 class PrometheusReplicaSink:
-    """Observes the DESIGN contract metrics and feeds the replica's :class:`ReplicaSignals`.
+    """Observes the contract metrics (docs/contracts.md); feeds the replica's
+    :class:`ReplicaSignals`.
 
     Build one per replica and share it between that replica's sessions: the replica's
     :class:`~proxy.metrics.ReplicaSeries` and the pool's label children are resolved here,

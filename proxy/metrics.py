@@ -1,4 +1,4 @@
-"""The Prometheus metrics of the DESIGN contract.
+"""The Prometheus metrics of the contract (docs/contracts.md, "Metrics").
 
 All names carry the ``headroom_`` prefix and base units; labels are only ``pool``,
 ``replica``, ``route``, ``decision``/``reason`` and ``kind`` -- never a session.

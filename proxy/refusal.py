@@ -1,4 +1,4 @@
-"""How a refusal or error reaches a client (DESIGN "Contracts").
+"""How a refusal or error reaches a client (docs/contracts.md).
 
 * Plain HTTP and a refused WebSocket handshake: status (503 capacity, 429 tenant
   quota, 401/403/413 policy, 502 upstream), ``Retry-After`` + ``X-Headroom-Reason``

@@ -1,7 +1,7 @@
 """Frozen decision records returned by the admission core.
 
 The core never performs I/O; it returns these and the asyncio layer acts on them.
-Every refusal carries a DESIGN reason code.
+Every refusal carries a reason code of docs/contracts.md.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class Enqueue:
 
 @dataclass(frozen=True, slots=True)
 class Reject:
-    """``ticket`` is refused with a DESIGN reason code."""
+    """``ticket`` is refused with a reason code (docs/contracts.md)."""
 
     ticket: int
     reason: str

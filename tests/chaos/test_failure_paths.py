@@ -378,7 +378,7 @@ async def test_invalid_utf8_text_frame_is_1007_without_an_error_log(
 ) -> None:
     """A client's bad frame is the client's problem: a 1007 close, not an ERROR record
     with a traceback (a stream of bad clients would flood the logs, like refusals would;
-    see DESIGN, 'filter that record')."""
+    docs/reliability.md: no ERROR line, no traceback)."""
     server, _ = upstream
     proxy: Proxy = await start_proxy(
         proxy_settings([("gpu0", server.http_url, 1)],

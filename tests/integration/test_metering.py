@@ -187,7 +187,7 @@ async def test_faster_than_realtime_has_no_underrun(
     assert proxy.metric("headroom_playback_stall_seconds_total", **labels) == 0
 
 
-DESIGN_METRICS = {
+CONTRACT_METRICS = {
     "headroom_sessions_active": ("gauge", {"pool", "replica"}),
     "headroom_session_slots": ("gauge", {"pool", "replica"}),
     "headroom_queue_depth": ("gauge", {"pool"}),
@@ -221,7 +221,7 @@ async def test_metric_names_types_and_labels_match_the_design(
         text = (await client.get(proxy.http_url + "/metrics")).text
     await wait_until(lambda: proxy.gate.active == 0)
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    for name, (kind, labels) in DESIGN_METRICS.items():
+    for name, (kind, labels) in CONTRACT_METRICS.items():
         assert name in families, name
         family = families[name]
         assert family.type == kind, name
