@@ -22,9 +22,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from websockets.speedups import apply_mask
-
-from proxy.relay.wsframes import CLOSE, TEXT
+from proxy.relay.wsframes import CLOSE, TEXT, apply_mask
 
 if TYPE_CHECKING:
     from proxy.relay.splice import Splice

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 
-from websockets.speedups import apply_mask
+try:  # websockets ships its C speedups optionally (a pure wheel or source build lacks them)
+    from websockets.speedups import apply_mask
+except ImportError:  # pragma: no cover - exercised by tests/unit/test_wsframes_speedups.py
+    from websockets.utils import apply_mask
 
 from proxy.refusal import truncate_reason
 
 __all__ = [
-    "BINARY", "CLOSE", "CONT", "PING", "TEXT", "client_code_for_upstream_close",
+    "apply_mask", "BINARY", "CLOSE", "CONT", "PING", "TEXT", "client_code_for_upstream_close",
     "close_fields", "close_frame", "frame", "sendable_code",
 ]  # fmt: skip
 
