@@ -151,20 +151,22 @@ class Refused(HeadroomError):
         if reason not in REASONS:
             raise ValueError(f"unknown refusal reason {reason!r}")
         self.reason = reason
-        self.retry_after_s = retry_after_s
+        # Whole seconds, rounded up, so the header, the body's retry_after_s and the
+        # message all say the same number and no client comes back early.
+        self.retry_after_s = float(max(1, math.ceil(round(retry_after_s, 3))))
         self.pool = pool
         self.queue_position = queue_position
         self.fallback = fallback
         self.message = message or (
-            f"{_MESSAGES[reason]} Retry in about {retry_after_s:.0f} s"
+            f"{_MESSAGES[reason]} Retry in about {self.retry_after_header} s"
             + (" or use the fallback." if fallback else ".")
         )
         super().__init__(self.message)
 
     @property
     def retry_after_header(self) -> str:
-        """``Retry-After`` is integer seconds; round up so clients never come back early."""
-        return str(max(1, math.ceil(self.retry_after_s)))
+        """``Retry-After``: integer seconds, the same number as :attr:`retry_after_s`."""
+        return str(int(self.retry_after_s))
 
     def headers(self) -> dict[str, str]:
         return {"Retry-After": self.retry_after_header, "X-Headroom-Reason": self.reason}

@@ -121,11 +121,15 @@ class Gate:
         clock: Clock,
         metrics: Metrics | None = None,
         fallbacks: Mapping[str, FallbackHint | None] | None = None,
+        recheck_interval_s: float | None = None,
     ) -> None:
         self.clock = clock
         self.metrics = metrics
         fallbacks = fallbacks or {}
         self._pools = {core.name: _Pool(core, fallbacks.get(core.name)) for core in pools}
+        self.recheck_interval_s = recheck_interval_s
+        if recheck_interval_s is not None:
+            self.set_recheck_interval(recheck_interval_s)
         self._healthy_listeners: list[Callable[[str, str, bool], None]] = []
         self._idle_waiters: list[asyncio.Future[None]] = []
         self.draining = False
@@ -215,6 +219,13 @@ class Gate:
             for listener in self._healthy_listeners:
                 listener(pool, replica, healthy)
 
+    def set_recheck_interval(self, interval_s: float) -> None:
+        """How often an ejected replica is re-checked (``health.recheck_interval_s``):
+        a ``no_healthy_replica`` refusal advises retrying around the next re-check."""
+        self.recheck_interval_s = interval_s
+        for p in self._pools.values():
+            p.core.recheck_interval_s = interval_s
+
     def set_guarded(self, pool: str, replica: str, guarded: bool) -> None:
         p = self._pool(pool)
         self._dispatch(pool, p, p.core.set_guarded(replica, guarded, self.clock.now()))
@@ -238,7 +249,13 @@ class Gate:
         now = self.clock.now()
         p = self._pools.get(name)
         if p is None:
-            core = PoolCore(name, replicas, queue, session_estimate_s=session_estimate_s)
+            core = PoolCore(
+                name,
+                replicas,
+                queue,
+                session_estimate_s=session_estimate_s,
+                recheck_interval_s=self.recheck_interval_s,
+            )
             if self.draining:  # a pool added by a reload during drain drains too
                 core.drain(now)
             self._pools[name] = _Pool(core, fallback)
@@ -412,12 +429,13 @@ class Gate:
     def _notify_positions(self, p: _Pool) -> None:
         if not any(w.on_position for w in p.waiters.values()):
             return
+        now = self.clock.now()
         for position, ticket in enumerate(p.core.waiting(), start=1):
             waiter = p.waiters.get(ticket)
             if waiter is not None and waiter.position != position:
                 waiter.position = position
                 if waiter.on_position is not None:
-                    waiter.on_position(position, p.core.estimate_wait(position))
+                    waiter.on_position(position, p.core.estimate_wait(position, now))
 
     def _arm_timer(self, p: _Pool) -> None:
         deadline = p.core.next_deadline()

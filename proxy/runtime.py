@@ -86,6 +86,7 @@ def build_gate(settings: Settings, clock: Clock, metrics: Metrics | None) -> Gat
         clock=clock,
         metrics=metrics,
         fallbacks={p.name: p.fallback.as_hint() if p.fallback else None for p in settings.pools},
+        recheck_interval_s=settings.health.recheck_interval_s,
     )
 
 
@@ -180,6 +181,7 @@ class Runtime:
             if getattr(settings, section) != getattr(old, section):
                 changes.append(f"{section} updated")
         self._apply_settings(settings)
+        self.gate.set_recheck_interval(settings.health.recheck_interval_s)
         if settings.guard.mode != "enforce" and old.guard.mode == "enforce":
             for pool_name, replica in self.guards:
                 if pool_name in self.gate.pools():
@@ -285,7 +287,7 @@ class Runtime:
         if isinstance(self.gate, SharedGate):
             estimate = self.gate.estimate_wait(pool, 1)
         else:
-            estimate = self.gate.core(pool).estimate_wait(1)
+            estimate = self.gate.core(pool).estimate_wait(1, self.clock.now())
         retry = min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, estimate))
         try:
             return self.tenants.reserve(key, pool, retry)

@@ -19,16 +19,20 @@ Rules, all enforced here and nowhere else:
 * Each admitted ticket is released exactly once; a second release is a bug and
   raises :class:`LookupError`.
 
-Retry-After is estimated from an EWMA of observed session durations, the number of
-slots and the queue position, clamped to [1, 60] s, with +-10 % seeded jitter so
-refused clients do not come back in lock-step.
+Retry-After (:mod:`proxy.admission.retry_after`) is the expected time until the slot
+the refused client would have been handed frees: from the ages of the running
+sessions on usable replicas, the observed session lengths (mean and spread; the
+pool's ``session_estimate_s`` until a session has ended) and how many waiters stand
+ahead. ``no_healthy_replica`` advises the next health re-check of an ejected replica
+(``recheck_interval_s``). Whole seconds in [1, 60], spread upward by seeded jitter so
+refused clients do not come back in lock-step, even at the 1 s floor.
 """
 
 from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 from proxy.admission.decisions import (
@@ -41,25 +45,38 @@ from proxy.admission.decisions import (
     ReplicaSpec,
     ReplicaStatistics,
 )
+from proxy.admission.retry_after import (
+    RETRY_AFTER_MAX_S,
+    RETRY_AFTER_MIN_S,
+    SessionLengths,
+    SlotForecast,
+    next_recheck_s,
+    retry_after_s,
+)
 
 __all__ = ["PoolCore", "RETRY_AFTER_MAX_S", "RETRY_AFTER_MIN_S"]
 
-RETRY_AFTER_MIN_S = 1.0
-RETRY_AFTER_MAX_S = 60.0
-_EWMA_ALPHA = 0.2
-_JITTER = 0.1
+#: A slot forecast is reused (shifted by the time elapsed) for this long while nothing
+#: changes, so a refusal storm does not recompute it per refusal.
+FORECAST_REUSE_S = 0.5
 
 
 class _Replica:
-    __slots__ = ("active", "cap", "guarded", "healthy", "name", "retired")
+    __slots__ = ("active", "cap", "ejected_at", "guarded", "healthy", "name", "retired")
 
     def __init__(self, name: str, cap: int) -> None:
         self.name = name
         self.cap = cap
         self.active = 0
         self.healthy = True
+        self.ejected_at: float | None = None
         self.guarded = False
         self.retired = False
+
+    @property
+    def live(self) -> bool:
+        """Its freed slots can be handed out (perhaps after the guard lets go)."""
+        return self.healthy and not self.retired
 
     @property
     def eligible(self) -> bool:
@@ -86,6 +103,11 @@ class _Lease:
 class PoolCore:
     """Admission state of one pool. Not thread-safe; call from one thread."""
 
+    #: Seconds between health re-checks of an ejected replica (the gateway's
+    #: ``health.recheck_interval_s``); None if unknown. Sets ``no_healthy_replica``'s
+    #: Retry-After.
+    recheck_interval_s: float | None
+
     def __init__(
         self,
         name: str,
@@ -93,6 +115,7 @@ class PoolCore:
         queue: QueuePolicy | None = None,
         *,
         session_estimate_s: float = 20.0,
+        recheck_interval_s: float | None = None,
         seed: int = 0,
     ) -> None:
         self.name = name
@@ -103,14 +126,15 @@ class PoolCore:
             self._replicas[spec.name] = _Replica(spec.name, spec.max_sessions)
         if not self._replicas:
             raise ValueError(f"pool {name!r}: needs at least one replica")
-        if session_estimate_s <= 0:
-            raise ValueError("session_estimate_s must be > 0")
+        self._lengths = SessionLengths(session_estimate_s)
+        self.recheck_interval_s = recheck_interval_s
         self.queue = queue or QueuePolicy()
         self._waiters: OrderedDict[int, _Waiter] = OrderedDict()
         self._leases: dict[int, _Lease] = {}
         self._next_ticket = 1
         self._draining = False
-        self._session_estimate_s = session_estimate_s
+        self._forecast: SlotForecast | None = None
+        self._forecast_at = 0.0
         self._rng = random.Random(seed)
 
     # -- events -----------------------------------------------------------------
@@ -120,21 +144,21 @@ class PoolCore:
         ticket = self._next_ticket
         self._next_ticket += 1
         if self._draining:
-            return self._reject(ticket, "draining", position=None)
+            return self._reject(ticket, "draining", position=None, now=now)
         if not any(r.healthy and not r.retired for r in self._replicas.values()):
-            return self._reject(ticket, "no_healthy_replica", position=None)
+            return self._reject(ticket, "no_healthy_replica", position=None, now=now)
         if not self._waiters:
             replica = self._pick()
             if replica is not None:
                 return self._admit(ticket, replica, now, now)
         if not self.queue.enabled:
-            return self._reject(ticket, self._full_reason(), position=None)
+            return self._reject(ticket, self._full_reason(), position=None, now=now)
         if len(self._waiters) >= self.queue.max_depth:
-            return self._reject(ticket, "queue_full", position=None)
+            return self._reject(ticket, "queue_full", position=None, now=now)
         deadline = now + self.queue.max_wait_s
         self._waiters[ticket] = _Waiter(now, deadline)
         position = len(self._waiters)
-        return Enqueue(ticket, position, deadline, self.estimate_wait(position))
+        return Enqueue(ticket, position, deadline, self.estimate_wait(position, now))
 
     def release(self, ticket: int, now: float) -> list[Admit]:
         """An admitted session ended (any way at all). Returns waiters handed a slot."""
@@ -143,24 +167,24 @@ class PoolCore:
             raise LookupError(f"pool {self.name!r}: ticket {ticket} holds no slot")
         replica = self._replicas[lease.replica]
         replica.active -= 1
-        duration = max(0.0, now - lease.admitted_at)
-        self._session_estimate_s += _EWMA_ALPHA * (duration - self._session_estimate_s)
-        self._session_estimate_s = max(self._session_estimate_s, 0.05)
+        self._lengths.observe(now - lease.admitted_at)
+        self._forecast = None
         if replica.retired and replica.active == 0:
             del self._replicas[replica.name]
         return self._assign(now)
 
-    def relocate(self, ticket: int, now: float) -> Admit | None:
-        """Move an admitted session to another eligible replica (failover before the
-        first byte; the caller marks the failed replica unhealthy first). It keeps its
-        admission, so this is not barging. Returns None, lease unchanged, if no other
-        replica has a free slot."""
+    def relocate(self, ticket: int, now: float, exclude: Collection[str] = ()) -> Admit | None:
+        """Move an admitted session to another eligible replica, not one in ``exclude``
+        (failover before the first byte; the caller marks the failed replica unhealthy
+        first if it was unreachable). It keeps its admission, so this is not barging.
+        Returns None, lease unchanged, if no other replica has a free slot."""
         lease = self._leases.get(ticket)
         if lease is None:
             raise LookupError(f"pool {self.name!r}: ticket {ticket} holds no slot")
         current = self._replicas[lease.replica]
+        self._forecast = None
         current.active -= 1  # so _pick never counts this session against another replica
-        target = self._pick(exclude=current.name)
+        target = self._pick(exclude={current.name, *exclude})
         if target is None:
             current.active += 1
             return None
@@ -186,7 +210,7 @@ class PoolCore:
                     Reject(
                         ticket,
                         "queue_timeout",
-                        self._estimate(position),
+                        self.retry_after("queue_timeout", position, now),
                         queue_position=position,
                         waited_s=now - waiter.arrived,
                     )
@@ -198,7 +222,13 @@ class PoolCore:
         keep their slots until released."""
         self._draining = True
         rejects = [
-            Reject(t, "draining", self._estimate(pos), queue_position=pos, waited_s=now - w.arrived)
+            Reject(
+                t,
+                "draining",
+                self.retry_after("draining", pos, now),
+                queue_position=pos,
+                waited_s=now - w.arrived,
+            )
             for pos, (t, w) in enumerate(self._waiters.items(), start=1)
         ]
         self._waiters.clear()
@@ -213,14 +243,24 @@ class PoolCore:
         if cap < 1:
             raise ValueError(f"replica {replica!r}: cap must be >= 1 (got {cap})")
         self._replica(replica).cap = cap
+        self._forecast = None
         return self._assign(now)
 
     def set_healthy(self, replica: str, healthy: bool, now: float) -> list[Admit]:
-        self._replica(replica).healthy = healthy
+        """Eject a replica (``healthy=False``: its health is re-checked every
+        :attr:`recheck_interval_s` from ``now``) or restore it."""
+        r = self._replica(replica)
+        if r.healthy and not healthy:
+            r.ejected_at = now
+        elif healthy:
+            r.ejected_at = None
+        r.healthy = healthy
+        self._forecast = None
         return self._assign(now)
 
     def set_guarded(self, replica: str, guarded: bool, now: float) -> list[Admit]:
         self._replica(replica).guarded = guarded
+        self._forecast = None
         return self._assign(now)
 
     def set_queue(self, queue: QueuePolicy, now: float) -> list[Reject]:
@@ -229,9 +269,15 @@ class PoolCore:
         self.queue = queue
         rejects: list[Reject] = []
         while len(self._waiters) > (queue.max_depth if queue.enabled else 0):
+            position = len(self._waiters)
             ticket, waiter = self._waiters.popitem(last=True)
             rejects.append(
-                Reject(ticket, "queue_full", self._estimate(1), waited_s=now - waiter.arrived)
+                Reject(
+                    ticket,
+                    "queue_full",
+                    self.retry_after("queue_full", position, now),
+                    waited_s=now - waiter.arrived,
+                )
             )
         return rejects
 
@@ -244,12 +290,14 @@ class PoolCore:
             existing.cap = spec.max_sessions
         else:
             self._replicas[spec.name] = _Replica(spec.name, spec.max_sessions)
+        self._forecast = None
         return self._assign(now)
 
     def retire_replica(self, replica: str) -> None:
         """Take a replica out of placement. Its running sessions finish; it disappears
         once the last one is released."""
         r = self._replica(replica)
+        self._forecast = None
         if r.active == 0:
             del self._replicas[replica]
         else:
@@ -290,10 +338,56 @@ class PoolCore:
     def replica_names(self) -> list[str]:
         return list(self._replicas)
 
-    def estimate_wait(self, position: int) -> float:
-        """Estimated seconds until a waiter at ``position`` gets a slot (no jitter)."""
-        slots = sum(r.cap for r in self._replicas.values() if r.healthy and not r.retired)
-        return self._session_estimate_s * position / max(1, slots)
+    def estimate_wait(self, position: int, now: float) -> float:
+        """Expected seconds from ``now`` until a waiter at ``position`` (1 = head) is
+        handed a slot (no jitter, not rounded): when the ``position``-th usable slot
+        frees, judged by the ages of the sessions running on healthy, non-retired
+        replicas and the observed session lengths (:class:`SlotForecast`). While
+        nothing changes, one forecast serves for :data:`FORECAST_REUSE_S`."""
+        forecast = self._forecast
+        elapsed = now - self._forecast_at
+        if forecast is None or not 0.0 <= elapsed <= FORECAST_REUSE_S:
+            forecast = self._forecast = self._forecast_now(now)
+            self._forecast_at, elapsed = now, 0.0
+        return max(0.0, forecast.wait_s(position) - elapsed)
+
+    def _forecast_now(self, now: float) -> SlotForecast:
+        replicas = self._replicas.values()
+        free_now = sum(r.cap - r.active for r in replicas if r.eligible)
+        groups: list[tuple[Sequence[float], int]]
+        if all(r.live and r.active <= r.cap for r in replicas):  # the usual case: one group
+            groups = [([now - lease.admitted_at for lease in self._leases.values()], 0)]
+        else:
+            ages: dict[str, list[float]] = {r.name: [] for r in replicas if r.live}
+            for lease in self._leases.values():
+                bucket = ages.get(lease.replica)
+                if bucket is not None:
+                    bucket.append(now - lease.admitted_at)
+            groups = [
+                (running, max(0, self._replicas[name].active - self._replicas[name].cap))
+                for name, running in ages.items()
+            ]
+        lengths = self._lengths
+        return SlotForecast(groups, mean_s=lengths.mean, cv=lengths.cv, free_now=free_now)
+
+    def retry_after(self, reason: str, position: int, now: float) -> float:
+        """The ``Retry-After`` (whole seconds, jittered upward) for a client refused for
+        ``reason`` that would stand at queue ``position``. ``no_healthy_replica``: until
+        the next health re-check of an ejected replica, if :attr:`recheck_interval_s`
+        is known; otherwise until the ``position``-th slot frees."""
+        estimate: float | None = None
+        if reason == "no_healthy_replica" and self.recheck_interval_s is not None:
+            estimate = next_recheck_s(
+                (
+                    now - r.ejected_at
+                    for r in self._replicas.values()
+                    if not r.healthy and not r.retired and r.ejected_at is not None
+                ),
+                self.recheck_interval_s,
+            )
+        if estimate is None:
+            estimate = self.estimate_wait(position, now)
+        return retry_after_s(estimate, self._rng.random())
 
     def statistics(self) -> PoolStatistics:
         return PoolStatistics(
@@ -303,7 +397,7 @@ class PoolCore:
             max_depth=self.queue.max_depth,
             max_wait_s=self.queue.max_wait_s,
             draining=self._draining,
-            session_estimate_s=self._session_estimate_s,
+            session_estimate_s=self._lengths.mean,
         )
 
     def __repr__(self) -> str:
@@ -328,11 +422,11 @@ class PoolCore:
         except KeyError:
             raise LookupError(f"pool {self.name!r} has no replica {name!r}") from None
 
-    def _pick(self, exclude: str | None = None) -> _Replica | None:
+    def _pick(self, exclude: Collection[str] = ()) -> _Replica | None:
         best: _Replica | None = None
         best_key = (2.0, 0)
         for r in self._replicas.values():
-            if r.eligible and r.name != exclude:
+            if r.eligible and r.name not in exclude:
                 key = (r.active / r.cap, r.active)
                 if key < best_key:
                     best, best_key = r, key
@@ -341,6 +435,7 @@ class PoolCore:
     def _admit(self, ticket: int, replica: _Replica, arrived: float, now: float) -> Admit:
         replica.active += 1
         self._leases[ticket] = _Lease(replica.name, now)
+        self._forecast = None
         return Admit(ticket, replica.name, waited_s=now - arrived)
 
     def _assign(self, now: float) -> list[Admit]:
@@ -362,11 +457,8 @@ class PoolCore:
             return "guard"
         return "pool_full"
 
-    def _estimate(self, position: int) -> float:
-        base = self.estimate_wait(position)
-        jittered = base * (1.0 + self._rng.uniform(-_JITTER, _JITTER))
-        return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, jittered))
-
-    def _reject(self, ticket: int, reason: str, position: int | None) -> Reject:
+    def _reject(self, ticket: int, reason: str, position: int | None, now: float) -> Reject:
         waiting_position = len(self._waiters) + 1
-        return Reject(ticket, reason, self._estimate(waiting_position), queue_position=position)
+        return Reject(
+            ticket, reason, self.retry_after(reason, waiting_position, now), queue_position=position
+        )
