@@ -62,7 +62,7 @@ class LoadResult:
 
     concurrency: int
     chunks: int  #: delivery ratios measured
-    p01_delivery_ratio: float  #: worst 1%
+    worst_1pct: float  #: worst 1%
     median_delivery_ratio: float
     aggregate_delivery_ratio: float  #: audio seconds / wall seconds over all counted chunks
     mean_step_ms: float
@@ -197,7 +197,7 @@ def run_load(
     return LoadResult(
         concurrency=concurrency,
         chunks=len(ratios),
-        p01_delivery_ratio=percentile(ratios, 0.01),
+        worst_1pct=percentile(ratios, 0.01),
         median_delivery_ratio=statistics.median(ratios),
         aggregate_delivery_ratio=audio_total / wall_total,
         mean_step_ms=1e3 * statistics.fmean(steps),
@@ -237,7 +237,7 @@ class Rules:
     def failed(self, result: LoadResult) -> list[str]:
         """The rules ``result`` breaks: ``steady`` (ratio), ``stalls``, ``ttfa``."""
         out = []
-        if not result.p01_delivery_ratio >= self.threshold:
+        if not result.worst_1pct >= self.threshold:
             out.append("steady")
         if result.stalled_share > self.max_stall_share:
             out.append("stalls")
@@ -265,7 +265,7 @@ def find_ceiling(
             runs[n] = run_load(preset, n, seed=seed, prebuffer_s=prebuffer)
         if rules is not None:
             return not rules.failed(runs[n])
-        return runs[n].p01_delivery_ratio >= threshold
+        return runs[n].worst_1pct >= threshold
 
     if not passes(1):
         return 0, list(runs.values())

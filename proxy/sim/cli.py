@@ -104,7 +104,7 @@ def _print_description(info: dict[str, object], args: argparse.Namespace, out: T
     assert isinstance(ramp, list)
     for row in ramp:
         print(
-            f"  {row['concurrency']:5d}: {row['p01_delivery_ratio']:6.3f} / "
+            f"  {row['concurrency']:5d}: {row['worst_1pct']:6.3f} / "
             f"{row['median_delivery_ratio']:6.3f}  {row['mean_step_ms']:7.1f}  "
             f"{row['stalled_share']:5.0%}  {row['ttfa_p99_s']:6.3f} s",
             file=out,
