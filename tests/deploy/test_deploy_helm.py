@@ -96,12 +96,16 @@ def test_templates_are_yaml_once_actions_are_stripped(path: Path) -> None:
 
 def test_values_keep_one_process_and_a_loadable_config() -> None:
     values = _values()
-    assert values["replicaCount"] == 1
+    # Empty: 1 pod with the default (memory) backend, 2 with redis (headroom.replicas).
+    assert values["replicaCount"] == ""
+    assert values["admission"]["backend"] == "memory"
+    assert values["admission"]["workers"] == 1
     config = helm_values_config()
+    assert "admission" not in config
     assert config["listen"]["port"] == PROXY_PORT
     assert values["config"]["drain_timeout_s"] > 0
     assert values["terminationGraceMarginSeconds"] > 0
-    assert values["podDisruptionBudget"]["maxUnavailable"] == 0
+    assert values["podDisruptionBudget"]["maxUnavailable"] == ""
 
 
 def test_configmap_renders_config_with_pools_and_routes_via_toyaml() -> None:
@@ -112,7 +116,9 @@ def test_configmap_renders_config_with_pools_and_routes_via_toyaml() -> None:
     deployment = _text(CHART / "templates" / "deployment.yaml")
     assert f'"--config", "{CONFIG_PATH}"' in deployment
     assert "add (int .Values.config.drain_timeout_s)" in deployment
-    assert "ne (int .Values.replicaCount) 1" in _text(CHART / "templates" / "configmap.yaml")
+    assert _text(CHART / "templates" / "configmap.yaml").startswith(
+        '{{- include "headroom.validate" . }}'
+    )
 
 
 # --- rendered, when helm is available --------------------------------------------------------
@@ -171,15 +177,42 @@ def test_helm_refuses_more_than_one_replica() -> None:
     result = _render("--set", "replicaCount=2")
     assert result.returncode != 0
     assert "replicaCount must be 1" in result.stderr
+    result = _render("--set", "admission.workers=2")
+    assert result.returncode != 0
+    assert "admission.workers must be 1" in result.stderr
+
+
+@needs_helm
+def test_helm_render_with_redis_runs_two_rolling_gateways_and_a_redis() -> None:
+    from proxy.settings import settings_from_mapping
+
+    result = _render("--set", "admission.backend=redis")
+    assert result.returncode == 0, result.stderr
+    docs = {
+        d["kind"] + "/" + d["metadata"]["name"]: d for d in yaml.safe_load_all(result.stdout) if d
+    }
+    deployment = docs["Deployment/gw-headroom"]
+    assert deployment["spec"]["replicas"] == 2
+    assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
+    assert docs["PodDisruptionBudget/gw-headroom"]["spec"]["maxUnavailable"] == 1
+    config = yaml.safe_load(docs["ConfigMap/gw-headroom"]["data"]["config.yaml"])
+    settings = settings_from_mapping(config, env={})
+    assert settings.admission.redis.url == "redis://gw-headroom-redis:6379/0"
+    assert "Service/gw-headroom-redis" in docs
+    redis = docs["Deployment/gw-headroom-redis"]
+    gateway_selector = deployment["spec"]["selector"]["matchLabels"].items()
+    assert not gateway_selector <= redis["spec"]["template"]["metadata"]["labels"].items()
+    external = _render(
+        "--set", "admission.backend=redis", "--set", "admission.redis.url=rediss://r:6380/1"
+    )
+    assert external.returncode == 0, external.stderr
+    assert "gw-headroom-redis" not in external.stdout
 
 
 def test_deployment_template_probes_mount_and_strategy() -> None:
-    (deployment,) = [
-        d
-        for d in yaml.safe_load_all(_stripped(_text(CHART / "templates" / "deployment.yaml")))
-        if d
-    ]
-    assert deployment["spec"]["strategy"]["type"] == "Recreate"
+    deployment = _resolved("deployment.yaml", MEMORY)
+    assert deployment is not None
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["args"] == ["serve", "--config", CONFIG_PATH]
@@ -189,3 +222,173 @@ def test_deployment_template_probes_mount_and_strategy() -> None:
     mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
     assert mount["mountPath"] + "/config.yaml" == CONFIG_PATH
     assert "subPath" not in mount
+
+
+# --- admission.backend: the templates with their backend conditions decided ----------------
+#
+# Without helm, the `if` blocks whose condition is one of the chart's backend switches are
+# resolved here for a given set of values (every other action is stripped as above), so the
+# memory and the redis variants of each manifest can be checked as YAML.
+
+_SHARED = 'eq (include "headroom.shared" .) "true"'
+_BUNDLED = 'eq (include "headroom.bundledRedis" .) "true"'
+_WORKERS = "gt (int .Values.admission.workers) 1"
+_SECRET = f"and ({_SHARED}) .Values.admission.redis.urlSecret.name"
+MEMORY = {_SHARED: False, _BUNDLED: False, _WORKERS: False, _SECRET: False}
+REDIS_BUNDLED = {_SHARED: True, _BUNDLED: True, _WORKERS: False, _SECRET: False}
+REDIS_EXTERNAL_WORKERS = {_SHARED: True, _BUNDLED: False, _WORKERS: True, _SECRET: True}
+_TOKEN = re.compile(r"{{-?\s*(.*?)\s*-?}}", re.S)
+
+
+def _resolve(text: str, known: dict[str, bool]) -> str:
+    """``text`` with every ``if <known condition>`` block replaced by its chosen branch."""
+    out: list[str] = []
+    # Each open block: [is_known, keeping_now, a branch was taken].
+    stack: list[list[bool]] = []
+    pos = 0
+
+    def keeping() -> bool:
+        return all(frame[1] for frame in stack if frame[0])
+
+    for match in _TOKEN.finditer(text):
+        action = match.group(1)
+        if keeping():
+            out.append(text[pos : match.start()])
+        pos = match.end()
+        keyword, _, rest = action.partition(" ")
+        if keyword == "if" and rest in known:
+            stack.append([True, known[rest], known[rest]])
+            continue
+        if keyword in ("if", "with", "range", "define"):
+            stack.append([False, True, True])
+        elif keyword == "else" and stack and stack[-1][0]:
+            frame = stack[-1]
+            condition = rest.removeprefix("if ")
+            if rest.startswith("if "):
+                assert condition in known, f"unknown else-if condition {condition!r}"
+                frame[1] = not frame[2] and known[condition]
+            else:
+                frame[1] = not frame[2]
+            frame[2] = frame[2] or frame[1]
+            continue
+        elif keyword == "end" and stack.pop()[0]:
+            continue
+        if keeping():
+            out.append(match.group(0))
+    assert not stack, "unbalanced template"
+    if keeping():
+        out.append(text[pos:])
+    return "".join(out)
+
+
+def _resolved(name: str, known: dict[str, bool]) -> dict[str, Any] | None:
+    text = _resolve(_text(CHART / "templates" / name), known)
+    docs = [d for d in yaml.safe_load_all(_stripped(text)) if d]
+    assert len(docs) <= 1, name
+    return docs[0] if docs else None
+
+
+def _define(name: str) -> str:
+    """The body of one named template of _helpers.tpl (up to the next one)."""
+    helpers = _text(CHART / "templates" / "_helpers.tpl")
+    start = helpers.index(f'define "{name}" -}}}}')
+    rest = helpers[start:]
+    following = re.search(r"\n(?:{{/\*|{{- define )", rest)
+    return rest[: following.start()] if following else rest
+
+
+def test_memory_backend_renders_no_redis_and_one_serving_process() -> None:
+    assert _resolved("redis-deployment.yaml", MEMORY) is None
+    assert _resolved("redis-service.yaml", MEMORY) is None
+    deployment = _resolved("deployment.yaml", MEMORY)
+    assert deployment is not None
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["serve", "--config", CONFIG_PATH]
+    assert [e["name"] for e in container["env"]] == ["HEADROOM_CONFIG"]
+
+
+def test_redis_backend_rolls_gateways_and_bundles_a_noeviction_redis() -> None:
+    deployment = _resolved("deployment.yaml", REDIS_BUNDLED)
+    assert deployment is not None
+    assert deployment["spec"]["strategy"] == {
+        "type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }  # fmt: skip
+    redis = _resolved("redis-deployment.yaml", REDIS_BUNDLED)
+    service = _resolved("redis-service.yaml", REDIS_BUNDLED)
+    assert redis is not None and service is not None
+    assert redis["kind"] == "Deployment" and service["kind"] == "Service"
+    (container,) = redis["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
+    assert args[args.index("--appendonly") + 1] == "no"
+    assert service["spec"]["ports"][0]["port"] == 6379
+    # Both name themselves and select with the Redis labels, not the gateway's: the
+    # gateway's Service, PDB and PodMonitor must never pick the Redis pod.
+    for text in (_text(CHART / "templates" / n) for n in ("redis-deployment.yaml",
+                                                           "redis-service.yaml")):  # fmt: skip
+        assert 'include "headroom.selectorLabels"' not in text
+        assert 'name: {{ include "headroom.redisName" . }}' in text
+    assert 'include "headroom.redisSelectorLabels"' in _text(
+        CHART / "templates" / "redis-service.yaml"
+    )
+    redis_labels = _define("headroom.redisSelectorLabels")
+    gateway_labels = _define("headroom.selectorLabels")
+    assert "-redis" in redis_labels and "-redis" not in gateway_labels
+    # The gateway's URL is that Service's name.
+    assert 'printf "redis://%s:6379/0" (include "headroom.redisName" .)' in _define(
+        "headroom.config"
+    )
+
+
+def test_external_redis_from_a_secret_and_several_workers() -> None:
+    assert _resolved("redis-deployment.yaml", REDIS_EXTERNAL_WORKERS) is None
+    assert _resolved("redis-service.yaml", REDIS_EXTERNAL_WORKERS) is None
+    deployment = _resolved("deployment.yaml", REDIS_EXTERNAL_WORKERS)
+    assert deployment is not None
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["args"] == ["serve", "--config", CONFIG_PATH, "--workers", "x"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["HEADROOM_ADMISSION__REDIS__URL"]["valueFrom"]["secretKeyRef"] == {
+        "name": "x", "key": "x",
+    }  # fmt: skip
+
+
+def test_helpers_decide_replicas_pdb_and_refuse_unsafe_values() -> None:
+    replicas = _define("headroom.replicas")
+    # Empty replicaCount: 2 with redis, 1 otherwise.
+    assert re.search(r'"true" }}\s*{{- 2 }}\s*{{- else }}\s*{{- 1 }}', replicas)
+    assert 'ne (toString .Values.replicaCount) ""' in replicas
+    pdb = _define("headroom.pdbMaxUnavailable")
+    assert re.search(r'"true" }}\s*{{- 1 }}\s*{{- else }}\s*{{- 0 }}', pdb)
+    assert 'include "headroom.pdbMaxUnavailable"' in _text(CHART / "templates" / "pdb.yaml")
+    assert 'replicas: {{ include "headroom.replicas" . }}' in _text(
+        CHART / "templates" / "deployment.yaml"
+    )
+    validate = _define("headroom.validate")
+    assert "replicaCount must be 1 with admission.backend memory" in validate
+    assert "admission.workers must be 1 with admission.backend memory" in validate
+    assert 'has .Values.admission.backend (list "memory" "redis")' in validate
+
+
+def test_redis_values_render_a_loadable_shared_config() -> None:
+    """The admission section headroom.config builds from the default redis values loads
+    (bundled Redis URL) and passes the lease/renewal checks."""
+    from proxy.settings import settings_from_mapping
+
+    values = _values()
+    redis = values["admission"]["redis"]
+    (line,) = [ln for ln in _define("headroom.config").splitlines() if "$redis := dict" in ln]
+    keys = re.findall(r'"(\w+)" \$r\.(\w+)', line)
+    assert keys and all(a == b for a, b in keys)
+    section = {k: redis[k] for k, _ in keys}
+    section["url"] = "redis://gw-headroom-redis:6379/0"
+    config = {
+        **helm_values_config(),
+        "admission": {"backend": "redis", "on_backend_loss": values["admission"]["on_backend_loss"],
+                      "redis": section},
+    }  # fmt: skip
+    settings = settings_from_mapping(config, env={})
+    assert settings.admission.backend == "redis"
+    assert settings.admission.on_backend_loss == "close"
+    assert settings.warnings() == []
+    assert set(redis) - {"url", "urlSecret"} == {k for k, _ in keys}

@@ -30,9 +30,81 @@ app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 
-{{/* The Headroom configuration file: config with pools and routes added. */}}
+{{/* "true" when caps and the queue are shared through Redis (admission.backend redis). */}}
+{{- define "headroom.shared" -}}
+{{- eq .Values.admission.backend "redis" -}}
+{{- end }}
+
+{{/* Gateway pods: replicaCount, or 1 (memory) / 2 (redis) when it is empty. */}}
+{{- define "headroom.replicas" -}}
+{{- if ne (toString .Values.replicaCount) "" }}
+{{- int .Values.replicaCount }}
+{{- else if eq (include "headroom.shared" .) "true" }}
+{{- 2 }}
+{{- else }}
+{{- 1 }}
+{{- end }}
+{{- end }}
+
+{{/* PDB maxUnavailable: the value, or 0 (memory: one pod) / 1 (redis) when it is empty. */}}
+{{- define "headroom.pdbMaxUnavailable" -}}
+{{- if ne (toString .Values.podDisruptionBudget.maxUnavailable) "" }}
+{{- .Values.podDisruptionBudget.maxUnavailable }}
+{{- else if eq (include "headroom.shared" .) "true" }}
+{{- 1 }}
+{{- else }}
+{{- 0 }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when the release runs its own Redis: backend redis and no external URL. */}}
+{{- define "headroom.bundledRedis" -}}
+{{- and (eq (include "headroom.shared" .) "true") (not .Values.admission.redis.url) (not .Values.admission.redis.urlSecret.name) -}}
+{{- end }}
+
+{{- define "headroom.redisName" -}}
+{{- printf "%s-redis" (include "headroom.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The bundled Redis's labels: not matched by the gateway's selector (other name). */}}
+{{- define "headroom.redisSelectorLabels" -}}
+app.kubernetes.io/name: {{ printf "%s-redis" (include "headroom.name" .) | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Refuse values that would break the caps or cannot work. */}}
+{{- define "headroom.validate" -}}
+{{- if not (has .Values.admission.backend (list "memory" "redis")) }}
+{{- fail "admission.backend must be memory or redis" }}
+{{- end }}
+{{- if and (ne (include "headroom.shared" .) "true") (ne (include "headroom.replicas" .) "1") }}
+{{- fail "replicaCount must be 1 with admission.backend memory: each Headroom process owns the full caps of its GPUs. Set admission.backend redis to run several gateway pods over one set of caps, or install one release per disjoint set of GPUs." }}
+{{- end }}
+{{- if and (ne (include "headroom.shared" .) "true") (ne (int .Values.admission.workers) 1) }}
+{{- fail "admission.workers must be 1 with admission.backend memory: each worker process would own the full caps. Set admission.backend redis to run several workers." }}
+{{- end }}
+{{- if lt (int .Values.admission.workers) 1 }}
+{{- fail "admission.workers must be at least 1" }}
+{{- end }}
+{{- if not .Values.pools }}
+{{- fail "pools: at least one pool with replicas is required" }}
+{{- end }}
+{{- end }}
+
+{{/* The Headroom configuration file: config with pools, routes and (redis) admission added.
+With urlSecret the URL stays out of the file: HEADROOM_ADMISSION__REDIS__URL carries it. */}}
 {{- define "headroom.config" -}}
 {{- $cfg := deepCopy .Values.config }}
+{{- if eq (include "headroom.shared" .) "true" }}
+{{- $r := .Values.admission.redis }}
+{{- $redis := dict "key_prefix" $r.key_prefix "lease_ttl_s" $r.lease_ttl_s "renew_interval_s" $r.renew_interval_s "fence_margin_s" $r.fence_margin_s "timeout_s" $r.timeout_s }}
+{{- if $r.url }}
+{{- $_ := set $redis "url" $r.url }}
+{{- else if not $r.urlSecret.name }}
+{{- $_ := set $redis "url" (printf "redis://%s:6379/0" (include "headroom.redisName" .)) }}
+{{- end }}
+{{- $_ := set $cfg "admission" (dict "backend" "redis" "on_backend_loss" .Values.admission.on_backend_loss "redis" $redis) }}
+{{- end }}
 {{- $_ := set $cfg "pools" .Values.pools }}
 {{- $_ := set $cfg "routes" .Values.routes }}
 {{- toYaml $cfg }}
