@@ -16,7 +16,7 @@ import gc
 import logging
 import signal
 import socket
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from contextvars import ContextVar
 from typing import Any
 
@@ -25,10 +25,11 @@ from prometheus_client import Counter
 from proxy.admin import create_admin_app
 from proxy.app import create_app
 from proxy.errors import ConfigError, ListenError
+from proxy.relay.uvicorn_http import head_limited
 from proxy.relay.uvicorn_ws import HeadroomWebSocketProtocol
 from proxy.runtime import Runtime
 from proxy.serving import EmbeddedServer, bind_socket, make_config
-from proxy.settings import Settings, load_settings, reload_problems
+from proxy.settings import LimitsSettings, Settings, load_settings, reload_problems
 
 __all__ = ["Gateway", "uvicorn_options"]
 
@@ -38,10 +39,16 @@ log = logging.getLogger("headroom.gateway")
 GC_GEN0_THRESHOLD = 10_000
 
 
-def uvicorn_options(settings: Settings) -> dict[str, Any]:
-    """uvicorn settings derived from Headroom's: frame limits, keepalive pings."""
+def uvicorn_options(
+    settings: Settings, live_limits: Callable[[], LimitsSettings] | None = None
+) -> dict[str, Any]:
+    """uvicorn settings derived from Headroom's: request-head limits (from
+    ``live_limits()`` when given, so a reload applies), frame limits, keepalive pings."""
     limits = settings.limits
     return {
+        # Request heads are bounded in size, header count and time before anything
+        # else runs (proxy.relay.uvicorn_http).
+        "http": head_limited(live_limits or (lambda: limits)),
         # Admitted sessions are relayed in protocol callbacks (proxy.relay.splice).
         "ws": HeadroomWebSocketProtocol,
         # Headroom checks message sizes itself (1008); uvicorn's own check (1009) is a
@@ -98,7 +105,10 @@ class Gateway:
         self._env = env
         self.runtime = runtime or Runtime(settings)
         self.app = create_app(self.runtime)
-        self.server = EmbeddedServer(make_config(self.app, **uvicorn_options(settings)))
+        live_limits = lambda: self.runtime.settings.limits  # noqa: E731
+        self.server = EmbeddedServer(
+            make_config(self.app, **uvicorn_options(settings, live_limits))
+        )
         self._sock = _listen("listener", settings.listen.host, settings.listen.port)
         self.port: int = self._sock.getsockname()[1]
         self.admin_server: EmbeddedServer | None = None
@@ -106,9 +116,10 @@ class Gateway:
         self.admin_port: int | None = None
         if settings.admin.enabled:
             admin = create_admin_app(self.runtime, self.reload, self.drain)
-            self.admin_server = EmbeddedServer(
-                make_config(admin, log_level=settings.log_level, lifespan="off")
+            admin_config = make_config(
+                admin, log_level=settings.log_level, lifespan="off", http=head_limited(live_limits)
             )
+            self.admin_server = EmbeddedServer(admin_config)
             try:
                 self._admin_sock = _listen("admin listener", settings.admin.host,
                                            settings.admin.port)  # fmt: skip

@@ -211,7 +211,14 @@ class LimitsSettings(_Frozen):
 
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_http_body_bytes: int = Field(25 * 1024 * 1024, ge=1024)
-    # client request body (HTTP) + upstream connect and handshake
+    # A request head (HTTP request or WebSocket upgrade) over either limit gets 431 before
+    # anything else runs (auth, admission, upstream). 32 KiB holds the biggest real heads
+    # (JWT bearers, SigV4 headers; nginx's default also tops out at 32 KiB) while 1,000
+    # half-sent heads cost at most 32 MiB; 100 header lines is Apache's and CPython's cap.
+    max_head_bytes: int = Field(32 * 1024, ge=1024, le=1024 * 1024)
+    max_headers: int = Field(100, ge=1, le=10_000)
+    # the request head (from accept, or the end of the previous response) + the client
+    # request body (HTTP) + upstream connect and handshake
     handshake_timeout_s: PositiveSeconds = 10
     upstream_connect_timeout_s: PositiveSeconds = 5
     idle_timeout_s: Seconds = 60  # no frames either way

@@ -1,0 +1,265 @@
+"""uvicorn's httptools HTTP protocol, with bounds on the request head.
+
+A request head (the request line and headers of an HTTP request or a WebSocket upgrade)
+is read before anything else -- authentication, admission, any upstream work -- so
+whatever it costs is paid by anyone who can open a TCP connection. uvicorn bounds
+neither its size nor its pace: a 16 MB header was parsed and relayed, and half-sent heads
+held their connections open indefinitely. :class:`HeadLimitedProtocol` bounds both,
+before the bytes reach the parser:
+
+- size: a head longer than ``limits.max_head_bytes`` (counted from the first byte of the
+  request to its blank line) is answered with 431 Request Header Fields Too Large;
+- count: a head with more than ``limits.max_headers`` header lines gets 431 too;
+- time: a head must be complete within ``limits.handshake_timeout_s`` of the connection
+  being accepted, or, on a keep-alive connection, of the end of the previous response.
+  A partial head then gets 408 Request Timeout; a connection on which nothing arrived is
+  closed without a word (as uvicorn's keep-alive timeout does: an answer there could be
+  mistaken for the answer to a request that crosses it).
+
+After such a refusal the connection closes. It closes gracefully (a lingering close, as
+nginx does): the response is written, our side is shut for writing, and what the client
+still sends is read and thrown away for up to :data:`LINGER_S`. A client still sending
+its oversized head then reads the 431 instead of a connection reset.
+
+The size is counted from the raw bytes, before httptools sees them (httptools would
+buffer a header value of any size), to within one socket read when a read holds more
+than one request (pipelining). The limits are read when each head starts, so a
+configuration reload applies to the next request.
+
+Header lines are counted while the head is read, and so are the trailer lines of a
+chunked body (httptools reports both through ``on_header``): head and trailers together
+get ``limits.max_headers`` lines; a request that exceeds it after its head has been read
+has its connection closed. Trailer *bytes* are not bounded here (see issue 14).
+
+This subclasses uvicorn's :class:`~uvicorn.protocols.http.httptools_impl.HttpToolsProtocol`
+and uses some of its internals (parser callbacks, ``cycle``, ``pipeline``, the keep-alive
+hooks). :func:`_check_uvicorn` verifies at import that the methods are there, and the
+first connection that the attributes are, so a uvicorn release that changes them fails
+loudly rather than leaving heads silently unbounded; ``tests/unit/test_uvicorn_http.py``
+checks both against the installed uvicorn (pyproject pins the versions tested).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from proxy.settings import LimitsSettings
+
+__all__ = ["LINGER_S", "HeadLimitedProtocol", "head_limited"]
+
+log = logging.getLogger("headroom.http")
+
+#: How long a refused connection keeps reading (and discarding) before it closes.
+LINGER_S = 2.0
+
+#: What this module relies on in uvicorn's protocol: methods it overrides or calls ...
+_METHODS = (
+    "connection_made", "connection_lost", "data_received", "on_header",
+    "on_headers_complete", "on_message_complete", "on_response_complete",
+    "handle_websocket_upgrade", "send_400_response", "_should_upgrade",
+    "_unset_keepalive_if_required",
+)  # fmt: skip
+#: ... and attributes it reads (set in its __init__).
+_ATTRIBUTES = ("parser", "cycle", "pipeline", "transport", "loop", "server_state")
+
+_REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
+
+
+def _check_uvicorn() -> None:
+    missing = [name for name in _METHODS if not callable(getattr(HttpToolsProtocol, name, None))]
+    if missing:
+        raise ImportError(
+            f"uvicorn {uvicorn.__version__}: HttpToolsProtocol has no {', '.join(missing)}; "
+            "Headroom's request-head limits (proxy.relay.uvicorn_http) need the uvicorn "
+            "versions this package was tested with (see pyproject.toml)"
+        )
+
+
+_check_uvicorn()
+
+
+class _TooManyHeaders(Exception):
+    pass
+
+
+class HeadLimitedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the request-head limits of the module docstring.
+    :func:`head_limited` makes a subclass whose limits come from a live source."""
+
+    #: Where the limits come from; read each time a head starts.
+    limits_source: ClassVar[Callable[[], LimitsSettings]] = LimitsSettings
+    _attributes_checked: ClassVar[bool] = False
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not HeadLimitedProtocol._attributes_checked:
+            missing = [name for name in _ATTRIBUTES if not hasattr(self, name)]
+            if missing:
+                raise RuntimeError(
+                    f"uvicorn {uvicorn.__version__}: HttpToolsProtocol instances have no "
+                    f"{', '.join(missing)}; proxy.relay.uvicorn_http cannot bound heads"
+                )
+            HeadLimitedProtocol._attributes_checked = True
+        self._head_open = True  # the parser is reading a head (or waiting for one)
+        self._head_bytes = 0
+        self._head_tail = b""  # the head's last 3 bytes: its blank line may span reads
+        self._header_count = 0
+        self._too_many = False
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._refused = False  # answered 408/431: input is discarded until close
+        self._linger: asyncio.TimerHandle | None = None
+        self._max_head_bytes = 0
+        self._max_headers = 0
+        self._head_timeout_s = 0.0
+        self._start_head()
+
+    # -- the head's life ----------------------------------------------------------------
+
+    def _start_head(self) -> None:
+        limits = type(self).limits_source()
+        self._max_head_bytes = limits.max_head_bytes
+        self._max_headers = limits.max_headers
+        self._head_timeout_s = limits.handshake_timeout_s
+        self._head_open = True
+        self._head_bytes = 0
+        self._head_tail = b""
+        self._header_count = 0
+
+    def _await_head(self) -> None:
+        """Arm the head deadline if the connection now waits for a request: no response
+        is being written and no complete request is queued."""
+        if self._refused or self._head_timer is not None or self.transport.is_closing():
+            return
+        cycle = self.cycle
+        if (cycle is not None and not cycle.response_complete) or self.pipeline:
+            return
+        self._head_timer = self.loop.call_later(self._head_timeout_s, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        if self._head_open and self._head_bytes:
+            self._refuse(408, f"request head not complete within {self._head_timeout_s:g} s")
+        else:
+            self.transport.close()
+
+    def _head_end(self, data: bytes) -> int:
+        """The offset in ``data`` just past the head's blank line, or -1."""
+        tail = self._head_tail
+        if tail:
+            k = (tail + data[:3]).find(b"\r\n\r\n")
+            if k >= 0:
+                return k + 4 - len(tail)
+        k = data.find(b"\r\n\r\n")
+        return k + 4 if k >= 0 else -1
+
+    # -- refusing ------------------------------------------------------------------------
+
+    def _refuse(self, status: int, message: str) -> None:
+        self._refused = True
+        self._cancel_head_timer()
+        self._unset_keepalive_if_required()
+        log.debug("refused a request head from %s: %d %s", self.client, status, message)
+        cycle = self.cycle
+        busy = cycle is not None and not cycle.response_complete
+        if not self._head_open or busy or self.pipeline:
+            # past the head (trailers), or a response is being written here: there is no
+            # room for another response
+            self.transport.close()
+            return
+        body = message.encode()
+        head = [b"HTTP/1.1 %d %s\r\n" % (status, _REASONS[status])]
+        for name, value in self.server_state.default_headers:
+            head += [name, b": ", value, b"\r\n"]
+        head.append(
+            b"content-type: text/plain; charset=utf-8\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n\r\n" % len(body)
+        )
+        head.append(body)
+        transport = self.transport
+        transport.write(b"".join(head))
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._linger = self.loop.call_later(LINGER_S, transport.close)
+        else:  # pragma: no cover - TCP transports can always half-close
+            transport.close()
+
+    # -- uvicorn's protocol --------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._await_head()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # lingering: read and thrown away
+        if self._head_open:
+            end = self._head_end(data)
+            size = self._head_bytes + (len(data) if end < 0 else end)
+            if size > self._max_head_bytes:
+                self._refuse(431, f"request head over {self._max_head_bytes} bytes")
+                return
+            self._head_bytes = size
+            self._head_tail = data[-3:] if len(data) >= 3 else (self._head_tail + data)[-3:]
+        super().data_received(data)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self._max_headers:
+            self._too_many = True
+            raise _TooManyHeaders  # httptools stops; uvicorn calls send_400_response
+        super().on_header(name, value)
+
+    def send_400_response(self, msg: str) -> None:
+        if self._too_many:
+            self._refuse(431, f"more than {self._max_headers} header lines")
+        else:
+            super().send_400_response(msg)
+
+    def on_headers_complete(self) -> None:
+        self._head_open = False
+        self._cancel_head_timer()
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        if self.parser.should_upgrade() and self._should_upgrade():
+            return  # the connection becomes a WebSocket
+        self._start_head()
+        self._await_head()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._await_head()
+
+    def handle_websocket_upgrade(self) -> None:
+        self._head_open = False
+        self._cancel_head_timer()
+        super().handle_websocket_upgrade()
+
+
+def head_limited(limits: Callable[[], LimitsSettings]) -> type[HeadLimitedProtocol]:
+    """A :class:`HeadLimitedProtocol` whose limits are ``limits()`` (e.g. the running
+    configuration's, so that a reload applies), for uvicorn's ``http`` option."""
+    return type(
+        "HeadLimitedProtocol", (HeadLimitedProtocol,), {"limits_source": staticmethod(limits)}
+    )
