@@ -14,7 +14,6 @@ import math
 import re
 import struct
 
-import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
