@@ -49,8 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=1,
-        help="must be 1: caps and the queue live in one process (see README, 'Scale')",
+        help="worker processes on one listen socket; more than 1 needs admission.backend "
+        "redis (caps shared through Redis; see docs/shared-admission.md)",
     )
+    # A worker started by `serve --workers N` (proxy.workers): its index and the file
+    # descriptors of the sockets the supervisor bound.
+    serve.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--worker-fds", default=None, help=argparse.SUPPRESS)
 
     check = sub.add_parser("check", help="validate a configuration and print a summary")
     _add_config(check)
@@ -85,13 +90,8 @@ def _load(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> 
 
 
 def _serve(args: argparse.Namespace) -> int:
-    if args.workers != 1:
-        print(
-            "headroom: --workers must be 1. Each worker would hold its own copy of every "
-            "per-GPU cap and queue, multiplying the real concurrency on each GPU. Run one "
-            "process per set of caps.",
-            file=sys.stderr,
-        )
+    if args.workers < 1:
+        print("headroom: --workers must be at least 1", file=sys.stderr)
         return 2
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = _load(args, overrides)
@@ -104,17 +104,34 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.workers > 1 and settings.admission.backend != "redis":
+        from proxy.workers import memory_refusal
+
+        print(memory_refusal(args.workers), file=sys.stderr)
+        return 2
     from proxy.gateway import Gateway
     from proxy.logs import configure_logging
 
     configure_logging(settings.log_level, settings.log_format)
-    for warning in settings.warnings():
-        print(f"headroom: warning: {warning}", file=sys.stderr)
-
     config_path = args.config or os.environ.get("HEADROOM_CONFIG")
+    if args.workers > 1:
+        from proxy.workers import supervise
+
+        for warning in settings.warnings():
+            print(f"headroom: warning: {warning}", file=sys.stderr)
+        return supervise(settings, args.workers, args)
+    if args.worker_fds is None:
+        for warning in settings.warnings():  # a worker's supervisor has printed them
+            print(f"headroom: warning: {warning}", file=sys.stderr)
 
     async def run() -> None:
-        gateway = Gateway(settings, config_path=config_path)
+        gateway: Gateway
+        if args.worker_fds is not None:
+            from proxy.workers import make_worker
+
+            gateway = make_worker(settings, args.worker_fds, args.worker_index, config_path)
+        else:
+            gateway = Gateway(settings, config_path=config_path)
         print(
             f"headroom: serving on http://{settings.listen.host}:{gateway.port}",
             file=sys.stderr,

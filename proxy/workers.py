@@ -1,0 +1,256 @@
+"""``headroom serve --workers N``: N gateway processes on one listen socket (redis backend).
+
+Caps and the queue live in Redis with ``admission.backend: redis``, so several processes on
+one host hold one cap per GPU, exactly as several pods do (docs/shared-admission.md). The
+memory backend is refused: each process would own the full caps.
+
+The supervisor (the ``headroom serve`` process) binds the listen socket, and the admin
+socket if enabled, then starts N workers (``python -m proxy serve ... --worker-index i``)
+that inherit the bound sockets: every worker accepts on the same socket, so a worker that
+is busy, paused or gone leaves its connections to the others. Each worker builds its own
+runtime and so its own gateway id (``<host>-<pid>-<random>``) in lease and waiter ids.
+
+Signals go to the supervisor (PID 1 in a container) and reach every worker:
+
+* SIGTERM/SIGINT: forwarded to every worker (the first drains, a second closes at once);
+* SIGHUP: forwarded to every worker (each re-reads the file and applies it);
+* the admin listener runs in worker 0 only; its ``POST /admin/reload`` reloads worker 0
+  and then (SIGUSR1 to the supervisor) every other worker; ``POST /admin/drain`` asks the
+  supervisor (SIGUSR2) to drain every worker.
+
+A worker that exits while the others are not draining makes the supervisor drain the rest
+and exit 1 (the container's restart policy starts a fresh set), so a pod never keeps
+serving with fewer workers than it was given.
+
+``/metrics`` is per worker: a scrape of the listen port sees whichever worker accepted
+it (its own sessions, counters since its start). Pool-wide figures (every worker, every
+pod) come from Redis in ``headroom_shared_*{scope="pool"}``; see docs/shared-admission.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from proxy.errors import ConfigError
+from proxy.gateway import Gateway, _listen
+from proxy.runtime import Runtime
+from proxy.settings import Settings
+
+__all__ = ["WorkerGateway", "supervise", "worker_argv"]
+
+log = logging.getLogger("headroom.workers")
+
+#: Sent by worker 0 to the supervisor: the admin listener reloaded; reload the others.
+RELOAD_OTHERS = signal.SIGUSR1
+#: Sent by worker 0 to the supervisor: the admin listener asked for a drain.
+DRAIN_ALL = signal.SIGUSR2
+
+
+def memory_refusal(workers: int) -> str:
+    return (
+        f"headroom: --workers {workers} needs admission.backend: redis. With the memory "
+        "backend each worker process would hold its own copy of every per-GPU cap and "
+        "queue, multiplying the real concurrency on each GPU. Share the caps through Redis "
+        "(docs/shared-admission.md) or run one process per set of caps."
+    )
+
+
+def worker_argv(
+    config: str | None, host: str | None, port: int | None, index: int, fds: Sequence[int]
+) -> list[str]:
+    argv = [sys.executable, "-m", "proxy", "serve", "--worker-index", str(index)]
+    argv += ["--worker-fds", ",".join(str(fd) for fd in fds)]
+    if config is not None:
+        argv += ["--config", config]
+    if host is not None:
+        argv += ["--host", host]
+    if port is not None:
+        argv += ["--port", str(port)]
+    return argv
+
+
+class WorkerGateway(Gateway):
+    """A gateway serving on sockets its supervisor bound (``listen``, ``admin`` or None).
+
+    Only worker 0 gets the admin socket; its reload and drain reach the other workers
+    through the supervisor."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        listen: socket.socket,
+        admin: socket.socket | None,
+        *,
+        index: int,
+        config_path: str | None = None,
+    ) -> None:
+        # Gateway binds its own sockets from settings: let it bind throwaway ones on
+        # 127.0.0.1 port 0, then serve on the inherited ones instead.
+        throwaway = settings.model_copy(
+            update={
+                "listen": settings.listen.model_copy(update={"host": "127.0.0.1", "port": 0}),
+                "admin": settings.admin.model_copy(
+                    update={"host": "127.0.0.1", "port": 0, "enabled": admin is not None}
+                ),
+            }
+        )
+        super().__init__(throwaway, Runtime(settings), config_path=config_path)
+        self.settings = settings
+        self.index = index
+        self._sock.close()
+        self._sock = listen
+        self.port = listen.getsockname()[1]
+        if self._admin_sock is not None:
+            self._admin_sock.close()
+            self._admin_sock = admin
+            self.admin_port = admin.getsockname()[1] if admin is not None else None
+        self._drain_asked = False
+
+    def reload(self) -> list[str]:
+        """A reload asked here (``POST /admin/reload`` on worker 0): apply it, then have
+        the supervisor reload every other worker."""
+        changes = super().reload()
+        os.kill(os.getppid(), RELOAD_OTHERS)
+        return changes
+
+    def _on_sighup(self) -> None:
+        # SIGHUP comes from the supervisor, which sends it to every worker itself.
+        with contextlib.suppress(ConfigError):  # reload() has logged why
+            Gateway.reload(self)
+
+    def drain(self, timeout_s: float | None = None) -> asyncio.Task[None]:
+        if not self._drain_asked:
+            # From the admin listener or a signal: either way every worker must drain.
+            # The supervisor forwards SIGTERM once (a second one would close at once).
+            self._drain_asked = True
+            os.kill(os.getppid(), DRAIN_ALL)
+        return super().drain(timeout_s)
+
+
+def _inherited(fds: str) -> tuple[socket.socket, socket.socket | None]:
+    numbers = [int(fd) for fd in fds.split(",") if fd]
+    socks = [socket.socket(fileno=fd) for fd in numbers]
+    for sock in socks:
+        sock.setblocking(False)
+    return socks[0], (socks[1] if len(socks) > 1 else None)
+
+
+def make_worker(settings: Settings, fds: str, index: int, config_path: str | None) -> WorkerGateway:
+    listen, admin = _inherited(fds)
+    return WorkerGateway(settings, listen, admin, index=index, config_path=config_path)
+
+
+class Supervisor:
+    """Starts the workers, forwards signals, and exits when they have all exited."""
+
+    def __init__(self, settings: Settings, workers: int, argv: list[list[str]]) -> None:
+        self.settings = settings
+        self.workers = workers
+        self._argv = argv
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self._signals = 0
+        self._draining = False
+
+    def start(self, fds: Sequence[int]) -> None:
+        for argv in self._argv:
+            self.processes.append(subprocess.Popen(argv, pass_fds=tuple(fds)))
+
+    def _send(self, sig: int, skip: int | None = None) -> None:
+        for i, process in enumerate(self.processes):
+            if i != skip and process.poll() is None:
+                os.kill(process.pid, sig)
+
+    def on_term(self) -> None:
+        self._signals += 1
+        if self._signals == 1 and self._draining:
+            return  # already draining (asked by the admin listener): nothing new to say
+        self._draining = True
+        self._send(signal.SIGTERM)
+
+    def on_drain_all(self) -> None:
+        """A worker started draining (its admin listener asked): drain the others too.
+        Not counted as a signal: a SIGTERM after it is the first (drain, already running),
+        a second one closes at once, as for one process."""
+        if not self._draining:
+            self._draining = True
+            self._send(signal.SIGTERM)
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        handlers: dict[int, Any] = {
+            signal.SIGTERM: self.on_term,
+            signal.SIGINT: self.on_term,
+            signal.SIGHUP: lambda: self._send(signal.SIGHUP),
+            RELOAD_OTHERS: lambda: self._send(signal.SIGHUP, skip=0),
+            DRAIN_ALL: self.on_drain_all,
+        }
+        for sig, handler in handlers.items():
+            loop.add_signal_handler(sig, handler)
+        try:
+            codes: dict[int, int] = {}
+            while len(codes) < len(self.processes):
+                for i, process in enumerate(self.processes):
+                    if i in codes or process.poll() is None:
+                        continue
+                    codes[i] = process.returncode
+                    if not self._draining:
+                        print(
+                            f"headroom: worker {i} (pid {process.pid}) exited with "
+                            f"{process.returncode}; draining the others",
+                            file=sys.stderr,
+                        )
+                        self._draining = True
+                        self._send(signal.SIGTERM)
+                        codes[-1] = 1  # the supervisor's own verdict
+                await asyncio.sleep(0.1)
+            failed = codes.pop(-1, 0)
+            return max([failed, *(c if c >= 0 else 1 for c in codes.values())])
+        finally:
+            for sig in handlers:
+                loop.remove_signal_handler(sig)
+
+
+def supervise(settings: Settings, workers: int, args: Any) -> int:
+    """Bind the sockets, run ``workers`` worker processes, return the exit code."""
+    from proxy.cli import run_async
+
+    listen = _listen("listener", settings.listen.host, settings.listen.port)
+    admin = None
+    if settings.admin.enabled:
+        try:
+            admin = _listen("admin listener", settings.admin.host, settings.admin.port)
+        except BaseException:
+            listen.close()
+            raise
+    fds = [listen.fileno()] + ([admin.fileno()] if admin is not None else [])
+    port = listen.getsockname()[1]
+    argv = [worker_argv(args.config, args.host, args.port, i, fds) for i in range(workers)]
+    supervisor = Supervisor(settings, workers, argv)
+    code = 0
+
+    async def run() -> None:
+        nonlocal code
+        supervisor.start(fds)
+        print(
+            f"headroom: serving on http://{settings.listen.host}:{port} with {workers} "
+            f"workers (pids {' '.join(str(p.pid) for p in supervisor.processes)})",
+            file=sys.stderr,
+        )
+        code = await supervisor.run()
+
+    try:
+        run_async(run())
+    finally:
+        listen.close()
+        if admin is not None:
+            admin.close()
+    return code
