@@ -26,7 +26,7 @@ from proxy.admin import create_admin_app
 from proxy.app import create_app
 from proxy.errors import ConfigError, ListenError
 from proxy.relay.uvicorn_http import head_limited
-from proxy.relay.uvicorn_ws import HeadroomWebSocketProtocol
+from proxy.relay.uvicorn_fence import websocket_protocol
 from proxy.runtime import Runtime
 from proxy.serving import EmbeddedServer, bind_socket, make_config
 from proxy.settings import LimitsSettings, Settings, load_settings, reload_problems
@@ -49,8 +49,9 @@ def uvicorn_options(
         # Request heads are bounded in size, header count and time before anything
         # else runs (proxy.relay.uvicorn_http).
         "http": head_limited(live_limits or (lambda: limits)),
-        # Admitted sessions are relayed in protocol callbacks (proxy.relay.splice).
-        "ws": HeadroomWebSocketProtocol,
+        # Admitted sessions are relayed in protocol callbacks (proxy.relay.splice), if
+        # the installed uvicorn has what the splice needs (proxy.relay.uvicorn_fence).
+        "ws": websocket_protocol(),
         # Headroom checks message sizes itself (1008); uvicorn's own check (1009) is a
         # backstop for frames far beyond the limit.
         "ws_max_size": 2 * limits.max_message_bytes,
