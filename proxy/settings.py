@@ -67,6 +67,7 @@ __all__ = [
     "AudioSettings",
     "AuthSettings",
     "FallbackSettings",
+    "ForwardedSettings",
     "GuardSettings",
     "HealthSettings",
     "LimitsSettings",
@@ -229,6 +230,23 @@ class LimitsSettings(_Frozen):
     # disconnected and its slot freed; memory per client stays bounded by the socket's
     # write buffer (64 KiB high-water mark) plus one message.
     client_write_timeout_s: PositiveSeconds = 20
+
+
+def _check_proxy(value: str) -> str:
+    try:
+        return ipaddress.ip_network(value.strip(), strict=True).compressed
+    except ValueError as exc:
+        raise ValueError(
+            f"must be an IP address or network such as 10.0.0.0/8 (got {value!r}: {exc})"
+        ) from None
+
+
+class ForwardedSettings(_Frozen):
+    """Which peers' forwarding headers Headroom believes. None by default: the TCP peer
+    is the client. Headroom always appends the peer to the client's ``X-Forwarded-For``
+    (once); from a trusted peer it also keeps the ``X-Forwarded-Proto`` the peer sent."""
+
+    trusted_proxies: tuple[Annotated[str, AfterValidator(_check_proxy)], ...] = ()
 
 
 class MeterSettings(_Frozen):
@@ -500,6 +518,7 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["json", "text"] = "json"
     limits: LimitsSettings = LimitsSettings()
+    forwarded: ForwardedSettings = ForwardedSettings()
     meter: MeterSettings = MeterSettings()
     guard: GuardSettings = GuardSettings()
     health: HealthSettings = HealthSettings()

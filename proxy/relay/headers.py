@@ -2,15 +2,24 @@
 
 End-to-end headers (Authorization, subprotocols, user agent, custom ``X-*``, content
 type...) are forwarded; hop-by-hop ones (RFC 9110 7.6.1, plus the WebSocket handshake
-headers the client library regenerates) are dropped. ``X-Forwarded-For`` and
-``X-Forwarded-Proto`` are appended.
+headers the client library regenerates) are dropped.
+
+``X-Forwarded-For``: the client's chain as it sent it (several header lines joined in
+order), then the peer address -- the TCP peer, since uvicorn's own proxy-header
+rewrite is off (:func:`proxy.gateway.uvicorn_options`) -- appended exactly once.
+``X-Forwarded-Proto``: the scheme the client used to reach Headroom, unless the peer
+is one of ``forwarded.trusted_proxies`` and sent its own (``http`` or ``https``, e.g.
+a load balancer that terminated TLS): that one is kept. An untrusted peer cannot
+choose it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import functools
+import ipaddress
+from collections.abc import Iterable, Sequence
 
-__all__ = ["HOP_BY_HOP", "forwarded_request_headers", "response_headers"]
+__all__ = ["HOP_BY_HOP", "forwarded_request_headers", "is_trusted", "response_headers"]
 
 HOP_BY_HOP = frozenset(
     {
@@ -48,6 +57,24 @@ def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[str]:
     return tokens
 
 
+@functools.lru_cache(maxsize=64)
+def _networks(
+    entries: tuple[str, ...],
+) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    return tuple(ipaddress.ip_network(e, strict=False) for e in entries)
+
+
+def is_trusted(host: str | None, trusted_proxies: Sequence[str]) -> bool:
+    """Whether the peer ``host`` is in ``trusted_proxies`` (addresses or networks)."""
+    if not host or not trusted_proxies:
+        return False
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return any(address in net for net in _networks(tuple(trusted_proxies)))
+
+
 def forwarded_request_headers(
     raw: Iterable[tuple[bytes, bytes]],
     *,
@@ -55,10 +82,11 @@ def forwarded_request_headers(
     scheme: str,
     websocket: bool,
     keep_authorization: bool = True,
+    trusted_proxies: Sequence[str] = (),
 ) -> list[tuple[str, str]]:
     """The headers to send upstream for a client request's raw ASGI headers. With
     ``keep_authorization=False`` (Headroom's own auth is on) the client's key stays
-    here."""
+    here. ``client_host`` is the TCP peer (see the module docstring)."""
     raw = list(raw)
     drop = HOP_BY_HOP | _OWN | _connection_tokens(raw)
     if not keep_authorization:
@@ -66,23 +94,29 @@ def forwarded_request_headers(
     if websocket:
         drop = drop | _WS_HANDSHAKE
     out: list[tuple[str, str]] = []
-    prior_xff: str | None = None
+    chain: list[str] = []
+    given_proto: str | None = None
     for name_b, value_b in raw:
         name = name_b.decode("latin-1").lower()
         if name in drop:
             continue
         value = value_b.decode("latin-1")
         if name == "x-forwarded-for":
-            prior_xff = value
+            if value.strip():
+                chain.append(value.strip())
             continue
         if name == "x-forwarded-proto":
+            given_proto = value.strip().lower()
             continue
         out.append((name, value))
     if client_host:
-        out.append(("x-forwarded-for", f"{prior_xff}, {client_host}" if prior_xff else client_host))
-    elif prior_xff:
-        out.append(("x-forwarded-for", prior_xff))
-    out.append(("x-forwarded-proto", "https" if scheme in ("https", "wss") else "http"))
+        chain.append(client_host)
+    if chain:
+        out.append(("x-forwarded-for", ", ".join(chain)))
+    proto = "https" if scheme in ("https", "wss") else "http"
+    if given_proto in ("http", "https") and is_trusted(client_host, trusted_proxies):
+        proto = given_proto
+    out.append(("x-forwarded-proto", proto))
     return out
 
 
