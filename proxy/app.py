@@ -25,7 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy import __version__
 from proxy.logs import install_denial_filter
-from proxy.relay.http import relay_http
+from proxy.relay.http import install_abort_filter, relay_http
 from proxy.relay.ws import relay_websocket
 from proxy.runtime import Runtime
 
@@ -78,6 +78,7 @@ class HeadroomApp:
         self.runtime = runtime
         self._ops = _ops_app(runtime)
         install_denial_filter()
+        install_abort_filter()
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         kind = scope["type"]

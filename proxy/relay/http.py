@@ -4,45 +4,38 @@ The request body is read first, bounded by ``limits.max_http_body_bytes`` (413 p
 it): the adapter needs it to learn the audio format, and only a body still in hand
 can be replayed on another replica when the first cannot be reached. Then the gate
 decides (a queued request is simply held; a client that disconnects leaves the
-queue), the request goes upstream with end-to-end headers, and the response is
-streamed back chunk by chunk as it arrives with status and headers preserved (SSE,
-raw PCM, WAV). The slot is released when the response ends or the client goes away,
-which also closes the upstream request. Unreachable upstream: 502 if nothing was
-sent yet; nothing is retried once bytes have flowed.
+queue), and :class:`~proxy.relay.http_exchange.HttpExchange` sends the request
+upstream with the client's end-to-end headers only and streams the response back
+chunk by chunk as it arrives, status and headers preserved (SSE, raw PCM, WAV). The
+slot is released when the response ends, the client goes away or a limit ends the
+session, which also closes the upstream request. Unreachable upstream: 502 if nothing
+was sent yet; nothing is retried once bytes have flowed.
+
+A response that cannot be completed (the upstream failed mid-stream, a limit, drain)
+is aborted: :class:`ResponseAborted` is raised out of the ASGI app after the session
+is logged, so the server closes the connection without the end of the body. uvicorn
+logs an exception escaping an app at ERROR with a traceback; for this normal event
+that record is dropped (:func:`install_abort_filter`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl
-
-import httpx
 
 from proxy.clock import clock_timeout
-from proxy.errors import (
-    HeadroomError,
-    MessageTooLarge,
-    PolicyViolation,
-    Refused,
-    RequestTimeout,
-    UpstreamConnectError,
-    UpstreamStreamError,
-    UpstreamTimeout,
-)
+from proxy.errors import MessageTooLarge, PolicyViolation, Refused, RequestTimeout
 from proxy.gate import Lease
-from proxy.refusal import http_error
-from proxy.relay.admit import FALLBACK_RESPONSE_HEADER, enter, upstream_query
-from proxy.relay.headers import forwarded_request_headers, response_headers
+from proxy.relay.admit import enter
+from proxy.relay.http_exchange import HttpExchange, send_error
 from proxy.relay.session import SessionRecord, new_session_id
 
 if TYPE_CHECKING:
     from proxy.runtime import Runtime
     from proxy.settings import RouteSettings
 
-__all__ = ["relay_http", "send_error"]
+__all__ = ["ResponseAborted", "install_abort_filter", "relay_http", "send_error"]
 
 log = logging.getLogger("headroom.relay.http")
 
@@ -51,15 +44,30 @@ Receive = Any
 Send = Any
 
 
+class ResponseAborted(Exception):
+    """Raised out of the ASGI app once a response has started and cannot be completed:
+    the server then closes the connection without the end of the body, so the client
+    sees a truncated response instead of a short one that looks complete."""
+
+
+class _AbortNoiseFilter(logging.Filter):
+    """Drops uvicorn's "Exception in ASGI application" record for :class:`ResponseAborted`
+    (the session's own log line already says what happened)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, ResponseAborted)
+
+
+def install_abort_filter() -> None:
+    """Attach the filter to uvicorn's error logger (idempotent)."""
+    logger = logging.getLogger("uvicorn.error")
+    if not any(isinstance(f, _AbortNoiseFilter) for f in logger.filters):
+        logger.addFilter(_AbortNoiseFilter())
+
+
 class _ClientGone(Exception):
     pass
-
-
-async def send_error(send: Send, err: HeadroomError) -> int:
-    status, headers, body = http_error(err)
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-    return status
 
 
 async def _read_body(receive: Receive, limit: int) -> bytes:
@@ -112,6 +120,8 @@ async def relay_http(
     )
     lease: Lease | None = None
     tenant: str | None = None
+    exchange: HttpExchange | None = None
+    abort = False
     try:
         try:
             tenant = rt.authorize(scope, route.pool)
@@ -167,130 +177,21 @@ async def relay_http(
         record.admitted_at = clock.now()
         record.queue_wait_s = lease.waited_s
         record.replica = lease.replica
-        streaming = asyncio.ensure_future(
-            _exchange(rt, route, scope, body, lease, send, record, fallback_pool)
-        )
-        if await _while_connected(receive, streaming):
-            record.client_close = 1006  # the client went away mid-response
-        elif not streaming.cancelled() and streaming.exception() is not None:
-            raise streaming.exception()  # type: ignore[misc]
+        exchange = HttpExchange(rt, route, scope, body, lease, send, record, fallback_pool)
+        abort = await exchange.run(receive)
     except asyncio.CancelledError:
         record.error = "cancelled"
         raise
     except Exception as exc:
         record.error = f"{type(exc).__name__}: {exc}"
         log.exception("internal error in session %s", record.session)
+        # logged above: a started response is cut without uvicorn's second traceback
+        abort = exchange is not None and exchange.response_started and not exchange.complete
     finally:
         if lease is not None:
             lease.release()
         rt.release_tenant(tenant)
         record.ended = clock.now()
         record.emit()
-
-
-async def _open(
-    rt: Runtime,
-    route: RouteSettings,
-    scope: Scope,
-    body: bytes,
-    lease: Lease,
-    record: SessionRecord,
-) -> httpx.Response:
-    """Send the request, failing over to another replica while nothing has flowed."""
-    headers = forwarded_request_headers(
-        scope["headers"],
-        client_host=(scope.get("client") or (None,))[0],
-        scheme=scope.get("scheme", "http"),
-        websocket=False,
-        keep_authorization=rt.settings.auth is None,
-    )
-    path = route.upstream_path or scope.get("raw_path", b"").decode("latin-1") or scope["path"]
-    path = path.split("?")[0]
-    query = upstream_query(scope, auth=rt.settings.auth is not None)
-    while True:
-        url = rt.http_url(lease.pool, lease.replica) + path + (f"?{query}" if query else "")
-        # latin-1 bytes: a header value with obs-text is relayed as the client sent it
-        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
-        request = rt.http.build_request(scope["method"], url, headers=raw, content=body)
-        try:
-            return await rt.http.send(request, stream=True)
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            reason = f"cannot reach upstream {lease.replica}: {exc or type(exc).__name__}"
-        rt.upstream_error(lease.pool, lease.replica, "connect")
-        log.warning("%s; failing over", reason)
-        failed = lease.replica
-        if not lease.fail_over():
-            raise UpstreamConnectError(reason, replica=failed, kind="connect")
-        record.replica = lease.replica
-
-
-async def _exchange(
-    rt: Runtime,
-    route: RouteSettings,
-    scope: Scope,
-    body: bytes,
-    lease: Lease,
-    send: Send,
-    record: SessionRecord,
-    fallback_pool: str | None,
-) -> None:
-    clock = rt.clock
-    meter = rt.new_meter(lease.pool, lease.replica, record.admitted_at or clock.now())
-    adapter = rt.http_adapter(route, meter)
-    content_type = next(
-        (v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"content-type"), None
-    )
-    query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
-    adapter.request(scope["method"], query, content_type, body)
-    try:
-        try:
-            response = await _open(rt, route, scope, body, lease, record)
-        except UpstreamConnectError as err:
-            record.decision = "upstream_unreachable"
-            record.error = str(err)
-            record.status = await send_error(send, err)
-            return
-        except Exception as exc:
-            # Connected, but no response came (closed, reset, read timeout): 502 / 504.
-            # Whatever the HTTP stack raises here (httpx, or e.g. an AttributeError from
-            # anyio on a transport uvloop already closed) is the upstream failing.
-            timeout = isinstance(exc, httpx.TimeoutException)
-            kind = "timeout" if timeout else "protocol"
-            rt.upstream_error(lease.pool, lease.replica, kind)
-            failure = (UpstreamTimeout if timeout else UpstreamStreamError)(
-                f"upstream {lease.replica} sent no response: {exc or type(exc).__name__}",
-                replica=lease.replica,
-                kind=kind,
-            )
-            record.decision = "upstream_failed"
-            record.error = str(failure)
-            record.status = await send_error(send, failure)
-            return
-        try:
-            adapter.request_complete(clock.now())  # the body is sent: the ASR commit
-            record.status = response.status_code
-            adapter.response_start(response.status_code, response.headers)
-            headers = response_headers(response.headers.raw)
-            if fallback_pool is not None:
-                headers.append((FALLBACK_RESPONSE_HEADER, fallback_pool.encode()))
-            await send(
-                {"type": "http.response.start", "status": response.status_code, "headers": headers}
-            )
-            try:
-                async for chunk in response.aiter_raw():
-                    adapter.response_chunk(clock.now(), chunk)
-                    record.bytes_down += len(chunk)
-                    record.frames_down += 1
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            except httpx.HTTPError as exc:
-                # Bytes have flowed: nothing is retried. The client sees the stream end.
-                rt.upstream_error(lease.pool, lease.replica, "midstream")
-                record.error = f"upstream failed mid-stream: {exc or type(exc).__name__}"
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            with contextlib.suppress(Exception):
-                await response.aclose()
-    finally:
-        now = clock.now()
-        adapter.response_complete(now)
-        record.meter = meter.finish(now).as_log_fields()
+    if abort:
+        raise ResponseAborted(f"session {record.session}: {record.error or 'aborted'}")

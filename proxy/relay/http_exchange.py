@@ -1,0 +1,356 @@
+"""One admitted HTTP exchange: the request sent upstream (failing over while nothing
+has flowed), the response streamed back chunk by chunk, and the limits that end it.
+
+Limits run on the runtime's clock and are read from the settings in force when the
+session was admitted (a reload reaches every new session):
+
+* ``idle_timeout_s``: the upstream sent nothing (no status line, no body chunk) for
+  this long. Time spent waiting on a client that is not reading does not count.
+* ``max_session_s``: the session has run this long since admission.
+* ``client_write_timeout_s``: one send to the client has been blocked this long (its
+  socket buffer stayed full: it stopped reading). Its connection is reset at once.
+* drain's deadline (:meth:`~proxy.runtime.Runtime.close_sessions`).
+
+Before the response starts, such an end is an error response (504, or 503 for drain).
+After it started, and when the upstream fails mid-stream (reset, closed before the end
+of the body, idle), the response is *aborted*: the client's connection is closed
+without the end of the body (no terminating chunk; a ``Content-Length`` left short),
+so the client sees a truncated response (curl exits 18, HTTP libraries raise an
+incomplete-read error) and never mistakes cut audio for a complete answer.
+
+The upstream gets the client's end-to-end headers and nothing else (no default
+``Accept``, ``Accept-Encoding`` or ``User-Agent`` from the HTTP client library, no
+cookies from earlier responses). A response with a ``Content-Encoding`` other than
+``identity`` -- the client asked for it -- is relayed as it is and not metered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl
+
+import httpx
+
+from proxy.errors import (
+    HeadroomError,
+    UpstreamConnectError,
+    UpstreamStreamError,
+    UpstreamTimeout,
+    refusal_for,
+)
+from proxy.gate import Lease
+from proxy.refusal import http_error
+from proxy.relay.admit import FALLBACK_RESPONSE_HEADER, upstream_query
+from proxy.relay.headers import forwarded_request_headers, response_headers
+from proxy.relay.session import SessionRecord
+
+if TYPE_CHECKING:
+    from proxy.clock import TimerHandle
+    from proxy.runtime import Runtime
+    from proxy.settings import RouteSettings
+
+__all__ = ["Ending", "HttpExchange", "client_abort", "send_error"]
+
+log = logging.getLogger("headroom.relay.http")
+
+Scope = dict[str, Any]
+Receive = Any
+Send = Any
+
+_EPS = 1e-6
+
+
+@dataclass(frozen=True, slots=True)
+class Ending:
+    """Why an exchange ended before its response was complete."""
+
+    kind: str  # "idle", "max_session", "client_write", "drain", "midstream", "client_left"
+    reason: str
+
+
+async def send_error(send: Send, err: HeadroomError) -> int:
+    status, headers, body = http_error(err)
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+    return status
+
+
+def client_abort(send: Send) -> Callable[[], None] | None:
+    """The client connection's ``transport.abort`` when the server is uvicorn: its ASGI
+    ``send`` is a bound method of the request cycle, which holds the transport. None
+    under any other server (or a wrapping middleware); the server's own close after
+    :class:`~proxy.relay.http.ResponseAborted` is then all there is."""
+    transport = getattr(getattr(send, "__self__", None), "transport", None)
+    abort = getattr(transport, "abort", None)
+    return abort if callable(abort) else None
+
+
+class HttpExchange:
+    """Relay one admitted request. :meth:`run` returns True when the response must be
+    aborted (the caller raises out of the ASGI app); every other outcome, error
+    responses included, has been sent in full."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        route: RouteSettings,
+        scope: Scope,
+        body: bytes,
+        lease: Lease,
+        send: Send,
+        record: SessionRecord,
+        fallback_pool: str | None,
+    ) -> None:
+        self.rt, self.route, self.scope, self.body = rt, route, scope, body
+        self.lease, self._send, self.record, self.fallback_pool = lease, send, record, fallback_pool
+        self.clock = rt.clock
+        self.limits = rt.settings.limits
+        now = self.clock.now()
+        self.started = now
+        self.last_activity = now
+        self.send_since: float | None = None  # a send to the client is blocked since
+        self.response_started = False
+        self.complete = False  # the whole response was handed to the server
+        self.ending: Ending | None = None
+        self._task: asyncio.Future[None] | None = None
+        self._timer: TimerHandle | None = None
+
+    # -- ending it ------------------------------------------------------------------
+
+    def stop(self, code: int, reason: str) -> None:
+        """Drain's deadline (:meth:`Runtime.close_sessions`): end the exchange now."""
+        self._end(Ending("drain", reason or "server restarting"))
+
+    def _end(self, ending: Ending) -> None:
+        if self.ending is None and not self.complete:
+            self.ending = ending
+            if self._task is not None:
+                self._task.cancel()
+
+    def _next_due(self) -> float:
+        limits = self.limits
+        due = float("inf")
+        if self.send_since is not None:
+            due = self.send_since + limits.client_write_timeout_s
+        elif limits.idle_timeout_s:
+            due = self.last_activity + limits.idle_timeout_s
+        if limits.max_session_s:
+            due = min(due, self.started + limits.max_session_s)
+        # at most one write timeout ahead, so a send that starts blocking is noticed
+        return min(due, self.clock.now() + limits.client_write_timeout_s)
+
+    def _arm(self) -> None:
+        self._timer = self.clock.call_at(self._next_due(), self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        if self.ending is not None or self.complete:
+            return
+        now = self.clock.now()
+        limits = self.limits
+        if self.send_since is not None:
+            if now >= self.send_since + limits.client_write_timeout_s - _EPS:
+                self.record.error = "client stopped reading"
+                abort = client_abort(self._send)
+                if abort is not None:
+                    abort()  # unsent data is dropped: nobody reads it
+                self._end(Ending("client_write", "client stopped reading"))
+                return
+        elif limits.idle_timeout_s and now >= self.last_activity + limits.idle_timeout_s - _EPS:
+            self._end(Ending("idle", f"idle timeout: the upstream sent nothing for "
+                                     f"{limits.idle_timeout_s:g} s"))  # fmt: skip
+            return
+        if limits.max_session_s and now >= self.started + limits.max_session_s - _EPS:
+            self._end(Ending("max_session", "maximum session duration reached"))
+            return
+        self._arm()
+
+    # -- running it -----------------------------------------------------------------
+
+    async def run(self, receive: Receive) -> bool:
+        """Relay until the response is complete, the client leaves or a limit ends it.
+        True: the response started and must be aborted."""
+        task = self._task = asyncio.ensure_future(self._exchange())
+        watcher = asyncio.ensure_future(self._watch_client(receive))
+        self.rt.register_session(self.stop)
+        self._arm()
+        try:
+            await asyncio.wait({task})
+        finally:
+            self.rt.unregister_session(self.stop)
+            if self._timer is not None:
+                self._timer.cancel()
+            for t in (task, watcher):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(task, watcher, return_exceptions=True)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            raise exc
+        ending = self.ending
+        if ending is None or ending.kind == "client_left":
+            return False
+        if ending.kind == "drain":
+            self.record.error = f"closed at drain deadline: {ending.reason}"
+        elif ending.kind == "max_session":
+            self.record.error = ending.reason
+        if self.response_started:
+            if ending.kind == "idle":
+                self.rt.upstream_error(self.lease.pool, self.lease.replica, "midstream")
+                self.record.error = f"upstream failed mid-stream: {ending.reason}"
+            return True
+        await self._refuse_late(ending)
+        return False
+
+    async def _refuse_late(self, ending: Ending) -> None:
+        """The exchange ended before the upstream answered: tell the client why."""
+        lease, record = self.lease, self.record
+        err: HeadroomError
+        if ending.kind == "drain":
+            err = refusal_for("draining", retry_after_s=1.0, pool=lease.pool)
+        else:
+            if ending.kind == "idle":
+                self.rt.upstream_error(lease.pool, lease.replica, "timeout")
+                record.decision = "upstream_failed"
+            err = UpstreamTimeout(
+                f"upstream {lease.replica} sent no response: {ending.reason}",
+                replica=lease.replica, kind="timeout",
+            )  # fmt: skip
+            record.error = str(err)
+        with contextlib.suppress(Exception):
+            record.status = await send_error(self._send, err)
+
+    async def _watch_client(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        # uvicorn also reports the end of a completed response as a disconnect, and
+        # Headroom's own reset of a client that stopped reading
+        if self.ending is None and not self.complete:
+            self.record.client_close = 1006
+            self._end(Ending("client_left", "client went away"))
+
+    async def _send_body(self, chunk: bytes, more: bool) -> None:
+        self.send_since = self.clock.now()
+        await self._send({"type": "http.response.body", "body": chunk, "more_body": more})
+        self.send_since = None
+        self.last_activity = self.clock.now()
+
+    async def _open(self) -> httpx.Response:
+        """Send the request, failing over to another replica while nothing has flowed."""
+        rt, lease, scope = self.rt, self.lease, self.scope
+        settings = rt.settings
+        headers = forwarded_request_headers(
+            scope["headers"],
+            client_host=(scope.get("client") or (None,))[0],
+            scheme=scope.get("scheme", "http"),
+            websocket=False,
+            keep_authorization=settings.auth is None,
+            trusted_proxies=settings.forwarded.trusted_proxies,
+        )
+        # latin-1 bytes: a header value with obs-text is relayed as the client sent it
+        raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+        path = self.route.upstream_path or scope.get("raw_path", b"").decode("latin-1")
+        path = (path or scope["path"]).split("?")[0]
+        query = upstream_query(scope, auth=settings.auth is not None)
+        connect = self.limits.upstream_connect_timeout_s
+        # read/write: the idle watchdog (on the runtime's clock) bounds every wait
+        timeout = {"connect": connect, "read": None, "write": None, "pool": connect}
+        while True:
+            url = rt.http_url(lease.pool, lease.replica) + path + (f"?{query}" if query else "")
+            # httpx.Request, not client.build_request: the client's default headers
+            # (Accept, Accept-Encoding, User-Agent) and cookie jar are not the client's
+            request = httpx.Request(
+                scope["method"], url, headers=raw, content=self.body,
+                extensions={"timeout": timeout},
+            )  # fmt: skip
+            try:
+                return await rt.http.send(request, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+                reason = f"cannot reach upstream {lease.replica}: {exc or type(exc).__name__}"
+            rt.upstream_error(lease.pool, lease.replica, "connect")
+            log.warning("%s; failing over", reason)
+            failed = lease.replica
+            if not lease.fail_over():
+                raise UpstreamConnectError(reason, replica=failed, kind="connect")
+            self.record.replica = lease.replica
+
+    async def _exchange(self) -> None:
+        rt, lease, record, scope = self.rt, self.lease, self.record, self.scope
+        clock = self.clock
+        meter = rt.new_meter(lease.pool, lease.replica, record.admitted_at or clock.now())
+        adapter = rt.http_adapter(self.route, meter)
+        content_type = next(
+            (v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"content-type"),
+            None,
+        )
+        query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+        adapter.request(scope["method"], query, content_type, self.body)
+        try:
+            try:
+                response = await self._open()
+            except UpstreamConnectError as err:
+                record.decision = "upstream_unreachable"
+                record.error = str(err)
+                record.status = await send_error(self._send, err)
+                self.complete = True
+                return
+            except Exception as exc:
+                # Connected, but no response came (closed, reset): 502. Whatever the HTTP
+                # stack raises here (httpx, or e.g. an AttributeError from anyio on a
+                # transport uvloop already closed) is the upstream failing.
+                rt.upstream_error(lease.pool, lease.replica, "protocol")
+                failure = UpstreamStreamError(
+                    f"upstream {lease.replica} sent no response: {exc or type(exc).__name__}",
+                    replica=lease.replica, kind="protocol",
+                )  # fmt: skip
+                record.decision = "upstream_failed"
+                record.error = str(failure)
+                record.status = await send_error(self._send, failure)
+                self.complete = True
+                return
+            try:
+                self.last_activity = now = clock.now()
+                adapter.request_complete(now)  # the body is sent: the ASR commit
+                record.status = response.status_code
+                adapter.response_start(response.status_code, response.headers)
+                headers = response_headers(response.headers.raw)
+                if self.fallback_pool is not None:
+                    headers.append((FALLBACK_RESPONSE_HEADER, self.fallback_pool.encode()))
+                # An encoded body (the client asked for gzip, say) is relayed as it is,
+                # unmetered: its bytes are not audio Headroom can measure.
+                encoding = response.headers.get("content-encoding", "").strip().lower()
+                metered = encoding in ("", "identity")
+                self.response_started = True
+                await self._send(
+                    {"type": "http.response.start", "status": response.status_code,
+                     "headers": headers}
+                )  # fmt: skip
+                try:
+                    async for chunk in response.aiter_raw():
+                        self.last_activity = now = clock.now()
+                        if metered:
+                            adapter.response_chunk(now, chunk)
+                        record.bytes_down += len(chunk)
+                        record.frames_down += 1
+                        await self._send_body(chunk, True)
+                except httpx.HTTPError as exc:
+                    # Bytes have flowed: nothing is retried, and the client must see the
+                    # stream cut, not end (the caller aborts the response).
+                    rt.upstream_error(lease.pool, lease.replica, "midstream")
+                    reason = f"upstream failed mid-stream: {exc or type(exc).__name__}"
+                    record.error = reason
+                    self.ending = Ending("midstream", reason)
+                    return
+                await self._send_body(b"", False)
+                self.complete = True
+            finally:
+                with contextlib.suppress(Exception):
+                    await response.aclose()
+        finally:
+            now = clock.now()
+            adapter.response_complete(now)
+            record.meter = meter.finish(now).as_log_fields()
