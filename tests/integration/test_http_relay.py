@@ -100,12 +100,12 @@ async def test_client_disconnect_mid_stream_frees_the_slot(start_proxy: Any, ups
 
 
 async def test_unreachable_upstream_gives_502(start_proxy: Any) -> None:
-    dead = bind_socket()
-    port = dead.getsockname()[1]
-    dead.close()
+    dying = bind_socket()  # listening through the start-up check, refusing after it
+    port = dying.getsockname()[1]
     proxy: Proxy = await start_proxy(
         proxy_settings([("gpu0", f"http://127.0.0.1:{port}", 1)], [http_route("/x")])
     )
+    dying.close()
     async with httpx.AsyncClient() as client:
         response = await client.post(proxy.http_url + "/x", content=b"{}")
     assert response.status_code == 502
