@@ -13,6 +13,12 @@ arrives inside it counts):
   utterance's last chunk when it carries less audio than the one before it (a
   *remainder*: a few frames, or a fraction of one, arriving a step after a full chunk
   say nothing about keeping up; a late one still shows as a gap and an underrun).
+- **stalled streams** (TTS): of the streams that started playing in the window or ran
+  dry in it, those whose modelled playback (:class:`proxy.playback.PlaybackBuffer`,
+  the client's ``prebuffer``) ran dry in the window; **startup stalls**: those whose
+  first stall came at the stream's first seam (its second chunk). A stream that started
+  and stalled during the warm-up is not counted (the simulator's ``describe`` counts the
+  streams that started after its warm-up the same way).
 - **per-event delivery ratio** (ASR): a transcript event stands for an equal share of
   the clip (:func:`event_share`: from the session itself when it finished, else the
   level's median share). Event ``i``'s ratio is ``k * share / (t_i - t_{i-k})`` with the
@@ -28,7 +34,10 @@ arrives inside it counts):
   transcript event), for first outputs inside the window.
 - a level **passes** when it ran to completion, no session was refused, errored
   sessions are at most ``max_error_rate`` of those started, it has at least one ratio
-  sample, and worst-1% >= ``threshold``.
+  sample, worst-1% >= ``threshold`` (else ``slow``: rule ``steady``), the share of
+  stalled streams is at most ``max_stall_share`` (else ``stalls``), and TTFA p99 is at
+  most ``ttfa_limit_s`` (else ``ttfa``). :attr:`LevelStats.failed_rules` lists every one
+  of the three rules a level broke, by the names ``describe`` uses.
 """
 
 from __future__ import annotations
@@ -153,6 +162,19 @@ class LevelStats:
     details: tuple[str, ...] = field(default=())
     #: The probe's own event-loop lag (p99, s): how late the client read what arrived.
     client_lag_p99_s: float | None = None
+    #: Streams that played audio in the window, and of those, streams whose modelled
+    #: playback ran dry there (the stall rule); ``startup_stalls``: at the first seam.
+    streams: int = 0
+    stalled_streams: int = 0
+    startup_stalls: int = 0
+
+    #: Every rule the level broke (``steady``, ``stalls``, ``ttfa``), as ``describe``
+    #: names them; the verdict names the first.
+    failed_rules: tuple[str, ...] = ()
+
+    @property
+    def stalled_share(self) -> float | None:
+        return self.stalled_streams / self.streams if self.streams else None
 
     @property
     def stream_ratio_min(self) -> float | None:
@@ -263,9 +285,13 @@ def level_stats(
     max_error_rate: float = 0.0,
     share: float | None = None,
     min_span_s: float = ASR_MIN_SPAN_S,
+    max_stall_share: float | None = None,
+    ttfa_limit_s: float | None = None,
 ) -> LevelStats:
     """The level's figures and verdict; ``share`` is the ASR fallback share (the median
-    of this level's finished sessions is used first)."""
+    of this level's finished sessions is used first). With ``max_stall_share`` a level
+    whose share of stalling streams exceeds it fails (``stalls``); with
+    ``ttfa_limit_s`` one whose TTFA p99 exceeds it fails (``ttfa``). None: not judged."""
     if kind == "asr":
         share = median_share(traces) or share
     ratios: list[float] = []
@@ -295,6 +321,16 @@ def level_stats(
         if first is not None and window.contains(first):
             ttfa.append(first - trace.started_at)
     stalls = [s for t in traces for at, s in t.underruns if window.contains(at)]
+    playing = stalled = startup = 0
+    for t in traces:
+        chunks = [a.at for a in t.arrivals if a.audio_s > 0.0]
+        ran_dry = [at for at, _ in t.underruns if window.contains(at)]
+        if kind != "tts" or not chunks or not (window.contains(chunks[0]) or ran_dry):
+            continue
+        playing += 1
+        if ran_dry:
+            stalled += 1
+            startup += len(chunks) > 1 and ran_dry[0] == chunks[1]
     finals = [
         t.finalize_s for t in traces if t.finalize_s is not None and window.contains(t.ended_at)
     ]
@@ -302,6 +338,14 @@ def level_stats(
     errors = sum(1 for t in traces if t.outcome == "error")
     refusals = sum(1 for t in traces if t.outcome == "refused")
     worst = quantile(ratios, 0.01)
+    ttfa_p99 = quantile(ttfa, 0.99)
+    broken = []
+    if worst is not None and worst < threshold:
+        broken.append("steady")
+    if max_stall_share is not None and playing and stalled / playing > max_stall_share:
+        broken.append("stalls")
+    if ttfa_limit_s is not None and ttfa_p99 is not None and ttfa_p99 > ttfa_limit_s:
+        broken.append("ttfa")
     if not window.complete:
         verdict = "interrupted"
     elif refusals:
@@ -310,8 +354,8 @@ def level_stats(
         verdict = "errors"
     elif worst is None:
         verdict = "no data"
-    elif worst < threshold:
-        verdict = "slow"
+    elif broken:
+        verdict = {"steady": "slow", "stalls": "stalls", "ttfa": "ttfa"}[broken[0]]
     else:
         verdict = "pass"
     hold = window.hold_s
@@ -330,7 +374,7 @@ def level_stats(
         stream_ratios=tuple(sorted(stream_ratios)),
         p99_gap_s=quantile(gaps, 0.99),
         ttfa_p50_s=quantile(ttfa, 0.5),
-        ttfa_p99_s=quantile(ttfa, 0.99),
+        ttfa_p99_s=ttfa_p99,
         underruns=len(stalls),
         stall_s=sum(stalls),
         throughput=delivered / hold if hold > 0.0 else 0.0,
@@ -338,4 +382,8 @@ def level_stats(
         passed=verdict == "pass",
         verdict=verdict,
         details=_details(traces),
+        streams=playing,
+        stalled_streams=stalled,
+        startup_stalls=startup,
+        failed_rules=tuple(broken),
     )

@@ -2,8 +2,14 @@
 
 :class:`CeilingSearch` ramps through the given levels (1, 2, 4, 8, 16, ... by default,
 optionally doubling past the list) until one fails, then bisects between the last
-passing and the first failing level down to adjacent integers. The ceiling is
-:func:`ceiling_of` the results: the highest passing level below the lowest failing one.
+passing and the first failing level down to adjacent integers. With ``repeats`` it then
+measures the boundary again (the ceiling and the level above it, ``repeats`` more times
+each); a level passes only if every trial of it passed, so a failed repeat of the ceiling
+lowers it and the bisection resumes below. The ceiling is :func:`ceiling_of` the
+results: the highest passing level below the lowest failing one, so a level counts only
+if every measured level below it passes too. The *range seen* is the ceiling with every
+trial required to pass (the reported one) up to the ceiling with one passing trial per
+level enough: ``(4, 5)`` says 5 passed once and failed once.
 
 :func:`summarize` adds what a throughput-based estimate would have said:
 
@@ -57,7 +63,10 @@ class CeilingSearch:
         extend: bool = False,
         max_level: int = 1024,
         bisect: bool = True,
+        repeats: int = 0,
     ) -> None:
+        if repeats < 0:
+            raise ValueError("repeats must be >= 0")
         ramp = sorted({int(level) for level in levels})
         if not ramp or ramp[0] < 1:
             raise ValueError("levels must be integers >= 1")
@@ -68,13 +77,20 @@ class CeilingSearch:
         self._max = max_level
         self._bisect = bisect
         self._next = 0  # index into the ramp
+        self._repeats = repeats
+        #: level -> passed, every trial of it (a level with a failed trial fails).
         self.results: dict[int, bool] = {}
+        #: level -> the verdict of each trial, in order.
+        self.trials: dict[int, list[bool]] = {}
 
     @property
     def phase(self) -> str:
-        """``ramp`` until a level fails, then ``bisect``; ``done`` when nothing is left."""
+        """``ramp`` until a level fails, then ``bisect``; ``repeat`` while the boundary
+        is measured again; ``done`` when nothing is left."""
         if self.next_level() is None:
             return "done"
+        if self._search_level() is None:
+            return "repeat"
         return "ramp" if all(self.results.values()) else "bisect"
 
     def _ramp_level(self) -> int | None:
@@ -87,6 +103,19 @@ class CeilingSearch:
 
     def next_level(self) -> int | None:
         """The next level to measure, or None when the search is over."""
+        level = self._search_level()
+        if level is not None or not self._repeats:
+            return level
+        ceiling, _ = self.ceiling
+        due = [
+            (len(self.trials[b]), b)
+            for b in (ceiling, ceiling + 1)
+            if b >= 1 and 0 < len(self.trials.get(b, ())) <= self._repeats
+        ]
+        return min(due)[1] if due else None  # alternate: the one measured least first
+
+    def _search_level(self) -> int | None:
+        """The ramp's or the bisection's next level (None: the bracket is closed)."""
         if all(self.results.values()):
             return self._ramp_level()
         if not self._bisect:
@@ -105,7 +134,8 @@ class CeilingSearch:
 
     def record(self, level: int, passed: bool) -> None:
         """The verdict of ``level`` (normally the one :meth:`next_level` returned)."""
-        self.results[level] = passed
+        self.trials.setdefault(level, []).append(passed)
+        self.results[level] = all(self.trials[level])
         if self._next < len(self._ramp) and level == self._ramp[self._next]:
             self._next += 1
         elif self._next >= len(self._ramp) and level > self._ramp[-1]:
@@ -149,6 +179,8 @@ class ProbeSummary:
     bracket: tuple[int, int | None]
     estimates: Estimates
     levels: tuple[LevelStats, ...]
+    #: The range seen (module docstring): ``(ceiling, ceiling with one pass enough)``.
+    range: tuple[int, int] = (0, 0)
 
     def at(self, level: int) -> LevelStats | None:
         """The last complete measurement of ``level``."""
@@ -158,11 +190,40 @@ class ProbeSummary:
                 found = stats
         return found
 
+    def failing(self, level: int) -> LevelStats | None:
+        """The first complete trial of ``level`` that failed, else its last one."""
+        trials = [s for s in self.levels if s.level == level and s.complete]
+        return next((s for s in trials if not s.passed), trials[-1] if trials else None)
+
+    def trials(self, level: int) -> tuple[int, int]:
+        """``(passed, measured)`` complete trials of ``level``."""
+        trials = [s for s in self.levels if s.level == level and s.complete]
+        return sum(s.passed for s in trials), len(trials)
+
+    @property
+    def limited_by(self) -> tuple[str, ...]:
+        """What failed at the lowest failing level, in every failed trial of it: the
+        rules ``steady``, ``stalls``, ``ttfa`` (as ``describe`` names them), or the
+        verdict of a level that broke none (``errors``, ``refused``, ``no data``)."""
+        out: list[str] = []
+        for s in self.levels:
+            if s.level == self.bracket[1] and s.complete and not s.passed:
+                for reason in s.failed_rules or (s.verdict,):
+                    if reason not in out:
+                        out.append(reason)
+        return tuple(out)
+
 
 def summarize(levels: Sequence[LevelStats], threshold: float) -> ProbeSummary:
     """The ceiling and estimates from the levels measured (incomplete ones ignored)."""
-    results = {s.level: s.passed for s in levels if s.complete}
+    results: dict[int, bool] = {}
+    any_pass: dict[int, bool] = {}
+    for s in levels:
+        if s.complete:
+            results[s.level] = results.get(s.level, True) and s.passed
+            any_pass[s.level] = any_pass.get(s.level, False) or s.passed
     ceiling, bounded = ceiling_of(results)
+    seen = (ceiling, max(ceiling, ceiling_of(any_pass)[0]))
     fails = [level for level, ok in results.items() if not ok]
     summary = ProbeSummary(
         threshold, ceiling, bounded, (ceiling, min(fails) if fails else None), _NONE, tuple(levels)
@@ -186,7 +247,9 @@ def summarize(levels: Sequence[LevelStats], threshold: float) -> ProbeSummary:
         utilisation_of_peak=tp_ceiling / peak_tp if tp_ceiling is not None and peak_tp else None,
         ceiling_of_throughput_estimate=ceiling / tp_estimate if tp_estimate else None,
     )
-    return ProbeSummary(threshold, ceiling, bounded, summary.bracket, estimates, tuple(levels))
+    return ProbeSummary(
+        threshold, ceiling, bounded, summary.bracket, estimates, tuple(levels), seen
+    )
 
 
 _NONE = Estimates(None, None, None, None, None, None, None, None, None)

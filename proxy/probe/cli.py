@@ -57,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Ramp concurrency against a speech endpoint (an engine, or Headroom in front of "
         "it), hold each level, and find the largest concurrency whose worst-1% per-chunk "
-        "delivery ratio stays at or above the threshold (1.2x realtime)."
+        "delivery ratio stays at or above the threshold (1.2x realtime), whose listeners "
+        "never stall (a modelled --prebuffer playback) and whose TTFA p99 stays within "
+        "--ttfa-limit."
     )
     a = parser.add_argument
     a("--target", required=True, metavar="URL", help="engine or Headroom base URL")
@@ -94,6 +96,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
            "pace)")  # fmt: skip
     a("--prebuffer", type=float, default=0.2, metavar="S",
       help="modelled client buffer before playback, for underruns (0.2)")  # fmt: skip
+    a("--max-stall-share", type=float, default=0.0, metavar="F",
+      help="share of streams whose modelled playback may run dry at a passing level "
+           "(default 0; 1 = not judged)")  # fmt: skip
+    a("--ttfa-limit", type=float, default=1.0, metavar="S",
+      help="TTFA p99 a passing level may reach (default 1.0 s; 0 = not judged)")  # fmt: skip
+    a("--repeat", type=int, default=1, metavar="N",
+      help="measure the ceiling and the level above it N more times once found; a "
+           "level passes only if every trial does (default 1; 0 = once)")  # fmt: skip
     a("--header", action="append", default=[], metavar="'NAME: VALUE'",
       help="extra request header, e.g. 'Authorization: Bearer KEY' (repeatable)")  # fmt: skip
     a("--quiet", action="store_true", help="no live progress")
@@ -114,6 +124,8 @@ def settings_from_args(args: argparse.Namespace) -> ProbeSettings:
     levels, extend = parse_levels(args.levels)
     kind = PROTOCOL_KINDS[args.protocol]
     workload = open_workload(args.workload or kind)
+    if not args.max_stall_share >= 0 or args.ttfa_limit < 0 or args.repeat < 0:
+        raise ValueError("--max-stall-share, --ttfa-limit and --repeat must be >= 0")
     if args.asr_pace < 0 or args.hold <= 0 or args.warmup < 0 or args.time_limit <= 0:
         raise ValueError("--hold and --time-limit must be > 0, --warmup and --asr-pace >= 0")
     client = ClientOptions(
@@ -142,6 +154,9 @@ def settings_from_args(args: argparse.Namespace) -> ProbeSettings:
         session_timeout_s=args.session_timeout,
         max_error_rate=args.max_error_rate,
         bisect=not args.no_bisect,
+        max_stall_share=args.max_stall_share if args.max_stall_share < 1 else None,
+        ttfa_limit_s=args.ttfa_limit if args.ttfa_limit > 0 else None,
+        repeats=args.repeat,
     )
 
 

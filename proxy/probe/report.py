@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from proxy.probe.analysis import LevelStats
+from proxy.probe.ceiling import ProbeSummary
 from proxy.probe.runner import ProbeResult
 
 __all__ = [
@@ -58,6 +59,9 @@ CSV_COLUMNS = (
     "hold_s",
     "finalize_p99_s",
     "client_lag_p99_s",
+    "streams",
+    "stalled_streams",
+    "startup_stalls",
 )
 
 
@@ -95,6 +99,11 @@ def level_json(stats: LevelStats, order: int) -> dict[str, Any]:
         "hold_s": _r(stats.hold_s, 3),
         "finalize_p99_s": _r(stats.finalize_p99_s),
         "client_lag_p99_s": _r(stats.client_lag_p99_s),
+        "streams": stats.streams,
+        "stalled_streams": stats.stalled_streams,
+        "stalled_share": _r(stats.stalled_share),
+        "startup_stalls": stats.startup_stalls,
+        "failed_rules": list(stats.failed_rules),
         "details": list(stats.details),
     }
 
@@ -115,6 +124,12 @@ def result_json(result: ProbeResult) -> dict[str, Any]:
         "ceiling": summary.ceiling,
         "exact": summary.bounded,
         "bracket": list(summary.bracket),
+        "ceiling_range": list(summary.range),
+        "limited_by": list(summary.limited_by),
+        "trials": {
+            str(level): dict(zip(("passed", "runs"), summary.trials(level), strict=True))
+            for level in sorted({s.level for s in summary.levels})
+        },
         "complete": result.stopped is None,
         "stopped": result.stopped,
         "started_at": started.isoformat(timespec="seconds"),
@@ -145,6 +160,9 @@ def result_json(result: ProbeResult) -> dict[str, Any]:
             "prebuffer_s": s.client.prebuffer_s,
             "stream_format": s.client.stream_format,
             "asr_pace": s.client.asr_pace,
+            "max_stall_share": s.max_stall_share,
+            "ttfa_limit_s": s.ttfa_limit_s,
+            "repeats": s.repeats,
         },
         "notes": list(result.notes),
         "levels": [level_json(stats, i + 1) for i, stats in enumerate(summary.levels)],
@@ -172,7 +190,8 @@ def format_table(result: ProbeResult) -> str:
     head = (
         f"{'level':>5}  {'phase':6}  {'verdict':11}  {'worst-1%':>8}  {'median':>6}  "
         f"{'p99 gap':>8}  {'TTFT p50' if asr else 'TTFA p50':>8}  {'p99':>7}  "
-        f"{'underruns':>9}  {'text-s/s' if asr else 'audio-s/s':>9}  {'sessions':>8}  "
+        f"{'underruns':>9}  {'stalled':>7}  {'text-s/s' if asr else 'audio-s/s':>9}  "
+        f"{'sessions':>8}  "
         f"{'errors':>6}  {'refused':>7}"
     )
     lines = [head]
@@ -181,10 +200,16 @@ def format_table(result: ProbeResult) -> str:
             f"{s.level:>5}  {s.phase:6}  {s.verdict:11}  {_f(s.worst_1pct, '{:.3f}'):>8}  "
             f"{_f(s.median_ratio):>6}  {_f(s.p99_gap_s, '{:.3f}', ' s'):>8}  "
             f"{_f(s.ttfa_p50_s, '{:.3f}', ' s'):>8}  {_f(s.ttfa_p99_s, '{:.2f}', ' s'):>7}  "
-            f"{s.underruns:>9}  {s.throughput:>9.2f}  {s.sessions:>8}  {s.errors:>6}  "
+            f"{s.underruns:>9}  {_stalled(s):>7}  {s.throughput:>9.2f}  {s.sessions:>8}  "
+            f"{s.errors:>6}  "
             f"{s.refusals:>7}"
         )
     return "\n".join(lines)
+
+
+def _stalled(stats: LevelStats) -> str:
+    """Streams whose playback ran dry, of those that played: ``3/12``."""
+    return f"{stats.stalled_streams}/{stats.streams}" if stats.streams else "-"
 
 
 def _duration(seconds: float) -> str:
@@ -192,11 +217,41 @@ def _duration(seconds: float) -> str:
     return f"{minutes} min {secs} s" if minutes else f"{secs} s"
 
 
+def _failed_rule(stats: LevelStats | None) -> str:
+    """What a failing level broke, in words."""
+    if stats is None:
+        return "?"
+    if stats.verdict == "stalls":
+        return (
+            f"{stats.stalled_streams} of {stats.streams} streams stalled "
+            f"({stats.startup_stalls} at the first seam)"
+        )
+    if stats.verdict == "ttfa":
+        return f"TTFA p99 {_f(stats.ttfa_p99_s, '{:.2f}', ' s')} over the limit"
+    return stats.verdict
+
+
+def _evidence(summary: ProbeSummary) -> str:
+    """Trials at the boundary, the range seen and the rules that limited the ceiling."""
+    c = summary.ceiling
+    trials = ", ".join(
+        f"{level}: {passed}/{runs} passed"
+        for level in (c, c + 1)
+        if level >= 1
+        for passed, runs in [summary.trials(level)]
+        if runs
+    )
+    low, high = summary.range
+    seen = f"{low}" if low == high else f"{low}-{high}"
+    limited = ", ".join(summary.limited_by) or "-"
+    return f"evidence: {trials}; range seen {seen}; limited by {limited}"
+
+
 def format_summary(result: ProbeResult) -> str:
     """The conclusion in a few lines: ceiling, estimates, utilisation, duration."""
     summary = result.summary
     t, c = summary.threshold, summary.ceiling
-    at, above = summary.at(c), summary.at(c + 1)
+    at, above = summary.at(c), summary.failing(c + 1)
     lines = []
     if not summary.levels:
         lines.append("ceiling: not measured (no level completed)")
@@ -204,13 +259,13 @@ def format_summary(result: ProbeResult) -> str:
         worst = _f(above.worst_1pct if above else None, "{:.3f}")
         lines.append(
             f"ceiling: 0 - even one session's worst-1% delivery ratio ({worst}x) is "
-            f"below {t:g}x, or it failed ({above.verdict if above else '?'})"
+            f"below {t:g}x, or it failed ({_failed_rule(above)})"
         )
     elif summary.bounded:
         why = (
             f"{_f(above.worst_1pct, '{:.3f}')}x"
             if above and above.verdict == "slow"
-            else (above.verdict if above else "?")
+            else _failed_rule(above)
         )
         lines.append(
             f"ceiling: {c} concurrent sessions (worst-1% delivery ratio "
@@ -229,6 +284,8 @@ def format_summary(result: ProbeResult) -> str:
         else:
             why = "no measured level failed: raise --max-level or add levels"
         lines.append(f"ceiling: at least {c} ({why})")
+    if summary.bounded and summary.levels:
+        lines.append(_evidence(summary))
     e = summary.estimates
     if e.throughput_estimate is not None and e.peak_throughput is not None:
         line = (

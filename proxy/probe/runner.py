@@ -89,6 +89,13 @@ class ProbeSettings:
     bisect: bool = True
     cooldown_s: float = 0.5
     preflight: bool = True
+    #: Playback continuity: the share of streams that may stall (None: not judged)...
+    max_stall_share: float | None = 0.0
+    #: ... and the TTFA p99 a level may reach (None: not judged).
+    ttfa_limit_s: float | None = 1.0
+    #: Extra trials of the ceiling and the level above it once the search has closed
+    #: the bracket (:class:`CeilingSearch`); the result reports the range seen.
+    repeats: int = 1
 
     @property
     def kind(self) -> Literal["tts", "asr"]:
@@ -108,6 +115,8 @@ class ProbeSettings:
             )
         if not self.hold_s > 0 or self.warmup_s < 0 or not self.threshold > 0:
             raise ValueError("hold must be > 0 s, warm-up >= 0 s, threshold > 0")
+        if self.repeats < 0:
+            raise ValueError("repeats must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +251,8 @@ class _Level:
             kind=self.s.kind,
             max_error_rate=self.s.max_error_rate,
             share=self.share,
+            max_stall_share=self.s.max_stall_share,
+            ttfa_limit_s=self.s.ttfa_limit_s,
         )
 
     async def run(self, stop: asyncio.Event, progress: Progress | None) -> LevelRun:
@@ -331,6 +342,7 @@ async def run_probe(
         extend=settings.extend,
         max_level=settings.max_level,
         bisect=settings.bisect,
+        repeats=settings.repeats,
     )
     runs: list[LevelRun] = []
     stopped: str | None = None

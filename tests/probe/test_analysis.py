@@ -153,6 +153,31 @@ def test_underruns_are_counted_inside_the_window_only() -> None:
     assert s.underruns == 1 and s.stall_s == pytest.approx(20.0 - 7.0)
 
 
+def test_a_stream_that_stalls_at_its_first_seam_fails_the_stall_rule() -> None:
+    # Inside the window: a 0.32 s first chunk, then a 2 s chunk 0.8 s later (2.5x, far
+    # above the steady threshold) and steady 2 s chunks every 1.25 s. The listener
+    # starts 0.2 s after the first chunk and runs dry 0.28 s before the second arrives.
+    seam = tts_trace(11.0, [(11.5, 0.32), (12.3, 2.0)] + [(12.3 + 1.25 * i, 2.0) for i in
+                     range(1, 12)])  # fmt: skip
+    smooth = steady(11.0, 11.5, 1.25, 2.0, 12)
+    # Started and stalled in the warm-up: neither counted as a stream nor as stalled.
+    early = tts_trace(0.0, [(1.0, 0.32), (1.8, 2.0)] + [(1.8 + 1.25 * i, 2.0) for i in
+                      range(1, 25)])  # fmt: skip
+    s = level_stats(W, [seam, smooth, early], threshold=1.2, max_stall_share=0.0)
+    assert s.worst_1pct is not None and s.worst_1pct >= 1.2
+    assert (s.streams, s.stalled_streams, s.startup_stalls) == (2, 1, 1)
+    assert s.stalled_share == pytest.approx(0.5)
+    assert s.verdict == "stalls" and s.failed_rules == ("stalls",) and not s.passed
+    assert level_stats(W, [seam, smooth], threshold=1.2, max_stall_share=0.5).passed
+    assert level_stats(W, [seam, smooth], threshold=1.2).passed  # not judged
+    # A level that breaks several rules names them all; its verdict is the first.
+    slow = level_stats(W, [seam], threshold=3.0, max_stall_share=0.0, ttfa_limit_s=0.4)
+    assert slow.ttfa_p99_s == pytest.approx(0.5)
+    assert slow.verdict == "slow" and slow.failed_rules == ("steady", "stalls", "ttfa")
+    assert level_stats(W, [smooth], threshold=1.2, ttfa_limit_s=0.4).verdict == "ttfa"
+    assert level_stats(W, [smooth], threshold=1.2, ttfa_limit_s=0.5).verdict == "pass"
+
+
 def test_verdict_precedence_and_error_tolerance() -> None:
     ok = steady(0.0, 10.5, 0.5, 1.0, 20)
     error = SessionTrace(1.0, 2.0, "error", detail="HTTP 500 boom")

@@ -184,3 +184,60 @@ def test_summary_of_nothing_and_of_a_failing_first_level() -> None:
     assert one.estimates.rtf_estimate == 0 and one.estimates.throughput_at_ceiling is None
     tiny = replace(stats(1, 0.8, 0.0), stream_ratios=())
     assert summarize([tiny], 1.2).estimates.single_stream_rtf is None
+
+
+# -- repeated trials at the boundary ------------------------------------------------------
+
+
+def test_repeats_measure_the_boundary_again() -> None:
+    s = CeilingSearch((1, 2, 4, 8, 16), extend=False, repeats=2)
+    order = []
+    while (level := s.next_level()) is not None:
+        order.append((level, s.phase))
+        s.record(level, level <= 11)
+    # The search as without repeats, then the ceiling and the level above, twice more.
+    assert [lv for lv, _ in order] == [1, 2, 4, 8, 16, 12, 10, 11, 11, 12, 11, 12]
+    assert [ph for _, ph in order[-4:]] == ["repeat"] * 4
+    assert s.ceiling == (11, True) and s.trials[11] == [True] * 3
+
+
+def test_a_failed_repeat_lowers_the_ceiling_and_bisection_resumes_below() -> None:
+    # 11 passes once, then fails: it fails, and 10 (measured again) is the ceiling.
+    verdicts = {11: [True, False]}
+    s = CeilingSearch((1, 2, 4, 8, 16), extend=False, repeats=1)
+    order = []
+    while (level := s.next_level()) is not None:
+        order.append(level)
+        queue = verdicts.get(level)
+        s.record(level, queue.pop(0) if queue else level <= 11)
+    assert order == [1, 2, 4, 8, 16, 12, 10, 11, 11, 10]
+    assert s.results[11] is False and s.trials[11] == [True, False]
+    assert s.ceiling == (10, True)
+    # Without a repeat the flaky level would have been the ceiling.
+    once = search(11, (1, 2, 4, 8, 16), False)
+    assert once.ceiling == (11, True)
+
+
+def test_summary_gives_the_range_seen_and_what_limited_it() -> None:
+    # 4 passed twice; 5 failed (stalls) once and passed once: the ceiling is 4 (every
+    # trial must pass), the range seen 4-5; 6 was never passed.
+    stalled = replace(
+        stats(5, 1.4, 8.0), passed=False, verdict="stalls", failed_rules=("stalls", "ttfa")
+    )
+    levels = [
+        stats(1, 3.0, 2.0),
+        stats(2, 2.0, 4.0),
+        stats(4, 1.5, 7.0),
+        stats(8, 0.9, 9.0),
+        stats(6, 1.1, 8.5),
+        stalled,
+        stats(4, 1.5, 7.0),
+        stats(5, 1.4, 8.0),
+    ]
+    summary = summarize(levels, 1.2)
+    assert (summary.ceiling, summary.bounded, summary.range) == (4, True, (4, 5))
+    assert summary.trials(4) == (2, 2) and summary.trials(5) == (1, 2)
+    assert summary.failing(5) is stalled and summary.at(5) is levels[-1]
+    assert summary.limited_by == ("stalls", "ttfa")
+    slow = summarize(levels[:5], 1.2)
+    assert (slow.ceiling, slow.range, slow.limited_by) == (4, (4, 4), ("slow",))

@@ -35,6 +35,12 @@ from tests.probe.conftest import ROOT, sim_process
 from tests.probe.presets import PROBE_PRESETS
 
 QUICK = "--hold 4 --warmup 1.5 --quiet"
+#: The ceiling tests judge the steady ratio alone (describe()'s ceiling_steady_only):
+#: the deterministic presets' 4-frame first chunk stalls a 0.2 s listener by design.
+STEADY_ONLY = "--max-stall-share 1 --ttfa-limit 0"
+#: describe() measures each level once; so do the exact-ceiling tests (with a 1.5 s
+#: warm-up a repeat right after a failing level still sees that level's load).
+ONCE = "--repeat 0"
 #: Runs allowed per ceiling test. The presets are deterministic, so the first run finds
 #: the exact ceiling unless the host stalls a process for longer than the margin (150+
 #: ms); a stall can only make a level fail, so a run never finds a higher ceiling.
@@ -75,6 +81,7 @@ def test_ceiling_equals_described_ceiling(
         with sim_process(preset) as url:
             status = main(
                 f"--target {url} --protocol {protocol} --levels {levels} {QUICK} "
+                f"{STEADY_ONLY} {ONCE} "
                 f"--json {out}.json --csv {out}.csv --plot {out}.png "
                 f"--write-config {config} --pool tts-main --replica gpu0".split()
             )
@@ -150,6 +157,39 @@ def test_wrong_protocol_that_measures_nothing_fails(
     assert "max_sessions" not in captured.out
     assert not (tmp_path / "p.json").exists()
     assert config.read_text() == before
+
+
+def test_a_stall_at_the_first_seam_fails_the_level(tmp_path: Path) -> None:
+    """probe-test-tts-c2 alone: a 4-frame (0.32 s) first chunk, then 25 frames made in
+    ~0.71 s. A 0.2 s-prebuffer listener runs dry at the first seam although every later
+    chunk is 1.4x realtime; a 0.6 s prebuffer does not. A tight TTFA limit fails too."""
+    runs = {}
+    with sim_process("probe-test-tts-c2") as url:
+        for name, extra in (
+            ("default", ""),
+            ("prebuffer", "--prebuffer 0.6"),
+            ("ttfa", "--prebuffer 0.6 --ttfa-limit 0.05"),
+        ):
+            out = tmp_path / f"{name}.json"
+            status = main(
+                f"--target {url} --protocol vllm-omni-speech-ws --levels 1 --max-level 1 "
+                f"{QUICK} --json {out} {extra}".split()
+            )
+            assert status == 0
+            runs[name] = json.loads(out.read_text())
+    stalled = runs["default"]["levels"][0]
+    assert stalled["verdict"] == "stalls" and runs["default"]["ceiling"] == 0
+    assert stalled["worst_1pct"] >= 1.2  # the steady ratio alone would have passed
+    assert stalled["stalled_streams"] == stalled["streams"] > 0
+    assert stalled["startup_stalls"] == stalled["stalled_streams"]
+    assert runs["default"]["settings"]["max_stall_share"] == 0.0
+    # Level 1 failed, so it was measured again (--repeat 1): failed both times.
+    assert runs["default"]["trials"] == {"1": {"passed": 0, "runs": 2}}
+    assert runs["default"]["limited_by"] == ["stalls"]
+    assert runs["default"]["ceiling_range"] == [0, 0]
+    assert runs["prebuffer"]["levels"][0]["verdict"] == "pass"
+    assert runs["prebuffer"]["levels"][0]["stalled_streams"] == 0
+    assert runs["ttfa"]["levels"][0]["verdict"] == "ttfa"
 
 
 class RecordingProgress:

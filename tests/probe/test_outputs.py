@@ -36,6 +36,7 @@ from tests.probe.helpers import recorded_result
 
 ROOT = Path(__file__).resolve().parents[2]
 LEVEL_KEYS = {
+    "streams", "stalled_streams", "stalled_share", "startup_stalls", "failed_rules",
     "order", "level", "phase", "verdict", "passed", "complete", "worst_1pct", "median_ratio",
     "stream_ratio_min", "stream_ratio_p50", "stream_ratios", "p99_gap_s", "ttfa_p50_s",
     "ttfa_p99_s", "underruns", "stall_s", "throughput", "sessions", "completed", "errors",
@@ -50,6 +51,9 @@ def test_json_is_complete_and_strict() -> None:
     assert again["tool"] == "headroom probe" and again["schema"] == 1
     assert (again["ceiling"], again["exact"], again["threshold"]) == (2, True, 1.2)
     assert again["bracket"] == [2, 3] and again["complete"] is True
+    assert again["ceiling_range"] == [2, 2] and again["limited_by"] == ["steady"]
+    assert again["trials"]["3"] == {"passed": 0, "runs": 1}
+    assert again["settings"]["repeats"] == 1
     assert again["kind"] == "tts" and again["protocol"] == "vllm-omni-speech-ws"
     assert again["started_at"].endswith("+00:00")
     assert [row["level"] for row in again["levels"]] == [1, 2, 4, 3]
@@ -85,6 +89,7 @@ def test_table_and_summary() -> None:
     summary = format_summary(result)
     assert "ceiling: 2 concurrent sessions (worst-1% delivery ratio 1.4" in summary
     assert "at 3; threshold 1.2x)" in summary
+    assert "evidence: 2: 1/1 passed, 3: 0/1 passed; range seen 2; limited by steady" in summary
     assert "throughput-based estimate: " in summary and "single-stream RTF 0.35" in summary
     assert "utilisation at the ceiling:" in summary and "took 32 s (4 levels)" in summary
     asr = format_table(recorded_result("asr-c3"))
