@@ -25,8 +25,8 @@ from prometheus_client import Counter
 from proxy.admin import create_admin_app
 from proxy.app import create_app
 from proxy.errors import ConfigError, ListenError
-from proxy.relay.uvicorn_http import head_limited
 from proxy.relay.uvicorn_fence import websocket_protocol
+from proxy.relay.uvicorn_http import head_limited
 from proxy.runtime import Runtime
 from proxy.serving import EmbeddedServer, bind_socket, make_config
 from proxy.settings import LimitsSettings, Settings, load_settings, reload_problems
@@ -59,6 +59,10 @@ def uvicorn_options(
         "ws_ping_interval": limits.ping_interval_s or None,
         "ws_ping_timeout": limits.ping_timeout_s if limits.ping_interval_s else None,
         "h11_max_incomplete_event_size": 64 * 1024,
+        # uvicorn's default rewrites scope["client"] from a loopback peer's
+        # X-Forwarded-For, so the real peer was lost (and appended twice). Headroom
+        # decides trust itself (forwarded.trusted_proxies, proxy.relay.headers).
+        "proxy_headers": False,
         "log_level": settings.log_level,
         "timeout_graceful_shutdown": 5,
     }
