@@ -1,6 +1,6 @@
 """Shared admission state in Redis: leases, the cross-gateway FIFO, the data generation.
 
-A thin client over five atomic Lua scripts (``proxy/admission/lua``), loaded once and
+A thin client over six atomic Lua scripts (``proxy/admission/lua``), loaded once and
 called by their SHA (redis-py's ``register_script``: EVALSHA, falling back to EVAL
 only when the server lost its script cache). It holds no admission state of its own;
 the asyncio shell :class:`proxy.shared_gate.SharedGate` keeps the gateway's side.
@@ -43,7 +43,7 @@ __all__ = [
     "redis_available",
 ]
 
-_SCRIPTS = ("acquire", "release", "leave", "renew")
+_SCRIPTS = ("acquire", "release", "leave", "renew", "relocate")
 _KEYS = ("leases", "owner", "held", "queue", "beats", "gen", "seq", "flags")
 
 
@@ -202,6 +202,24 @@ class RedisAdmission:
         False if the lease was already gone."""
         args: list[str | int] = [lease_id, self.ttl_ms, self.prefix(pool)]
         return bool(await self._run("release", pool, [*args, *_view_args(view)]))
+
+    async def relocate(
+        self,
+        pool: str,
+        lease_id: str,
+        current: str,
+        view: Sequence[ReplicaView],
+        exclude: Sequence[str] = (),
+    ) -> tuple[str, str | None]:
+        """Failover before the first byte: move ``lease_id`` off ``current`` to another
+        replica of ``view`` with a free slot, not one in ``exclude``. Returns
+        ``('moved', replica)``, ``('stay', current)`` (nowhere to go; the lease is
+        unchanged) or ``('gone', None)`` (the lease expired). Idempotent."""
+        args: list[str | int] = [lease_id, self.ttl_ms, self.prefix(pool), current]
+        args += [len(exclude), *exclude, *_view_args(view)]
+        reply = await self._run("relocate", pool, args)
+        kind = _text(reply[0])
+        return kind, (_text(reply[1]) if len(reply) > 1 else None)
 
     async def leave(
         self, pool: str, waiter_id: str, view: Sequence[ReplicaView]

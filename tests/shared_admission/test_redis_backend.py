@@ -253,3 +253,58 @@ async def test_an_unreachable_redis_raises_backend_unavailable(redis_server: Red
             await backend.ping()
     finally:
         await backend.close()
+
+
+# --- relocate: failover before the first byte (issue 15 item 5) ------------------------
+
+
+async def _held(store: RedisAdmission, view: list[ReplicaView]) -> dict[str, int]:
+    tick = await store.tick("tts", generation="", view=view, leases=[], waiters=[],
+                            guards=[], guard_ttl_s=1)  # fmt: skip
+    return tick.held
+
+
+async def test_relocate_moves_the_lease_to_a_replica_with_a_free_slot(gateways: Factory) -> None:
+    a = await gateways("a")
+    view = [ReplicaView("gpu0", 1), ReplicaView("gpu1", 1), ReplicaView("gpu2", 1)]
+    assert await a.acquire("tts", "a:1", view, 0) == ("admit", "gpu0")
+    # gpu0 unreachable: ejected (out of the view), gpu1 tried before: gpu2 it is.
+    rest = view[1:]
+    assert await a.relocate("tts", "a:1", "gpu0", rest, exclude=["gpu1"]) == ("moved", "gpu2")
+    assert await _held(a, view) == {"gpu0": 0, "gpu2": 1}
+    # A retry after a lost reply gets the same answer, and moves nothing again.
+    assert await a.relocate("tts", "a:1", "gpu0", rest, exclude=["gpu1"]) == ("moved", "gpu2")
+    assert await _held(a, view) == {"gpu0": 0, "gpu2": 1}
+    assert await a.release("tts", "a:1", view) is True
+    assert await _held(a, view) == {"gpu0": 0, "gpu2": 0}
+
+
+async def test_relocate_stays_when_every_other_replica_is_full_or_excluded(
+    gateways: Factory,
+) -> None:
+    a, b = await gateways("a"), await gateways("b")
+    view = [ReplicaView("gpu0", 1), ReplicaView("gpu1", 1)]
+    assert await a.acquire("tts", "a:1", view, 0) == ("admit", "gpu0")
+    assert await b.acquire("tts", "b:1", view, 0) == ("admit", "gpu1")  # another gateway's
+    assert await a.relocate("tts", "a:1", "gpu0", view[1:]) == ("stay", "gpu0")
+    assert await b.release("tts", "b:1", view) is True
+    assert await a.relocate("tts", "a:1", "gpu0", view, exclude=["gpu1"]) == ("stay", "gpu0")
+    assert await _held(a, view) == {"gpu0": 1, "gpu1": 0}
+    assert await a.relocate("tts", "gone:9", "gpu0", view) == ("gone", None)
+
+
+async def test_the_slot_a_relocated_lease_leaves_goes_to_the_head_waiter(
+    gateways: Factory,
+) -> None:
+    """Not ejected (the failure may have been the request's): the slot it frees on the
+    old replica is handed to the head waiter in the same script, never left idle. (A
+    waiter and a free slot coexist here because a's live cap for gpu1 is 2, b's 1.)"""
+    a, b = await gateways("a"), await gateways("b")
+    view_a = [ReplicaView("gpu0", 1), ReplicaView("gpu1", 2)]
+    view_b = [ReplicaView("gpu0", 1), ReplicaView("gpu1", 1)]
+    assert await a.acquire("tts", "a:1", view_a, 4) == ("admit", "gpu0")
+    assert await b.acquire("tts", "b:1", view_b, 4) == ("admit", "gpu1")
+    assert await b.acquire("tts", "b:2", view_b, 4) == ("queued", 1)
+    assert await a.relocate("tts", "a:1", "gpu0", view_a) == ("moved", "gpu1")
+    assert await b.wakeups("tts", 1.0) == [("b:2", "gpu0")]
+    assert await _held(a, view_a) == {"gpu0": 1, "gpu1": 2}

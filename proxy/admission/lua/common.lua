@@ -97,12 +97,13 @@ end
 
 -- The placement rule of proxy/admission/core.py (PoolCore._pick): the least loaded
 -- (held / cap, then held) eligible replica with a free slot; ties go to the first
--- in configuration order.
+-- in configuration order. exclude: nil, or a set {replica = true} never picked.
 local function pick(view, now, exclude)
   local best, best_ratio, best_held = nil, 2.0, 0
   for i = 1, #view, 3 do
     local replica, cap = view[i], tonumber(view[i + 1])
-    if replica ~= exclude and view[i + 2] == '0' and not guarded(replica, now) then
+    if not (exclude and exclude[replica]) and view[i + 2] == '0'
+        and not guarded(replica, now) then
       local held = tonumber(redis.call('HGET', K_HELD, replica) or '0')
       if held < cap then
         local ratio = held / cap
