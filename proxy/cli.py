@@ -143,13 +143,23 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    from proxy.colocation import check_gpus
     from proxy.settings import summary
 
     settings = _load(args)
     print(summary(settings))
+    gpu_lines, findings = check_gpus(settings)  # co-location (issue 19)
+    for line in gpu_lines:
+        print(line)
     for warning in settings.warnings():
         print(f"warning: {warning}")
-    return 0
+    for finding in findings:
+        if finding.level != "error":
+            print(f"{finding.level}: {finding}")
+    errors = [finding for finding in findings if finding.level == "error"]
+    for finding in errors:
+        print(f"headroom check: refused: {finding}", file=sys.stderr)
+    return 2 if errors else 0
 
 
 def run_async(coro: Coroutine[Any, Any, None]) -> None:

@@ -68,6 +68,8 @@ __all__ = [
     "AuthSettings",
     "FallbackSettings",
     "ForwardedSettings",
+    "GpuEngineSettings",
+    "GpuSettings",
     "GuardSettings",
     "HealthSettings",
     "LimitsSettings",
@@ -494,6 +496,104 @@ class AdmissionSettings(_Frozen):
     on_backend_loss: Literal["close", "keep"] = "close"
 
 
+# -- co-location: replicas sharing one GPU (issue 19) ----------------------------------
+# Optional. Read only by ``headroom check`` (proxy.colocation): the gateway routes the same
+# with or without it. Cross-references (replicas exist, each on one GPU) are checked in
+# _gpu_problems below, with the other cross-references.
+
+
+def _check_replica_ref(value: str) -> str:
+    pool, sep, replica = value.partition("/")
+    if (
+        not sep
+        or not re.fullmatch(r"[A-Za-z0-9_.-]+", pool)
+        or not re.fullmatch(r"[A-Za-z0-9_.-]+", replica)
+    ):
+        raise ValueError(f"must be 'pool/replica', e.g. 'tts-main/gpu0' (got {value!r})")
+    return value
+
+
+def _check_preset(value: str) -> str:
+    from proxy.sim.presets import PRESETS  # the simulator's figures; imported only when named
+
+    if value not in PRESETS:
+        raise ValueError(
+            f"unknown preset {value!r}{did_you_mean(value, list(PRESETS))}; presets: "
+            + ", ".join(PRESETS)
+        )
+    return value
+
+
+class GpuEngineSettings(_Frozen):
+    """One engine (a replica) on a shared GPU: its ``gpu_memory_utilization`` (vLLM's
+    ``--gpu-memory-utilization``, a share of the whole GPU's memory) and where the KV
+    cache figures come from: a simulator ``preset`` and/or measured ``weights_gb``,
+    ``activations_gb`` and ``kv_bytes_per_session`` (measured figures win). GB = 1e9
+    bytes. ``session_s`` (default 20) is the audio a session holds in KV when the
+    per-session figure comes from the preset."""
+
+    replica: Annotated[str, AfterValidator(_check_replica_ref)]
+    gpu_memory_utilization: float = Field(gt=0, le=1)
+    preset: Annotated[str, AfterValidator(_check_preset)] | None = None
+    weights_gb: float | None = Field(None, gt=0)
+    activations_gb: float | None = Field(None, ge=0)
+    kv_bytes_per_session: float | None = Field(None, gt=0)
+    session_s: PositiveSeconds | None = None
+
+    @model_validator(mode="after")
+    def _session_source(self) -> GpuEngineSettings:
+        if self.session_s is not None and self.kv_bytes_per_session is not None:
+            why = "has no effect with kv_bytes_per_session (a measured figure); drop one"
+            raise Problems([(("session_s",), why)])
+        if self.session_s is not None and self.preset is None:
+            why = "needs a preset (it sizes the preset's per-session KV figure)"
+            raise Problems([(("session_s",), why)])
+        return self
+
+    @property
+    def pool(self) -> str:
+        return self.replica.partition("/")[0]
+
+    @property
+    def replica_name(self) -> str:
+        return self.replica.partition("/")[2]
+
+
+class GpuSettings(_Frozen):
+    """A physical GPU shared by the engines listed (co-location). ``memory_gb`` defaults
+    to the memory of the presets' GPU when the engines name presets."""
+
+    name: Name
+    memory_gb: float | None = Field(None, gt=0)
+    engines: tuple[GpuEngineSettings, ...] = Field(min_length=1)
+
+
+def _gpu_problems(data: Any) -> list[tuple[Loc, str]]:
+    """GPU names unique, every engine's replica defined, each replica on one GPU only;
+    on raw data like :func:`_reference_problems`; never raises."""
+    if not isinstance(data, Mapping):
+        return []
+    gpus = _entries(data.get("gpus"))
+    problems = _duplicates(
+        [(("gpus", i, "name"), _text(g.get("name"))) for i, g in gpus], "GPU name"
+    )
+    defined: set[str] = set()
+    for pool in (p for _, p in _entries(data.get("pools"))):
+        pname = _text(pool.get("name"))
+        defined |= {f"{pname}/{_text(r.get('name'))}" for _, r in _entries(pool.get("replicas"))}
+    refs: list[tuple[Loc, str | None]] = []
+    for i, gpu in gpus:
+        for j, engine in _entries(gpu.get("engines")):
+            loc: Loc = ("gpus", i, "engines", j, "replica")
+            ref = _text(engine.get("replica"))
+            refs.append((loc, ref))
+            if ref is not None and "/" in ref and ref not in defined:
+                known = ", ".join(sorted(defined)) or "(none)"
+                problems.append((loc, f"unknown replica {ref!r}; defined replicas: {known}"))
+    problems += _duplicates(refs, "replica (an engine runs on one GPU)")
+    return problems
+
+
 class Settings(BaseSettings):
     """Everything Headroom reads from the outside world, validated and frozen.
 
@@ -526,6 +626,7 @@ class Settings(BaseSettings):
     pools: tuple[PoolSettings, ...] = Field(min_length=1)
     routes: tuple[RouteSettings, ...] = Field(min_length=1)
     auth: AuthSettings | None = None
+    gpus: tuple[GpuSettings, ...] = ()  # co-location, read by `headroom check` (issue 19)
     # The file says ``auth: {enabled: false}`` (``auth`` is then None); see auth_disabled.
     _auth_disabled: bool = PrivateAttr(False)
 
@@ -559,7 +660,7 @@ class Settings(BaseSettings):
     def _check_across(cls, data: Any, handler: ModelWrapValidatorHandler[Settings]) -> Settings:
         # Cross-references are checked on the raw data so they are reported together with
         # field errors, not only once every field is valid.
-        problems = _reference_problems(data)
+        problems = _reference_problems(data) + _gpu_problems(data)
         try:
             settings = handler(data)
         except ValidationError as exc:

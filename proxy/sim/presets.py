@@ -35,6 +35,12 @@ __all__ = [
 
 GB = 1e9
 KIB = 1024
+#: Text tokens per second of speech a TTS prompt carries (~2.6 words/s, ~1.3 tokens per
+#: word); the same figure drives the capacity model's load (proxy.sim.capacity).
+TEXT_TOKENS_PER_AUDIO_S = 3.5
+#: The longest utterance of the capacity model's load: the default session length of
+#: the co-location check's per-session KV figure.
+SESSION_S = 20.0
 
 #: vLLM-Omni Qwen3-TTS: load-dependent first chunk, then 25 frames (2 s), decoded with
 #: 72 frames of left context (``deploy/qwen3_tts.yaml``).
@@ -90,6 +96,39 @@ class Preset:
     expected_ceiling: str = ""  #: the published estimate, for the docs
     #: The engine's own chunking (None: ``first_chunk_tokens`` then ``chunk_tokens``).
     chunk_schedule: ChunkSchedule | None = None
+    #: vLLM's activation peak, kept out of the KV cache (an assumption, [U]).
+    activation_bytes: float = 3 * GB
+
+    def kv_tokens_per_session(self, session_s: float = SESSION_S) -> int:
+        """KV tokens one session holds at its end: the prompt overhead, the text of a
+        TTS request, and ``session_s`` of output tokens (co-location check)."""
+        text = 0.0 if self.kind == "asr" else session_s * TEXT_TOKENS_PER_AUDIO_S
+        return self.prompt_overhead_tokens + round(text + session_s * self.token_rate_hz)
+
+    def kv_bytes_per_session(self, session_s: float = SESSION_S) -> float:
+        """KV cache bytes one session of ``session_s`` seconds of audio holds."""
+        return float(self.kv_tokens_per_session(session_s) * self.engine.kv_bytes_per_token)
+
+    def kv_budget_at(self, utilization: float, memory_bytes: float | None = None) -> float:
+        """The KV cache vLLM leaves at ``--gpu-memory-utilization`` ``utilization`` of a
+        GPU with ``memory_bytes`` (default: the preset's GPU): the share less the
+        resident weights and the activation peak. May be <= 0 (the engine cannot start)."""
+        memory = self.gpu.memory_bytes if memory_bytes is None else memory_bytes
+        return _kv_budget_bytes(memory, utilization, self.resident_bytes, self.activation_bytes)
+
+    def with_utilization(self, utilization: float) -> Preset:
+        """A copy told ``--gpu-memory-utilization utilization`` (its KV cache resized);
+        ``ValueError`` when that share leaves no KV cache at all."""
+        budget = self.kv_budget_at(utilization)
+        if budget <= 0:
+            raise ValueError(
+                f"{self.name}: gpu_memory_utilization {utilization:g} of {self.gpu.name} "
+                f"({self.gpu.memory_bytes / GB:g} GB) leaves no KV cache (weights "
+                f"{self.resident_bytes / GB:g} GB + activations {self.activation_bytes / GB:g} GB)"
+            )
+        return replace(
+            self.with_overrides(kv_cache_bytes=budget), gpu_memory_utilization=utilization
+        )
 
     @property
     def schedule(self) -> ChunkSchedule:
@@ -122,9 +161,15 @@ class Preset:
         return replace(self, engine=engine)
 
 
-def _kv_budget(gpu: Gpu, utilization: float, resident: float, activations: float) -> float:
+def _kv_budget_bytes(
+    memory: float, utilization: float, resident: float, activations: float
+) -> float:
     # vLLM: --gpu-memory-utilization x total, less weights and the activation peak.
-    return gpu.memory_bytes * utilization - resident - activations
+    return memory * utilization - resident - activations
+
+
+def _kv_budget(gpu: Gpu, utilization: float, resident: float, activations: float) -> float:
+    return _kv_budget_bytes(gpu.memory_bytes, utilization, resident, activations)
 
 
 def _preset(
@@ -207,6 +252,7 @@ def _preset(
         published_rtf=published_rtf,
         expected_ceiling=expected_ceiling,
         chunk_schedule=schedule,
+        activation_bytes=activations,
     )
 
 
