@@ -256,11 +256,13 @@ def format_summary(result: ProbeResult) -> str:
     if not summary.levels:
         lines.append("ceiling: not measured (no level completed)")
     elif summary.bounded and c == 0:
-        worst = _f(above.worst_1pct if above else None, "{:.3f}")
-        lines.append(
-            f"ceiling: 0 - even one session's worst-1% delivery ratio ({worst}x) is "
-            f"below {t:g}x, or it failed ({_failed_rule(above)})"
-        )
+        if above is not None and above.verdict == "slow":
+            lines.append(
+                f"ceiling: 0 - even one session's worst-1% delivery ratio "
+                f"({_f(above.worst_1pct, '{:.3f}')}x) is below {t:g}x"
+            )
+        else:
+            lines.append(f"ceiling: 0 - one session already fails ({_failed_rule(above)})")
     elif summary.bounded:
         why = (
             f"{_f(above.worst_1pct, '{:.3f}')}x"

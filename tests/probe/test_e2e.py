@@ -159,11 +159,14 @@ def test_wrong_protocol_that_measures_nothing_fails(
     assert config.read_text() == before
 
 
-def test_a_stall_at_the_first_seam_fails_the_level(tmp_path: Path) -> None:
+def test_a_stall_at_the_first_seam_fails_the_level(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """probe-test-tts-c2 alone: a 4-frame (0.32 s) first chunk, then 25 frames made in
     ~0.71 s. A 0.2 s-prebuffer listener runs dry at the first seam although every later
     chunk is 1.4x realtime; a 0.6 s prebuffer does not. A tight TTFA limit fails too."""
     runs = {}
+    printed = {}
     with sim_process("probe-test-tts-c2") as url:
         for name, extra in (
             ("default", ""),
@@ -177,6 +180,7 @@ def test_a_stall_at_the_first_seam_fails_the_level(tmp_path: Path) -> None:
             )
             assert status == 0
             runs[name] = json.loads(out.read_text())
+            printed[name] = capsys.readouterr().out
     stalled = runs["default"]["levels"][0]
     assert stalled["verdict"] == "stalls" and runs["default"]["ceiling"] == 0
     assert stalled["worst_1pct"] >= 1.2  # the steady ratio alone would have passed
@@ -187,6 +191,7 @@ def test_a_stall_at_the_first_seam_fails_the_level(tmp_path: Path) -> None:
     assert runs["default"]["trials"] == {"1": {"passed": 0, "runs": 2}}
     assert runs["default"]["limited_by"] == ["stalls"]
     assert runs["default"]["ceiling_range"] == [0, 0]
+    assert "ceiling: 0 - one session already fails (" in printed["default"]
     assert runs["prebuffer"]["levels"][0]["verdict"] == "pass"
     assert runs["prebuffer"]["levels"][0]["stalled_streams"] == 0
     assert runs["ttfa"]["levels"][0]["verdict"] == "ttfa"
