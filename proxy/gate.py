@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from proxy.admission import (
@@ -63,11 +63,12 @@ class Lease:
             self.released = True
             self._gate._release(self)
 
-    def fail_over(self) -> bool:
-        """The upstream of :attr:`replica` could not be reached before any byte was
-        relayed: eject that replica and move this lease to another one with a free
-        slot. Returns False (lease unchanged) if there is none."""
-        return self._gate._fail_over(self)
+    def fail_over(self, *, eject: bool = True, exclude: Collection[str] = ()) -> bool:
+        """Connecting to :attr:`replica` failed before any byte was relayed: move this
+        lease to another replica with a free slot, not one in ``exclude``, ejecting
+        this one first if ``eject`` (it was unreachable; a failure the request may have
+        caused must not eject). Returns False (lease unchanged) if there is none."""
+        return self._gate._fail_over(self, eject, exclude)
 
     def __repr__(self) -> str:
         state = "released" if self.released else "held"
@@ -371,10 +372,11 @@ class Gate:
                 if not future.done():
                     future.set_result(None)
 
-    def _fail_over(self, lease: Lease) -> bool:
+    def _fail_over(self, lease: Lease, eject: bool, exclude: Collection[str]) -> bool:
         p = self._pools[lease.pool]
-        self.set_healthy(lease.pool, lease.replica, False)
-        moved = p.core.relocate(lease.ticket, self.clock.now())
+        if eject:
+            self.set_healthy(lease.pool, lease.replica, False)
+        moved = p.core.relocate(lease.ticket, self.clock.now(), exclude)
         if moved is None:
             return False
         lease.replica = moved.replica

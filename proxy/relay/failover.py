@@ -1,0 +1,91 @@
+"""Connecting a session to its pool's replicas: bounded failover, honest ejection.
+
+Shared by both relays. The rules:
+
+* **Each replica at most once per session** (:class:`Failover`): a session moves on
+  only to a replica it has not tried, so no session can cycle between replicas while
+  the background health re-check restores them.
+* **Only an unreachable replica is ejected**: a TCP connect that is refused or does not
+  complete within ``limits.upstream_connect_timeout_s`` (:func:`open_tcp`, which raises
+  :class:`Unreachable`). Anything after the connection is up -- a 4xx, a 5xx, a broken
+  or unanswered handshake, a connection closed on our request -- may be caused by the
+  request itself, so it never ejects: one client must not be able to empty a pool.
+* **One overall deadline** bounds a session's whole set-up (every attempt together);
+  the relay enforces it on the injected clock.
+* **Failures have names**: :func:`describe` never returns an empty string, so a log
+  line or close reason built from an exception (``TimeoutError()`` has no message)
+  always says what happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import TYPE_CHECKING
+
+from proxy.clock import Clock, clock_timeout
+
+if TYPE_CHECKING:
+    from proxy.gate import Lease
+
+__all__ = ["Failover", "Unreachable", "describe", "open_tcp"]
+
+
+def describe(exc: BaseException) -> str:
+    """``str(exc)``, or the exception's class name when that is empty."""
+    return str(exc) or type(exc).__name__
+
+
+class Unreachable(Exception):
+    """The replica's TCP port refused us, or did not accept within the connect
+    timeout: the one failure that ejects a replica."""
+
+
+async def open_tcp(host: str, port: int, *, clock: Clock, timeout: float) -> socket.socket:
+    """A connected non-blocking TCP socket to ``host:port`` (each resolved address in
+    turn), within ``timeout`` seconds on ``clock``. Raises :class:`Unreachable`."""
+    loop = asyncio.get_running_loop()
+    try:
+        async with clock_timeout(clock, timeout):
+            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            error: OSError = OSError(f"no address for {host}")
+            for family, kind, proto, _, address in infos:
+                sock = socket.socket(family, kind, proto)
+                try:
+                    sock.setblocking(False)
+                    await loop.sock_connect(sock, address)
+                except OSError as exc:
+                    sock.close()
+                    error = exc
+                    continue
+                except BaseException:
+                    sock.close()
+                    raise
+                return sock
+            raise error
+    except TimeoutError as exc:
+        raise Unreachable(f"no TCP connection within {timeout:g} s (TimeoutError)") from exc
+    except OSError as exc:
+        raise Unreachable(describe(exc)) from exc
+
+
+class Failover:
+    """One session's walk over its pool's replicas, starting at the lease's."""
+
+    __slots__ = ("lease", "tried")
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self.tried = {lease.replica}
+
+    def next(self, *, eject: bool) -> bool:
+        """Leave the lease's replica (ejecting it if ``eject``: it was unreachable) for
+        another with a free slot that this session has not tried. False if there is
+        none; the lease then still holds a slot, to be released as usual."""
+        if not self.lease.fail_over(eject=eject, exclude=self.tried):
+            return False
+        self.tried.add(self.lease.replica)
+        return True
+
+    def __repr__(self) -> str:
+        return f"<Failover {self.lease!r} tried={sorted(self.tried)}>"

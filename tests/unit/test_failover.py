@@ -1,0 +1,105 @@
+"""A session's failover: each replica at most once, ejection only when asked for, and
+failures that always have a name."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
+from proxy.clock import FakeClock
+from proxy.gate import Gate
+from proxy.relay.failover import Failover, Unreachable, describe, open_tcp
+from proxy.serving import bind_socket
+
+
+def make_gate(replicas: int) -> Gate:
+    core = PoolCore("tts", [ReplicaSpec(f"gpu{i}", 1) for i in range(replicas)], QueuePolicy())
+    return Gate([core], clock=FakeClock())
+
+
+def healthy(gate: Gate) -> dict[str, bool]:
+    return {r.name: r.healthy for r in gate.statistics()["tts"].replicas}
+
+
+def test_describe_names_an_exception_without_a_message() -> None:
+    assert describe(TimeoutError()) == "TimeoutError"
+    assert describe(ConnectionResetError()) == "ConnectionResetError"
+    assert describe(OSError("refused")) == "refused"
+
+
+async def test_each_replica_is_tried_at_most_once_even_when_the_recheck_restores_it() -> None:
+    gate = make_gate(2)
+    lease = await gate.acquire("tts")
+    assert lease.replica == "gpu0"
+    failover = Failover(lease)
+    assert failover.next(eject=True)
+    assert lease.replica == "gpu1"
+    gate.set_healthy("tts", "gpu0", True)  # what the background re-check does
+    assert not failover.next(eject=True)  # gpu0 was tried: the session stops here
+    assert gate.active == 1  # the lease still holds one slot until released
+    lease.release()
+    assert gate.active == 0
+
+
+async def test_a_failure_that_is_not_the_replicas_does_not_eject() -> None:
+    gate = make_gate(3)
+    lease = await gate.acquire("tts")
+    failover = Failover(lease)
+    assert failover.next(eject=False)
+    assert failover.next(eject=False)
+    assert failover.tried == {"gpu0", "gpu1", "gpu2"}
+    assert not failover.next(eject=False)
+    assert all(healthy(gate).values())
+    stats = {r.name: r.active for r in gate.statistics()["tts"].replicas}
+    assert sum(stats.values()) == 1  # one slot, wherever the walk ended
+    lease.release()
+
+
+async def test_an_unreachable_replica_is_ejected() -> None:
+    gate = make_gate(2)
+    lease = await gate.acquire("tts")
+    assert Failover(lease).next(eject=True)
+    assert healthy(gate) == {"gpu0": False, "gpu1": True}
+    lease.release()
+
+
+async def test_open_tcp_connects_and_names_a_refusal() -> None:
+    listening = bind_socket()
+    port = listening.getsockname()[1]
+    sock = await open_tcp("127.0.0.1", port, clock=FakeClock(), timeout=5)
+    assert sock.getpeername()[1] == port
+    sock.close()
+    listening.close()  # now refused
+    with pytest.raises(Unreachable) as info:
+        await open_tcp("127.0.0.1", port, clock=FakeClock(), timeout=5)
+    assert str(info.value)
+
+
+async def test_open_tcp_deadline_runs_on_the_injected_clock() -> None:
+    """A connect still pending when the clock reaches the deadline is Unreachable, with
+    a message that names the timeout (the address resolution is held open here)."""
+    clock = FakeClock()
+    loop = asyncio.get_running_loop()
+    resolving = asyncio.Event()
+    never: asyncio.Future[None] = loop.create_future()
+
+    async def slow_getaddrinfo(*_args: object, **_kwargs: object) -> list[object]:
+        resolving.set()
+        await never
+        return []
+
+    original = loop.getaddrinfo
+    loop.getaddrinfo = slow_getaddrinfo  # type: ignore[method-assign,assignment]
+    try:
+        attempt = asyncio.ensure_future(open_tcp("gpu.invalid", 80, clock=clock, timeout=5))
+        await resolving.wait()
+        clock.advance(4.9)
+        await asyncio.sleep(0)
+        assert not attempt.done()
+        clock.advance(0.1)
+        with pytest.raises(Unreachable, match=r"within 5 s \(TimeoutError\)"):
+            await attempt
+    finally:
+        loop.getaddrinfo = original  # type: ignore[method-assign]
