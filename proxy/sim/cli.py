@@ -67,6 +67,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exit-after", type=float, metavar="S", help="stop serving after S seconds"
     )
+    parser.add_argument(
+        "--colocate", metavar="A,B",
+        help="measure two presets sharing one GPU (ceilings alone and beside each other) "
+        "and exit",
+    )  # fmt: skip
+    parser.add_argument(
+        "--gpu-memory-utilization", default="0.45,0.45", metavar="UA,UB",
+        help="with --colocate: each engine's share of the GPU's memory (default 0.45,0.45)",
+    )  # fmt: skip
     add_fault_arguments(parser)
 
 
@@ -109,6 +118,31 @@ def _print_description(info: dict[str, object], args: argparse.Namespace, out: T
             f"{row['stalled_share']:5.0%}  {row['ttfa_p99_s']:6.3f} s",
             file=out,
         )
+
+
+def _print_colocated(args: argparse.Namespace, out: TextIO) -> None:
+    from proxy.sim.colocate import describe_colocated
+
+    names = [n.strip() for n in args.colocate.split(",")]
+    try:
+        shares = [float(u) for u in args.gpu_memory_utilization.split(",")]
+    except ValueError:
+        value = args.gpu_memory_utilization
+        raise ValueError(f"--gpu-memory-utilization: not numbers: {value!r}") from None
+    info = describe_colocated(names, shares, seed=args.seed)
+    if args.json:
+        print(json.dumps(info, indent=2), file=out)
+        return
+    print(f"{' + '.join(names)} on one {info['gpu']} ({info['model']})", file=out)
+    for e in info["engines"]:
+        print(
+            f"  {e['preset']:26s} share {e['gpu_memory_utilization']:g} "
+            f"(KV {e['kv_cache_gib']} GiB): ceiling alone {e['ceiling_alone']}, at its share "
+            f"{e['ceiling_alone_at_share']}, beside {e['other_streams']} streams of the other "
+            f"{e['ceiling_beside_other']}",
+            file=out,
+        )
+    print(f"  both together pass at {info['shared_percent']}% of their ceilings", file=out)
 
 
 def _preset_from_args(name: str, args: argparse.Namespace) -> Preset:
@@ -173,6 +207,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     try:
         if args.list_presets:
             _print_presets(args, out)
+            return 0
+        if args.colocate:
+            _print_colocated(args, out)
             return 0
         if args.describe:
             target = _preset_from_args(args.describe, args) if _customised(args) else args.describe
