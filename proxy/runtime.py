@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -26,6 +27,7 @@ from proxy.guard import GuardPolicy, ReplicaGuard
 from proxy.meter import PrometheusReplicaSink, SessionMeter
 from proxy.metrics import Metrics
 from proxy.protocols import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
+from proxy.relay.failover import Unreachable, open_tcp
 from proxy.settings import PoolSettings, RouteSettings, Settings
 from proxy.shared_gate import SharedGate, build_shared_gate
 from proxy.signals import ReplicaSignals
@@ -119,6 +121,8 @@ class Runtime:
         self._rechecks: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._http: httpx.AsyncClient | None = None
         self.started = False
+        #: Set once the start-up reachability check of every replica has finished.
+        self.replicas_checked = asyncio.Event()
         self.metrics.bind_state(self._replica_gauges, self.gate.queue_depths)
         self.gate.on_health_change(self._on_health_change)
         if isinstance(self.gate, SharedGate):
@@ -209,6 +213,7 @@ class Runtime:
             await self.gate.start()
         self.started = True
         self._arm_guard()
+        self.spawn(self._check_replicas())
         if self.settings.health.engine_metrics_interval_s > 0:
             self.spawn(self._scrape_engines())
 
@@ -316,6 +321,8 @@ class Runtime:
             return False, "starting"
         if isinstance(self.gate, SharedGate) and not self.gate.available:
             return False, "admission backend unavailable"
+        if not self.replicas_checked.is_set():
+            return False, "checking replicas"
         healthy = sum(s.healthy_replicas for s in self.gate.statistics().values())
         if healthy == 0:
             return False, "no healthy replica"
@@ -411,6 +418,38 @@ class Runtime:
         self._arm_guard()
 
     # -- health -------------------------------------------------------------------------
+
+    async def _check_replicas(self) -> None:
+        """At start-up, before any client can fail on them: eject every replica whose
+        TCP port refuses or does not accept within ``limits.upstream_connect_timeout_s``
+        (the same test a session's connect makes; the background re-check restores it).
+        Runs beside start-up, never blocking it; ``/readyz`` waits for it."""
+        try:
+            checks = [
+                self._check_replica(pool.name, r.name, r.url)
+                for pool in self.settings.pools
+                for r in pool.replicas
+            ]
+            await asyncio.gather(*checks)
+        finally:
+            self.replicas_checked.set()
+
+    async def _check_replica(self, pool: str, replica: str, url: str) -> None:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        timeout = self.settings.limits.upstream_connect_timeout_s
+        try:
+            sock = await open_tcp(host, port, clock=self.clock, timeout=timeout)
+        except Unreachable as exc:
+            log.warning(
+                "replica %s/%s is unreachable at start-up (%s:%d: %s): ejected until its "
+                "health check answers", pool, replica, host, port, exc,
+            )  # fmt: skip
+            with contextlib.suppress(LookupError):  # removed by a reload meanwhile
+                self.gate.set_healthy(pool, replica, False)
+            return
+        sock.close()
 
     def _on_health_change(self, pool: str, replica: str, healthy: bool) -> None:
         key = (pool, replica)

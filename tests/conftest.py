@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -75,6 +76,9 @@ async def start_proxy() -> AsyncIterator[Callable[[Settings], Any]]:
         )
         proxy = Proxy(server, runtime)
         proxies.append(proxy)
+        # The start-up reachability check runs beside start-up; a test starts from
+        # its outcome (a dead replica already ejected), not from a race with it.
+        await asyncio.wait_for(runtime.replicas_checked.wait(), 30)
         return proxy
 
     async with stack:

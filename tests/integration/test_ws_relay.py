@@ -219,15 +219,16 @@ async def test_unreachable_replica_is_skipped(start_proxy: Any, upstream: Any) -
     server, _ = upstream
     from proxy.serving import bind_socket
 
-    dead = bind_socket()  # bound, then closed: connections are refused
-    dead_port = dead.getsockname()[1]
-    dead.close()
+    dying = bind_socket()  # listening through the start-up check, refusing after it
+    dead_port = dying.getsockname()[1]
     proxy: Proxy = await start_proxy(
         proxy_settings(
             [("dead", f"http://127.0.0.1:{dead_port}", 5), ("live", server.http_url, 1)],
             [ws_route()],
         )
     )
+    assert all(r.healthy for r in proxy.gate.statistics()["main"].replicas)
+    dying.close()
     async with connect(proxy.ws_url + "/ws/echo", compression=None) as ws:
         await hello(ws)
         stats = {r.name: r for r in proxy.gate.statistics()["main"].replicas}
