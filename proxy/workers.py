@@ -245,6 +245,10 @@ def supervise(settings: Settings, workers: int, args: Any) -> int:
             f"workers (pids {' '.join(str(p.pid) for p in supervisor.processes)})",
             file=sys.stderr,
         )
+        if admin is not None:
+            host, admin_port = admin.getsockname()[:2]
+            print(f"headroom: admin listener on http://{host}:{admin_port} (worker 0)",
+                  file=sys.stderr)  # fmt: skip
         code = await supervisor.run()
 
     try:

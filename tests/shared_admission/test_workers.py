@@ -41,10 +41,12 @@ def redis() -> Iterator[RedisServer]:
         server.stop()
 
 
-def write_config(path: Path, upstream_url: str, redis_url: str | None, cap: int = 1) -> None:
+def write_config(
+    path: Path, upstream_url: str, redis_url: str | None, cap: int = 1, admin: bool = False
+) -> None:
     config: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
-        "admin": {"enabled": False},
+        "admin": {"enabled": admin, "host": "127.0.0.1", "port": 0},
         "drain_timeout_s": 60,
         "health": {"recheck_interval_s": 30, "engine_metrics_interval_s": 0},
         "pools": [{"name": "main", "replicas": [{"name": "gpu0", "url": upstream_url,
@@ -209,6 +211,33 @@ async def test_two_workers_share_the_socket_and_one_cap_and_all_get_signals(
         for pid in workers:
             if not _gone(pid):
                 os.kill(pid, signal.SIGCONT)
+        served.stop()
+
+
+async def test_the_admin_listener_reloads_and_drains_every_worker(
+    tmp_path: Path, upstream: Any, redis: RedisServer
+) -> None:
+    server, _ = upstream
+    await seed_generation(redis.url, pool="main")
+    config = tmp_path / "shared.yaml"
+    write_config(config, server.http_url, redis.url, cap=1, admin=True)
+    served = Served(config, workers=2)
+    try:
+        port = int(served.wait_for(r"serving on http://127\.0\.0\.1:(\d+) with")[0].group(1))
+        admin_port = served.wait_for(r"admin listener on http://127\.0\.0\.1:(\d+) \(worker 0\)")
+        admin = f"http://127.0.0.1:{admin_port[0].group(1)}"
+        await _wait_ready(f"http://127.0.0.1:{port}", 2, served)
+        async with httpx.AsyncClient(timeout=60) as client:
+            write_config(config, server.http_url, redis.url, cap=3, admin=True)
+            reloaded = await client.post(admin + "/admin/reload")
+            assert reloaded.status_code == 200, reloaded.text
+            assert reloaded.json()["reloaded"] is True
+            # worker 0 reloaded for the request, the supervisor had worker 1 reload too
+            served.wait_for(r"configuration reloaded", 2)
+            assert (await client.post(admin + "/admin/drain")).status_code == 202
+        served.wait_for(r"draining: \d+ active sessions", 2)
+        assert await asyncio.to_thread(served.process.wait, 60) == 0
+    finally:
         served.stop()
 
 
