@@ -23,6 +23,7 @@ the boundary; they never reach the admission core.
     │   └── RequestTimeout                 408 / 1008  body too slow, client not reading
     ├── UpstreamError                      502 / 1014  the engine failed or is unreachable
     │   ├── UpstreamConnectError           before any byte was relayed (failover allowed)
+    │   │   └── UpstreamConnectTimeout     504: set-up not done within the deadline
     │   └── UpstreamStreamError            after bytes flowed (never retried)
     │       └── UpstreamTimeout            504: no answer in time
     └── InternalError                      500 / 1011
@@ -55,6 +56,7 @@ __all__ = [
     "TenantLimitRefused",
     "Unauthorized",
     "UpstreamConnectError",
+    "UpstreamConnectTimeout",
     "UpstreamError",
     "UpstreamStreamError",
     "UpstreamTimeout",
@@ -285,6 +287,14 @@ class UpstreamError(HeadroomError):
 
 class UpstreamConnectError(UpstreamError):
     """Connecting to the replica failed before any byte was relayed: safe to fail over."""
+
+
+class UpstreamConnectTimeout(UpstreamConnectError):
+    """The session's upstream set-up (every connect and handshake attempt together) did
+    not finish within ``limits.handshake_timeout_s``. Not a replica failure: the
+    request itself may be what the upstream will not answer."""
+
+    http_status: ClassVar[int] = 504
 
 
 class UpstreamStreamError(UpstreamError):

@@ -1,6 +1,7 @@
 """A lean WebSocket client handshake for the upstream leg of a spliced session.
 
-One TCP (or TLS) connection, one pre-rendered ``GET`` with the upgrade headers, and a
+Over one TCP connection opened by the caller (:func:`proxy.relay.failover.open_tcp`,
+TLS started here for ``wss``), one pre-rendered ``GET`` with the upgrade headers, and a
 check of the ``101`` answer: ``Upgrade``/``Connection``, ``Sec-WebSocket-Accept``, a
 subprotocol among those offered, no extension (none is offered: compression stays off
 on both legs). The result is the open transport, still paused, and any bytes the
@@ -15,6 +16,7 @@ import asyncio
 import base64
 import hashlib
 import os
+import socket
 import ssl
 from dataclasses import dataclass
 
@@ -168,14 +170,17 @@ def _check(head: bytes, key: str, offered: list[str]) -> str | None:
 
 async def open_upstream(
     url: str,
+    sock: socket.socket,
     *,
     headers: list[tuple[str, str]],
     subprotocols: list[str],
     user_agent: str | None,
-    timeout: float,
 ) -> UpstreamSocket:
-    """Connect and complete the handshake within ``timeout`` seconds. Raises OSError,
-    TimeoutError, :class:`UpstreamStatus` or another ``InvalidHandshake``."""
+    """Complete the handshake over ``sock``, a TCP connection to the URL's host (TLS
+    is started here for ``wss``). The caller bounds the time (its deadline cancels
+    this); the event loop owns ``sock`` from the first step, and closes it on any
+    failure. Raises OSError (TLS errors included),
+    :class:`UpstreamStatus` or another ``InvalidHandshake``."""
     uri = parse_uri(url)
     loop = asyncio.get_running_loop()
     key = base64.b64encode(os.urandom(16)).decode()
@@ -185,16 +190,14 @@ async def open_upstream(
     request = _request(host_header, uri.resource_name, key, subprotocols, headers, user_agent)
     transport: asyncio.Transport | None = None
     try:
-        async with asyncio.timeout(timeout):
-            transport, protocol = await loop.create_connection(
-                lambda: _Handshake(loop),
-                uri.host,
-                uri.port,
-                ssl=_tls_context() if uri.secure else None,
-                server_hostname=uri.host if uri.secure else None,
-            )
-            transport.write(request)
-            head = await protocol.head
+        transport, protocol = await loop.create_connection(
+            lambda: _Handshake(loop),
+            sock=sock,
+            ssl=_tls_context() if uri.secure else None,
+            server_hostname=uri.host if uri.secure else None,
+        )
+        transport.write(request)
+        head = await protocol.head
         subprotocol = _check(head, key, subprotocols)
     except BaseException:
         if transport is not None:

@@ -27,23 +27,30 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 from typing import TYPE_CHECKING, Any
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidHandshake, InvalidStatus
 from websockets.protocol import State
 from websockets.typing import Subprotocol
+from websockets.uri import parse_uri
 
+from proxy.admission import RETRY_AFTER_MIN_S
+from proxy.clock import clock_timeout
 from proxy.errors import (
     HeadroomError,
     MessageTooLarge,
     PolicyViolation,
     Refused,
     UpstreamConnectError,
+    UpstreamConnectTimeout,
+    refusal_for,
 )
 from proxy.gate import Lease, Waiting
 from proxy.refusal import close_reason, error_event, http_error
 from proxy.relay.admit import FALLBACK_RESPONSE_HEADER, enter, upstream_query
+from proxy.relay.failover import Failover, Unreachable, describe, open_tcp
 from proxy.relay.headers import forwarded_request_headers
 from proxy.relay.session import SessionRecord, new_session_id
 from proxy.relay.splice import Splice, close_frame
@@ -159,9 +166,10 @@ async def _connect_upstream(
     rt: Runtime, route: RouteSettings, scope: Scope, lease: Lease, subprotocols: list[str],
     record: SessionRecord, *, lean: bool,
 ) -> ClientConnection | UpstreamSocket:  # fmt: skip
-    """Connect to the lease's replica, failing over to others before any byte flows.
+    """Connect to the lease's replica, failing over before any byte flows, each replica
+    at most once (:mod:`proxy.relay.failover`); only an unreachable replica is ejected.
     ``lean``: the splice's own handshake (:mod:`proxy.relay.upstream_ws`), otherwise a
-    websockets client connection for the ASGI relay."""
+    websockets client connection for the ASGI relay. The caller bounds the time."""
     limits = rt.settings.limits
     headers = forwarded_request_headers(
         scope["headers"],
@@ -169,24 +177,25 @@ async def _connect_upstream(
         scheme=scope.get("scheme", "ws"),
         websocket=True,
         keep_authorization=rt.settings.auth is None,
+        trusted_proxies=rt.settings.forwarded.trusted_proxies,
     )
     user_agent = next((v for k, v in headers if k == "user-agent"), None)
     headers = [(k, v) for k, v in headers if k != "user-agent"]
 
-    async def attempt(url: str) -> ClientConnection | UpstreamSocket:
+    async def handshake(url: str, sock: socket.socket) -> ClientConnection | UpstreamSocket:
         if lean:
             return await open_upstream(
-                url, headers=headers, subprotocols=subprotocols, user_agent=user_agent,
-                timeout=limits.handshake_timeout_s,
-            )  # fmt: skip
+                url, sock, headers=headers, subprotocols=subprotocols, user_agent=user_agent
+            )
         return await connect(
             url,
+            sock=sock,
             additional_headers=headers,
             subprotocols=[Subprotocol(p) for p in subprotocols] or None,
             user_agent_header=user_agent,
             compression=None,
             proxy=None,
-            open_timeout=limits.handshake_timeout_s,
+            open_timeout=None,  # the caller's deadline
             ping_interval=limits.ping_interval_s or None,
             ping_timeout=limits.ping_timeout_s or None,
             close_timeout=5,
@@ -197,27 +206,117 @@ async def _connect_upstream(
 
     path = route.upstream_path or scope["path"]
     query = upstream_query(scope, auth=rt.settings.auth is not None)
+    failover = Failover(lease)
     while True:
         url = rt.ws_url(lease.pool, lease.replica) + path + (f"?{query}" if query else "")
+        uri = parse_uri(url)
+        eject = False
         try:
-            return await attempt(url)
-        except (InvalidStatus, UpstreamStatus) as exc:
-            status = exc.status if isinstance(exc, UpstreamStatus) else exc.response.status_code
-            kind = "handshake"
-            reason = f"upstream {lease.replica} answered the handshake with HTTP {status}"
-            if status < 500:
-                # The upstream refused this client (auth, path...): not a replica fault.
-                rt.upstream_error(lease.pool, lease.replica, kind)
-                raise UpstreamConnectError(reason, replica=lease.replica, kind=kind) from exc
-        except (OSError, TimeoutError, InvalidHandshake) as exc:
-            kind = "connect"
-            reason = f"cannot reach upstream {lease.replica}: {exc or type(exc).__name__}"
+            sock = await open_tcp(
+                uri.host, uri.port, clock=rt.clock, timeout=limits.upstream_connect_timeout_s
+            )
+        except Unreachable as exc:
+            kind, eject = "connect", True
+            reason = f"cannot reach upstream {lease.replica}: {exc}"
+        else:
+            try:
+                return await handshake(url, sock)
+            except (InvalidStatus, UpstreamStatus) as exc:
+                status = (
+                    exc.status if isinstance(exc, UpstreamStatus) else exc.response.status_code
+                )  # fmt: skip
+                kind = "handshake"
+                reason = f"upstream {lease.replica} answered the handshake with HTTP {status}"
+                if status < 500:
+                    # The upstream refused this request (auth, path, headers...): the
+                    # request's problem, not the replica's, and the same elsewhere.
+                    rt.upstream_error(lease.pool, lease.replica, kind)
+                    log.warning("%s; not failing over (the request was refused)", reason)
+                    raise UpstreamConnectError(reason, replica=lease.replica, kind=kind) from exc
+            except (OSError, InvalidHandshake) as exc:
+                kind = "handshake"
+                reason = f"upstream {lease.replica} failed the handshake: {describe(exc)}"
         rt.upstream_error(lease.pool, lease.replica, kind)
-        log.warning("%s; failing over", reason)
         failed = lease.replica
-        if not lease.fail_over():
+        if not failover.next(eject=eject):
+            log.warning("%s; no other replica to try", reason)
             raise UpstreamConnectError(reason, replica=failed, kind=kind)
+        log.warning("%s; failing over to %s", reason, lease.replica)
         record.replica = lease.replica
+
+
+async def _connect_while_present(
+    rt: Runtime, route: RouteSettings, scope: Scope, receive: Receive, lease: Lease,
+    subprotocols: list[str], record: SessionRecord, held: list[dict[str, Any]] | None,
+    *, lean: bool,
+) -> ClientConnection | UpstreamSocket | None:  # fmt: skip
+    """:func:`_connect_upstream` within one deadline for every attempt together
+    (``limits.handshake_timeout_s``, on the injected clock), raced against the client:
+    None if the client left first (the connect is abandoned at once). A drain stops it
+    too (:class:`~proxy.errors.DrainingRefused`). Raises UpstreamConnectError,
+    UpstreamConnectTimeout, or MessageTooLarge (a client flooding an early accept)."""
+    limits = rt.settings.limits
+    deadline_s = limits.handshake_timeout_s
+
+    async def bounded() -> ClientConnection | UpstreamSocket:
+        try:
+            async with clock_timeout(rt.clock, deadline_s):
+                return await _connect_upstream(
+                    rt, route, scope, lease, subprotocols, record, lean=lean
+                )
+        except TimeoutError:
+            # Not a replica failure: the replica accepted the connection, and a request
+            # it will not answer (e.g. an oversized header) would fail everywhere.
+            reason = (
+                f"upstream {lease.replica} did not complete the WebSocket handshake "
+                f"within {deadline_s:g} s (TimeoutError)"
+            )
+            rt.upstream_error(lease.pool, lease.replica, "timeout")
+            log.warning("%s; the replica stays in service", reason)
+            raise UpstreamConnectTimeout(reason, replica=lease.replica, kind="timeout") from None
+
+    connecting = asyncio.ensure_future(bounded())
+    gone = asyncio.ensure_future(
+        _until_disconnect(receive, held, limits.max_message_bytes if held is not None else 0)
+    )
+    drained: list[tuple[int, str]] = []
+
+    def stop(code: int, reason: str) -> None:
+        drained.append((code, reason))
+        connecting.cancel()
+
+    rt.register_session(stop)
+    try:
+        await asyncio.wait({connecting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        rt.unregister_session(stop)
+        for task in (connecting, gone):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(connecting, gone, return_exceptions=True)
+        left = gone.done() and not gone.cancelled()
+        if left or asyncio.current_task().cancelling():  # type: ignore[union-attr]
+            _discard(connecting)
+    if left:
+        gone.result()  # raises MessageTooLarge for a flood
+        return None
+    if drained and connecting.cancelled():
+        raise refusal_for(
+            "draining", retry_after_s=RETRY_AFTER_MIN_S, pool=lease.pool,
+            fallback=rt.gate.fallback(lease.pool),
+        )  # fmt: skip
+    return connecting.result()
+
+
+def _discard(connecting: asyncio.Future[ClientConnection | UpstreamSocket]) -> None:
+    """Drop an upstream connection that was made for nobody."""
+    if connecting.cancelled() or connecting.exception() is not None:
+        return
+    upstream = connecting.result()
+    if isinstance(upstream, UpstreamSocket):
+        upstream.abort()
+    else:
+        upstream.transport.abort()
 
 
 async def _splice(
@@ -334,13 +433,28 @@ async def relay_websocket(
         if not client.accepted:
             take_over = scope.get("extensions", {}).get("headroom.splice", {}).get("take_over")
         try:
-            upstream = await _connect_upstream(
-                rt, route, scope, lease, offered, record, lean=take_over is not None
-            )
+            upstream = await _connect_while_present(
+                rt, route, scope, receive, lease, offered, record, held,
+                lean=take_over is not None,
+            )  # fmt: skip
         except UpstreamConnectError as err:
-            record.decision = "upstream_unreachable"
+            timeout = isinstance(err, UpstreamConnectTimeout)
+            record.decision = "upstream_timeout" if timeout else "upstream_unreachable"
             record.error = str(err)
             await client.refuse(err, record)
+            return
+        except Refused as refusal:  # drained while connecting
+            record.decision = f"rejected_{refusal.reason}"
+            record.error = "gateway draining during the upstream connect"
+            await client.refuse(refusal, record)
+            return
+        except MessageTooLarge as err:  # flooded an early accept while connecting
+            record.error = str(err)
+            await client.refuse(err, record)
+            return
+        if upstream is None:
+            record.error = "client went away during the upstream connect"
+            record.client_close = 1006
             return
         headers = [(FALLBACK_RESPONSE_HEADER, fallback_pool.encode())] if fallback_pool else []
         if isinstance(upstream, UpstreamSocket):
