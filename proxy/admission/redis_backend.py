@@ -1,6 +1,6 @@
 """Shared admission state in Redis: leases, the cross-gateway FIFO, the data generation.
 
-A thin client over six atomic Lua scripts (``proxy/admission/lua``), loaded once and
+A thin client over seven atomic Lua scripts (``proxy/admission/lua``), loaded once and
 called by their SHA (redis-py's ``register_script``: EVALSHA, falling back to EVAL
 only when the server lost its script cache). It holds no admission state of its own;
 the asyncio shell :class:`proxy.shared_gate.SharedGate` keeps the gateway's side.
@@ -153,6 +153,8 @@ class RedisAdmission:
         self._scripts = {
             name: self._client.register_script(prelude + "\n" + _load(name)) for name in _SCRIPTS
         }
+        # Not a pool script: its keys are the tenants' (no prelude).
+        self._tenants = self._client.register_script(_load("tenants"))
         from redis import exceptions
 
         self._errors: tuple[type[BaseException], ...] = (
@@ -183,6 +185,58 @@ class RedisAdmission:
                 return await call(keys=self.keys(pool), args=args)
             except self._connection_errors:  # a pooled connection the server dropped
                 return await call(keys=self.keys(pool), args=args)
+        except self._errors as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    def tenant_key(self, tenant: str) -> str:
+        """A tenant's reservations: under one hash tag for every tenant, apart from the
+        pools' (a tenant's quota spans pools)."""
+        return f"{self.key_prefix}{{tenants}}:{tenant}"
+
+    async def _run_tenants(self, keys: list[str], args: list[str | int]) -> Any:
+        if self._closed:
+            raise BackendUnavailable("admission store client closed")
+        try:
+            try:
+                return await self._tenants(keys=keys, args=args)
+            except self._connection_errors:
+                return await self._tenants(keys=keys, args=args)
+        except self._errors as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    async def reserve_tenant(self, tenant: str, reservation_id: str, max_sessions: int) -> bool:
+        """Count one session of ``tenant`` over every gateway, unless it already holds
+        ``max_sessions`` (False). Idempotent per ``reservation_id``."""
+        args: list[str | int] = ["reserve", reservation_id, max_sessions, self.ttl_ms]
+        reply = await self._run_tenants([self.tenant_key(tenant)], args)
+        return _text(reply[0]) == "ok"
+
+    async def release_tenant(self, tenant: str, reservation_id: str) -> bool:
+        """Stop counting one session; idempotent (False if it was not counted)."""
+        args: list[str | int] = ["release", reservation_id]
+        return bool(await self._run_tenants([self.tenant_key(tenant)], args))
+
+    async def renew_tenants(self, reservations: Sequence[tuple[str, str]]) -> int:
+        """Extend ``(tenant, reservation id)`` pairs by one lease TTL, re-adding any that
+        expired or were lost; one round trip. Returns how many were renewed."""
+        by_tenant: dict[str, list[str]] = {}
+        for tenant, reservation_id in reservations:
+            by_tenant.setdefault(tenant, []).append(reservation_id)
+        if not by_tenant:
+            return 0
+        args: list[str | int] = ["renew", self.ttl_ms]
+        for ids in by_tenant.values():
+            args += [len(ids), *ids]
+        keys = [self.tenant_key(tenant) for tenant in by_tenant]
+        return int(await self._run_tenants(keys, args))
+
+    async def tenant_active(self, tenant: str) -> int:
+        """Sessions ``tenant`` holds over every gateway (unexpired reservations)."""
+        key = self.tenant_key(tenant)
+        try:
+            now_s, now_us = await self._client.time()
+            now_ms = int(now_s) * 1000 + int(now_us) // 1000
+            return int(await self._client.zcount(key, f"({now_ms}", "+inf"))
         except self._errors as exc:
             raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
 

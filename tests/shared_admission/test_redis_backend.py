@@ -308,3 +308,55 @@ async def test_the_slot_a_relocated_lease_leaves_goes_to_the_head_waiter(
     assert await a.relocate("tts", "a:1", "gpu0", view_a) == ("moved", "gpu1")
     assert await b.wakeups("tts", 1.0) == [("b:2", "gpu0")]
     assert await _held(a, view_a) == {"gpu0": 1, "gpu1": 2}
+
+
+# --- tenant quotas over every gateway (issue 15 item 4) ---------------------------------
+
+
+async def test_a_tenant_quota_holds_over_concurrent_reservations_from_several_gateways(
+    gateways: Factory,
+) -> None:
+    clients = [await gateways(f"gw{i}") for i in range(4)]
+    results = await asyncio.gather(
+        *(c.reserve_tenant("acme", f"{c.gateway_id}:{n}", 3) for n in range(20) for c in clients)
+    )
+    assert results.count(True) == 3
+    assert await clients[0].tenant_active("acme") == 3
+    assert await clients[0].reserve_tenant("other", "gw0:99", 1) is True  # tenants apart
+
+
+async def test_a_tenant_reservation_is_idempotent_and_released_once(gateways: Factory) -> None:
+    a, b = await gateways("a"), await gateways("b")
+    assert await a.reserve_tenant("acme", "a:1", 1) is True
+    assert await a.reserve_tenant("acme", "a:1", 1) is True  # a retry: the same answer
+    assert await b.reserve_tenant("acme", "b:1", 1) is False
+    assert await a.release_tenant("acme", "a:1") is True
+    assert await a.release_tenant("acme", "a:1") is False
+    assert await b.reserve_tenant("acme", "b:1", 1) is True
+
+
+async def test_tenant_reservations_nobody_renews_expire_and_renewals_reassert(
+    gateways: Factory, redis_server: RedisServer
+) -> None:
+    a = await gateways("a", lease_ttl_s=1.0)
+    b = await gateways("b", lease_ttl_s=1.0)
+    assert await a.reserve_tenant("acme", "a:1", 2) is True
+    assert await a.reserve_tenant("acme", "a:2", 2) is True
+    assert await b.reserve_tenant("acme", "b:1", 2) is False
+    # a keeps a:1 alive; a:2's gateway "crashed" (nobody renews it): a:2 lapses, a:1 not.
+    for _ in range(200):
+        assert await a.renew_tenants([("acme", "a:1")]) == 1
+        if await a.tenant_active("acme") == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert await a.tenant_active("acme") == 1
+    assert await b.reserve_tenant("acme", "b:1", 2) is True
+    assert await b.release_tenant("acme", "b:1") is True
+    # Redis loses everything: the next renewal puts the live reservation back.
+    redis_server.restart()
+    assert await a.renew_tenants([("acme", "a:1")]) == 1
+    assert await a.tenant_active("acme") == 1
+    # The tenant's key expires with its last reservation.
+    client = aioredis.from_url(redis_server.url)
+    assert 0 < await client.pttl(a.tenant_key("acme")) <= 1000
+    await client.aclose()
