@@ -46,6 +46,7 @@ from proxy.errors import (
 from proxy.gate import Lease
 from proxy.refusal import http_error
 from proxy.relay.admit import FALLBACK_RESPONSE_HEADER, upstream_query
+from proxy.relay.failover import Failover, describe
 from proxy.relay.headers import forwarded_request_headers, response_headers
 from proxy.relay.session import SessionRecord
 
@@ -259,6 +260,7 @@ class HttpExchange:
         connect = self.limits.upstream_connect_timeout_s
         # read/write: the idle watchdog (on the runtime's clock) bounds every wait
         timeout = {"connect": connect, "read": None, "write": None, "pool": connect}
+        failover = Failover(lease)  # each replica at most once (proxy.relay.failover)
         while True:
             url = rt.http_url(lease.pool, lease.replica) + path + (f"?{query}" if query else "")
             # httpx.Request, not client.build_request: the client's default headers
@@ -269,12 +271,18 @@ class HttpExchange:
             )  # fmt: skip
             try:
                 return await rt.http.send(request, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-                reason = f"cannot reach upstream {lease.replica}: {exc or type(exc).__name__}"
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                # the replica refused or did not accept in time: it is unreachable
+                reason = f"cannot reach upstream {lease.replica}: {describe(exc)}"
+                eject = True
+            except httpx.PoolTimeout as exc:
+                # our own connection pool was full: not the replica's fault
+                reason = f"no upstream connection to {lease.replica} free: {describe(exc)}"
+                eject = False
             rt.upstream_error(lease.pool, lease.replica, "connect")
             log.warning("%s; failing over", reason)
             failed = lease.replica
-            if not lease.fail_over():
+            if not failover.next(eject=eject):
                 raise UpstreamConnectError(reason, replica=failed, kind="connect")
             self.record.replica = lease.replica
 

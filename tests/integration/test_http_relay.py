@@ -171,3 +171,23 @@ async def test_queued_request_that_disconnects_leaves_the_queue(
     decisions = "headroom_session_decisions_total"
     assert proxy.metric(decisions, pool="main", decision="abandoned") == 1
     assert proxy.metric(decisions, pool="main", decision="admitted") == 1
+
+
+async def test_unreachable_replicas_are_each_tried_once_then_502(start_proxy: Any) -> None:
+    """Failover walks the pool once: both replicas refuse, each is tried (and ejected)
+    once, then the client gets 502 and no slot is held."""
+    dying = [bind_socket(), bind_socket()]
+    replicas = [
+        (f"gpu{i}", f"http://127.0.0.1:{s.getsockname()[1]}", 1) for i, s in enumerate(dying)
+    ]
+    proxy: Proxy = await start_proxy(proxy_settings(replicas, [http_route("/x")]))
+    for s in dying:
+        s.close()
+    async with httpx.AsyncClient() as client:
+        response = await client.post(proxy.http_url + "/x", content=b"{}")
+    assert response.status_code == 502
+    for name in ("gpu0", "gpu1"):
+        assert proxy.metric(
+            "headroom_upstream_errors_total", pool="main", replica=name, kind="connect"
+        ) == 1
+    assert proxy.gate.active == 0
