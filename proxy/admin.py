@@ -1,6 +1,8 @@
 """The admin listener: reload, drain and status, bound to 127.0.0.1 by default.
 
-* ``GET /admin/status``  -- pools, replicas (active/cap/health/guard), queue, draining.
+* ``GET /admin/status``  -- pools, replicas (active/cap/health/guard), queue, draining;
+  each pool's headroom left and each configured pipeline's limiting stage, with the
+  figures behind it (:mod:`proxy.pipelines`).
 * ``POST /admin/reload`` -- re-read the configuration file and apply it live (as SIGHUP
   does); an invalid file is refused with 400 and the problems, the old one stays.
 * ``POST /admin/drain``  -- start a graceful drain (as SIGTERM does).
@@ -23,6 +25,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from proxy.errors import ConfigError
+from proxy.pipelines import headroom_of
 from proxy.runtime import Runtime
 
 __all__ = ["create_admin_app"]
@@ -60,6 +63,8 @@ def create_admin_app(
 
     @app.get("/admin/status")
     async def status() -> dict[str, Any]:
+        headroom = headroom_of(runtime)
+        left = {h.pool: h.as_json() for h in headroom.pools}
         pools = {}
         for name, stats in runtime.gate.statistics().items():
             pools[name] = {
@@ -73,9 +78,12 @@ def create_admin_app(
                      "guarded": runtime.guarded(name, r.name), "retired": r.retired}
                     for r in stats.replicas
                 ],
+                "headroom": left.get(name),
             }  # fmt: skip
         ready, why = runtime.ready()
-        return {"ready": ready, "reason": why, "draining": runtime.gate.draining, "pools": pools}
+        pipelines = {p.name: p.as_json() for p in headroom.pipelines}
+        return {"ready": ready, "reason": why, "draining": runtime.gate.draining, "pools": pools,
+                "pipelines": pipelines}  # fmt: skip
 
     @app.post("/admin/reload")
     async def do_reload() -> JSONResponse:

@@ -1,7 +1,8 @@
 """The Prometheus metrics of the contract (docs/contracts.md, "Metrics").
 
 All names carry the ``headroom_`` prefix and base units; labels are only ``pool``,
-``replica``, ``route``, ``decision``/``reason`` and ``kind`` -- never a session.
+``replica``, ``route``, ``decision``/``reason``, ``kind`` and ``pipeline`` (a configured
+pipeline's name) -- never a session.
 Each :class:`Metrics` owns its own ``CollectorRegistry`` so several apps (tests,
 ``headroom demo``) can live in one process.
 
@@ -36,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import (
@@ -47,6 +48,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:
+    from proxy.pipelines import Headroom
 
 __all__ = [
     "DELIVERY_RATIO_BUCKETS",
@@ -191,6 +195,77 @@ class _StateCollector(Collector):
             depth.add_metric([pool], n)
         yield from (active, slots, depth, healthy, guarded, ratio, ratio_alias)
         yield from (waiting, running, kv)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+class _HeadroomCollector(Collector):
+    """Headroom left per pool and each pipeline's limiting stage (:mod:`proxy.pipelines`),
+    computed at scrape time like the state gauges above."""
+
+    def __init__(self, headroom: Callable[[], Headroom]) -> None:
+        self._headroom = headroom
+
+    def collect(self) -> Iterator[Metric]:
+        pool = ["pool"]
+        usable = GaugeMetricFamily(
+            "headroom_pool_slots_usable",
+            "Session cap summed over the pool's replicas that take sessions now (healthy, "
+            "not retired, not held by the guard in enforce mode).",
+            labels=pool,
+        )
+        free = GaugeMetricFamily(
+            "headroom_pool_slots_free",
+            "Free slots on those replicas (cap - active, each at least 0; on the redis "
+            "backend active counts every gateway's sessions).",
+            labels=pool,
+        )
+        worst = GaugeMetricFamily(
+            "headroom_pool_delivery_ratio_worst_1pct",
+            "The lowest rolling worst-1% delivery ratio among the pool's usable replicas. "
+            "Absent without recent audio (an ASR pool).",
+            labels=pool,
+        )
+        margin = GaugeMetricFamily(
+            "headroom_pool_delivery_margin_ratio",
+            "headroom_pool_delivery_ratio_worst_1pct / guard.threshold - 1: 0 at the guard "
+            "threshold, negative below it. Absent without recent audio.",
+            labels=pool,
+        )
+        left = GaugeMetricFamily(
+            "headroom_pool_headroom_left_ratio",
+            "Headroom left, 0..1: the lesser of slots_free / slots_usable and the delivery "
+            "margin (capped to 0..1); 0 when no replica is usable.",
+            labels=pool,
+        )
+        stage_left = GaugeMetricFamily(
+            "headroom_pipeline_stage_headroom_left_ratio",
+            "headroom_pool_headroom_left_ratio of each stage (pool) of a configured pipeline.",
+            labels=["pipeline", "pool"],
+        )
+        limiting = GaugeMetricFamily(
+            "headroom_pipeline_limiting_stage",
+            "1 for the stage (pool) of the pipeline with the least headroom left, 0 for the "
+            "others.",
+            labels=["pipeline", "pool"],
+        )
+        snapshot = self._headroom()
+        for h in snapshot.pools:
+            key = [h.pool]
+            usable.add_metric(key, h.slots_usable)
+            free.add_metric(key, h.slots_free)
+            if h.delivery_ratio_worst_1pct is not None:
+                worst.add_metric(key, h.delivery_ratio_worst_1pct)
+            if (m := h.delivery_margin) is not None:
+                margin.add_metric(key, m)
+            left.add_metric(key, h.left)
+        for p in snapshot.pipelines:
+            for stage in p.stages:
+                key = [p.name, stage.pool]
+                stage_left.add_metric(key, stage.left)
+                limiting.add_metric(key, 1.0 if stage.pool == p.limiting else 0.0)
+        yield from (usable, free, worst, margin, left, stage_left, limiting)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -443,3 +518,8 @@ class Metrics:
     ) -> None:
         """Report gate state at scrape time. Call once per registry."""
         self.registry.register(_StateCollector(replicas, queues))
+
+    def bind_headroom(self, headroom: Callable[[], Headroom]) -> None:
+        """Report each pool's headroom left and each pipeline's limiting stage at scrape
+        time (:mod:`proxy.pipelines`). Call once per registry."""
+        self.registry.register(_HeadroomCollector(headroom))

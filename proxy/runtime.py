@@ -26,6 +26,7 @@ from proxy.gate import Gate
 from proxy.guard import GuardPolicy, ReplicaGuard
 from proxy.meter import PrometheusReplicaSink, SessionMeter
 from proxy.metrics import Metrics
+from proxy.pipelines import headroom_of
 from proxy.protocols import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
 from proxy.relay.failover import Unreachable, open_tcp
 from proxy.settings import PoolSettings, RouteSettings, Settings
@@ -124,6 +125,7 @@ class Runtime:
         #: Set once the start-up reachability check of every replica has finished.
         self.replicas_checked = asyncio.Event()
         self.metrics.bind_state(self._replica_gauges, self.gate.queue_depths)
+        self.metrics.bind_headroom(lambda: headroom_of(self))
         self.gate.on_health_change(self._on_health_change)
         if isinstance(self.gate, SharedGate):
             self.gate.on_fence(self._on_lease_loss)
@@ -182,7 +184,7 @@ class Runtime:
         if settings.admission != old.admission:
             changes.append("admission backend changes need a restart: not applied")
         for section in ("limits", "forwarded", "meter", "guard", "health", "auth",
-                        "drain_timeout_s"):
+                        "pipelines", "drain_timeout_s"):
             if getattr(settings, section) != getattr(old, section):
                 changes.append(f"{section} updated")
         self._apply_settings(settings)

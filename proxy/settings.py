@@ -75,6 +75,7 @@ __all__ = [
     "LimitsSettings",
     "ListenSettings",
     "MeterSettings",
+    "PipelineSettings",
     "PoolSettings",
     "Protocol",
     "QueueSettings",
@@ -594,6 +595,39 @@ def _gpu_problems(data: Any) -> list[tuple[Loc, str]]:
     return problems
 
 
+class PipelineSettings(_Frozen):
+    """A named chain of pools one call uses together (a voice agent's ASR and TTS stages,
+    say). Headroom reports which stage has the least headroom left (the limiting stage):
+    metrics, ``GET /admin/status``. Admission is unchanged."""
+
+    name: Name
+    stages: tuple[str, ...] = Field(min_length=1)
+
+
+def _pipeline_problems(data: Any) -> list[tuple[Loc, str]]:
+    """Pipeline names unique, every stage a defined pool and listed once; on raw data
+    like :func:`_reference_problems`; never raises."""
+    if not isinstance(data, Mapping):
+        return []
+    pipelines = _entries(data.get("pipelines"))
+    problems = _duplicates(
+        [(("pipelines", i, "name"), _text(p.get("name"))) for i, p in pipelines],
+        "pipeline name",
+    )
+    pools = [_text(p.get("name")) for _, p in _entries(data.get("pools"))]
+    names = [name for name in dict.fromkeys(pools) if name is not None]
+    defined = ", ".join(names) or "(none)"
+    for i, pipeline in pipelines:
+        stages = pipeline.get("stages")
+        entries = list(enumerate(stages)) if isinstance(stages, list | tuple) else []
+        locs = [(("pipelines", i, "stages", j), _text(stage)) for j, stage in entries]
+        problems += _duplicates(locs, "stage")
+        for loc, stage in locs:
+            if stage is not None and stage not in names:
+                problems.append((loc, f"unknown pool {stage!r}; defined pools: {defined}"))
+    return problems
+
+
 class Settings(BaseSettings):
     """Everything Headroom reads from the outside world, validated and frozen.
 
@@ -627,6 +661,8 @@ class Settings(BaseSettings):
     routes: tuple[RouteSettings, ...] = Field(min_length=1)
     auth: AuthSettings | None = None
     gpus: tuple[GpuSettings, ...] = ()  # co-location, read by `headroom check` (issue 19)
+    # stages whose headroom is compared, limiting stage reported (issue 19)
+    pipelines: tuple[PipelineSettings, ...] = ()
     # The file says ``auth: {enabled: false}`` (``auth`` is then None); see auth_disabled.
     _auth_disabled: bool = PrivateAttr(False)
 
@@ -661,6 +697,7 @@ class Settings(BaseSettings):
         # Cross-references are checked on the raw data so they are reported together with
         # field errors, not only once every field is valid.
         problems = _reference_problems(data) + _gpu_problems(data)
+        problems += _pipeline_problems(data)
         try:
             settings = handler(data)
         except ValidationError as exc:
@@ -961,6 +998,9 @@ def summary(settings: Settings) -> str:
         lines.append(
             f"  {route.path} -> {route.pool}  {protocol}, refusal {route.refusal}{upstream}"
         )
+    if settings.pipelines:
+        lines.append(f"pipelines {len(settings.pipelines)}")
+        lines += [f"  {p.name}: {' -> '.join(p.stages)}" for p in settings.pipelines]
     lines.append(
         f"guard   {guard.mode} (worst-1% delivery ratio < {guard.threshold:g}, "
         f"hysteresis {guard.hysteresis:g}, hold {guard.hold_s:g} s)"
