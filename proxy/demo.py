@@ -1,7 +1,16 @@
 """``headroom demo``: the embedded default. Starts a simulated multi-GPU engine and the
 gateway in front of it, with each GPU's cap set to the ceiling the simulator's own
 model gives for the preset, prints the URLs and a one-line client command, and runs
-until Ctrl-C (or ``--exit-after``)."""
+until Ctrl-C (or ``--exit-after``).
+
+The ceiling is ``describe()``'s: the largest load at which the worst 1 % of chunks
+arrive at least 1.2x faster than realtime, no listener with a 0.2 s prebuffer stalls
+and TTFA p99 stays within 1 s. vLLM-Omni's default Qwen3-TTS chunking (a first chunk of
+2-16 frames by load, then 25-frame chunks) stalls such a listener at the first seam even
+alone (ceiling 0), so on presets with that schedule the demo runs the engine with
+vLLM-Omni's documented ``codec_chunk_ramp`` example, ``[4, 4, 8, 16, 25]``, and says so
+(``--codec-chunk-ramp default`` keeps the engine's default, and the banner then says
+what the listeners would need)."""
 
 from __future__ import annotations
 
@@ -13,7 +22,11 @@ from typing import Any, TextIO
 
 from proxy.settings import Settings, settings_from_mapping
 
-__all__ = ["add_arguments", "demo_settings", "run"]
+__all__ = ["DEMO_RAMP", "add_arguments", "demo_preset", "demo_settings", "run"]
+
+#: The demo's ``codec_chunk_ramp`` on presets whose first chunk depends on the load
+#: (vLLM-Omni Qwen3-TTS): the example of vLLM-Omni's own documentation.
+DEMO_RAMP = (4, 4, 8, 16, 25)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +41,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--queue-depth", type=int, default=8, help="queue depth per pool")
     parser.add_argument("--queue-wait", type=float, default=10.0, help="max queue wait, s")
     parser.add_argument("--exit-after", type=float, metavar="S", help="stop after S seconds")
+    parser.add_argument(
+        "--codec-chunk-ramp", metavar="LIST|default",
+        help="vLLM-Omni codec_chunk_ramp of the simulated engine (default on Qwen3-TTS: "
+        f"{','.join(map(str, DEMO_RAMP))}; 'default': the engine's own load-dependent "
+        "first chunk, which stalls listeners at the first seam)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--initial-codec-chunk-frames", type=int, metavar="N",
+        help="vLLM-Omni initial_codec_chunk_frames: a fixed first chunk of N frames",
+    )  # fmt: skip
+
+
+def demo_preset(args: argparse.Namespace) -> tuple[Any, str]:
+    """The preset the demo simulates and how its chunking was chosen (for the banner):
+    ``--codec-chunk-ramp`` / ``--initial-codec-chunk-frames`` as given, else
+    :data:`DEMO_RAMP` on a preset with a load-dependent first chunk, else the preset's."""
+    from proxy.sim.chunks import parse_ramp
+    from proxy.sim.presets import get_preset
+
+    preset = get_preset(args.preset)
+    default = preset.schedule.describe()
+    first = args.initial_codec_chunk_frames
+    if first is not None and first < 1:
+        raise ValueError("--initial-codec-chunk-frames must be >= 1")
+    given = args.codec_chunk_ramp
+    if given is not None and given.strip().lower() == "default":
+        ramp: tuple[int, ...] | None = None
+        how = "the engine's default"
+    elif given is not None:
+        ramp = parse_ramp(given)
+        how = f"codec_chunk_ramp {','.join(map(str, ramp))} (--codec-chunk-ramp)"
+    elif first is None and preset.schedule.load_first:
+        ramp = DEMO_RAMP
+        how = (
+            f"vLLM-Omni codec_chunk_ramp {','.join(map(str, ramp))}, the demo's choice;\n"
+            f"                   the engine's default ({default}) stalls a 0.2 s "
+            "listener at the first seam:\n                   ceiling 0 "
+            "(--codec-chunk-ramp default runs it)"
+        )
+    else:
+        ramp, how = None, "the engine's default"
+    if first is not None:
+        how = f"initial_codec_chunk_frames {first}" + (
+            f", {how}" if ramp is not None else " (--initial-codec-chunk-frames)"
+        )
+    if ramp is not None or first is not None:
+        preset = preset.with_schedule(initial_frames=first, ramp=ramp)
+    return preset, how
 
 
 def demo_settings(
@@ -71,9 +132,40 @@ def demo_settings(
     return settings_from_mapping(data, env={}, source="headroom demo")
 
 
+def _ceiling_lines(info: dict[str, Any], cap: int, capped_by_user: bool) -> list[str]:
+    """What the ceiling is, what limited it, and the rules it keeps (``describe()``'s)."""
+    rules = info["ceiling_rules"]
+    ceiling = int(info["ceiling"])
+    broke = ", ".join(info["limited_by"]) or "nothing (search limit)"
+    kept = (
+        f"worst-1% delivery >= {rules['threshold']:g}x realtime, no stall for a listener "
+        f"with a {rules['prebuffer_s']:g} s prebuffer, TTFA p99 <= {rules['ttfa_p99_s']:g} s"
+    )
+    if ceiling > 0:
+        lines = [f"  ceiling        : {ceiling} sessions/GPU ({ceiling + 1} broke: {broke})"]
+    else:
+        lines = [f"  ceiling        : 0 sessions/GPU (one session already breaks: {broke})"]
+        need = info.get("min_prebuffer_s")
+        if need is not None:
+            lines.append(
+                f"  listeners need : >= {need:g} s of prebuffer with this chunking (ceiling "
+                f"{info.get('ceiling_at_min_prebuffer')} with it)"
+            )
+    lines.append(f"  ceiling rules  : {kept}")
+    if capped_by_user:
+        why = "(--cap)"
+    elif ceiling == 0:
+        why = "(no level keeps the rules; 1 so the demo serves at all: expect stalls)"
+    else:
+        why = "(the ceiling)"
+    lines.append(f"  cap per GPU    : {cap} {why}")
+    return lines
+
+
 def _banner(
-    preset: Any, ceiling: int, cap: int, settings: Settings, gateway_url: str, urls: list[str]
-) -> str:
+    preset: Any, info: dict[str, Any], cap: int, settings: Settings, gateway_url: str,
+    urls: list[str], chunking: str = "the engine's default", *, capped_by_user: bool = False,
+) -> str:  # fmt: skip
     """What the demo serves. The route list is generated from ``settings`` -- the same
     object the gateway serves -- so the banner cannot list a route that is not there or
     miss one that is."""
@@ -81,8 +173,8 @@ def _banner(
     lines = [
         f"Headroom demo: {preset.name} ({preset.description})",
         f"  simulated GPUs : {', '.join(urls)}",
-        f"  ceiling        : {ceiling} sessions/GPU (worst-1% delivery >= 1.2x realtime)",
-        f"  cap per GPU    : {cap}",
+        f"  chunking       : {info['chunk_schedule']} tokens per chunk ({chunking})",
+        *_ceiling_lines(info, cap, capped_by_user),
         f"  gateway        : {gateway_url}",
         f"  metrics        : {gateway_url}/metrics",
         f"  ready          : {gateway_url}/readyz",
@@ -121,11 +213,10 @@ async def _run(args: argparse.Namespace, out: TextIO) -> None:
     from proxy.gateway import Gateway
     from proxy.sim.capacity import describe
     from proxy.sim.cluster import running_cluster
-    from proxy.sim.presets import get_preset
 
-    preset = get_preset(args.preset)
-    ceiling = int(describe(preset.name)["ceiling"])
-    cap = args.cap or max(1, ceiling)
+    preset, chunking = demo_preset(args)
+    info = describe(preset)
+    cap = args.cap or max(1, int(info["ceiling"]))
     async with running_cluster(preset, gpus=args.gpus, host="127.0.0.1", port=args.sim_port) as c:
         settings = demo_settings(
             preset, c.urls, cap, host=args.host, port=args.port,
@@ -137,7 +228,10 @@ async def _run(args: argparse.Namespace, out: TextIO) -> None:
         await asyncio.wait({serving, ready}, return_when=asyncio.FIRST_COMPLETED)
         ready.cancel()
         url = f"http://{args.host}:{gateway.port}"
-        print(_banner(preset, ceiling, cap, settings, url, c.urls), file=out, flush=True)
+        banner = _banner(
+            preset, info, cap, settings, url, c.urls, chunking, capped_by_user=bool(args.cap)
+        )
+        print(banner, file=out, flush=True)
         try:
             if args.exit_after is not None:
                 await asyncio.wait({serving}, timeout=args.exit_after)

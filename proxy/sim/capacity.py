@@ -22,7 +22,7 @@ import copy
 import heapq
 import random
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Any
 
@@ -35,6 +35,7 @@ __all__ = [
     "Rules",
     "describe",
     "find_ceiling",
+    "min_prebuffer",
     "percentile",
     "run_load",
     "single_stream",
@@ -256,7 +257,8 @@ def find_ceiling(
 ) -> tuple[int, list[LoadResult]]:
     """``(ceiling, runs)``: ramp 1, 2, 4, ... until a level breaks a rule (by default
     only the worst-1% ``threshold``; pass :class:`Rules` for all three), then bisect.
-    ``ceiling`` is 0 when one stream already fails."""
+    ``ceiling`` is 0 when one stream already fails, and ``limit`` when ``limit`` itself
+    passes (the ramp never measures past it)."""
     runs: dict[int, LoadResult] = {}
     prebuffer = rules.prebuffer_s if rules is not None else 0.2
 
@@ -270,10 +272,13 @@ def find_ceiling(
     if not passes(1):
         return 0, list(runs.values())
     low, high = 1, 2
-    while passes(high):
-        low, high = high, high * 2
-        if high > limit:
+    while True:
+        high = min(high, limit)
+        if high <= low:  # ``limit`` passed
             return low, sorted(runs.values(), key=lambda r: r.concurrency)
+        if not passes(high):
+            break
+        low, high = high, high * 2
     while high - low > 1:
         mid = (low + high) // 2
         if passes(mid):
@@ -281,6 +286,35 @@ def find_ceiling(
         else:
             high = mid
     return low, sorted(runs.values(), key=lambda r: r.concurrency)
+
+
+def min_prebuffer(
+    preset: Preset, *, seed: int = 0, rules: Rules | None = None, step_s: float = 0.05,
+    most_s: float = 10.0,
+) -> float | None:  # fmt: skip
+    """The smallest listener prebuffer (a multiple of ``step_s``, at most ``most_s``) at
+    which one stream alone passes every rule of ``rules``: below it the preset's
+    ceiling is 0 whatever the load. ``None`` when one stream fails a rule a buffer
+    cannot mend (steady ratio, TTFA) or needs more than ``most_s``.
+
+    The engine's emissions do not depend on the listener's buffer (the run's seeds are
+    the seed and the concurrency), so stalls only fall as the buffer grows: bisection."""
+    rules = rules or Rules()
+
+    def passes(steps: int) -> bool:
+        run = run_load(preset, 1, seed=seed, prebuffer_s=steps * step_s)
+        return not rules.failed(run)
+
+    low, high = -1, round(most_s / step_s)  # low fails (or is below 0), high is unknown
+    if not passes(high):
+        return None
+    while high - low > 1:
+        mid = (low + high) // 2
+        if passes(mid):
+            high = mid
+        else:
+            low = mid
+    return round(high * step_s, 3)
 
 
 @lru_cache(maxsize=64)
@@ -293,7 +327,26 @@ def _measure(preset: Preset, seed: int) -> tuple[tuple[str, Any], ...]:
     rtf, ttfa = single_stream(preset, seed=seed)
     rules = Rules()
     ceiling, runs = find_ceiling(preset, seed=seed, rules=rules)
-    steady, _ = find_ceiling(preset, seed=seed)
+    # Past max_num_seqs the engine queues newcomers instead of slowing running streams,
+    # so the steady ratio alone may never fail: measure it to twice the batch limit and
+    # call it unbounded (None) if it still passes there.
+    steady_limit = min(1024, 2 * engine.max_num_seqs)
+    steady: int | None
+    steady, _ = find_ceiling(preset, seed=seed, limit=steady_limit)
+    steady_note = ""
+    if steady >= steady_limit:
+        steady = None
+        steady_note = (
+            f"unbounded: the steady ratio still holds at {steady_limit} streams; past "
+            f"max_num_seqs ({engine.max_num_seqs}) the engine queues newcomers (their "
+            "TTFA grows) instead of slowing the streams it runs"
+        )
+    buffer_needed = min_prebuffer(preset, seed=seed, rules=rules)
+    ceiling_with_buffer: int | None = None
+    if ceiling == 0 and buffer_needed is not None:
+        ceiling_with_buffer, _ = find_ceiling(
+            preset, seed=seed, rules=replace(rules, prebuffer_s=buffer_needed)
+        )
     failing = next((r for r in runs if r.concurrency == ceiling + 1), None)
     mean_ceiling = 0
     budget = 1.0 / (THRESHOLD * preset.token_rate_hz)
@@ -319,6 +372,9 @@ def _measure(preset: Preset, seed: int) -> tuple[tuple[str, Any], ...]:
         "ceiling_rules": asdict(rules),
         "limited_by": rules.failed(failing) if failing is not None else [],
         "ceiling_steady_only": steady,
+        "ceiling_steady_only_note": steady_note,
+        "min_prebuffer_s": buffer_needed,
+        "ceiling_at_min_prebuffer": ceiling_with_buffer,
         "chunk_schedule": preset.schedule.describe(),
         "ceiling_mean_model": mean_ceiling,
         "expected_ceiling": preset.expected_ceiling,

@@ -100,10 +100,12 @@ def _print_description(info: dict[str, object], args: argparse.Namespace, out: T
         return
     keys = ("preset", "model", "gpu", "token_rate_hz", "chunk_schedule", "max_num_seqs",
             "single_stream_rtf", "single_stream_delivery_ratio", "ttfa_s", "knee_batch",
-            "ceiling", "limited_by", "ceiling_steady_only", "ceiling_mean_model",
+            "ceiling", "limited_by", "ceiling_steady_only", "ceiling_steady_only_note",
+            "min_prebuffer_s", "ceiling_at_min_prebuffer", "ceiling_mean_model",
             "expected_ceiling")  # fmt: skip
     for key in keys:
-        print(f"{key:30s} {info[key]}", file=out)
+        if info.get(key) not in (None, ""):
+            print(f"{key:30s} {info[key]}", file=out)
     print(
         "ramp (concurrency: worst-1% / median delivery ratio, mean step ms, share of "
         "streams stalling, TTFA p99)",

@@ -13,7 +13,8 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from proxy.demo import _banner, _run, add_arguments, demo_settings
+from proxy.demo import DEMO_RAMP, _banner, _run, add_arguments, demo_preset, demo_settings
+from proxy.sim.capacity import describe
 from proxy.sim.presets import PRESETS, get_preset
 from tests.integration.test_ws_relay import wait_until
 
@@ -29,7 +30,11 @@ def test_banner_lists_every_route_of_the_demo_settings(name: str) -> None:
         preset, ["http://127.0.0.1:1"], 4, host="127.0.0.1", port=8080, queue_depth=8,
         queue_wait=10,
     )  # fmt: skip
-    banner = _banner(preset, 4, 4, settings, "http://127.0.0.1:8080", ["http://127.0.0.1:1"])
+    info = {
+        "ceiling": 4, "limited_by": ["steady"], "chunk_schedule": "28, then 7",
+        "ceiling_rules": {"threshold": 1.2, "prebuffer_s": 0.2, "ttfa_p99_s": 1.0},
+    }  # fmt: skip
+    banner = _banner(preset, info, 4, settings, "http://127.0.0.1:8080", ["http://127.0.0.1:1"])
     listed = [(url, how, protocol) for url, how, protocol in ROUTE_LINE.findall(banner)]
     expected = [
         (
@@ -43,6 +48,60 @@ def test_banner_lists_every_route_of_the_demo_settings(name: str) -> None:
     if preset.kind == "asr":
         assert "http://127.0.0.1:8080/v1/audio/transcriptions" in banner
         assert "curl -sN http://127.0.0.1:8080/v1/audio/transcriptions -F file=@" in banner
+
+
+def _demo_banner(*argv: str) -> str:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    preset, chunking = demo_preset(args)
+    info = describe(preset)
+    cap = args.cap or max(1, info["ceiling"])
+    settings = demo_settings(
+        preset, ["http://127.0.0.1:1"], cap, host="127.0.0.1", port=8080, queue_depth=8,
+        queue_wait=10,
+    )  # fmt: skip
+    return _banner(
+        preset, info, cap, settings, "http://127.0.0.1:8080", ["http://127.0.0.1:1"],
+        chunking, capped_by_user=bool(args.cap),
+    )  # fmt: skip
+
+
+def test_the_default_demo_runs_a_chunk_ramp_the_engine_offers_and_says_so() -> None:
+    # vLLM-Omni's default Qwen3-TTS chunking has ceiling 0 (first-seam stalls): the demo
+    # used to cap at max(1, 0) = 1 under a banner promising 1.2x realtime.
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    preset, _ = demo_preset(parser.parse_args([]))
+    assert preset.schedule.initial == DEMO_RAMP and not preset.schedule.load_first
+    ceiling = describe(preset)["ceiling"]
+    assert ceiling >= 2
+    banner = _demo_banner()
+    assert "codec_chunk_ramp 4,4,8,16,25, the demo's choice" in banner
+    assert f"ceiling        : {ceiling} sessions/GPU ({ceiling + 1} broke: stalls)" in banner
+    assert "no stall for a listener with a 0.2 s prebuffer" in banner
+    assert f"cap per GPU    : {ceiling} (the ceiling)" in banner
+
+
+def test_the_engine_default_chunking_shows_ceiling_0_and_the_buffer_listeners_need() -> None:
+    banner = _demo_banner("--codec-chunk-ramp", "default")
+    need = describe("l40s-qwen3tts-1.7b")["min_prebuffer_s"]
+    assert "load 2/4/8/16, then 25 tokens per chunk (the engine's default)" in banner
+    assert "ceiling        : 0 sessions/GPU (one session already breaks: stalls)" in banner
+    assert f"listeners need : >= {need:g} s of prebuffer" in banner
+    assert "cap per GPU    : 1 (no level keeps the rules" in banner
+    capped = _demo_banner("--codec-chunk-ramp", "default", "--cap", "3")
+    assert "cap per GPU    : 3 (--cap)" in capped
+
+
+def test_presets_without_a_load_dependent_first_chunk_keep_their_schedule() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    preset, how = demo_preset(parser.parse_args(["--preset", "h100-orpheus-3b"]))
+    assert preset.schedule == get_preset("h100-orpheus-3b").schedule
+    assert how == "the engine's default"
+    fixed, how = demo_preset(parser.parse_args(["--initial-codec-chunk-frames", "8"]))
+    assert fixed.schedule.initial == (8,) and "initial_codec_chunk_frames 8" in how
 
 
 def _wav(seconds: float = 0.3, rate: int = 16000) -> bytes:

@@ -11,7 +11,14 @@ from dataclasses import replace
 
 import pytest
 
-from proxy.sim.capacity import THRESHOLD, Rules, describe, find_ceiling, run_load
+from proxy.sim.capacity import (
+    THRESHOLD,
+    Rules,
+    describe,
+    find_ceiling,
+    min_prebuffer,
+    run_load,
+)
 from proxy.sim.engine import Engine
 from proxy.sim.presets import DEFAULT_PRESET, PRESETS, get_preset, preset_names
 
@@ -62,9 +69,38 @@ def test_describe_reports_rtf_and_ceiling_from_the_model(name: str) -> None:
     # more stream broke the rules describe() reports.
     assert all(not fails(n) for n in ramp if n <= ceiling)
     assert fails(ceiling + 1) == info["limited_by"] != []
-    assert ceiling <= info["ceiling_steady_only"] <= info["ceiling_mean_model"] or (
-        info["ceiling_steady_only"] > preset.engine.max_num_seqs  # the engine queues instead
-    )
+    steady = info["ceiling_steady_only"]
+    if steady is None:  # the engine queues past max_num_seqs instead of slowing
+        assert "unbounded" in info["ceiling_steady_only_note"]
+    else:
+        assert ceiling <= steady <= info["ceiling_mean_model"]
+        assert info["ceiling_steady_only_note"] == ""
+
+
+def test_find_ceiling_measures_up_to_its_limit() -> None:
+    # Ramping 1, 2, 4, 8, 16 then 32 > 20 used to stop at 16 without measuring 17-20.
+    preset = get_preset("h200-qwen3tts-1.7b")  # max_num_seqs 10: the ratio never fails
+    ceiling, runs = find_ceiling(preset, limit=20)
+    assert ceiling == 20
+    assert max(r.concurrency for r in runs) == 20
+
+
+def test_steady_only_ceiling_is_unbounded_when_the_engine_queues() -> None:
+    info = describe("h200-qwen3tts-1.7b")
+    assert info["max_num_seqs"] == 10
+    assert info["ceiling_steady_only"] is None  # was 1024, the search's own limit
+    assert "max_num_seqs (10)" in info["ceiling_steady_only_note"]
+
+
+def test_min_prebuffer_is_the_buffer_one_stream_needs() -> None:
+    preset = get_preset("l40s-qwen3tts-1.7b")
+    info = describe(preset.name)
+    need = info["min_prebuffer_s"]
+    assert info["ceiling"] == 0 and need is not None and need > 0.2
+    assert run_load(preset, 1, prebuffer_s=need).stalled_streams == 0
+    assert run_load(preset, 1, prebuffer_s=round(need - 0.05, 3)).stalled_streams > 0
+    assert info["ceiling_at_min_prebuffer"] >= 1
+    assert min_prebuffer(get_preset("h100-orpheus-3b")) == 0.0  # small chunks: no buffer
 
 
 def test_tts_ceilings_and_what_limits_them() -> None:
