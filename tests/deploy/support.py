@@ -16,6 +16,7 @@ import yaml
 from prometheus_client import Counter, Histogram
 
 from proxy.metrics import Metrics, ReplicaGauges
+from proxy.pipelines import Headroom, PipelineHeadroom, PoolHeadroom
 from proxy.shared_gate import SharedAdmissionMetrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -102,6 +103,11 @@ def _metrics() -> Metrics:
         delivery_ratio_worst_1pct=1.5, engine_waiting=0.0, engine_running=1.0, engine_kv_usage=0.5,
     )  # fmt: skip
     metrics.bind_state(lambda: [gauges], lambda: [("p", 0)])
+    # Headroom left per pool and a pipeline's limiting stage (pipelines: configured).
+    pool = PoolHeadroom("p", slots_usable=2, slots_free=1, delivery_ratio_worst_1pct=1.5,
+                        threshold=1.2)  # fmt: skip
+    headroom = Headroom((pool,), (PipelineHeadroom("agent", (pool,), "p"),))
+    metrics.bind_headroom(lambda: headroom)
     # The shared admission backend's series (admission.backend: redis), with a sample each.
     shared = SharedAdmissionMetrics(metrics.registry)
     shared.backend_up.labels("redis").set(1)

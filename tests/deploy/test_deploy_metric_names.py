@@ -143,6 +143,9 @@ def test_dashboard_shows_the_required_signals() -> None:
         "headroom_session_decisions_total",
         "headroom_time_to_first_audio_seconds_bucket",
         "headroom_engine_requests_waiting",
+        "headroom_pool_headroom_left_ratio",
+        "headroom_pool_slots_free",
+        "headroom_pipeline_limiting_stage",
     }
     assert required <= used, f"dashboard lacks {sorted(required - used)}"
 

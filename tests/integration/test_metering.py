@@ -208,13 +208,20 @@ CONTRACT_METRICS = {
     "headroom_replica_healthy": ("gauge", {"pool", "replica"}),
     "headroom_replica_guarded": ("gauge", {"pool", "replica"}),
     "headroom_asr_finalize_seconds": ("histogram", {"pool"}),
+    "headroom_pool_slots_usable": ("gauge", {"pool"}),
+    "headroom_pool_slots_free": ("gauge", {"pool"}),
+    "headroom_pool_delivery_ratio_worst_1pct": ("gauge", {"pool"}),
+    "headroom_pool_delivery_margin_ratio": ("gauge", {"pool"}),
+    "headroom_pool_headroom_left_ratio": ("gauge", {"pool"}),
+    "headroom_pipeline_stage_headroom_left_ratio": ("gauge", {"pipeline", "pool"}),
+    "headroom_pipeline_limiting_stage": ("gauge", {"pipeline", "pool"}),
 }
 
 
 async def test_metric_names_types_and_labels_match_the_design(
     start_proxy: Any, engine: RunningServer
 ) -> None:
-    proxy = await start(start_proxy, engine)
+    proxy = await start(start_proxy, engine, pipelines=[{"name": "agent", "stages": ["main"]}])
     await run_ws(proxy.ws_url, "/v1/audio/speech/stream")
     await run_ws(proxy.ws_url, "/v1/asr")
     async with httpx.AsyncClient() as client:
