@@ -14,6 +14,19 @@ The two thresholds and the hold time make it a Schmitt trigger: a ratio hovering
 around the threshold trips it once and it stays tripped, instead of admitting and
 refusing on alternate evaluations.
 
+**Start-up signals** (:class:`~proxy.signals.StartupSignals`, off unless configured): a
+replica past its knee may keep its running streams' chunks on time while the streams it
+admits next start badly -- their first seam stalls (the second chunk, a full-size one,
+takes longer to make than the small first one lasts) or their first audio comes late
+(an engine full at ``max_num_seqs`` queues newcomers instead of slowing everyone). With
+at least ``startup_min_streams`` first seams in the window, more than
+``max_startup_stall_share`` of them stalling trips the guard (``startup_stalls``); with
+at least ``startup_min_streams`` sessions' first audio in the window, a TTFA p99 above
+``ttfa_p99_s`` trips it (``ttfa``). Each is within its limit again (for release) when it
+is at or below it or the window holds fewer than ``startup_min_streams`` samples of it:
+while guarded, no new stream starts there, so old starts age out of the window and the
+replica is tried again, as with an emptied ratio window. ``reasons`` names what tripped.
+
 Pure: no clock reads, no asyncio. Modes (``guard.mode``): ``off`` (not evaluated),
 ``observe`` (state exported as ``headroom_replica_guarded`` and logged, admissions
 unaffected), ``enforce`` (the gate stops placing sessions on a guarded replica).
@@ -23,7 +36,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from proxy.signals import StartupSignals
+
 __all__ = ["GuardPolicy", "ReplicaGuard"]
+
+_NO_STARTS = StartupSignals()
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,12 +49,43 @@ class GuardPolicy:
     hysteresis: float = 0.1
     hold_s: float = 10.0
     min_samples: int = 50
+    #: Trip when more than this share of first seams stalled (None: not watched).
+    max_startup_stall_share: float | None = None
+    #: Trip when TTFA p99 exceeds this many seconds (None: not watched).
+    ttfa_p99_s: float | None = None
+    #: First seams / first audios the window needs before either start-up rule judges.
+    startup_min_streams: int = 10
 
     def __post_init__(self) -> None:
         if self.threshold <= 0 or self.hysteresis < 0 or self.hold_s < 0:
             raise ValueError("guard: threshold > 0, hysteresis >= 0, hold_s >= 0")
-        if self.min_samples < 1:
-            raise ValueError("guard: min_samples >= 1")
+        if self.min_samples < 1 or self.startup_min_streams < 1:
+            raise ValueError("guard: min_samples >= 1, startup_min_streams >= 1")
+        share = self.max_startup_stall_share
+        if share is not None and not 0.0 <= share < 1.0:
+            raise ValueError("guard: max_startup_stall_share in [0, 1)")
+        if self.ttfa_p99_s is not None and not self.ttfa_p99_s > 0:
+            raise ValueError("guard: ttfa_p99_s > 0")
+
+    def startup_breaches(self, startup: StartupSignals) -> list[str]:
+        """The start-up rules ``startup`` breaks: ``startup_stalls``, ``ttfa``."""
+        out = []
+        share = self.max_startup_stall_share
+        if (
+            share is not None
+            and startup.seams >= self.startup_min_streams
+            and startup.stalled > share * startup.seams
+        ):
+            out.append("startup_stalls")
+        p99 = startup.ttfa_p99
+        if (
+            self.ttfa_p99_s is not None
+            and p99 is not None
+            and startup.ttfas >= self.startup_min_streams
+            and p99 > self.ttfa_p99_s
+        ):
+            out.append("ttfa")
+        return out
 
     @property
     def recover_at(self) -> float:
@@ -47,7 +95,16 @@ class GuardPolicy:
 class ReplicaGuard:
     """The guard state of one replica."""
 
-    __slots__ = ("_healthy_since", "guarded", "last_ratio", "policy", "since", "transitions")
+    __slots__ = (
+        "_healthy_since",
+        "guarded",
+        "last_ratio",
+        "last_startup",
+        "policy",
+        "reasons",
+        "since",
+        "transitions",
+    )
 
     def __init__(self, policy: GuardPolicy) -> None:
         self.policy = policy
@@ -55,20 +112,35 @@ class ReplicaGuard:
         self.since: float | None = None
         self.transitions = 0
         self.last_ratio: float | None = None
+        self.last_startup = _NO_STARTS
+        #: What tripped the guard the last time it engaged: ``steady`` (the ratio),
+        #: ``startup_stalls``, ``ttfa``.
+        self.reasons: tuple[str, ...] = ()
         self._healthy_since: float | None = None
 
-    def update(self, now: float, worst_ratio: float | None, samples: int) -> bool:
+    def update(
+        self,
+        now: float,
+        worst_ratio: float | None,
+        samples: int,
+        startup: StartupSignals = _NO_STARTS,
+    ) -> bool:
         """Evaluate at ``now``; returns True if the state changed (see :attr:`guarded`)."""
         policy = self.policy
         self.last_ratio = worst_ratio
+        self.last_startup = startup
+        starts = policy.startup_breaches(startup)
         if not self.guarded:
             tail_too_slow = (
                 worst_ratio is not None
                 and samples >= policy.min_samples
                 and worst_ratio < policy.threshold
             )
-            return self._set(True, now) if tail_too_slow else False
-        recovered = worst_ratio is None or worst_ratio >= policy.recover_at
+            if tail_too_slow or starts:
+                self.reasons = (*(["steady"] if tail_too_slow else []), *starts)
+                return self._set(True, now)
+            return False
+        recovered = (worst_ratio is None or worst_ratio >= policy.recover_at) and not starts
         if not recovered:
             self._healthy_since = None
             return False
@@ -86,5 +158,5 @@ class ReplicaGuard:
         return True
 
     def __repr__(self) -> str:
-        state = "guarded" if self.guarded else "open"
+        state = f"guarded {','.join(self.reasons)}" if self.guarded else "open"
         return f"<ReplicaGuard {state} ratio={self.last_ratio} transitions={self.transitions}>"

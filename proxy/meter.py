@@ -121,8 +121,9 @@ class ReplicaSink(Protocol):
         """One metered chunk: ``audio_s`` > 0 for audio (0.0 for a gap-only event); ``gap``
         None for a stream's first chunk; ``ratio`` only for audio chunks with a gap."""
 
-    def first_audio(self, ttfa_s: float) -> None:
-        """Admission to first audio, once per session that has audio."""
+    def first_audio(self, ttfa_s: float, now: float) -> None:
+        """Admission to first audio (``ttfa_s``, ended at ``now``), once per session that
+        has audio."""
 
     def opening(self, wait_s: float) -> None:
         """Active time of a stream segment's first audio chunk (which has no gap): the
@@ -134,6 +135,10 @@ class ReplicaSink(Protocol):
     def first_chunk_underrun(self) -> None:
         """The underrun just reported was ended by its stream's second chunk (a start-up
         transient, see :mod:`proxy.playback`); called right after that ``underrun``."""
+
+    def first_seam(self, now: float, stalled: bool) -> None:
+        """A stream's second audio chunk (its first seam) arrived at ``now``; ``stalled``
+        if a first-chunk underrun was just reported for it. Called after ``chunk``."""
 
     def finalize(self, latency_s: float) -> None:
         """ASR commit-final to final transcript."""
@@ -195,8 +200,9 @@ class PrometheusReplicaSink:
         series.active += gap
         self._signals.observe(now, ratio, gap)
 
-    def first_audio(self, ttfa_s: float) -> None:
+    def first_audio(self, ttfa_s: float, now: float) -> None:
         self._ttfa.observe(ttfa_s)
+        self._signals.observe_ttfa(now, ttfa_s)
 
     def opening(self, wait_s: float) -> None:
         self._series.active += wait_s
@@ -208,6 +214,9 @@ class PrometheusReplicaSink:
 
     def first_chunk_underrun(self) -> None:
         self._series.first_chunk_underruns += 1.0
+
+    def first_seam(self, now: float, stalled: bool) -> None:
+        self._signals.observe_first_seam(now, stalled)
 
     def finalize(self, latency_s: float) -> None:
         child = self._finalize
@@ -232,13 +241,14 @@ class RecordingReplicaSink:
     openings: list[float] = field(default_factory=list)
     stalls: list[float] = field(default_factory=list)
     first_chunk_stalls: list[float] = field(default_factory=list)
+    first_seams: list[tuple[float, bool]] = field(default_factory=list)
     finalizes: list[float] = field(default_factory=list)
     summaries: list[SessionSummary] = field(default_factory=list)
 
     def chunk(self, now: float, audio_s: float, gap: float | None, ratio: float | None) -> None:
         self.chunks.append((now, audio_s, gap, ratio))
 
-    def first_audio(self, ttfa_s: float) -> None:
+    def first_audio(self, ttfa_s: float, now: float) -> None:
         self.ttfa.append(ttfa_s)
 
     def opening(self, wait_s: float) -> None:
@@ -249,6 +259,9 @@ class RecordingReplicaSink:
 
     def first_chunk_underrun(self) -> None:
         self.first_chunk_stalls.append(self.stalls[-1] if self.stalls else 0.0)
+
+    def first_seam(self, now: float, stalled: bool) -> None:
+        self.first_seams.append((now, stalled))
 
     def finalize(self, latency_s: float) -> None:
         self.finalizes.append(latency_s)
@@ -325,7 +338,7 @@ class SessionMeter:
             return
         if self._first_audio is None:
             self._first_audio = now
-            self._sink.first_audio(max(now - self._admitted, 0.0))
+            self._sink.first_audio(max(now - self._admitted, 0.0), now)
         self._chunks += 1
         total = self._audio_s + seconds
         if abs(self._audio_s) >= seconds:
@@ -352,10 +365,13 @@ class SessionMeter:
         playback = self._playback
         stall = playback.add(now, seconds)
         self._sink.chunk(now, seconds, gap, ratio)
+        first_seam = playback.stream_chunks == 2
         if stall > 0.0:
             self._sink.underrun(stall)
-            if playback.stream_chunks == 2:
+            if first_seam:
                 self._sink.first_chunk_underrun()
+        if first_seam:
+            self._sink.first_seam(now, stall > 0.0)
 
     def event(self, now: float) -> None:
         if self._summary is not None:

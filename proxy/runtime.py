@@ -133,7 +133,11 @@ class Runtime:
     def _apply_settings(self, settings: Settings) -> None:
         self.settings = settings
         g = settings.guard
-        policy = GuardPolicy(g.threshold, g.hysteresis, g.hold_s, g.min_samples)
+        policy = GuardPolicy(
+            g.threshold, g.hysteresis, g.hold_s, g.min_samples,
+            max_startup_stall_share=g.startup_stall_share, ttfa_p99_s=g.ttfa_p99_s,
+            startup_min_streams=g.startup_min_streams,
+        )  # fmt: skip
         configured = {(p.name, r.name) for p in settings.pools for r in p.replicas}
         self.guards = {k: v for k, v in self.guards.items() if k in configured}
         for pool in settings.pools:
@@ -408,13 +412,18 @@ class Runtime:
         mode = self.settings.guard.mode
         for (pool, replica), guard in self.guards.items():
             signals = self.signals[(pool, replica)]
-            if guard.update(now, signals.worst_ratio(now), signals.samples(now)):
+            startup = signals.startup(now)
+            if guard.update(now, signals.worst_ratio(now), signals.samples(now), startup):
+                share, p99 = startup.stalled_share, startup.ttfa_p99
                 log.warning(
-                    "guard %s %s/%s: worst-1%% delivery ratio %s (threshold %.2f, mode %s)",
+                    "guard %s %s/%s (%s): worst-1%% delivery ratio %s (threshold %.2f), "
+                    "first seams stalled %s of %d, TTFA p99 %s, mode %s",
                     "engaged on" if guard.guarded else "released",
-                    pool, replica,
+                    pool, replica, ",".join(guard.reasons),
                     f"{guard.last_ratio:.2f}" if guard.last_ratio is not None else "n/a",
-                    guard.policy.threshold, mode,
+                    guard.policy.threshold,
+                    f"{share:.0%}" if share is not None else "n/a", startup.seams,
+                    f"{p99:.2f} s" if p99 is not None else "n/a", mode,
                 )  # fmt: skip
                 if mode == "enforce":
                     self.gate.set_guarded(pool, replica, guard.guarded)

@@ -273,6 +273,12 @@ class GuardSettings(_Frozen):
     hysteresis: Annotated[float, Field(ge=0)] = 0.1
     hold_s: Seconds = 10
     min_samples: int = Field(50, ge=1)
+    # Start-up signals (proxy/guard.py), off unless set: the share of first seams that
+    # may stall, and the TTFA p99 limit in seconds, judged once the window holds
+    # startup_min_streams first seams (first audios).
+    startup_stall_share: Annotated[float, Field(ge=0, lt=1)] | None = None
+    ttfa_p99_s: Annotated[float, Field(gt=0)] | None = None
+    startup_min_streams: int = Field(10, ge=1)
 
     @field_validator("mode", mode="before")
     @classmethod

@@ -1,4 +1,5 @@
-"""Rolling per-replica signals: the worst-1% delivery ratio and the p99 gap of recent chunks.
+"""Rolling per-replica signals: the worst-1% delivery ratio and the p99 gap of recent
+chunks, and how recent streams started (stalls at their first seam, time to first audio).
 
 Pure: no clock reads, no asyncio; every call takes ``now`` (monotonic seconds).
 
@@ -16,6 +17,12 @@ out of the window, so ``observe`` is O(1) (two dict increments) and a query merg
 total with the open slice, one pass over their (few dozen) occupied buckets. The window
 is rounded up to whole slices, ``W = ceil(window_s / slice_s) * slice_s``: a sample
 stays in it for between ``W`` and ``W + slice_s`` seconds (30 to 31 s by default).
+
+Start-up signals (the guard's second and third inputs, :class:`StartupSignals`): each
+stream's *first seam* -- its second audio chunk, where the listener's modelled playback
+(:class:`proxy.playback.PlaybackBuffer`) either still had audio or ran dry, the
+``headroom_playback_first_chunk_underruns_total`` case -- and each session's time to
+first audio, in the same slices and window as the ratios.
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ from __future__ import annotations
 import math
 from array import array
 from collections import deque
+from dataclasses import dataclass
 
-__all__ = ["GAMMA", "LogHistogram", "QuantileSketch", "ReplicaSignals"]
+__all__ = ["GAMMA", "LogHistogram", "QuantileSketch", "ReplicaSignals", "StartupSignals"]
 
 #: Bucket growth factor: quantile error <= (GAMMA-1)/(GAMMA+1) = 1.96 %.
 GAMMA = 1.04
@@ -143,13 +151,36 @@ class QuantileSketch:
         return sorted(exact)[_rank(q, len(exact)) - 1]
 
 
+@dataclass(frozen=True, slots=True)
+class StartupSignals:
+    """How the streams of a window started: ``seams`` first seams (a stream's second
+    audio chunk), ``stalled`` of them after the modelled playback ran dry, ``ttfas``
+    sessions' times to first audio and their nearest-rank p99 (None without any)."""
+
+    seams: int = 0
+    stalled: int = 0
+    ttfas: int = 0
+    ttfa_p99: float | None = None
+
+    @property
+    def stalled_share(self) -> float | None:
+        """``stalled / seams``; None without a seam."""
+        return self.stalled / self.seams if self.seams else None
+
+
 class _Slice:
-    __slots__ = ("gaps", "index", "ratios")
+    __slots__ = ("gaps", "index", "ratios", "seams", "stalled", "ttfas")
 
     def __init__(self, index: int) -> None:
         self.index = index
         self.ratios = LogHistogram()
         self.gaps = LogHistogram()
+        self.ttfas = LogHistogram()
+        self.seams = 0
+        self.stalled = 0
+
+    def empty(self) -> bool:
+        return not (self.ratios.count or self.gaps.count or self.ttfas.count or self.seams)
 
 
 class ReplicaSignals:
@@ -167,8 +198,11 @@ class ReplicaSignals:
         "_open",
         "_open_until",
         "_ratios",
+        "_seams",
         "_slice_s",
         "_span",
+        "_stalled",
+        "_ttfas",
         "window_s",
     )
 
@@ -188,6 +222,9 @@ class ReplicaSignals:
         self._closed: deque[_Slice] = deque()
         self._ratios = LogHistogram()  # running totals over the closed slices in the window
         self._gaps = LogHistogram()
+        self._ttfas = LogHistogram()
+        self._seams = 0
+        self._stalled = 0
 
     def observe(self, now: float, ratio: float, gap: float) -> None:
         """One audio chunk: its delivery ratio and the gap since the previous chunk."""
@@ -202,6 +239,35 @@ class ReplicaSignals:
         if now >= self._open_until:
             self._rotate(now)
         self._open.gaps.add(gap)
+
+    def observe_first_seam(self, now: float, stalled: bool) -> None:
+        """A stream's second audio chunk arrived; ``stalled``: its modelled playback had
+        run dry before it (a first-chunk underrun)."""
+        if now >= self._open_until:
+            self._rotate(now)
+        self._open.seams += 1
+        self._open.stalled += bool(stalled)
+
+    def observe_ttfa(self, now: float, ttfa_s: float) -> None:
+        """A session's time from admission to its first audio."""
+        if now >= self._open_until:
+            self._rotate(now)
+        self._open.ttfas.add(ttfa_s)
+
+    def startup(self, now: float) -> StartupSignals:
+        """First seams, those that stalled, and TTFA p99 over the window (no minimum
+        count: the guard applies its own)."""
+        self._advance(now)
+        current = self._open
+        ttfas = LogHistogram()
+        ttfas.merge(self._ttfas)
+        ttfas.merge(current.ttfas)
+        return StartupSignals(
+            seams=self._seams + current.seams,
+            stalled=self._stalled + current.stalled,
+            ttfas=ttfas.count,
+            ttfa_p99=ttfas.quantile(0.99),
+        )
 
     def worst_ratio(self, now: float) -> float | None:
         """The 1st percentile of per-chunk delivery ratios in the window (the slow tail)."""
@@ -235,9 +301,12 @@ class ReplicaSignals:
     def _rotate(self, now: float) -> None:
         """Close the open slice and open the one holding ``now``."""
         closing = self._open
-        if closing.ratios.count or closing.gaps.count:
+        if not closing.empty():
             self._ratios.merge(closing.ratios)
             self._gaps.merge(closing.gaps)
+            self._ttfas.merge(closing.ttfas)
+            self._seams += closing.seams
+            self._stalled += closing.stalled
             self._closed.append(closing)
         index = math.floor(now / self._slice_s)
         self._open = _Slice(index)
@@ -251,6 +320,9 @@ class ReplicaSignals:
             gone = closed.popleft()
             self._ratios.subtract(gone.ratios)
             self._gaps.subtract(gone.gaps)
+            self._ttfas.subtract(gone.ttfas)
+            self._seams -= gone.seams
+            self._stalled -= gone.stalled
 
     def __repr__(self) -> str:
         return (

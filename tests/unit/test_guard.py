@@ -7,6 +7,7 @@ import random
 import pytest
 
 from proxy.guard import GuardPolicy, ReplicaGuard
+from proxy.signals import StartupSignals
 
 POLICY = GuardPolicy(threshold=1.2, hysteresis=0.1, hold_s=10.0, min_samples=50)
 
@@ -76,3 +77,58 @@ def test_policy_validation() -> None:
         GuardPolicy(threshold=0)
     with pytest.raises(ValueError, match="min_samples"):
         GuardPolicy(min_samples=0)
+
+
+STARTUP = GuardPolicy(
+    threshold=1.2, hysteresis=0.1, hold_s=10.0, min_samples=50,
+    max_startup_stall_share=0.1, ttfa_p99_s=1.0, startup_min_streams=10,
+)  # fmt: skip
+
+
+def test_startup_signals_are_off_by_default() -> None:
+    guard = ReplicaGuard(POLICY)
+    bad = StartupSignals(seams=100, stalled=100, ttfas=100, ttfa_p99=30.0)
+    assert not guard.update(0.0, 2.0, 500, bad)
+    assert not guard.guarded
+
+
+def test_first_seam_stalls_trip_the_guard_while_steady_chunks_look_fine() -> None:
+    guard = ReplicaGuard(STARTUP)
+    # Too few starts to judge, then at the limit (1 of 10 = 10 %): not past it.
+    assert not guard.update(0.0, 2.0, 500, StartupSignals(seams=9, stalled=9))
+    assert not guard.update(1.0, 2.0, 500, StartupSignals(seams=10, stalled=1))
+    assert guard.update(2.0, 2.0, 500, StartupSignals(seams=10, stalled=2))
+    assert guard.guarded and guard.reasons == ("startup_stalls",)
+    # The stalls stay in the window: no release, however fine the ratio.
+    assert not guard.update(30.0, 2.0, 500, StartupSignals(seams=10, stalled=2))
+    # Guarded, nothing new starts: the starts age out, then the hold runs.
+    assert not guard.update(31.0, 2.0, 500, StartupSignals(seams=0, stalled=0))
+    assert not guard.update(40.9, 2.0, 500, StartupSignals())
+    assert guard.update(41.0, 2.0, 500, StartupSignals())
+    assert not guard.guarded
+
+
+def test_ttfa_p99_above_the_limit_trips_the_guard() -> None:
+    guard = ReplicaGuard(STARTUP)
+    assert not guard.update(0.0, 2.0, 500, StartupSignals(ttfas=9, ttfa_p99=5.0))
+    assert not guard.update(1.0, 2.0, 500, StartupSignals(ttfas=10, ttfa_p99=1.0))
+    assert guard.update(2.0, None, 0, StartupSignals(ttfas=10, ttfa_p99=1.01))
+    assert guard.reasons == ("ttfa",)
+    guard.update(3.0, 2.0, 500, StartupSignals(ttfas=10, ttfa_p99=0.5))  # within: hold runs
+    assert guard.update(13.0, 2.0, 500, StartupSignals(ttfas=10, ttfa_p99=0.5))
+
+
+def test_every_breached_signal_is_named() -> None:
+    guard = ReplicaGuard(STARTUP)
+    both = StartupSignals(seams=20, stalled=20, ttfas=20, ttfa_p99=2.0)
+    assert guard.update(0.0, 1.0, 500, both)
+    assert guard.reasons == ("steady", "startup_stalls", "ttfa")
+
+
+def test_startup_policy_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_startup_stall_share"):
+        GuardPolicy(max_startup_stall_share=1.0)
+    with pytest.raises(ValueError, match="ttfa_p99_s"):
+        GuardPolicy(ttfa_p99_s=0.0)
+    with pytest.raises(ValueError, match="startup_min_streams"):
+        GuardPolicy(startup_min_streams=0)

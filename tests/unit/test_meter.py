@@ -422,3 +422,21 @@ def test_prometheus_sink_text_events_and_finalize() -> None:
     assert sample(metrics, "headroom_time_to_first_audio_seconds_count", pool="asr") == 0
     assert signals.samples(3.0) == 0
     assert signals.p99_gap(3.0) == pytest.approx(0.25, rel=0.02)
+
+
+def test_each_streams_first_seam_is_reported_once_with_whether_it_stalled() -> None:
+    signals = ReplicaSignals(window_s=10)
+    session = SessionMeter(0.0, PrometheusReplicaSink(Metrics(), "tts", "gpu0", signals))
+    session.audio(0.1, 0.32)  # plays 0.3 .. 0.62
+    session.audio(1.0, 2.0)  # first seam: stalled
+    session.audio(2.0, 2.0)  # not a seam
+    session.response_end(2.5)
+    session.audio(9.0, 0.32)  # a new stream after the idle: plays 9.2 .. 9.52
+    session.audio(9.1, 2.0)  # its first seam: in time
+    startup = signals.startup(9.5)
+    assert (startup.seams, startup.stalled, startup.ttfas) == (2, 1, 1)
+    assert startup.ttfa_p99 == pytest.approx(0.1, rel=0.02)
+    recording, sink = meter(admitted_at=0.0)
+    for now, seconds in ((0.1, 0.32), (1.0, 2.0), (2.0, 2.0)):
+        recording.audio(now, seconds)
+    assert sink.first_seams == [(1.0, True)]

@@ -69,3 +69,65 @@ async def test_off_never_guards() -> None:
     feed(rt, clock, "gpu0", 0.5)
     rt.evaluate_guards()
     assert not rt.guarded("main", "gpu0")
+
+
+def startup_runtime(**guard: object) -> tuple[Runtime, FakeClock]:
+    clock = FakeClock()
+    settings = proxy_settings(
+        [("gpu0", "http://127.0.0.1:9", 4), ("gpu1", "http://127.0.0.1:10", 4)],
+        [{"path": "/s", "pool": "main", "protocol": "passthrough-ws"}],
+        guard={"mode": "enforce", "min_samples": 10, "hold_s": 5, **guard},
+        meter={"window_s": 10},
+    )  # fmt: skip
+    return Runtime(settings, clock=clock), clock
+
+
+def start_streams(rt: Runtime, clock: FakeClock, replica: str, n: int, *, stall: bool) -> None:
+    """``n`` metered streams on ``replica``: a 0.16 s first chunk after 0.1 s, then 2 s
+    chunks every 1.2 s (steady ratio 1.67x); the first seam comes 0.5 s after the first
+    chunk (a 0.2 s prebuffer runs dry at 0.36 s: a stall) or 0.3 s after it (in time)."""
+    t0 = clock.now()
+    for _ in range(n):
+        meter = rt.new_meter("main", replica, t0)
+        meter.audio(t0 + 0.1, 0.16)
+        meter.audio(t0 + (0.6 if stall else 0.4), 2.0)
+        for k in range(1, 4):
+            meter.audio(t0 + 0.6 + 1.2 * k, 2.0)
+        meter.finish(t0 + 5.0)
+
+
+async def test_a_replica_whose_new_streams_stall_at_their_first_seam_is_guarded() -> None:
+    rt, clock = startup_runtime(startup_stall_share=0.05, startup_min_streams=5)
+    start_streams(rt, clock, "gpu0", 6, stall=True)
+    start_streams(rt, clock, "gpu1", 6, stall=False)
+    clock.advance(5.0)
+    rt.evaluate_guards()
+    ratio = rt.delivery_ratio_worst_1pct("main", "gpu0")
+    assert ratio is not None and ratio > 1.5  # steady chunks look fine
+    assert rt.guarded("main", "gpu0") and not rt.guarded("main", "gpu1")
+    assert rt.guards[("main", "gpu0")].reasons == ("startup_stalls",)
+    leases = [await rt.gate.acquire("main") for _ in range(4)]
+    assert {lease.replica for lease in leases} == {"gpu1"}
+    for lease in leases:
+        lease.release()
+
+
+async def test_startup_stalls_do_not_guard_unless_configured() -> None:
+    rt, clock = startup_runtime()
+    start_streams(rt, clock, "gpu0", 20, stall=True)
+    clock.advance(5.0)
+    rt.evaluate_guards()
+    assert not rt.guarded("main", "gpu0")
+
+
+async def test_a_replica_whose_ttfa_p99_exceeds_the_limit_is_guarded() -> None:
+    rt, clock = startup_runtime(ttfa_p99_s=1.0, startup_min_streams=5)
+    t0 = clock.now()
+    for i in range(6):
+        meter = rt.new_meter("main", "gpu0", t0)
+        meter.audio(t0 + (3.0 if i == 5 else 0.2), 0.5)  # one late first audio: p99 3 s
+        meter.finish(t0 + 4.0)
+    clock.advance(4.0)
+    rt.evaluate_guards()
+    assert rt.guarded("main", "gpu0")
+    assert rt.guards[("main", "gpu0")].reasons == ("ttfa",)

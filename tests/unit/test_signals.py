@@ -230,3 +230,20 @@ def test_exact_samples_cost_eight_bytes_each() -> None:
         sketch.add(i * 0.001)
     assert sketch._exact is not None and sketch._exact.itemsize == 8
     assert sys.getsizeof(sketch._exact) < 512 * 8 + 1024  # a list of floats: ~16 KB
+
+
+def test_startup_signals_roll_with_the_window() -> None:
+    signals = ReplicaSignals(window_s=10, slice_s=1)
+    assert signals.startup(0.0).stalled_share is None
+    for i in range(4):
+        signals.observe_first_seam(float(i), stalled=i % 2 == 0)
+        signals.observe_ttfa(float(i), 0.1 * (i + 1))
+    startup = signals.startup(4.0)
+    assert (startup.seams, startup.stalled, startup.stalled_share) == (4, 2, 0.5)
+    assert startup.ttfas == 4
+    assert startup.ttfa_p99 == pytest.approx(0.4, rel=ERROR)
+    signals.observe_first_seam(12.5, stalled=False)  # seams at 0 and 1 left the window
+    later = signals.startup(12.5)
+    assert (later.seams, later.stalled, later.ttfas) == (3, 1, 2)
+    empty = signals.startup(40.0)
+    assert (empty.seams, empty.stalled, empty.ttfas, empty.ttfa_p99) == (0, 0, 0, None)
