@@ -360,3 +360,21 @@ async def test_tenant_reservations_nobody_renews_expire_and_renewals_reassert(
     client = aioredis.from_url(redis_server.url)
     assert 0 < await client.pttl(a.tenant_key("acme")) <= 1000
     await client.aclose()
+
+
+async def test_relocate_now_is_the_same_move_without_awaiting(
+    gateways: Factory, redis_server: RedisServer
+) -> None:
+    """For the relay's synchronous failover step: the same script, its own connection,
+    a bounded wait; BackendUnavailable when Redis does not answer."""
+    a = await gateways("a")
+    view = [ReplicaView("gpu0", 1), ReplicaView("gpu1", 1)]
+    assert await a.acquire("tts", "a:1", view, 0) == ("admit", "gpu0")
+    assert a.relocate_now("tts", "a:1", "gpu0", view[1:]) == ("moved", "gpu1")
+    assert a.relocate_now("tts", "a:1", "gpu0", view[1:]) == ("moved", "gpu1")  # a retry
+    assert await _held(a, view) == {"gpu0": 0, "gpu1": 1}
+    assert a.relocate_now("tts", "a:1", "gpu1", view[:1], exclude=["gpu0"]) == ("stay", "gpu1")
+    assert a.sync_timeout_s <= 0.05
+    redis_server.stop()
+    with pytest.raises(BackendUnavailable):
+        a.relocate_now("tts", "a:1", "gpu1", view)
