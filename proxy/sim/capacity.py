@@ -401,3 +401,114 @@ def describe(preset: str | Preset, seed: int = 0) -> dict[str, Any]:
     if isinstance(preset, str):
         return copy.deepcopy(dict(_describe(preset, seed)))
     return dict(_measure(preset, seed))
+
+
+#: Rows of the ceilings table besides the presets: vLLM-Omni's documented
+#: ``codec_chunk_ramp`` on the Qwen3-TTS presets (what ``headroom demo`` runs).
+RAMP_VARIANTS = (
+    ("l40s-qwen3tts-1.7b", (4, 4, 8, 16, 25)),
+    ("h200-qwen3tts-1.7b", (4, 4, 8, 16, 25)),
+)
+SEEDS = (0, 1, 2, 3, 4)
+BEGIN, END = "<!-- ceilings:begin -->", "<!-- ceilings:end -->"
+
+
+def _span(values: list[Any], unit: str = "") -> str:
+    low, high = min(values), max(values)
+    return f"{low:g}{unit}" if low == high else f"{low:g}-{high:g}{unit}"
+
+
+def ceiling_rows(seeds: tuple[int, ...] = SEEDS) -> list[dict[str, Any]]:
+    """``describe()`` of every preset (and :data:`RAMP_VARIANTS`) for each seed: the
+    ceiling per seed, what limited it, the steady-only ceiling and the prebuffer one
+    stream needs."""
+    from proxy.sim.presets import preset_names
+
+    targets: list[tuple[str, Preset | str]] = [(name, name) for name in preset_names()]
+    for name, ramp in RAMP_VARIANTS:
+        label = f"{name} + codec_chunk_ramp {','.join(map(str, ramp))}"
+        targets.append((label, get_preset(name).with_schedule(ramp=ramp)))
+    rows = []
+    for label, target in targets:
+        runs = [describe(target, seed) for seed in seeds]
+        first = runs[0]
+        limits: dict[str, int] = {}
+        for run in runs:
+            for rule in run["limited_by"] or ["none"]:
+                limits[rule] = limits.get(rule, 0) + 1
+        rows.append(
+            {
+                "preset": label,
+                "chunks": first["chunk_schedule"],
+                "max_num_seqs": first["max_num_seqs"],
+                "seeds": list(seeds),
+                "ceilings": [run["ceiling"] for run in runs],
+                "limited_by": limits,
+                "steady_only": [run["ceiling_steady_only"] for run in runs],
+                "min_prebuffer_s": [run["min_prebuffer_s"] for run in runs],
+            }
+        )
+    return rows
+
+
+def ceiling_table(seeds: tuple[int, ...] = SEEDS) -> str:
+    """The Markdown table of :func:`ceiling_rows` (docs/sim.md, "Ceilings")."""
+    n = len(seeds)
+    out = [
+        f"Seeds {', '.join(map(str, seeds))}; `python -m proxy.sim.capacity` prints this "
+        "table (`--write docs/sim.md` replaces it here).",
+        "",
+        "| preset | chunks | max_num_seqs | **ceiling** (seed 0) | range | limited by "
+        "(seeds) | steady ratio alone | prebuffer 1 stream needs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in ceiling_rows(seeds):
+        limits = ", ".join(f"{rule} {k}/{n}" for rule, k in row["limited_by"].items())
+        steady = [s for s in row["steady_only"] if s is not None]
+        if len(steady) == n:
+            steady_text = _span(steady)
+        elif not steady:
+            steady_text = f"unbounded (queues past {row['max_num_seqs']})"
+        else:
+            steady_text = f"{_span(steady)}, or unbounded"
+        buffers = [b for b in row["min_prebuffer_s"] if b is not None]
+        buffer_text = _span(buffers, " s") if buffers else "-"
+        out.append(
+            f"| `{row['preset']}` | {row['chunks']} | {row['max_num_seqs']} | "
+            f"**{row['ceilings'][0]}** | {_span(row['ceilings'])} | {limits} | "
+            f"{steady_text} | {buffer_text} |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(
+        prog="python -m proxy.sim.capacity",
+        description="describe()'s ceiling of every preset over several seeds (Markdown)",
+    )
+    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="e.g. 0,1,2")
+    parser.add_argument("--write", type=Path, metavar="DOC", help="replace the table in DOC")
+    args = parser.parse_args(argv)
+    seeds = tuple(int(s) for s in args.seeds.split(",") if s.strip())
+    if len(seeds) < 1:
+        parser.error("--seeds needs at least one seed")
+    text = ceiling_table(seeds)
+    if args.write is None:
+        print(text)
+        return 0
+    doc = args.write.read_text()
+    if BEGIN not in doc or END not in doc:
+        print(f"{args.write}: no {BEGIN} ... {END} markers", file=sys.stderr)
+        return 2
+    head, rest = doc.split(BEGIN, 1)
+    _, tail = rest.split(END, 1)
+    args.write.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

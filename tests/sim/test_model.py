@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from proxy.sim.capacity import (
+    BEGIN,
+    END,
     THRESHOLD,
     Rules,
     describe,
@@ -19,6 +22,7 @@ from proxy.sim.capacity import (
     min_prebuffer,
     run_load,
 )
+from proxy.sim.capacity import main as capacity_main
 from proxy.sim.engine import Engine
 from proxy.sim.presets import DEFAULT_PRESET, PRESETS, get_preset, preset_names
 
@@ -264,3 +268,23 @@ def test_engine_never_leaves_work_waiting_while_there_is_room() -> None:
             assert step.running == spec.max_num_seqs or kv_room < 128 * spec.kv_bytes_per_token
             waited += 1
     assert waited > 0
+
+
+def test_the_ceilings_table_command_writes_between_its_markers(tmp_path: Path) -> None:
+    doc = tmp_path / "sim.md"
+    doc.write_text(f"before\n{BEGIN}\nold\n{END}\nafter\n")
+    assert capacity_main(["--seeds", "0", "--write", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith(f"before\n{BEGIN}\nSeeds 0;") and text.endswith(f"{END}\nafter\n")
+    assert "| `l40s-qwen3tts-1.7b` | load 2/4/8/16, then 25 | 16 | **0** | 0 | stalls 1/1 |" in text
+    ramped = "| `l40s-qwen3tts-1.7b + codec_chunk_ramp 4,4,8,16,25` |"
+    assert ramped in text
+    assert "unbounded (queues past 10)" in text  # h200 Qwen3-TTS's steady ratio alone
+
+
+def test_the_ceilings_table_in_the_docs_is_current_for_seed_0() -> None:
+    doc = (Path(__file__).parents[2] / "docs" / "sim.md").read_text()
+    doc = doc.split(BEGIN, 1)[1].split(END, 1)[0]
+    for name in ("h100-orpheus-3b", "h200-voxtral-tts-4b", "l40s-qwen3tts-1.7b"):
+        row = next(line for line in doc.splitlines() if line.startswith(f"| `{name}` |"))
+        assert f"| **{describe(name)['ceiling']}** |" in row
