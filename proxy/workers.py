@@ -18,6 +18,7 @@ Signals go to the supervisor (PID 1 in a container) and reach every worker:
   and then (SIGUSR1 to the supervisor) every other worker; ``POST /admin/drain`` asks the
   supervisor (SIGUSR2) to drain every worker.
 
+If the supervisor itself dies (SIGKILL), each worker sees its lifeline pipe close and drains.
 A worker that exits while the others are not draining makes the supervisor drain the rest
 and exit 1 (the container's restart policy starts a fresh set), so a pod never keeps
 serving with fewer workers than it was given.
@@ -114,6 +115,36 @@ class WorkerGateway(Gateway):
             self._admin_sock = admin
             self.admin_port = admin.getsockname()[1] if admin is not None else None
         self._drain_asked = False
+        self._parent = os.getppid()
+        #: The read end of a pipe whose write end only the supervisor holds.
+        self.lifeline: int | None = None
+
+    async def serve(self, *, install_signals: bool = True) -> None:
+        loop = asyncio.get_running_loop()
+        if self.lifeline is not None:
+            loop.add_reader(self.lifeline, self._on_lifeline)
+        try:
+            await super().serve(install_signals=install_signals)
+        finally:
+            if self.lifeline is not None:
+                loop.remove_reader(self.lifeline)
+                os.close(self.lifeline)
+                self.lifeline = None
+
+    def _on_lifeline(self) -> None:
+        """The supervisor's end of the lifeline closed: it died without forwarding
+        anything (SIGKILL, OOM), leaving this worker orphaned in its own process group.
+        Drain as if sent SIGTERM."""
+        assert self.lifeline is not None
+        if os.read(self.lifeline, 1):
+            return  # (nothing is ever written; EOF is the message)
+        asyncio.get_running_loop().remove_reader(self.lifeline)
+        self._drain_asked = True  # nobody to tell
+        if self._signals:  # draining already: a second signal would close at once
+            log.warning("supervisor (pid %d) is gone; draining goes on", self._parent)
+            return
+        log.warning("supervisor (pid %d) is gone: draining", self._parent)
+        self._on_signal()
 
     def reload(self) -> list[str]:
         """A reload asked here (``POST /admin/reload`` on worker 0): apply it, then have
@@ -136,17 +167,20 @@ class WorkerGateway(Gateway):
         return super().drain(timeout_s)
 
 
-def _inherited(fds: str) -> tuple[socket.socket, socket.socket | None]:
-    numbers = [int(fd) for fd in fds.split(",") if fd]
+def _inherited(fds: str) -> tuple[int, socket.socket, socket.socket | None]:
+    """``lifeline,listen[,admin]``: the pipe and the sockets the supervisor bound."""
+    lifeline, *numbers = [int(fd) for fd in fds.split(",") if fd]
     socks = [socket.socket(fileno=fd) for fd in numbers]
     for sock in socks:
         sock.setblocking(False)
-    return socks[0], (socks[1] if len(socks) > 1 else None)
+    return lifeline, socks[0], (socks[1] if len(socks) > 1 else None)
 
 
 def make_worker(settings: Settings, fds: str, index: int, config_path: str | None) -> WorkerGateway:
-    listen, admin = _inherited(fds)
-    return WorkerGateway(settings, listen, admin, index=index, config_path=config_path)
+    lifeline, listen, admin = _inherited(fds)
+    gateway = WorkerGateway(settings, listen, admin, index=index, config_path=config_path)
+    gateway.lifeline = lifeline
+    return gateway
 
 
 class Supervisor:
@@ -162,7 +196,10 @@ class Supervisor:
 
     def start(self, fds: Sequence[int]) -> None:
         for argv in self._argv:
-            self.processes.append(subprocess.Popen(argv, pass_fds=tuple(fds)))
+            # Their own process group: a Ctrl-C in a terminal (SIGINT to the foreground
+            # group) reaches the supervisor only, which forwards one SIGTERM, so the
+            # workers drain instead of taking it as a second signal.
+            self.processes.append(subprocess.Popen(argv, pass_fds=tuple(fds), process_group=0))
 
     def _send(self, sig: int, skip: int | None = None) -> None:
         for i, process in enumerate(self.processes):
@@ -231,7 +268,10 @@ def supervise(settings: Settings, workers: int, args: Any) -> int:
         except BaseException:
             listen.close()
             raise
-    fds = [listen.fileno()] + ([admin.fileno()] if admin is not None else [])
+    # The lifeline: workers inherit the read end; the write end (not inheritable) closes
+    # only when this process dies, however it dies.
+    lifeline_read, lifeline_write = os.pipe()
+    fds = [lifeline_read, listen.fileno()] + ([admin.fileno()] if admin is not None else [])
     port = listen.getsockname()[1]
     argv = [worker_argv(args.config, args.host, args.port, i, fds) for i in range(workers)]
     supervisor = Supervisor(settings, workers, argv)
@@ -254,6 +294,8 @@ def supervise(settings: Settings, workers: int, args: Any) -> int:
     try:
         run_async(run())
     finally:
+        os.close(lifeline_read)
+        os.close(lifeline_write)
         listen.close()
         if admin is not None:
             admin.close()

@@ -70,7 +70,7 @@ class Served:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "proxy", "serve", "--config", str(config),
              "--workers", str(workers)],
-            stderr=subprocess.PIPE, text=True, cwd=os.getcwd(),
+            stderr=subprocess.PIPE, text=True, cwd=os.getcwd(), start_new_session=True,
         )  # fmt: skip
         self.lines: list[str] = []
         self._changed = threading.Condition()
@@ -241,6 +241,32 @@ async def test_the_admin_listener_reloads_and_drains_every_worker(
         served.stop()
 
 
+async def test_workers_of_a_killed_supervisor_drain_and_exit(
+    tmp_path: Path, upstream: Any, redis: RedisServer
+) -> None:
+    server, _ = upstream
+    await seed_generation(redis.url, pool="main")
+    config = tmp_path / "shared.yaml"
+    write_config(config, server.http_url, redis.url, cap=1)
+    served = Served(config, workers=2)
+    workers: list[int] = []
+    try:
+        port = int(served.wait_for(r"serving on http://127\.0\.0\.1:(\d+) with")[0].group(1))
+        workers += await _wait_ready(f"http://127.0.0.1:{port}", 2, served)
+        served.process.send_signal(signal.SIGKILL)
+        served.wait_for(r"supervisor \(pid \d+\) is gone: draining", 2)
+        for _ in range(600):
+            if all(_gone(pid) for pid in workers):
+                break
+            await asyncio.sleep(0.05)
+        assert all(_gone(pid) for pid in workers)
+    finally:
+        for pid in workers:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        served.stop()
+
+
 def _gone(pid: int) -> bool:
     """Whether the worker ``pid`` has exited (a zombie until the supervisor reaps it)."""
     try:
@@ -248,3 +274,47 @@ def _gone(pid: int) -> bool:
             return f.read().split(") ", 1)[1].startswith("Z")
     except FileNotFoundError:
         return True
+
+
+async def test_ctrl_c_drains_and_an_orphaned_worker_drains_too(
+    tmp_path: Path, upstream: Any, redis: RedisServer
+) -> None:
+    """SIGINT to the terminal's process group reaches the supervisor only (the workers
+    have their own group), so the workers get one SIGTERM: they drain, the held session
+    runs on. Then the supervisor is SIGKILLed: the workers notice and drain on their own."""
+    server, app = upstream
+    await seed_generation(redis.url, pool="main")
+    config = tmp_path / "shared.yaml"
+    write_config(config, server.http_url, redis.url, cap=1)
+    served = Served(config, workers=2)
+    workers: list[int] = []
+    try:
+        port = int(served.wait_for(r"serving on http://127\.0\.0\.1:(\d+) with")[0].group(1))
+        url = f"http://127.0.0.1:{port}"
+        workers += await _wait_ready(url, 2, served)
+        async with (
+            httpx.AsyncClient(timeout=60) as client,
+            client.stream("POST", url + "/sse") as held,
+        ):
+            chunks = held.aiter_raw()
+            await anext(chunks)
+            os.killpg(served.process.pid, signal.SIGINT)  # a Ctrl-C
+            served.wait_for(r"draining: \d+ active sessions", 2)
+            assert "second signal" not in "".join(served.lines)
+            os.kill(served.process.pid, signal.SIGKILL)
+            served.wait_for(r"supervisor \(pid \d+\) is gone; draining goes on", 2)
+            assert any(not _gone(pid) for pid in workers)  # the one holding the session
+            app.controls.release.set()
+            async for _ in chunks:  # served to its end: nobody closed it early
+                pass
+        assert "second signal" not in "".join(served.lines)
+        for _ in range(600):
+            if all(_gone(pid) for pid in workers):
+                break
+            await asyncio.sleep(0.05)
+        assert all(_gone(pid) for pid in workers)
+    finally:
+        for pid in workers:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        served.stop()
