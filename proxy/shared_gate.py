@@ -554,12 +554,43 @@ class SharedGate:
                 continue
             delay = 0.05
             p = self._pools.get(pool)
-            for waiter_id, replica in woken:
+            for waiter_id, _ in woken:  # the confirm says which replica
                 waiter = p.waiters.get(waiter_id) if p is not None else None
                 if waiter is None or waiter.future.done():
                     self._spawn(self._release_remote(pool, waiter_id))  # nobody takes it
                     continue
-                waiter.future.set_result(Admit(0, replica, self.clock.now() - waiter.arrived))
+                self._spawn(self._confirm(pool, waiter_id, waiter))
+
+    async def _confirm(self, pool: str, waiter_id: str, waiter: _Waiter) -> None:
+        """Take a slot handed over through the wake list only once Redis confirms the
+        lease is live (and extends it): a gateway paused longer than the lease TTL
+        finds grants in its wake list that lapsed and went to other sessions meanwhile.
+        A lapsed grant puts the waiter back in the queue (a fresh acquire, at the tail)."""
+        p = self._pools[pool]
+        depth = p.queue.max_depth if p.queue.enabled else 0
+        try:
+            kind, value = await self.backend.acquire(pool, waiter_id, p.view(), depth)
+        except BackendUnavailable:
+            self._set_available(False)
+            kind, value = "reject", "backend_unavailable"
+        if waiter.future.done() or p.waiters.get(waiter_id) is not waiter:  # it left
+            if kind in ("admit", "queued"):
+                self._spawn(self._leave_remote(pool, waiter_id))
+            return
+        waited = self.clock.now() - waiter.arrived
+        if kind == "admit":
+            waiter.future.set_result(Admit(0, str(value), waited))
+        elif kind == "queued":
+            log.warning("pool %s: a slot handed to %s lapsed before this gateway took it; "
+                        "queued again", pool, waiter_id)  # fmt: skip
+            waiter.position = int(value)
+            if waiter.on_position is not None:
+                waiter.on_position(waiter.position, self.estimate_wait(pool, waiter.position))
+        elif kind == "blocked":
+            waiter.future.set_result(Reject(0, "backend_unavailable", int(value) / 1000,
+                                            waited_s=waited))  # fmt: skip
+        else:
+            waiter.future.set_result(Reject(0, str(value), self._estimate(p, 1), waited_s=waited))
 
     # -- drain, configuration, health, guard --------------------------------------------
 

@@ -5,16 +5,20 @@ local id, ttl, prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local max_depth, beat = tonumber(ARGV[4]), tonumber(ARGV[5])
 local view = view_of(6, #ARGV - 5)
 local now = now_ms()
--- Idempotent per id: a retry after a lost reply gets the first answer again.
+-- Expired leases are gone first: a lease that lapsed is never confirmed below.
+purge(now)
+-- Idempotent per id: a retry after a lost reply gets the first answer again. A lease
+-- that is still live is extended: the gateway confirms a slot handed over through its
+-- wake list this way before using it (the grant may have lapsed while it was paused).
 local owned = redis.call('HGET', K_OWNER, id)
 if owned then
+  redis.call('ZADD', K_LEASES, now + ttl, id)
   return {'admit', owned}
 end
 local rank = redis.call('ZRANK', K_QUEUE, id)
 if rank then
   return {'queued', rank + 1}
 end
-purge(now)
 local _, blocked_until = generation(now, ttl)
 if now < blocked_until then
   return {'blocked', blocked_until - now}

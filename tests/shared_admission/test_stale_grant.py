@@ -1,0 +1,106 @@
+"""A slot handed to a waiter through its gateway's wake list while that gateway was
+paused longer than the lease TTL: the grant lapsed and the slot went to someone else.
+When the gateway runs again it must not admit the waiter on the stale grant (the
+replica would be over its cap); it confirms the lease with Redis first and, finding
+it gone, puts the waiter back in the queue. Found by bench/chaos_shared.py (SIGSTOP
+past the TTL put a fifth session on a replica capped at 4)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from proxy.admission import QueuePolicy, ReplicaSpec
+from proxy.admission.redis_backend import RedisAdmission
+from proxy.clock import FakeClock
+from proxy.gate import Lease
+from proxy.shared_gate import SharedGate, SharedLease, SharedPoolSpec, SharedWaiting
+from tests.redis_support import RedisServer
+from tests.shared_admission.conftest import seed_generation
+
+TTL_S = 2.0
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[RedisServer]:
+    s = RedisServer()
+    await seed_generation(s.url)
+    yield s
+    s.stop()
+
+
+def make(url: str, name: str) -> SharedGate:
+    return SharedGate(
+        [SharedPoolSpec("tts", (ReplicaSpec("gpu0", 2),), QueuePolicy(4, 60))],
+        backend=RedisAdmission(url, gateway_id=name, lease_ttl_s=TTL_S, timeout_s=0.5),
+        clock=FakeClock(), lease_ttl_s=TTL_S, renew_interval_s=0.5, fence_margin_s=0.5,
+    )  # fmt: skip
+
+
+async def _lapsed(client: aioredis.Redis, lease_id: str) -> bool:
+    """Whether the lease's expiry (Redis clock) has passed, or it is gone."""
+    expiry = await client.zscore("headroom:{tts}:leases", lease_id)
+    seconds, micros = await client.time()
+    return expiry is None or seconds * 1000 + micros // 1000 > expiry
+
+
+async def test_a_grant_that_lapsed_while_its_gateway_was_paused_is_not_used(
+    server: RedisServer,
+) -> None:
+    paused, holder = make(server.url, "paused"), make(server.url, "holder")
+    client = aioredis.from_url(server.url)
+    tasks: list[asyncio.Task[Lease]] = []
+    try:
+        held = [await holder.admit("tts"), await holder.admit("tts")]
+        assert all(isinstance(x, SharedLease) for x in held)
+        # The paused gateway queues three waiters, then runs nothing (no renewal, no
+        # wake-up consumed), as under SIGSTOP.
+        waiters = [await paused.admit("tts") for _ in range(3)]
+        assert all(isinstance(w, SharedWaiting) for w in waiters)
+        tasks = [asyncio.ensure_future(w.wait()) for w in waiters]
+        first = waiters[0]
+        assert isinstance(first, SharedWaiting)
+        held[0].release()  # a slot is handed to the first waiter...
+        await holder.quiesce()
+        await asyncio.sleep(TTL_S / 2)
+        held[1].release()  # ...the other one to the second (its wake-up refreshes the list)
+        await holder.quiesce()
+        # The first lease nobody renews lapses; the next script call hands its slot to
+        # the third waiter.
+        for _ in range(1000):
+            if await _lapsed(client, first.waiter_id):
+                break
+            await asyncio.sleep(0.01)
+        await holder.renew()
+        wake = paused.backend.wake_key("tts")
+        assert await client.llen(wake) == 3
+        # The paused gateway runs again and reads the wake-ups, the first one stale.
+        paused._loops.append(asyncio.ensure_future(paused._wake_loop("tts")))
+        for _ in range(1000):
+            if await client.llen(wake) == 0:
+                break
+            await asyncio.sleep(0.005)
+        await paused.quiesce()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        owners = {o.decode() for o in await client.hkeys("headroom:{tts}:owner")}
+        admitted = [t.result() for t in tasks if t.done() and not t.exception()]
+        assert len(admitted) <= 2, "three sessions on a replica capped at 2"
+        assert all(isinstance(x, SharedLease) and x.lease_id in owners for x in admitted)
+        assert not tasks[0].done(), "admitted on a grant that had lapsed"
+        for lease in admitted:
+            lease.release()
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        for gate in (paused, holder):
+            with contextlib.suppress(Exception):
+                await gate.stop()
+        await client.aclose()
