@@ -3,14 +3,23 @@ Headroom and once straight to the engine, side by side.
 
     python -m bench.overload [--preset h100-orpheus-3b] [--load 3] [--hold 60]
                              [--warmup 10] [--protocol vllm-omni-speech-ws] [--json OUT]
+                             [--cap N | --cap-from PROBE.json] [--clients K]
+                             [--codec-chunk-ramp LIST]
 
 It starts ``headroom sim`` (one simulated GPU) and ``headroom serve`` as separate
-processes, caps Headroom at the ceiling the simulator's own model gives for the preset
-(``headroom sim --describe``) with the guard on (enforce) and no queue, then offers
-``load x ceiling`` closed-loop users for ``warmup + hold`` seconds to each target with
-``headroom probe``'s client and metering (a refused user retries after
-``min(Retry-After, 1 s)``, so the offered load stays at ``load x ceiling``). Reported for
-each target, over the hold window (the warm-up is excluded):
+processes, caps Headroom at a ceiling -- ``--cap-from`` the JSON of a ``headroom probe``
+run against the same simulated engine (the ceiling the probe measures), ``--cap N``, or
+by default the simulator's own model (``headroom sim --describe``) -- with the guard on
+(enforce) and no queue, then offers ``load x ceiling`` closed-loop users for ``warmup +
+hold`` seconds to each target with ``headroom probe``'s client and metering (a refused
+user retries after ``min(Retry-After, 1 s)``, so the offered load stays at ``load x
+ceiling``). The users are split over ``--clients`` load-generator processes (default 4,
+each its own Python interpreter and event loop, started together on the shared
+monotonic clock), so that one process's scheduling is not mistaken for the engine's
+tail; their traces are merged and analysed once. ``--codec-chunk-ramp`` runs the
+simulated engine with vLLM-Omni's ``codec_chunk_ramp``. Reported for each target, over
+the hold window (the warm-up is excluded; with several processes, the window they all
+held):
 
 - ``sessions_started``: sessions the target took (not refused);
 - ``sessions_refused``: sessions refused (503 / close 1013);
@@ -41,12 +50,20 @@ from typing import Any
 
 import yaml
 
-from proxy.probe.analysis import quantile
-from proxy.probe.runner import LevelRun, ProbeSettings, run_probe
+from proxy.probe.analysis import (
+    Arrival,
+    LevelStats,
+    LevelWindow,
+    SessionTrace,
+    level_stats,
+    quantile,
+)
+from proxy.probe.runner import ProbeSettings, run_probe
 from proxy.probe.session import ClientOptions, endpoint_url
 from proxy.probe.workload import bundled
 from proxy.sim.capacity import describe
-from proxy.sim.presets import get_preset
+from proxy.sim.chunks import parse_ramp
+from proxy.sim.presets import Preset, get_preset
 
 __all__ = ["main", "run_overload"]
 
@@ -127,16 +144,15 @@ def _headroom_config(
     }  # fmt: skip
 
 
-def _figures(run: LevelRun) -> dict[str, Any]:
-    window = run.window
-    in_window = [t for t in run.traces if window.contains(t.started_at)]
+def _figures(window: LevelWindow, traces: list[SessionTrace], stats: LevelStats) -> dict[str, Any]:
+    in_window = [t for t in traces if window.contains(t.started_at)]
     refused = [t for t in in_window if t.outcome == "refused"]
-    stats = run.stats
     return {
         "users": window.level,
         "sessions_started": sum(1 for t in in_window if t.outcome != "refused"),
         "sessions_refused": len(refused),
         "underruns": stats.underruns,
+        "startup_stalls": stats.startup_stalls,
         "stall_s": round(stats.stall_s, 3),
         "worst_delivery_ratio": stats.worst_1pct,
         "median_delivery_ratio": stats.median_ratio,
@@ -146,11 +162,34 @@ def _figures(run: LevelRun) -> dict[str, Any]:
         "refusal_latency_p99_s": quantile([t.ended_at - t.started_at for t in refused], 0.99),
         "throughput_audio_s_per_s": stats.throughput,
         "chunks": stats.chunks,
+        "hold_s": round(window.hold_s, 2),
     }
 
 
-async def _measure(url: str, args: argparse.Namespace, users: int, model: str) -> dict[str, Any]:
-    settings = ProbeSettings(
+def _trace_json(trace: SessionTrace) -> dict[str, Any]:
+    return {
+        "started_at": trace.started_at,
+        "ended_at": trace.ended_at,
+        "outcome": trace.outcome,
+        "arrivals": [[a.at, a.audio_s, a.gap, a.ratio] for a in trace.arrivals],
+        "underruns": [list(u) for u in trace.underruns],
+        "detail": trace.detail,
+    }
+
+
+def _trace_from(data: dict[str, Any]) -> SessionTrace:
+    return SessionTrace(
+        started_at=data["started_at"],
+        ended_at=data["ended_at"],
+        outcome=data["outcome"],
+        arrivals=tuple(Arrival(*a) for a in data["arrivals"]),
+        underruns=tuple((at, stall) for at, stall in data["underruns"]),
+        detail=data["detail"],
+    )
+
+
+def _probe_settings(url: str, args: argparse.Namespace, users: int, model: str) -> ProbeSettings:
+    return ProbeSettings(
         client=ClientOptions(
             url=endpoint_url(url, args.protocol), protocol=args.protocol, model=model
         ),
@@ -166,25 +205,115 @@ async def _measure(url: str, args: argparse.Namespace, users: int, model: str) -
         max_error_rate=1.0,
         preflight=False,
     )
-    result = await run_probe(settings)
-    return _figures(result.runs[0])
+
+
+async def _worker(args: argparse.Namespace) -> int:
+    """One load-generator process: ``--users`` users against ``--worker`` from the shared
+    monotonic instant ``--start-at``; its window and traces go to ``--traces-out``."""
+    delay = args.start_at - time.monotonic()
+    if delay > 0:
+        await asyncio.sleep(delay)
+    settings = _probe_settings(args.worker, args, args.users, args.model)
+    result = await run_probe(settings, clock=time.monotonic)
+    run = result.runs[0]
+    w = run.window
+    data = {
+        "window": [w.level, w.started_at, w.warm_end, w.ended_at, w.complete],
+        "traces": [_trace_json(t) for t in run.traces],
+    }
+    await asyncio.to_thread(Path(args.traces_out).write_text, json.dumps(data))
+    return 0
+
+
+async def _measure(url: str, args: argparse.Namespace, users: int, model: str) -> dict[str, Any]:
+    """``users`` closed-loop users against ``url``, split over ``args.clients`` worker
+    processes; their traces merged and analysed over the window every worker held."""
+    clients = max(1, min(args.clients, users))
+    shares = [users // clients + (i < users % clients) for i in range(clients)]
+    start_at = time.monotonic() + 3.0 + 0.5 * clients  # every interpreter up and waiting
+    with tempfile.TemporaryDirectory() as tmp:
+        procs, outs = [], []
+        for i, share in enumerate(shares):
+            out = Path(tmp) / f"worker{i}.json"
+            outs.append(out)
+            cmd = [sys.executable, "-m", "bench.overload", "--worker", url,
+                   "--users", str(share), "--start-at", repr(start_at),
+                   "--traces-out", str(out), "--model", model, "--protocol", args.protocol,
+                   "--hold", str(args.hold), "--warmup", str(args.warmup),
+                   "--seed", str(args.seed + 1000 * i)]  # fmt: skip
+            procs.append(await asyncio.create_subprocess_exec(*cmd, start_new_session=True))
+        try:
+            deadline = args.warmup + args.hold + 240
+            codes = await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), deadline)
+        finally:
+            for p in procs:
+                if p.returncode is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGKILL)
+                    await p.wait()
+        if any(codes):
+            raise RuntimeError(f"load-generator processes exited with {codes}")
+        traces: list[SessionTrace] = []
+        windows = []
+        for out in outs:
+            data = json.loads(out.read_text())
+            windows.append(data["window"])
+            traces += [_trace_from(t) for t in data["traces"]]
+    window = LevelWindow(
+        level=users,
+        started_at=min(w[1] for w in windows),
+        warm_end=max(w[2] for w in windows),
+        ended_at=min(w[3] for w in windows),
+        complete=all(w[4] for w in windows),
+    )
+    stats = level_stats(window, traces, threshold=1.2, max_error_rate=1.0, max_stall_share=0.0)
+    figures = _figures(window, traces, stats)
+    figures["clients"] = clients
+    return figures
+
+
+def _preset(args: argparse.Namespace) -> Preset:
+    preset = get_preset(args.preset)
+    if args.codec_chunk_ramp:
+        preset = preset.with_schedule(ramp=parse_ramp(args.codec_chunk_ramp))
+    return preset
+
+
+def _cap(args: argparse.Namespace, preset: Preset) -> tuple[int, str]:
+    """Headroom's cap and where it came from."""
+    if args.cap:
+        return int(args.cap), "--cap"
+    if args.cap_from:
+        probe = json.loads(Path(args.cap_from).read_text())
+        ceiling = int(probe["ceiling"])
+        if ceiling < 1:
+            raise SystemExit(f"{args.cap_from}: the probe's ceiling is {ceiling}: no cap")
+        return ceiling, f"headroom probe ({args.cap_from})"
+    target: Preset | str = preset if args.codec_chunk_ramp else preset.name
+    return int(describe(target)["ceiling"]), "headroom sim --describe"
 
 
 async def run_overload(args: argparse.Namespace) -> dict[str, Any]:
-    preset = get_preset(args.preset)
-    ceiling = int(args.cap or describe(preset.name)["ceiling"])
+    preset = _preset(args)
+    ceiling, source = _cap(args, preset)
     users = max(1, round(args.load * ceiling))
     started = time.monotonic()
     out: dict[str, Any] = {
         "preset": preset.name,
+        "chunk_schedule": preset.schedule.describe(),
         "protocol": args.protocol,
         "ceiling": ceiling,
+        "ceiling_from": source,
         "load_factor": args.load,
         "users": users,
+        "clients": args.clients,
         "hold_s": args.hold,
         "warmup_s": args.warmup,
+        "loadavg_before": os.getloadavg(),
     }
     sim_args = [*_PY, "sim", "--preset", preset.name, "--gpus", "1", "--port", "0", "--json"]
+    if args.codec_chunk_ramp:
+        sim_args += ["--codec-chunk-ramp", args.codec_chunk_ramp]
     async with _child(sim_args, "stdout", "{") as line:
         sim_url = json.loads(line)["urls"][0]
         print(f"direct: {users} users -> {sim_url} ({preset.name}, ceiling {ceiling})",
@@ -201,6 +330,7 @@ async def run_overload(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"headroom: {users} users -> {proxy_url} (cap {ceiling}, guard enforce)",
                       file=sys.stderr)  # fmt: skip
                 out["headroom"] = await _measure(proxy_url, args, users, preset.model)
+    out["loadavg_after"] = os.getloadavg()
     out["duration_s"] = round(time.monotonic() - started, 1)
     return out
 
@@ -209,6 +339,7 @@ _ROWS = (
     ("sessions_started", "sessions started", "{:d}"),
     ("sessions_refused", "sessions refused", "{:d}"),
     ("underruns", "modelled underruns (admitted)", "{:d}"),
+    ("startup_stalls", "streams stalled at the first seam", "{:d}"),
     ("stall_s", "modelled stall seconds", "{:.2f}"),
     ("worst_delivery_ratio", "worst-1% delivery ratio", "{:.2f}"),
     ("median_delivery_ratio", "median delivery ratio", "{:.2f}"),
@@ -222,8 +353,11 @@ _ROWS = (
 def render(result: dict[str, Any]) -> str:
     lines = [
         f"Overload: {result['users']} closed-loop users = {result['load_factor']:g}x the "
-        f"ceiling ({result['ceiling']}) of {result['preset']}, {result['protocol']}, "
-        f"{result['hold_s']:g} s measured after {result['warmup_s']:g} s warm-up",
+        f"ceiling ({result['ceiling']}, from {result.get('ceiling_from', '?')}) of "
+        f"{result['preset']} (chunks {result.get('chunk_schedule', '?')}), "
+        f"{result['protocol']}, {result['hold_s']:g} s measured after "
+        f"{result['warmup_s']:g} s warm-up, load generated by {result.get('clients', 1)} "
+        "processes",
         "",
         f"| {'':32} | {'headroom':>10} | {'direct':>10} |",
         f"|{'-' * 34}|{'-' * 12}|{'-' * 12}|",
@@ -234,7 +368,15 @@ def render(result: dict[str, Any]) -> str:
             value = result[side].get(key)
             cells.append("-" if value is None else fmt.format(value))
         lines.append(f"| {label:32} | {cells[0]:>10} | {cells[1]:>10} |")
+    before, after = result.get("loadavg_before"), result.get("loadavg_after")
+    if before and after:
+        lines += ["", f"load average (1, 5, 15 min): before {_loads(before)}, after "
+                  f"{_loads(after)} ({os.cpu_count()} CPUs)"]  # fmt: skip
     return "\n".join(lines)
+
+
+def _loads(values: list[float] | tuple[float, ...]) -> str:
+    return ", ".join(f"{v:.2f}" for v in values)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,6 +384,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--preset", default="h100-orpheus-3b")
     parser.add_argument("--load", type=float, default=3.0, help="offered load x ceiling")
     parser.add_argument("--cap", type=int, help="Headroom's cap (default: the ceiling)")
+    parser.add_argument("--cap-from", metavar="PROBE_JSON",
+                        help="cap at the ceiling of this headroom probe --json result")  # fmt: skip
+    parser.add_argument("--codec-chunk-ramp", metavar="LIST",
+                        help="vLLM-Omni codec_chunk_ramp, e.g. 4,4,8,16,25")  # fmt: skip
+    parser.add_argument("--clients", type=int, default=4, help="load-generator processes")
     parser.add_argument("--hold", type=float, default=60.0, help="measured seconds")
     parser.add_argument("--warmup", type=float, default=10.0, help="excluded seconds")
     parser.add_argument("--window", type=float, default=10.0, help="guard window (s)")
@@ -249,11 +396,21 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["vllm-omni-speech-ws", "openai-speech-http"])  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="OUT", help="write the figures as JSON")
+    # A load-generator process (started by _measure, not by hand).
+    parser.add_argument("--worker", metavar="URL", help=argparse.SUPPRESS)
+    parser.add_argument("--users", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--traces-out", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.worker:
+        return asyncio.run(_worker(args))
+    if args.clients < 1:
+        raise SystemExit("--clients must be >= 1")
     result = asyncio.run(run_overload(args))
     print(render(result))
     if args.json:

@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.overload import main
+import pytest
+
+from bench.overload import _cap, _trace_from, _trace_json, build_parser, main
+from proxy.probe.analysis import Arrival, SessionTrace
+from proxy.sim.presets import get_preset
 
 
 def test_headroom_keeps_admitted_streams_realtime_while_direct_stalls(tmp_path: Path) -> None:
@@ -17,6 +21,8 @@ def test_headroom_keeps_admitted_streams_realtime_while_direct_stalls(tmp_path: 
     result = json.loads(out.read_text())
     headroom, direct = result["headroom"], result["direct"]
     assert result["users"] == 54
+    # The load came from several load-generator processes, merged into one analysis.
+    assert headroom["clients"] == direct["clients"] == 4
     # Headroom: admitted streams never stall; the excess is refused at once
     assert headroom["underruns"] == 0
     assert headroom["worst_delivery_ratio"] >= 1.2
@@ -26,3 +32,24 @@ def test_headroom_keeps_admitted_streams_realtime_while_direct_stalls(tmp_path: 
     assert direct["sessions_refused"] == 0
     assert direct["underruns"] > 0
     assert direct["worst_delivery_ratio"] < 1.0
+
+
+def test_a_workers_traces_survive_the_trip_between_processes() -> None:
+    trace = SessionTrace(
+        started_at=10.0, ended_at=14.5, outcome="ok",
+        arrivals=(Arrival(10.2, 0.32, None, None), Arrival(11.0, 2.0, 0.8, 2.5)),
+        underruns=((11.0, 0.28),), detail="",
+    )  # fmt: skip
+    assert _trace_from(json.loads(json.dumps(_trace_json(trace)))) == trace
+
+
+def test_the_cap_comes_from_the_probe_when_asked(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps({"ceiling": 6, "limited_by": ["stalls"]}))
+    preset = get_preset("l40s-qwen3tts-1.7b")
+    args = build_parser().parse_args(["--cap-from", str(probe)])
+    assert _cap(args, preset) == (6, f"headroom probe ({probe})")
+    assert _cap(build_parser().parse_args(["--cap", "3"]), preset) == (3, "--cap")
+    probe.write_text(json.dumps({"ceiling": 0}))
+    with pytest.raises(SystemExit, match="ceiling is 0"):
+        _cap(args, preset)
