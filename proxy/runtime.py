@@ -30,7 +30,7 @@ from proxy.pipelines import headroom_of
 from proxy.protocols import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
 from proxy.relay.failover import Unreachable, open_tcp
 from proxy.settings import PoolSettings, RouteSettings, Settings
-from proxy.shared_gate import SharedGate, build_shared_gate
+from proxy.shared_gate import ADMITTED_POOL, TENANT_QUOTA, SharedGate, build_shared_gate
 from proxy.signals import ReplicaSignals
 
 __all__ = ["Runtime", "build_gate", "parse_engine_metrics"]
@@ -117,7 +117,9 @@ class Runtime:
         self._routes: dict[str, RouteSettings] = {}
         self._formats: dict[str, AudioFormat] = {}
         self._apply_settings(settings)
-        self._sessions: set[StopSession] = set()
+        #: Every relaying session's stop, with the pool it was admitted to (None: not
+        #: known, e.g. the in-process gate, which never fences).
+        self._sessions: dict[StopSession, str | None] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._rechecks: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._http: httpx.AsyncClient | None = None
@@ -255,21 +257,26 @@ class Runtime:
     # -- sessions -------------------------------------------------------------------
 
     def register_session(self, stop: StopSession) -> None:
-        self._sessions.add(stop)
+        """Called from the session's own task, after its admission: the shared gate has
+        recorded the pool there (:data:`~proxy.shared_gate.ADMITTED_POOL`)."""
+        self._sessions[stop] = ADMITTED_POOL.get()
 
     def unregister_session(self, stop: StopSession) -> None:
-        self._sessions.discard(stop)
+        self._sessions.pop(stop, None)
 
     def _on_lease_loss(self, pool: str, why: str) -> None:
-        """The shared gate can no longer prove this gateway's leases: end its sessions
-        before other gateways reuse their slots (admission.on_backend_loss: close)."""
-        closed = self.close_sessions(1012, "admission backend lost")
+        """The shared gate can no longer prove this gateway's leases on ``pool``: end
+        that pool's sessions before other gateways reuse their slots
+        (admission.on_backend_loss: close). Renewals are per pool, so other pools'
+        sessions hold proven leases and keep running."""
+        closed = self.close_sessions(1012, "admission backend lost", pool=pool)
         log.error("closed %d sessions (1012) after losing leases on pool %s: %s",
                   closed, pool, why)  # fmt: skip
 
-    def close_sessions(self, code: int, reason: str) -> int:
-        """Ask every relaying session to close with ``code``; returns how many."""
-        sessions = list(self._sessions)
+    def close_sessions(self, code: int, reason: str, *, pool: str | None = None) -> int:
+        """Ask every relaying session (of ``pool`` only, if given; a session whose pool
+        is not known counts as one of it) to close with ``code``; returns how many."""
+        sessions = [s for s, of in self._sessions.items() if pool is None or of in (pool, None)]
         for stop in sessions:
             stop(code, reason)
         return len(sessions)
@@ -302,10 +309,15 @@ class Runtime:
             estimate = self.gate.core(pool).estimate_wait(1, self.clock.now())
         retry = min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, estimate))
         try:
-            return self.tenants.reserve(key, pool, retry)
+            token = self.tenants.reserve(key, pool, retry)
         except Refused:
             self.metrics.decisions.labels(pool, "rejected_tenant_limit").inc()
             raise
+        if isinstance(self.gate, SharedGate) and key.max_sessions is not None:
+            # Counted over every gateway too, by the shared gate's admission (this
+            # process's count above is only its own part).
+            TENANT_QUOTA.set((key.name, key.max_sessions))
+        return token
 
     def release_tenant(self, token: str | None) -> None:
         self.tenants.release(token)

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Callable, Collection, Coroutine, Iterable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -48,7 +49,7 @@ from proxy.admission import (
 )
 from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission, ReplicaView
 from proxy.clock import Clock, TimerHandle
-from proxy.errors import FallbackHint, Refused, refusal_for
+from proxy.errors import FallbackHint, Refused, TenantLimitRefused, refusal_for
 from proxy.gate import Lease, PositionCallback, Waiting
 from proxy.metrics import Metrics, ReplicaGauges
 
@@ -56,6 +57,8 @@ if TYPE_CHECKING:
     from proxy.settings import Settings
 
 __all__ = [
+    "ADMITTED_POOL",
+    "TENANT_QUOTA",
     "FenceCallback",
     "SharedAdmissionMetrics",
     "SharedGate",
@@ -67,6 +70,15 @@ log = logging.getLogger("headroom.shared_gate")
 
 #: Called with (pool, reason) when the gateway must end its sessions on ``pool``.
 FenceCallback = Callable[[str, str], None]
+
+#: The pool the current task's session was admitted to (set by :meth:`SharedGate.admit`):
+#: :meth:`proxy.runtime.Runtime.register_session` files the session under it, so that a
+#: fence ends only the sessions of the pool whose leases were lost.
+ADMITTED_POOL: ContextVar[str | None] = ContextVar("headroom_admitted_pool", default=None)
+#: The current task's tenant and its ``max_sessions`` (set by
+#: :meth:`proxy.runtime.Runtime.authorize` for a key with a quota): :meth:`SharedGate.admit`
+#: counts the session against it in Redis, over every gateway.
+TENANT_QUOTA: ContextVar[tuple[str, int] | None] = ContextVar("headroom_tenant_quota", default=None)
 
 _EWMA_ALPHA = 0.2
 _WAKE_BLOCK_S = 1.0
@@ -176,11 +188,13 @@ class SharedLease(Lease):
             self._shared._release(self)
 
     def fail_over(self, *, eject: bool = True, exclude: Collection[str] = ()) -> bool:
-        """Moving a lease needs a Redis round trip, which this synchronous call cannot
-        make: the replica is ejected (if ``eject``) and the session is not moved."""
-        if eject:
-            self._shared.set_healthy(self.pool, self.replica, False)
-        return False
+        """Connecting to :attr:`replica` failed before any byte was relayed: move this
+        lease, in Redis, to another replica with a free slot, not one in ``exclude``,
+        ejecting this one first if ``eject``. Returns False (lease unchanged) if there is
+        none or Redis did not answer in time. Synchronous like the in-process gate's, so
+        it blocks the event loop for one Redis round trip (bounded by
+        :attr:`RedisAdmission.sync_timeout_s`); it runs only after a failed connect."""
+        return self._shared._fail_over(self, eject, exclude)
 
 
 class SharedWaiting(Waiting):
@@ -233,6 +247,8 @@ class SharedGate:
         self._loops: list[asyncio.Task[None]] = []
         self._next = 0
         self._rng = random.Random(seed)
+        #: Tenant reservations held in Redis: lease or waiter id -> tenant.
+        self._tenants: dict[str, str] = {}
         self.draining = False
         self._stopped = False
         #: Whether the last call to Redis succeeded (``/readyz``).
@@ -297,6 +313,9 @@ class SharedGate:
             raise self._refuse(p, "no_healthy_replica", 1)
         self._next += 1
         waiter_id = f"{self.backend.gateway_id}:{self._next}"
+        quota = TENANT_QUOTA.get()
+        if quota is not None:
+            await self._reserve_tenant(p, waiter_id, *quota)
         future: asyncio.Future[Admit | Reject] = asyncio.get_running_loop().create_future()
         # Registered before the call: a wake-up may arrive before the reply does.
         waiter = _Waiter(future, on_position, now)
@@ -315,13 +334,16 @@ class SharedGate:
             # The call may have run before its answer was lost: undo it if Redis lets us
             # (if not, the lease expires and the queue place lapses on their own).
             self._spawn(self._leave_remote(pool, waiter_id))
+            self._drop_tenant(waiter_id)
             log.warning("refusing a session on %s: admission store unreachable (%s)", pool, exc)
             raise self._refuse(p, "backend_unavailable", 1) from None
         self._set_available(True)
         if kind == "admit":
             p.waiters.pop(waiter_id, None)
+            ADMITTED_POOL.set(pool)
             return self._lease(p, waiter_id, str(value), now)
         if kind == "queued":
+            ADMITTED_POOL.set(pool)
             if future.done():  # handed a slot before the reply arrived
                 outcome = future.result()
                 p.waiters.pop(waiter_id, None)
@@ -338,6 +360,7 @@ class SharedGate:
                 on_position(waiter.position, eta)
             return SharedWaiting(self, pool, waiter_id, waiter.position, eta)
         p.waiters.pop(waiter_id, None)
+        self._drop_tenant(waiter_id)
         if kind == "blocked":  # Redis lost its data: survivors are re-asserting
             raise self._refuse(p, "backend_unavailable", int(value) / 1000)
         raise self._refuse(p, str(value), self._estimate(p, p.queue_depth + 1))
@@ -360,6 +383,7 @@ class SharedGate:
         if self.metrics is not None:
             self.metrics.queue_wait.labels(pool).observe(self.clock.now() - waiter.arrived)
         if isinstance(outcome, Reject):
+            self._drop_tenant(waiter_id)
             self._count(pool, f"rejected_{outcome.reason}")
             if outcome.reason != "queue_timeout":  # (a timed-out waiter has left already)
                 self._spawn(self._leave_remote(pool, waiter_id))
@@ -386,6 +410,7 @@ class SharedGate:
         if self.metrics is not None:
             self.metrics.session_duration.labels(lease.pool).observe(duration)
         self._spawn(self._release_remote(lease.pool, lease.lease_id))
+        self._drop_tenant(lease.lease_id)
         if self._idle_waiters and self.active == 0:
             for future in self._idle_waiters:
                 if not future.done():
@@ -412,6 +437,7 @@ class SharedGate:
         """An acquire whose caller was cancelled: undo whatever it took."""
         with contextlib.suppress(BaseException):
             await call
+        self._drop_tenant(waiter_id)
         await self._leave_remote(pool, waiter_id)
 
     async def _leave_remote(self, pool: str, waiter_id: str) -> None:
@@ -427,6 +453,7 @@ class SharedGate:
         waiter = self._forget_waiter(p, waiter_id)
         if waiter is None:
             return
+        self._drop_tenant(waiter_id)
         self._count(p.name, "abandoned")
         if waiter.future.done() and not waiter.future.cancelled():
             if isinstance(waiter.future.result(), Admit):
@@ -462,6 +489,96 @@ class SharedGate:
                 Reject(0, "queue_timeout", self._estimate(p, 1), waited_s=waited)
             )
 
+    # -- tenant quotas over every gateway ---------------------------------------------
+
+    async def _reserve_tenant(
+        self, p: _Pool, reservation_id: str, tenant: str, max_sessions: int
+    ) -> None:
+        """Count this session against ``tenant``'s quota in Redis (tenants.lua), before
+        it asks for a slot, as :meth:`proxy.auth.TenantQuotas.reserve` does in process.
+        Raises TenantLimitRefused (429) past the quota, or ``backend_unavailable``."""
+        call = asyncio.ensure_future(
+            self.backend.reserve_tenant(tenant, reservation_id, max_sessions)
+        )
+        try:
+            reserved = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self._tenants[reservation_id] = tenant
+            self._spawn(self._give_back_tenant(reservation_id, call))
+            raise
+        except BackendUnavailable as exc:
+            self._set_available(False)
+            log.warning("refusing a session on %s: admission store unreachable (%s)", p.name,
+                        exc)  # fmt: skip
+            self._tenants[reservation_id] = tenant  # it may have landed: undo it
+            self._drop_tenant(reservation_id)
+            raise self._refuse(p, "backend_unavailable", 1) from None
+        self._set_available(True)
+        if not reserved:
+            self._count(p.name, "rejected_tenant_limit")
+            raise TenantLimitRefused(
+                "tenant_limit", retry_after_s=self._estimate(p, 1), pool=p.name
+            )
+        self._tenants[reservation_id] = tenant
+
+    async def _give_back_tenant(self, reservation_id: str, call: asyncio.Future[Any]) -> None:
+        with contextlib.suppress(BaseException):
+            await call
+        self._drop_tenant(reservation_id)
+
+    def _drop_tenant(self, reservation_id: str) -> None:
+        """The session (lease or waiter) ``reservation_id`` is over: stop counting it."""
+        tenant = self._tenants.pop(reservation_id, None)
+        if tenant is not None:
+            self._spawn(self._release_tenant_remote(tenant, reservation_id))
+
+    async def _release_tenant_remote(self, tenant: str, reservation_id: str) -> None:
+        """Like :meth:`_release_remote`: retried while Redis is unreachable, until the
+        reservation would have expired on its own."""
+        give_up = self.clock.now() + self.lease_ttl_s
+        delay = 0.05
+        while True:
+            try:
+                await self.backend.release_tenant(tenant, reservation_id)
+                return
+            except BackendUnavailable:
+                if self._stopped or self.clock.now() + delay > give_up:
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+    async def _renew_tenants(self) -> None:
+        """Renew every tenant reservation this gateway holds (one round trip). A lapse
+        does not fence: a tenant quota is fairness, not a GPU's cap; a reservation that
+        expired meanwhile is re-added (the session is live)."""
+        if not self._tenants:
+            return
+        try:
+            await self.backend.renew_tenants([(t, rid) for rid, t in self._tenants.items()])
+        except BackendUnavailable as exc:
+            self._set_available(False)
+            log.warning("renewal of tenant quotas failed: %s", exc)
+
+    # -- failover before the first byte ----------------------------------------------
+
+    def _fail_over(self, lease: SharedLease, eject: bool, exclude: Collection[str]) -> bool:
+        p = self._pools[lease.pool]
+        if eject:
+            self.set_healthy(lease.pool, lease.replica, False)
+        try:
+            kind, replica = self.backend.relocate_now(
+                lease.pool, lease.lease_id, lease.replica, p.view(), exclude=list(exclude)
+            )
+        except BackendUnavailable as exc:
+            self._set_available(False)
+            log.warning("failover of a session on %s not moved: admission store did not "
+                        "answer (%s)", lease.pool, exc)  # fmt: skip
+            return False
+        if kind != "moved" or replica is None:
+            return False
+        lease.replica = replica
+        return True
+
     # -- background: renewals, fencing, wake-ups ------------------------------------
 
     async def _renew_loop(self) -> None:
@@ -473,6 +590,7 @@ class SharedGate:
         """One renewal tick of every pool (the loop calls it every ``renew_interval_s``)."""
         for name in list(self._pools):
             await self._renew_pool(name)
+        await self._renew_tenants()
 
     async def _renew_pool(self, name: str) -> None:
         p = self._pools[name]
