@@ -17,6 +17,7 @@ import redis.asyncio as aioredis
 from proxy.admission import QueuePolicy, ReplicaSpec
 from proxy.admission.redis_backend import RedisAdmission
 from proxy.clock import FakeClock
+from proxy.errors import Refused
 from proxy.gate import Lease
 from proxy.shared_gate import SharedGate, SharedLease, SharedPoolSpec, SharedWaiting
 from tests.redis_support import RedisServer
@@ -94,6 +95,43 @@ async def test_a_grant_that_lapsed_while_its_gateway_was_paused_is_not_used(
         assert not tasks[0].done(), "admitted on a grant that had lapsed"
         for lease in admitted:
             lease.release()
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        for gate in (paused, holder):
+            with contextlib.suppress(Exception):
+                await gate.stop()
+        await client.aclose()
+
+
+async def test_a_waiter_timing_out_does_not_take_a_grant_that_lapsed(server: RedisServer) -> None:
+    """The queue deadline of a waiter whose gateway was paused: leaving the queue finds
+    the slot handed to it, but that lease lapsed; the waiter is refused, not admitted."""
+    paused, holder = make(server.url, "paused"), make(server.url, "holder")
+    client = aioredis.from_url(server.url)
+    tasks: list[asyncio.Task[Lease]] = []
+    try:
+        held = [await holder.admit("tts"), await holder.admit("tts")]
+        entry = await paused.admit("tts")
+        assert isinstance(entry, SharedWaiting)
+        tasks = [asyncio.ensure_future(entry.wait())]
+        held[0].release()  # handed to the paused gateway's waiter; nobody renews it
+        await holder.quiesce()
+        for _ in range(1000):
+            if await _lapsed(client, entry.waiter_id):
+                break
+            await asyncio.sleep(0.01)
+        assert isinstance(paused.clock, FakeClock)
+        paused.clock.advance(61)  # past max_wait_s: the waiter leaves the queue
+        await paused.quiesce()
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert tasks[0].done()
+        assert isinstance(tasks[0].exception(), Refused)
+        assert paused.active == 0
     finally:
         for task in tasks:
             if not task.done():
