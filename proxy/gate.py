@@ -63,11 +63,13 @@ class Lease:
             self.released = True
             self._gate._release(self)
 
-    def fail_over(self, *, eject: bool = True, exclude: Collection[str] = ()) -> bool:
+    async def fail_over(self, *, eject: bool = True, exclude: Collection[str] = ()) -> bool:
         """Connecting to :attr:`replica` failed before any byte was relayed: move this
         lease to another replica with a free slot, not one in ``exclude``, ejecting
         this one first if ``eject`` (it was unreachable; a failure the request may have
-        caused must not eject). Returns False (lease unchanged) if there is none."""
+        caused must not eject). Returns False (lease unchanged) if there is none.
+        Awaitable because the shared gate's move is a round trip to Redis; here it is
+        decided at once."""
         return self._gate._fail_over(self, eject, exclude)
 
     def __repr__(self) -> str:

@@ -187,14 +187,12 @@ class SharedLease(Lease):
             self.released = True
             self._shared._release(self)
 
-    def fail_over(self, *, eject: bool = True, exclude: Collection[str] = ()) -> bool:
+    async def fail_over(self, *, eject: bool = True, exclude: Collection[str] = ()) -> bool:
         """Connecting to :attr:`replica` failed before any byte was relayed: move this
         lease, in Redis, to another replica with a free slot, not one in ``exclude``,
         ejecting this one first if ``eject``. Returns False (lease unchanged) if there is
-        none or Redis did not answer in time. Synchronous like the in-process gate's, so
-        it blocks the event loop for one Redis round trip (bounded by
-        :attr:`RedisAdmission.sync_timeout_s`); it runs only after a failed connect."""
-        return self._shared._fail_over(self, eject, exclude)
+        none or Redis did not answer (within its ``timeout_s``)."""
+        return await self._shared._fail_over(self, eject, exclude)
 
 
 class SharedWaiting(Waiting):
@@ -561,12 +559,14 @@ class SharedGate:
 
     # -- failover before the first byte ----------------------------------------------
 
-    def _fail_over(self, lease: SharedLease, eject: bool, exclude: Collection[str]) -> bool:
+    async def _fail_over(
+        self, lease: SharedLease, eject: bool, exclude: Collection[str]
+    ) -> bool:
         p = self._pools[lease.pool]
         if eject:
             self.set_healthy(lease.pool, lease.replica, False)
         try:
-            kind, replica = self.backend.relocate_now(
+            kind, replica = await self.backend.relocate(
                 lease.pool, lease.lease_id, lease.replica, p.view(), exclude=list(exclude)
             )
         except BackendUnavailable as exc:

@@ -134,10 +134,6 @@ class RedisAdmission:
         self.ttl_ms = round(lease_ttl_s * 1000)
         self.beat_ms = round(heartbeat_ttl_s * 1000)
         self.timeout_s = timeout_s
-        #: Bound of :meth:`relocate_now`, which blocks its caller's event loop.
-        self.sync_timeout_s = min(timeout_s, 0.05)
-        self._sync: Any = None
-        self._sync_relocate: Any = None
         host = "".join(c if c.isalnum() or c in "-._" else "-" for c in socket.gethostname())
         self.gateway_id = gateway_id or f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
         if not self.gateway_id or any(c in self.gateway_id for c in ":=, "):
@@ -280,41 +276,6 @@ class RedisAdmission:
         kind = _text(reply[0])
         return kind, (_text(reply[1]) if len(reply) > 1 else None)
 
-    def relocate_now(
-        self,
-        pool: str,
-        lease_id: str,
-        current: str,
-        view: Sequence[ReplicaView],
-        exclude: Sequence[str] = (),
-    ) -> tuple[str, str | None]:
-        """:meth:`relocate`, synchronously: for a caller that cannot await (a relay's
-        failover step). Blocks for one round trip, at most :attr:`sync_timeout_s` (then
-        BackendUnavailable; the move may or may not have happened, and either way the
-        lease is released by id later). Its own connection, opened on first use."""
-        if self._closed:
-            raise BackendUnavailable("admission store client closed")
-        args: list[str | int] = [lease_id, self.ttl_ms, self.prefix(pool), current]
-        args += [len(exclude), *exclude, *_view_args(view)]
-        try:
-            if self._sync is None:
-                import redis
-                from redis.backoff import NoBackoff
-                from redis.retry import Retry
-
-                self._sync = redis.Redis.from_url(
-                    self._url, socket_timeout=self.sync_timeout_s,
-                    socket_connect_timeout=self.sync_timeout_s, retry=Retry(NoBackoff(), 0),
-                )  # fmt: skip
-                self._sync_relocate = self._sync.register_script(
-                    _load("common") + "\n" + _load("relocate")
-                )
-            reply = self._sync_relocate(keys=self.keys(pool), args=args)
-        except self._errors as exc:
-            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        kind = _text(reply[0])
-        return kind, (_text(reply[1]) if len(reply) > 1 else None)
-
     async def leave(
         self, pool: str, waiter_id: str, view: Sequence[ReplicaView]
     ) -> tuple[str, str | None]:
@@ -394,8 +355,6 @@ class RedisAdmission:
         self._closed = True
         await self._client.aclose()
         await self._blocking.aclose()
-        if self._sync is not None:
-            self._sync.close()
 
     def __repr__(self) -> str:
         return f"<RedisAdmission gateway={self.gateway_id} prefix={self.key_prefix!r}>"

@@ -78,11 +78,11 @@ class Failover:
         self.lease = lease
         self.tried = {lease.replica}
 
-    def next(self, *, eject: bool) -> bool:
+    async def next(self, *, eject: bool) -> bool:
         """Leave the lease's replica (ejecting it if ``eject``: it was unreachable) for
         another with a free slot that this session has not tried. False if there is
         none; the lease then still holds a slot, to be released as usual."""
-        if not self.lease.fail_over(eject=eject, exclude=self.tried):
+        if not await self.lease.fail_over(eject=eject, exclude=self.tried):
             return False
         self.tried.add(self.lease.replica)
         return True

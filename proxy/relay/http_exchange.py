@@ -282,7 +282,7 @@ class HttpExchange:
             rt.upstream_error(lease.pool, lease.replica, "connect")
             log.warning("%s; failing over", reason)
             failed = lease.replica
-            if not failover.next(eject=eject):
+            if not await failover.next(eject=eject):
                 raise UpstreamConnectError(reason, replica=failed, kind="connect")
             self.record.replica = lease.replica
 

@@ -238,7 +238,7 @@ async def _connect_upstream(
                 reason = f"upstream {lease.replica} failed the handshake: {describe(exc)}"
         rt.upstream_error(lease.pool, lease.replica, kind)
         failed = lease.replica
-        if not failover.next(eject=eject):
+        if not await failover.next(eject=eject):
             log.warning("%s; no other replica to try", reason)
             raise UpstreamConnectError(reason, replica=failed, kind=kind)
         log.warning("%s; failing over to %s", reason, lease.replica)

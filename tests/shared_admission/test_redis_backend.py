@@ -362,19 +362,19 @@ async def test_tenant_reservations_nobody_renews_expire_and_renewals_reassert(
     await client.aclose()
 
 
-async def test_relocate_now_is_the_same_move_without_awaiting(
+async def test_relocate_is_idempotent_and_fails_closed_without_redis(
     gateways: Factory, redis_server: RedisServer
 ) -> None:
-    """For the relay's synchronous failover step: the same script, its own connection,
-    a bounded wait; BackendUnavailable when Redis does not answer."""
+    """The failover move: a retry of the same move is the same move; nowhere to go
+    leaves the lease where it is; BackendUnavailable when Redis does not answer."""
     a = await gateways("a")
     view = [ReplicaView("gpu0", 1), ReplicaView("gpu1", 1)]
     assert await a.acquire("tts", "a:1", view, 0) == ("admit", "gpu0")
-    assert a.relocate_now("tts", "a:1", "gpu0", view[1:]) == ("moved", "gpu1")
-    assert a.relocate_now("tts", "a:1", "gpu0", view[1:]) == ("moved", "gpu1")  # a retry
+    assert await a.relocate("tts", "a:1", "gpu0", view[1:]) == ("moved", "gpu1")
+    assert await a.relocate("tts", "a:1", "gpu0", view[1:]) == ("moved", "gpu1")  # a retry
     assert await _held(a, view) == {"gpu0": 0, "gpu1": 1}
-    assert a.relocate_now("tts", "a:1", "gpu1", view[:1], exclude=["gpu0"]) == ("stay", "gpu1")
-    assert a.sync_timeout_s <= 0.05
+    stay = await a.relocate("tts", "a:1", "gpu1", view[:1], exclude=["gpu0"])
+    assert stay == ("stay", "gpu1")
     redis_server.stop()
     with pytest.raises(BackendUnavailable):
-        a.relocate_now("tts", "a:1", "gpu1", view)
+        await a.relocate("tts", "a:1", "gpu1", view)

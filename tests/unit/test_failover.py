@@ -34,10 +34,10 @@ async def test_each_replica_is_tried_at_most_once_even_when_the_recheck_restores
     lease = await gate.acquire("tts")
     assert lease.replica == "gpu0"
     failover = Failover(lease)
-    assert failover.next(eject=True)
+    assert await failover.next(eject=True)
     assert lease.replica == "gpu1"
     gate.set_healthy("tts", "gpu0", True)  # what the background re-check does
-    assert not failover.next(eject=True)  # gpu0 was tried: the session stops here
+    assert not await failover.next(eject=True)  # gpu0 was tried: the session stops here
     assert gate.active == 1  # the lease still holds one slot until released
     lease.release()
     assert gate.active == 0
@@ -47,10 +47,10 @@ async def test_a_failure_that_is_not_the_replicas_does_not_eject() -> None:
     gate = make_gate(3)
     lease = await gate.acquire("tts")
     failover = Failover(lease)
-    assert failover.next(eject=False)
-    assert failover.next(eject=False)
+    assert await failover.next(eject=False)
+    assert await failover.next(eject=False)
     assert failover.tried == {"gpu0", "gpu1", "gpu2"}
-    assert not failover.next(eject=False)
+    assert not await failover.next(eject=False)
     assert all(healthy(gate).values())
     stats = {r.name: r.active for r in gate.statistics()["tts"].replicas}
     assert sum(stats.values()) == 1  # one slot, wherever the walk ended
@@ -60,7 +60,7 @@ async def test_a_failure_that_is_not_the_replicas_does_not_eject() -> None:
 async def test_an_unreachable_replica_is_ejected() -> None:
     gate = make_gate(2)
     lease = await gate.acquire("tts")
-    assert Failover(lease).next(eject=True)
+    assert await Failover(lease).next(eject=True)
     assert healthy(gate) == {"gpu0": False, "gpu1": True}
     lease.release()
 

@@ -211,12 +211,12 @@ async def test_fail_over_moves_the_lease_and_ejects_the_replica() -> None:
     gate, _, _ = make_gate(caps=(1, 1))
     lease = await gate.acquire("tts")
     first = lease.replica
-    assert lease.fail_over()
+    assert await lease.fail_over()
     assert lease.replica != first
     stats = {r.name: r for r in gate.statistics()["tts"].replicas}
     assert not stats[first].healthy and stats[first].active == 0
     assert stats[lease.replica].active == 1
-    assert not lease.fail_over()  # nowhere left to go
+    assert not await lease.fail_over()  # nowhere left to go
     lease.release()
     assert gate.active == 0
 
