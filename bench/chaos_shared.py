@@ -830,6 +830,58 @@ def _cause(t: float, faults: list[dict[str, Any]], t0: float, extra_s: float) ->
     return "none"
 
 
+def classify_over_cap(over: list[list[Any]], sim_events: list[list[list[Any]]],
+                      sessions: list[Session], faults: list[dict[str, Any]], t0: float,
+                      cap: int) -> dict[str, Any]:  # fmt: skip
+    """Explain each sample over cap from who held the GPU's connections at that instant:
+
+    * ``paused_gateway``: one of them came through a gateway that was SIGSTOPped then
+      (it cannot close its upstream connections while paused; docs/shared-admission.md);
+    * ``ended_session_upstream_lag``: one of them belonged to a session that had already
+      ended at the client (closed by the gateway, e.g. 1012 after a fence, and released
+      in Redis) while the simulator had not yet noticed (it reads its socket only
+      between sentences);
+    * ``unexplained``: neither -- a session holding a slot beside ``cap`` others.
+
+    ``live_over_cap`` counts samples where the connections of sessions still running at
+    the client, through gateways that were not paused, exceeded the cap: that is the
+    shared cap failing."""
+    by_cid = {s.cid: s for s in sessions}
+    paused = [(t0 + f["at_s"], t0 + f["until_s"], f["gateway"]) for f in faults
+              if f["kind"] == "sigstop"]  # fmt: skip
+    streams: Counter[str] = Counter()
+    connections: Counter[str] = Counter()
+    live_over = 0
+    rows = sorted((row[1], row[0], row[2], row[3]) for row in over)
+    pos = [0] * len(sim_events)
+    open_: list[set[str]] = [set() for _ in sim_events]
+    for gpu, t, n_streams, n_conns in rows:
+        events = sim_events[gpu]
+        while pos[gpu] < len(events) and events[pos[gpu]][0] <= t:
+            _, d, cid = events[pos[gpu]]
+            (open_[gpu].add if d == 1 else open_[gpu].discard)(cid)
+            pos[gpu] += 1
+        in_pause = ended = 0
+        for cid in open_[gpu]:
+            s = by_cid.get(cid)
+            if s is None:
+                continue
+            if any(a <= t <= b and g == s.gateway for a, b, g in paused):
+                in_pause += 1
+            elif s.ended < t:
+                ended += 1
+        cause = ("paused_gateway" if in_pause else
+                 "ended_session_upstream_lag" if ended else "unexplained")  # fmt: skip
+        if n_streams > cap:
+            streams[cause] += 1
+        if n_conns > cap:
+            connections[cause] += 1
+        if n_conns - in_pause - ended > cap:
+            live_over += 1
+    return {"streams": dict(streams), "connections": dict(connections),
+            "live_over_cap": live_over}  # fmt: skip
+
+
 def read_logs(workdir: Path) -> dict[str, Any]:
     """Levels and the most frequent error and warning messages of the gateways' logs
     (numbers masked), and tracebacks in any log."""
@@ -1032,7 +1084,7 @@ def _report(cfg: SharedChaosConfig, run: _Run, sim: dict[str, Any], redis_state:
             workdir: Path) -> dict[str, Any]:  # fmt: skip
     starts, per_gpu = _grants(sim)
     raw = {"t0": run.t0, "sessions": [asdict(s) for s in run.sessions], "sim": sim["events"],
-           "faults": faults}
+           "over": sim["over"], "faults": faults}
     (workdir / "raw.json").write_text(json.dumps(raw))
     windows = [(run.t0 + f["at_s"], run.t0 + f["until_s"] + cfg.reclaim_bound_s + 1)
                for f in faults]  # fmt: skip
@@ -1070,10 +1122,19 @@ def _report(cfg: SharedChaosConfig, run: _Run, sim: dict[str, Any], redis_state:
             connections_by[_cause(t, faults, run.t0, extra)] += 1
     over["over_cap_streams_by_fault"] = dict(streams_by)
     over["over_cap_connections_by_fault"] = dict(connections_by)
+    explained = classify_over_cap(sim["over"], sim["events"], run.sessions, faults, run.t0,
+                                  cfg.cap)  # fmt: skip
+    over["over_cap_streams_by_cause"] = explained["streams"]
+    over["over_cap_connections_by_cause"] = explained["connections"]
+    over["live_over_cap"] = explained["live_over_cap"]
+    if len(sim["over"]) >= 50_000:
+        over["truncated"] = True  # the simulator keeps the first 50,000 rows
     for row in over["over_samples"]:
         row[0] = round(row[0] - run.t0, 3)
     invariants = {
         "over_cap_streams": over["over_cap_streams"] == 0 and over["over_cap_streams_at_open"] == 0,
+        "over_cap_live_sessions": over["live_over_cap"] == 0
+        and "unexplained" not in explained["streams"],
         "over_cap_redis": redis_state["over_cap"] == 0 and redis_state["negative"] == 0,
         "leaked_slots": leaks["leaked"] == 0 and leaks["redis_queue"] == 0
         and sum(sim["active_sessions"]) == 0 and sum(sim["open_streams"]) == 0,
@@ -1134,10 +1195,13 @@ def format_report(r: dict[str, Any]) -> str:
         f"- samples every {o['sample_ms']:.0f} ms: {o['samples']} (longest gap "
         f"{o['max_sample_gap_ms']} ms); engine streams over cap: {o['over_cap_streams']} "
         f"(and {o['over_cap_streams_at_open']} of {o['streams_opened']} stream opens); "
-        f"max streams per GPU {o['max_streams']}",
+        f"max streams per GPU {o['max_streams']}; by cause {o['over_cap_streams_by_cause']}",
+        f"- samples where the connections of sessions still running (not ended at the "
+        f"client, not behind a paused gateway) exceeded the cap: {o['live_over_cap']}",
         f"- connections over cap (the simulator's open sessions on the session paths, "
-        f"idle ones included): {o['over_cap_connections']} GPU-samples "
-        f"{o['over_cap_connections_by_fault']}; max {o['max_connections']}",
+        f"idle ones included): {o['over_cap_connections']} GPU-samples, by fault "
+        f"{o['over_cap_connections_by_fault']}, by cause {o['over_cap_connections_by_cause']}; "
+        f"max {o['max_connections']}",
         f"- Redis held over cap: {o['redis_over_cap']} of {o['redis_samples']} samples; max held "
         f"{o['redis_max_held']}; max queue {o['redis_max_queue']}",
         f"- leaked after the run: {lk['leaked']} (Redis leases {lk['redis_leases']}, "
