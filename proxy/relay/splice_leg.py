@@ -12,8 +12,12 @@ extension is ever negotiated on either leg), a reserved opcode, the wrong maskin
 its direction (5.1: client frames masked, server frames not), a continuation frame with
 no message in progress or a new message inside a fragmented one (5.4), an invalid
 control frame (5.5). The frames before it are forwarded; the session ends at once
-(:meth:`proxy.relay.splice.Splice.protocol_error`: 1002 for a client, 1014 for the client
-when its upstream is at fault).
+(:meth:`proxy.relay.core.RelayCore.protocol_error`: 1002 for a client, 1014 for the
+client when its upstream is at fault).
+
+Whether a data frame is forwarded (the size limit, a leg that is closing) and what a
+complete message means (metering, text validity) are the core's decisions
+(:meth:`~proxy.relay.core.RelayCore.data_frame`, :meth:`~proxy.relay.core.RelayCore.message`).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
+from proxy.relay.core import Side
 from proxy.relay.wsframes import CLOSE, TEXT, apply_mask
 
 if TYPE_CHECKING:
+    from proxy.relay.core import LegStatus
     from proxy.relay.splice import Splice
 
 __all__ = ["RESERVED_OPCODES", "Leg", "violation"]
@@ -66,15 +72,14 @@ def violation(b0: int, b1: int, is_client: bool, in_message: bool) -> str | None
 
 class Leg(asyncio.Protocol):
     """One socket of the session. It reads frames from its endpoint and forwards them
-    into :attr:`peer`'s transport; state about *what it reads* lives here."""
+    into :attr:`peer`'s transport; the frame walk's state lives here, the leg's place
+    in the session (:class:`~proxy.relay.core.LegStatus`) in the session's core."""
 
     __slots__ = (
-        "close_rcvd",
-        "close_sent",
+        "abort_at",
         "closed",
+        "core",
         "fin",
-        "forwarding",
-        "fresh",
         "head",
         "held",
         "hlen",
@@ -88,22 +93,21 @@ class Leg(asyncio.Protocol):
         "parts",
         "peer",
         "pending",
-        "ping_at",
         "session",
-        "silent_since",
+        "st",
         "transport",
         "walking",
     )  # fmt: skip
 
-    def __init__(self, session: Splice, *, is_client: bool, now: float) -> None:
+    def __init__(self, session: Splice, st: LegStatus) -> None:
         self.session = session
-        self.is_client = is_client
+        self.core = session.core
+        self.st = st
+        self.is_client = st.side is Side.CLIENT
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.peer: Leg = None  # type: ignore[assignment]
-        self.closed = False  # the socket is gone
-        self.close_rcvd = False  # the endpoint sent a close frame
-        self.close_sent = False  # a close frame was written to the endpoint
-        self.forwarding = True  # new data frames are forwarded (off once closing)
+        self.closed = False  # our transport is closed (an I/O fact; the state is st's)
+        self.abort_at: float | None = None  # a deferred close drops the socket then
         self.head = b""  # an incomplete header (or control frame), withheld
         # A data frame still arriving is held, not forwarded, until it is complete: the
         # stream into the peer's socket is always between frames, so a close frame (1014
@@ -118,11 +122,17 @@ class Leg(asyncio.Protocol):
         self.msg_size = 0
         self.in_message = False  # a fragmented data message is in progress (RFC 6455 5.4)
         self.parts: list[bytes] | None = None  # payloads of a fragmented message
-        self.pending: list[bytes] = []  # frames for peer's transport at our next boundary
+        # frames for peer's transport at our next boundary; None: then close its socket
+        self.pending: list[bytes | None] = []
         self.walking = False  # inside data_received: writes to the peer wait for its flush
-        self.fresh = False  # bytes arrived since the last keepalive sweep
-        self.silent_since = 0.0  # loop time of the sweep that first found the leg silent
-        self.ping_at: float | None = None  # a ping to this endpoint is unanswered since
+
+    @property
+    def silent_since(self) -> float:
+        return self.st.silent_since
+
+    @property
+    def ping_at(self) -> float | None:
+        return self.st.ping_at
 
     # -- transport callbacks -------------------------------------------------------------
 
@@ -144,6 +154,15 @@ class Leg(asyncio.Protocol):
         if not self.closed:
             self.transport.write(data)
 
+    def close(self, abort_at: float | None) -> None:
+        """Close the socket after what was written to it; drop it at ``abort_at``."""
+        if not self.closed:
+            self.closed = True
+            transport = self.transport
+            transport.close()
+            if abort_at is not None:
+                self.session.clock.call_at(abort_at, transport.abort)
+
     def drop(self) -> None:
         """Close the socket at once, unsent data discarded."""
         if not self.closed:
@@ -160,13 +179,16 @@ class Leg(asyncio.Protocol):
             self.peer.write(data)
 
     def _flush(self, data: bytes, start: int, end: int) -> None:
-        """Forward ``data[start:end]``, then any injected frames."""
+        """Forward ``data[start:end]``, then any injected frames (and a deferred close)."""
         peer = self.peer
         if start < end:
             peer.write(data if start == 0 and end == len(data) else data[start:end])
         if self.pending:
             for pending in self.pending:
-                peer.write(pending)
+                if pending is None:
+                    peer.close(peer.abort_at)
+                else:
+                    peer.write(pending)
             self.pending.clear()
 
     # -- the walk ------------------------------------------------------------------------
@@ -186,8 +208,10 @@ class Leg(asyncio.Protocol):
 
     def _walk(self, data: bytes) -> None:  # the hot path, kept flat
         session = self.session
+        core = self.core
+        st = self.st
         now = session.clock.now()
-        self.fresh = True
+        st.fresh = True
         peer = self.peer
         if self.head:
             data = self.head + data
@@ -206,13 +230,13 @@ class Leg(asyncio.Protocol):
             self.left -= take
             if not self.left and held is not None:
                 self.held = None
-                if self.forwarding:
+                if st.accepting:
                     whole = b"".join(held)
                     payload = whole[self.hlen :] if self.keep else b""
                     if self.mask:
                         payload = apply_mask(payload, self.mask)
                     self._deliver(payload, self.fin, self.keep, now)  # may end the session
-                    if self.forwarding:
+                    if st.accepting:
                         peer.write(whole)
         while i < n:
             if n - i < 2:
@@ -249,7 +273,7 @@ class Leg(asyncio.Protocol):
                     session.close_received(self, payload, data[i - h - length : i])
                     continue
                 i = start + length
-                if not self.forwarding:
+                if not st.accepting:
                     self._flush(data, out, i - h - length)
                     out = i
                 continue
@@ -270,13 +294,11 @@ class Leg(asyncio.Protocol):
                 self.msg_size += length
                 if b0 & 0x80:
                     self.in_message = False
-            session.last_activity = now
             end = start + length
-            if self.msg_size > session.max_bytes or not self.forwarding:
+            if not core.data_frame(st, self.msg_size, now):  # closing, or too large
+                if core.actions:
+                    session.run()
                 self._flush(data, out, i)
-                if self.forwarding:
-                    self.forwarding = False
-                    session.too_large(self)
                 if end > n:
                     self.left = end - n
                     return
@@ -296,7 +318,7 @@ class Leg(asyncio.Protocol):
             if mask and keep:
                 payload = apply_mask(payload, mask)
             self._deliver(payload, fin, keep, now)
-            if session.closing is not None:  # the message ended the session: held back
+            if not st.accepting:  # the message ended the session: held back
                 self._flush(data, out, start - h)
                 out = end
         if i < n:
@@ -323,4 +345,7 @@ class Leg(asyncio.Protocol):
             payload = b"".join(self.parts)
             self.parts = None
         if fin:
-            self.session.message(self, self.msg_op, payload, now, self.msg_size)
+            core = self.core
+            core.message(self.st, self.msg_op, payload, now, self.msg_size)
+            if core.actions:
+                self.session.run()

@@ -1,10 +1,14 @@
-"""The frame pumps of one relayed WebSocket session (after both handshakes).
+"""The ASGI relay of one WebSocket session (after both handshakes): the fallback when
+the splice cannot take the client's socket, and the queue-feedback path.
 
 Upstream -> client runs in the session's own task; client -> upstream in one extra
-task. Frames are relayed as they arrive, text as text and binary as binary, each
-metered by the route protocol's adapter on the way down. Close codes travel both ways;
-limits (message size, idle, session length, drain) end a session with a close code for
-the client (:class:`Closing`).
+task. Messages are relayed as they arrive, text as text and binary as binary. This
+module is a shell over the session's :class:`~proxy.relay.core.RelayCore`, like the
+splice: the core decides what is forwarded and metered, when a limit or timeout ends
+the session and with which close codes; the shell feeds it uvicorn's ASGI messages, the
+websockets client connection's messages and closes, and its one timer, and maps the
+core's actions onto those libraries' calls (they run the closing handshakes and the
+keepalive pings themselves).
 """
 
 from __future__ import annotations
@@ -13,17 +17,23 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, PayloadTooBig
 
-from proxy.errors import MessageTooLarge
 from proxy.gate import Lease
 from proxy.refusal import truncate_reason
+from proxy.relay.core import (
+    DropSocket,
+    RelayClose,
+    RelayCore,
+    SendClose,
+    Side,
+    Wake,
+)  # fmt: skip
 from proxy.relay.session import SessionRecord
-from proxy.relay.wsframes import client_code_for_upstream_close, sendable_code
 
 if TYPE_CHECKING:
     from proxy.runtime import Runtime
@@ -36,26 +46,79 @@ log = logging.getLogger("headroom.relay.ws")
 Receive = Any
 Send = Any
 
-class Closing(Exception):
-    """Ends a relay with a close code for the client (limits, timeouts, drain)."""
 
-    def __init__(self, code: int, reason: str) -> None:
-        super().__init__(reason)
-        self.code = code
-        self.reason = reason
+class _Shell:
+    """Carries out the core's actions for the ASGI relay."""
 
+    __slots__ = (
+        "client_close", "client_task", "clock", "core", "main_task", "rt", "stalled",
+        "timer", "timer_at", "upstream", "upstream_close",
+    )  # fmt: skip
 
-class _Pump:
-    """State shared by the two directions of one relay."""
-
-    __slots__ = ("client_closed", "closing", "last_activity", "send_since", "stalled")
-
-    def __init__(self, now: float) -> None:
-        self.last_activity = now
-        self.closing: Closing | None = None
-        self.client_closed: tuple[int, str] | None = None
-        self.send_since: float | None = None  # a send to the client is blocked since
+    def __init__(self, rt: Runtime, core: RelayCore, upstream: ClientConnection) -> None:
+        self.rt = rt
+        self.clock = rt.clock
+        self.core = core
+        self.upstream = upstream
+        self.client_close: tuple[int, str] | None = None  # sent once the upstream is done
+        self.upstream_close: tuple[int, str] | None = None
         self.stalled = False  # the client stopped reading: give up on it
+        self.main_task = asyncio.current_task()
+        self.client_task: asyncio.Future[None] | None = None
+        self.timer: Any = None
+        self.timer_at = float("inf")
+
+    def run(self) -> None:
+        actions = self.core.actions
+        if not actions:
+            return
+        batch = actions[:]
+        actions.clear()
+        for action in batch:
+            if isinstance(action, (SendClose, RelayClose)):
+                if action.side is Side.CLIENT:
+                    self.client_close = (action.code, action.reason)
+                    self._stop_reading_client()
+                else:
+                    self.upstream_close = (action.code, action.reason)
+                    self.rt.spawn(self.upstream.close(action.code, truncate_reason(action.reason)))
+            elif isinstance(action, Wake):
+                self.arm(action.at)
+            elif isinstance(action, DropSocket):
+                if action.side is Side.CLIENT:  # uvicorn closes the socket when we return
+                    self.stalled = True
+                    self._stop_reading_client()
+                    if self.main_task is not None:
+                        self.main_task.cancel()
+                else:
+                    self.upstream.transport.abort()
+            # PauseReading/ResumeReading: awaiting the send is the back-pressure here;
+            # CloseSocket, Ping, Done: uvicorn and websockets do these themselves.
+
+    def _stop_reading_client(self) -> None:
+        task = self.client_task
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+
+    def arm(self, when: float) -> None:
+        if when == self.timer_at or when == float("inf"):
+            return
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer_at = when
+        self.timer = self.clock.call_at(when, self._tick)
+
+    def _tick(self) -> None:
+        self.timer = None
+        self.timer_at = float("inf")
+        due = self.core.tick(self.clock.now())
+        self.run()
+        self.arm(due)
+
+    def cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
 
 async def relay_frames(
@@ -72,43 +135,19 @@ async def relay_frames(
     upstream was connected (queue-feedback mode), sent upstream first, in order."""
     clock = rt.clock
     backlog = deque(pending)
-    limits = rt.settings.limits
-    max_bytes = limits.max_message_bytes
     meter = rt.new_meter(lease.pool, lease.replica, record.admitted_at or clock.now())
-    adapter = rt.ws_adapter(route, meter)
-    state = _Pump(clock.now())
-    timers: list[Any] = []
-    idle_timer: list[Any] = []
-    writer_timer: list[Any] = []
+    pool, replica = lease.pool, lease.replica
+    core = RelayCore(
+        rt.settings.limits, record, rt.ws_adapter(route, meter),
+        lambda kind: rt.upstream_error(pool, replica, kind), clock.now(),
+    )  # fmt: skip
+    shell = _Shell(rt, core, upstream)
+    run = shell.run
+    client, up = core.client, core.upstream
 
     def stop(code: int, reason: str) -> None:
-        if state.closing is None:
-            state.closing = Closing(code, reason)
-            client_task.cancel()
-            rt.spawn(upstream.close(1000 if code != 1012 else 1001, reason))
-
-    main_task = asyncio.current_task()
-    write_timeout = limits.client_write_timeout_s
-
-    def check_writer() -> None:
-        """A client whose socket buffer stays full (it stopped reading) would hold its
-        slot forever and pin the upstream: after ``client_write_timeout_s``, drop it."""
-        since = state.send_since
-        if since is not None and clock.now() - since >= write_timeout:
-            state.stalled = True
-            record.error = "client stopped reading"
-            stop(1008, "client not reading")
-            if main_task is not None:
-                main_task.cancel()
-        else:
-            writer_timer[:] = [clock.call_at(clock.now() + write_timeout / 4, check_writer)]
-
-    def check_idle() -> None:
-        due = state.last_activity + limits.idle_timeout_s
-        if clock.now() >= due - 1e-6:
-            stop(1008, "idle timeout")
-        else:
-            idle_timer[:] = [clock.call_at(due, check_idle)]
+        core.stop(code, reason, clock.now())
+        run()
 
     async def client_to_upstream() -> None:
         while True:
@@ -116,78 +155,79 @@ async def relay_frames(
             kind = message["type"]
             if kind == "websocket.receive":
                 now = clock.now()
-                state.last_activity = now
                 text = message.get("text")
                 if text is not None:
-                    if len(text) > max_bytes // 4 and len(text.encode()) > max_bytes:
-                        raise MessageTooLarge(f"message over {max_bytes} bytes")
-                    record.frames_up += 1
-                    record.bytes_up += len(text)
-                    adapter.client_text(now, text)
+                    size = len(text) if text.isascii() else len(text.encode())
+                    if not core.data_frame(client, size, now):
+                        run()
+                        return
+                    core.text(client, text, now, size)
                     await upstream.send(text)
                 else:
                     data = message.get("bytes") or b""
-                    if len(data) > max_bytes:
-                        raise MessageTooLarge(f"message over {max_bytes} bytes")
-                    record.frames_up += 1
-                    record.bytes_up += len(data)
-                    adapter.client_binary(now, data)
+                    if not core.data_frame(client, len(data), now):
+                        run()
+                        return
+                    core.binary(client, data, now, len(data))
                     await upstream.send(data)
             elif kind == "websocket.disconnect":
-                code = message.get("code", 1005)
-                reason = message.get("reason") or ""
-                state.client_closed = (code, reason)
-                record.client_close = code
-                await upstream.close(sendable_code(code, 1001), truncate_reason(reason))
+                now = clock.now()
+                core.close_received(
+                    client, message.get("code", 1005), message.get("reason") or "", now
+                )
+                core.connection_lost(client, now)
+                run()
                 return
 
-    client_task = asyncio.ensure_future(client_to_upstream())
+    client_task = shell.client_task = asyncio.ensure_future(client_to_upstream())
     rt.register_session(stop)
-    if limits.idle_timeout_s:
-        idle_timer.append(clock.call_at(clock.now() + limits.idle_timeout_s, check_idle))
-    if limits.max_session_s:
-        timers.append(
-            clock.call_at(clock.now() + limits.max_session_s,
-                          lambda: stop(1008, "maximum session duration reached"))
-        )  # fmt: skip
-    writer_timer.append(clock.call_at(clock.now() + write_timeout / 4, check_writer))
-    client_task.add_done_callback(lambda t: _on_client_done(t, upstream, state, stop))
+    shell.arm(core.next_deadline())
+    client_task.add_done_callback(lambda t: _on_client_done(t, stop))
     try:
         try:
             async for message in upstream:
                 now = clock.now()
-                state.last_activity = now
-                state.send_since = now
+                size = len(message)
+                if not core.data_frame(up, size, now):
+                    run()
+                    continue
+                core.buffer_full(client, now)  # until the send returns: the write watchdog
                 if isinstance(message, str):
-                    adapter.upstream_text(now, message)
-                    record.bytes_down += len(message)
-                    record.frames_down += 1
+                    core.text(up, message, now, size)
+                    run()
                     await send({"type": "websocket.send", "text": message})
                 else:
-                    adapter.upstream_binary(now, message)
-                    record.bytes_down += len(message)
-                    record.frames_down += 1
+                    core.binary(up, message, now, size)
+                    run()
                     await send({"type": "websocket.send", "bytes": message})
-                state.send_since = None
+                core.buffer_drained(client)
+                run()
         except ConnectionClosed:
             pass
         except asyncio.CancelledError:
-            if not state.stalled or main_task is None or main_task.uncancel():
+            main_task = shell.main_task
+            if not shell.stalled or main_task is None or main_task.uncancel():
                 raise
             return  # nothing more can be sent to this client; uvicorn closes the socket
         except OSError:
             # uvicorn's ClientDisconnected: the client vanished while we were sending.
-            state.send_since = None  # that send is over: the write watchdog must not fire
-            if state.client_closed is None:
-                state.client_closed = (1006, "")
-                record.client_close = 1006
+            core.buffer_drained(client)  # that send is over: the watchdog must not fire
+            core.connection_lost(client, clock.now())
+            run()
+            if shell.upstream_close is not None:
+                code, reason = shell.upstream_close
+                with contextlib.suppress(Exception):
+                    await upstream.close(code, truncate_reason(reason))
+        _upstream_ended(core, upstream, clock.now())
+        run()
+        if shell.client_close is not None:
+            code, reason = shell.client_close
             with contextlib.suppress(Exception):
-                await upstream.close(1001, "client went away")
-        await _finish(rt, lease, upstream, send, state, record)
+                await send({"type": "websocket.close", "code": code,
+                            "reason": truncate_reason(reason)})  # fmt: skip
     finally:
         rt.unregister_session(stop)
-        for timer in timers + idle_timer + writer_timer:
-            timer.cancel()
+        shell.cancel_timer()
         if not client_task.done():
             client_task.cancel()
         with contextlib.suppress(BaseException):
@@ -196,49 +236,23 @@ async def relay_frames(
         record.meter = summary.as_log_fields()
 
 
-def _on_client_done(
-    task: asyncio.Future[None], upstream: ClientConnection, state: _Pump, stop: Any
-) -> None:
+def _upstream_ended(core: RelayCore, upstream: ClientConnection, now: float) -> None:
+    """The upstream connection is closed: tell the core how."""
+    rcvd = upstream.close_code
+    up = core.upstream
+    if isinstance(upstream.protocol.parser_exc, PayloadTooBig):
+        core.too_large(up, now)
+    elif rcvd is not None and rcvd != 1006:
+        core.close_received(up, rcvd, upstream.close_reason or "", now)
+    core.connection_lost(up, now)
+    core.record.upstream_close = rcvd
+
+
+def _on_client_done(task: asyncio.Future[None], stop: Callable[[int, str], None]) -> None:
     if task.cancelled():
         return
     exc = task.exception()
-    if exc is None:
-        return
-    if isinstance(exc, MessageTooLarge):
-        stop(1008, str(exc))
-    elif isinstance(exc, ConnectionClosed):
-        pass  # upstream went away while we were sending; the upstream loop reports it
-    else:
-        log.error("client pump failed: %r", exc)
-        stop(1011, "internal error")
-
-
-async def _finish(
-    rt: Runtime,
-    lease: Lease,
-    upstream: ClientConnection,
-    send: Send,
-    state: _Pump,
-    record: SessionRecord,
-) -> None:
-    """Both directions are over: tell the client why, in one close frame."""
-    rcvd = upstream.close_code
-    record.upstream_close = rcvd
-    if state.client_closed is not None:
-        return  # the client ended it; nothing more to send
-    if state.closing is not None:
-        code, reason = state.closing.code, state.closing.reason
-    elif isinstance(upstream.protocol.parser_exc, PayloadTooBig):
-        rt.upstream_error(lease.pool, lease.replica, "protocol")
-        code, reason = 1014, "upstream message too large"
-    elif rcvd is None or rcvd == 1006:
-        rt.upstream_error(lease.pool, lease.replica, "midstream")
-        code, reason = 1014, "upstream connection lost"
-    else:
-        code = client_code_for_upstream_close(rcvd)
-        reason = (upstream.close_reason or "") if rcvd != 1005 else ""
-        if code == 1011:
-            rt.upstream_error(lease.pool, lease.replica, "upstream_internal_error")
-    record.client_close = code
-    with contextlib.suppress(Exception):
-        await send({"type": "websocket.close", "code": code, "reason": truncate_reason(reason)})
+    if exc is None or isinstance(exc, ConnectionClosed):
+        return  # (upstream went away while we were sending: the upstream loop reports it)
+    log.error("client pump failed: %r", exc)
+    stop(1011, "internal error")
