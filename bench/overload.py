@@ -339,7 +339,7 @@ _ROWS = (
     ("sessions_started", "sessions started", "{:d}"),
     ("sessions_refused", "sessions refused", "{:d}"),
     ("underruns", "modelled underruns (admitted)", "{:d}"),
-    ("startup_stalls", "streams stalled at the first seam", "{:d}"),
+    ("startup_stalls", "first-seam stalls (streams)", "{:d}"),
     ("stall_s", "modelled stall seconds", "{:.2f}"),
     ("worst_delivery_ratio", "worst-1% delivery ratio", "{:.2f}"),
     ("median_delivery_ratio", "median delivery ratio", "{:.2f}"),
