@@ -105,7 +105,6 @@ class Splice:
     :attr:`done` resolves once both sockets are closed."""
 
     __slots__ = (
-        "__weakref__",
         "_keepalive",
         "_raw_close",
         "_timer",
@@ -137,11 +136,7 @@ class Splice:
         self.record = record
         self.limits = limits
         self.clock: Clock = rt.clock
-        pool, replica = lease.pool, lease.replica
-        self.core = RelayCore(
-            limits, record, adapter, lambda kind: rt.upstream_error(pool, replica, kind),
-            self.clock.now(),
-        )  # fmt: skip
+        self.core = RelayCore(limits, record, adapter, self._upstream_error, self.clock.now())
         self.client = Leg(self, self.core.client)
         self.upstream = Leg(self, self.core.upstream)
         self.client.peer = self.upstream
@@ -152,6 +147,9 @@ class Splice:
         self._keepalive = _keepalive_for(loop) if limits.ping_interval_s else None
         self._timer: TimerHandle | None = None
         self._timer_at = float("inf")
+
+    def _upstream_error(self, kind: str) -> None:
+        self.rt.upstream_error(self.lease.pool, self.lease.replica, kind)
 
     @property
     def closing(self) -> tuple[int, str] | None:
