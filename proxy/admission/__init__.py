@@ -1,5 +1,5 @@
-"""The pure admission core: caps, placement, FIFO queue. Imports neither asyncio nor
-time; the clock is passed in as ``now``."""
+"""The pure admission core: caps, placement, the queue (priority classes, fair share
+between tenants, reserves). Imports neither asyncio nor time; the clock is passed in as ``now``."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from proxy.admission.decisions import (
     ReplicaSpec,
     ReplicaStatistics,
 )
+from proxy.admission.tenants import ANONYMOUS, Reserve, TenantQueue, TenantSpec
 
 __all__ = [
+    "ANONYMOUS",
     "RETRY_AFTER_MAX_S",
     "RETRY_AFTER_MIN_S",
     "Admit",
@@ -27,4 +29,7 @@ __all__ = [
     "Reject",
     "ReplicaSpec",
     "ReplicaStatistics",
+    "Reserve",
+    "TenantQueue",
+    "TenantSpec",
 ]

@@ -10,8 +10,18 @@ Rules, all enforced here and nowhere else:
   cap set live). Lowering a cap never evicts; it only stops admissions until the
   replica is below it.
 * A newcomer is placed on the least-loaded (by ``active / cap``) healthy, unguarded,
-  non-retired replica with a free slot -- but only if nobody is waiting. No barging:
-  while the queue is non-empty every freed slot goes directly to the head waiter.
+  non-retired replica with a free slot -- but only if nobody of its class or a higher
+  one is waiting. No barging: every freed slot goes directly to the waiter
+  :class:`~proxy.admission.tenants.TenantQueue` serves next (class first, then fair
+  share by session-seconds between keys with a ``weight``, FIFO within a key; with no
+  tenant fields configured, one plain FIFO).
+* Reserves: a session of class ``c`` takes a slot only while more than
+  :func:`~proxy.admission.tenants.reserved_above` ``(c)`` slots are free on usable
+  replicas, so the classes below a reserve see a smaller cap.
+* A key's ``max_queued`` bounds its waiters in the queue (``tenant_limit``); a full
+  queue refuses a newcomer (``queue_full``) unless it may displace a sheddable waiter of
+  a lower class, which is refused at once (``preempted_in_queue``,
+  :attr:`Enqueue.displaced`).
 * The queue is bounded (``max_depth``) and every waiter has a deadline
   (``max_wait_s``); :meth:`PoolCore.expire` refuses those past it with
   ``queue_timeout``. An abandoned waiter leaves at once and is never admitted.
@@ -31,7 +41,6 @@ refused clients do not come back in lock-step, even at the 1 s floor.
 from __future__ import annotations
 
 import random
-from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +62,7 @@ from proxy.admission.retry_after import (
     next_recheck_s,
     retry_after_s,
 )
+from proxy.admission.tenants import ANONYMOUS, Reserve, TenantQueue, TenantSpec, reserved_above
 
 __all__ = ["PoolCore", "RETRY_AFTER_MAX_S", "RETRY_AFTER_MIN_S"]
 
@@ -89,15 +99,10 @@ class _Replica:
 
 
 @dataclass(slots=True)
-class _Waiter:
-    arrived: float
-    deadline: float
-
-
-@dataclass(slots=True)
 class _Lease:
     replica: str
     admitted_at: float
+    tenant: TenantSpec
 
 
 class PoolCore:
@@ -117,6 +122,7 @@ class PoolCore:
         session_estimate_s: float = 20.0,
         recheck_interval_s: float | None = None,
         seed: int = 0,
+        reserves: Sequence[Reserve] = (),
     ) -> None:
         self.name = name
         self._replicas: dict[str, _Replica] = {}
@@ -129,36 +135,59 @@ class PoolCore:
         self._lengths = SessionLengths(session_estimate_s)
         self.recheck_interval_s = recheck_interval_s
         self.queue = queue or QueuePolicy()
-        self._waiters: OrderedDict[int, _Waiter] = OrderedDict()
+        self._waiters = TenantQueue()
+        self.reserves: tuple[Reserve, ...] = tuple(reserves)
         self._leases: dict[int, _Lease] = {}
         self._next_ticket = 1
         self._draining = False
         self._forecast: SlotForecast | None = None
         self._forecast_at = 0.0
         self._rng = random.Random(seed)
+        self._last_now = 0.0
 
     # -- events -----------------------------------------------------------------
 
-    def arrive(self, now: float) -> Decision:
-        """A new session asks for a slot: admit, enqueue or reject it."""
+    def arrive(self, now: float, tenant: TenantSpec | None = None) -> Decision:
+        """A new session (of ``tenant``; None: no key) asks for a slot: admit, enqueue
+        or reject it."""
+        spec = tenant or ANONYMOUS
         ticket = self._next_ticket
         self._next_ticket += 1
         if self._draining:
             return self._reject(ticket, "draining", position=None, now=now)
         if not any(r.healthy and not r.retired for r in self._replicas.values()):
             return self._reject(ticket, "no_healthy_replica", position=None, now=now)
-        if not self._waiters:
+        if not self._waiters.waiting_at_or_above(spec.priority) and self._may_take(
+            spec.priority
+        ):
             replica = self._pick()
             if replica is not None:
-                return self._admit(ticket, replica, now, now)
+                return self._admit(ticket, spec, replica, now, now)
         if not self.queue.enabled:
-            return self._reject(ticket, self._full_reason(), position=None, now=now)
+            return self._reject(ticket, self._full_reason(), position=None, now=now, tenant=spec)
+        if spec.max_queued is not None and self._waiters.queued_by(spec.name) >= spec.max_queued:
+            return self._reject(ticket, "tenant_limit", position=None, now=now, tenant=spec)
+        displaced: tuple[Reject, ...] = ()
         if len(self._waiters) >= self.queue.max_depth:
-            return self._reject(ticket, "queue_full", position=None, now=now)
+            victim = self._waiters.victim(spec.priority)
+            if victim is None:
+                return self._reject(ticket, "queue_full", position=None, now=now, tenant=spec)
+            self._waiters.remove(victim.ticket)
+            shed_at = self._waiters.position_of_new(victim.tenant, now, self._lengths.mean)
+            displaced = (
+                Reject(
+                    victim.ticket,
+                    "preempted_in_queue",
+                    self.retry_after("preempted_in_queue", shed_at, now),
+                    waited_s=now - victim.arrived,
+                ),
+            )
         deadline = now + self.queue.max_wait_s
-        self._waiters[ticket] = _Waiter(now, deadline)
-        position = len(self._waiters)
-        return Enqueue(ticket, position, deadline, self.estimate_wait(position, now))
+        self._waiters.push(ticket, spec, now, deadline, self._lengths.mean)
+        position = self._waiters.position(ticket, now, self._lengths.mean) or 1
+        return Enqueue(
+            ticket, position, deadline, self.estimate_wait(position, now), displaced=displaced
+        )
 
     def release(self, ticket: int, now: float) -> list[Admit]:
         """An admitted session ended (any way at all). Returns waiters handed a slot."""
@@ -167,6 +196,7 @@ class PoolCore:
             raise LookupError(f"pool {self.name!r}: ticket {ticket} holds no slot")
         replica = self._replicas[lease.replica]
         replica.active -= 1
+        self._waiters.released(ticket, now)
         self._lengths.observe(now - lease.admitted_at)
         self._forecast = None
         if replica.retired and replica.active == 0:
@@ -197,15 +227,17 @@ class PoolCore:
     def abandon(self, ticket: int, now: float) -> list[Admit]:
         """A waiter left (disconnected or cancelled). Unknown tickets are ignored so the
         caller may abandon unconditionally on every exit path."""
-        self._waiters.pop(ticket, None)
+        self._waiters.remove(ticket)
         return self._assign(now)
 
     def expire(self, now: float) -> list[Reject]:
         """Refuse every waiter whose deadline has passed (``queue_timeout``)."""
         expired: list[Reject] = []
-        for position, (ticket, waiter) in enumerate(list(self._waiters.items()), start=1):
+        if not any(self._waiters.waiter(t).deadline <= now for t in self._waiters):
+            return expired
+        for position, ticket in enumerate(self.waiting(now), start=1):
+            waiter = self._waiters.waiter(ticket)
             if waiter.deadline <= now:
-                del self._waiters[ticket]
                 expired.append(
                     Reject(
                         ticket,
@@ -215,23 +247,28 @@ class PoolCore:
                         waited_s=now - waiter.arrived,
                     )
                 )
+        for reject in expired:
+            self._waiters.remove(reject.ticket)
         return expired
 
     def drain(self, now: float) -> list[Reject]:
         """Stop admitting. Every waiter is refused with ``draining``; running sessions
         keep their slots until released."""
         self._draining = True
-        rejects = [
-            Reject(
-                t,
-                "draining",
-                self.retry_after("draining", pos, now),
-                queue_position=pos,
-                waited_s=now - w.arrived,
+        rejects = []
+        for pos, t in enumerate(self.waiting(now), start=1):
+            w = self._waiters.waiter(t)
+            rejects.append(
+                Reject(
+                    t,
+                    "draining",
+                    self.retry_after("draining", pos, now),
+                    queue_position=pos,
+                    waited_s=now - w.arrived,
+                )
             )
-            for pos, (t, w) in enumerate(self._waiters.items(), start=1)
-        ]
-        self._waiters.clear()
+        for reject in rejects:
+            self._waiters.remove(reject.ticket)
         return rejects
 
     def undrain(self, now: float) -> list[Admit]:
@@ -270,7 +307,9 @@ class PoolCore:
         rejects: list[Reject] = []
         while len(self._waiters) > (queue.max_depth if queue.enabled else 0):
             position = len(self._waiters)
-            ticket, waiter = self._waiters.popitem(last=True)
+            ticket = self.waiting(now)[-1]
+            waiter = self._waiters.remove(ticket)
+            assert waiter is not None
             rejects.append(
                 Reject(
                     ticket,
@@ -319,17 +358,43 @@ class PoolCore:
 
     def next_deadline(self) -> float | None:
         """The earliest waiter deadline, for the caller's timer."""
-        return min((w.deadline for w in self._waiters.values()), default=None)
+        return min((self._waiters.waiter(t).deadline for t in self._waiters), default=None)
 
-    def position(self, ticket: int) -> int | None:
-        """1-based queue position of a waiter, or None if not waiting."""
-        for i, t in enumerate(self._waiters, start=1):
-            if t == ticket:
-                return i
-        return None
+    def position(self, ticket: int, now: float | None = None) -> int | None:
+        """1-based queue position of a waiter (its rank in the projected service
+        order), or None if not waiting. ``now`` defaults to the last event's time."""
+        at = self._last_now if now is None else now
+        return self._waiters.position(ticket, at, self._lengths.mean)
 
-    def waiting(self) -> list[int]:
-        return list(self._waiters)
+    def waiting(self, now: float | None = None) -> list[int]:
+        """Waiting tickets in projected service order (the head first)."""
+        at = self._last_now if now is None else now
+        return self._waiters.order(at, self._lengths.mean)
+
+    def tenant_of(self, ticket: int) -> TenantSpec | None:
+        """The tenant of a waiting or admitted ticket."""
+        lease = self._leases.get(ticket)
+        if lease is not None:
+            return lease.tenant
+        return self._waiters.waiter(ticket).tenant if ticket in self._waiters else None
+
+    def tenant_counts(self) -> dict[TenantSpec, tuple[int, int]]:
+        """(active, queued) per tenant with either, for metrics."""
+        counts: dict[TenantSpec, list[int]] = {}
+        for lease in self._leases.values():
+            counts.setdefault(lease.tenant, [0, 0])[0] += 1
+        for t in self._waiters:
+            counts.setdefault(self._waiters.waiter(t).tenant, [0, 0])[1] += 1
+        return {k: (a, q) for k, (a, q) in counts.items()}
+
+    def set_reserves(self, reserves: Sequence[Reserve], now: float) -> list[Admit]:
+        """Change the pool's reserves live; never evicts."""
+        self.reserves = tuple(reserves)
+        return self._assign(now)
+
+    def free_slots(self) -> int:
+        """Free slots on replicas that take sessions now (healthy, unguarded, live)."""
+        return sum(r.cap - r.active for r in self._replicas.values() if r.eligible)
 
     def lease_replica(self, ticket: int) -> str | None:
         lease = self._leases.get(ticket)
@@ -432,23 +497,43 @@ class PoolCore:
                     best, best_key = r, key
         return best
 
-    def _admit(self, ticket: int, replica: _Replica, arrived: float, now: float) -> Admit:
+    def _admit(
+        self, ticket: int, tenant: TenantSpec, replica: _Replica, arrived: float, now: float
+    ) -> Admit:
         replica.active += 1
-        self._leases[ticket] = _Lease(replica.name, now)
+        self._leases[ticket] = _Lease(replica.name, now, tenant)
+        self._waiters.admitted(ticket, tenant, now)
         self._forecast = None
         return Admit(ticket, replica.name, waited_s=now - arrived)
 
+    def _usable_replicas(self) -> int:
+        return sum(1 for r in self._replicas.values() if r.live and not r.guarded)
+
+    def _may_take(self, priority: int) -> bool:
+        """Whether a session of class ``priority`` may take a free slot now (reserves)."""
+        if not self.reserves:
+            return True
+        keep = reserved_above(self.reserves, priority, self._usable_replicas())
+        return self.free_slots() > keep
+
     def _assign(self, now: float) -> list[Admit]:
-        """Hand free slots to waiters, head first."""
+        """Hand free slots to waiters, the one :class:`TenantQueue` serves next first.
+        If that waiter may not take a slot (no replica, or reserves), no later one may:
+        it is of the highest class waiting."""
+        self._last_now = now
         admitted: list[Admit] = []
         if self._draining:
             return admitted
         while self._waiters:
+            head = self._waiters.head(now, self._lengths.mean)
+            assert head is not None
+            if not self._may_take(head.tenant.priority):
+                break
             replica = self._pick()
             if replica is None:
                 break
-            ticket, waiter = self._waiters.popitem(last=False)
-            admitted.append(self._admit(ticket, replica, waiter.arrived, now))
+            self._waiters.remove(head.ticket)
+            admitted.append(self._admit(head.ticket, head.tenant, replica, head.arrived, now))
         return admitted
 
     def _full_reason(self) -> str:
@@ -457,8 +542,19 @@ class PoolCore:
             return "guard"
         return "pool_full"
 
-    def _reject(self, ticket: int, reason: str, position: int | None, now: float) -> Reject:
-        waiting_position = len(self._waiters) + 1
+    def _reject(
+        self,
+        ticket: int,
+        reason: str,
+        position: int | None,
+        now: float,
+        tenant: TenantSpec | None = None,
+    ) -> Reject:
+        """Refuse a newcomer; Retry-After from where ``tenant`` would have stood."""
+        if tenant is None or not self._waiters:
+            waiting_position = len(self._waiters) + 1
+        else:
+            waiting_position = self._waiters.position_of_new(tenant, now, self._lengths.mean)
         return Reject(
             ticket, reason, self.retry_after(reason, waiting_position, now), queue_position=position
         )

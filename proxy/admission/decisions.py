@@ -62,12 +62,14 @@ class Admit:
 
 @dataclass(frozen=True, slots=True)
 class Enqueue:
-    """``ticket`` waits at ``position`` (1 = next) until ``deadline``."""
+    """``ticket`` waits at ``position`` (1 = next) until ``deadline``. ``displaced``:
+    sheddable waiters refused (``preempted_in_queue``) to make room for it."""
 
     ticket: int
     position: int
     deadline: float
     eta_s: float
+    displaced: tuple[Reject, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
