@@ -674,41 +674,47 @@ class SharedGate:
             p = self._pools.get(pool)
             for waiter_id, _ in woken:  # the confirm says which replica
                 waiter = p.waiters.get(waiter_id) if p is not None else None
-                if waiter is None or waiter.future.done():
+                if waiter is not None and not waiter.future.done():
+                    self._spawn(self._confirm(pool, waiter_id, waiter))
+                elif p is None or not self._taken(p, waiter_id, waiter):
                     self._spawn(self._release_remote(pool, waiter_id))  # nobody takes it
-                    continue
-                self._spawn(self._confirm(pool, waiter_id, waiter))
+
+    @staticmethod
+    def _taken(p: _Pool, waiter_id: str, waiter: _Waiter | None) -> bool:
+        """Whether the slot granted to ``waiter_id`` already reached its session by
+        another way (its queue deadline's ``leave`` found the grant): the wake-up for
+        it is then a duplicate, not a slot nobody takes."""
+        if waiter_id in p.leases:
+            return True
+        future = waiter.future if waiter is not None else None
+        return (future is not None and future.done() and not future.cancelled()
+                and isinstance(future.result(), Admit))  # fmt: skip
 
     async def _confirm(self, pool: str, waiter_id: str, waiter: _Waiter) -> None:
         """Take a slot handed over through the wake list only once Redis confirms the
-        lease is live (and extends it): a gateway paused longer than the lease TTL
+        lease is live (``leave`` of a granted waiter extends its lease and names the
+        replica; it never grants anything): a gateway paused longer than the lease TTL
         finds grants in its wake list that lapsed and went to other sessions meanwhile.
-        A lapsed grant puts the waiter back in the queue (a fresh acquire, at the tail)."""
+        A lapsed grant refuses the waiter (``backend_unavailable``, as when a renewal
+        finds its queue place gone). If the waiter was resolved meanwhile by another path
+        (its queue deadline's ``leave`` found the grant and took it, a renewal refused
+        it, its client left), that path owns the outcome and this one does nothing."""
         p = self._pools[pool]
-        depth = p.queue.max_depth if p.queue.enabled else 0
         try:
-            kind, value = await self.backend.acquire(pool, waiter_id, p.view(), depth)
+            kind, replica = await self.backend.leave(pool, waiter_id, p.view())
         except BackendUnavailable:
             self._set_available(False)
-            kind, value = "reject", "backend_unavailable"
-        if waiter.future.done() or p.waiters.get(waiter_id) is not waiter:  # it left
-            if kind in ("admit", "queued"):
-                self._spawn(self._leave_remote(pool, waiter_id))
+            kind, replica = "unavailable", None
+        if waiter.future.done() or p.waiters.get(waiter_id) is not waiter:
             return
         waited = self.clock.now() - waiter.arrived
-        if kind == "admit":
-            waiter.future.set_result(Admit(0, str(value), waited))
-        elif kind == "queued":
-            log.warning("pool %s: a slot handed to %s lapsed before this gateway took it; "
-                        "queued again", pool, waiter_id)  # fmt: skip
-            waiter.position = int(value)
-            if waiter.on_position is not None:
-                waiter.on_position(waiter.position, self.estimate_wait(pool, waiter.position))
-        elif kind == "blocked":
-            waiter.future.set_result(Reject(0, "backend_unavailable", int(value) / 1000,
-                                            waited_s=waited))  # fmt: skip
-        else:
-            waiter.future.set_result(Reject(0, str(value), self._estimate(p, 1), waited_s=waited))
+        if kind == "granted" and replica is not None:
+            waiter.future.set_result(Admit(0, replica, waited))
+            return
+        if kind != "unavailable":
+            log.warning("pool %s: the slot handed to %s lapsed before this gateway took it",
+                        pool, waiter_id)  # fmt: skip
+        waiter.future.set_result(Reject(0, "backend_unavailable", 1.0, waited_s=waited))
 
     # -- drain, configuration, health, guard --------------------------------------------
 

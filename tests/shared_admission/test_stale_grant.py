@@ -2,7 +2,7 @@
 paused longer than the lease TTL: the grant lapsed and the slot went to someone else.
 When the gateway runs again it must not admit the waiter on the stale grant (the
 replica would be over its cap); it confirms the lease with Redis first and, finding
-it gone, puts the waiter back in the queue. Found by bench/chaos_shared.py (SIGSTOP
+it gone, refuses the waiter. Found by bench/chaos_shared.py (SIGSTOP
 past the TTL put a fifth session on a replica capped at 4)."""
 
 from __future__ import annotations
@@ -92,7 +92,8 @@ async def test_a_grant_that_lapsed_while_its_gateway_was_paused_is_not_used(
         admitted = [t.result() for t in tasks if t.done() and not t.exception()]
         assert len(admitted) <= 2, "three sessions on a replica capped at 2"
         assert all(isinstance(x, SharedLease) and x.lease_id in owners for x in admitted)
-        assert not tasks[0].done(), "admitted on a grant that had lapsed"
+        assert tasks[0].done(), "the waiter of the lapsed grant is refused"
+        assert isinstance(tasks[0].exception(), Refused), "admitted on a grant that had lapsed"
         for lease in admitted:
             lease.release()
     finally:
@@ -132,6 +133,53 @@ async def test_a_waiter_timing_out_does_not_take_a_grant_that_lapsed(server: Red
         assert tasks[0].done()
         assert isinstance(tasks[0].exception(), Refused)
         assert paused.active == 0
+    finally:
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        for gate in (paused, holder):
+            with contextlib.suppress(Exception):
+                await gate.stop()
+        await client.aclose()
+
+
+async def test_a_grant_taken_by_the_queue_deadline_is_not_given_back_by_the_wake_up(
+    server: RedisServer,
+) -> None:
+    """Both ways a paused gateway learns of a grant run when it resumes: its waiter's
+    queue deadline (``leave`` finds the grant and admits) and the wake-up. The wake-up's
+    confirmation must not release the lease the deadline path just handed to the
+    session (Redis would reuse the slot while the session runs)."""
+    paused, holder = make(server.url, "paused"), make(server.url, "holder")
+    client = aioredis.from_url(server.url)
+    tasks: list[asyncio.Task[Lease]] = []
+    try:
+        held = [await holder.admit("tts"), await holder.admit("tts")]
+        entry = await paused.admit("tts")
+        assert isinstance(entry, SharedWaiting)
+        tasks = [asyncio.ensure_future(entry.wait())]
+        held[0].release()  # granted to the paused gateway's waiter (its wake list)
+        await holder.quiesce()
+        assert isinstance(paused.clock, FakeClock)
+        paused.clock.advance(61)  # the deadline fires first: leave finds the grant
+        for _ in range(1000):
+            if tasks[0].done():
+                break
+            await asyncio.sleep(0.005)
+        lease = tasks[0].result()
+        assert isinstance(lease, SharedLease)
+        paused._loops.append(asyncio.ensure_future(paused._wake_loop("tts")))  # then this
+        wake = paused.backend.wake_key("tts")
+        for _ in range(1000):
+            if await client.llen(wake) == 0:
+                break
+            await asyncio.sleep(0.005)
+        await paused.quiesce()
+        owners = {o.decode() for o in await client.hkeys("headroom:{tts}:owner")}
+        assert lease.lease_id in owners, "the running session's lease was released"
+        lease.release()
     finally:
         for task in tasks:
             if not task.done():
