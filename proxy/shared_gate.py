@@ -48,6 +48,12 @@ from proxy.admission import (
     ReplicaStatistics,
 )
 from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission, ReplicaView
+from proxy.admission.retry_after import (
+    SessionLengths,
+    SlotForecast,
+    next_recheck_s,
+    retry_after_s,
+)
 from proxy.clock import Clock, TimerHandle
 from proxy.errors import FallbackHint, Refused, TenantLimitRefused, refusal_for
 from proxy.gate import Lease, PositionCallback, Waiting
@@ -126,6 +132,8 @@ class _Pool:
     waiters: dict[str, _Waiter] = field(default_factory=dict)
     held: dict[str, int] = field(default_factory=dict)
     queue_depth: int = 0
+    #: The spread of the session lengths this gateway saw end (Retry-After's model).
+    lengths: SessionLengths | None = None
 
     def view(self) -> list[ReplicaView]:
         return [
@@ -245,9 +253,14 @@ class SharedGate:
         self._loops: list[asyncio.Task[None]] = []
         self._next = 0
         self._rng = random.Random(seed)
+        self._recheck_interval_s: float | None = None
+        #: When this gateway ejected each (pool, replica) it holds as unhealthy.
+        self._ejected_at: dict[tuple[str, str], float] = {}
         #: Tenant reservations held in Redis: lease or waiter id -> tenant.
         self._tenants: dict[str, str] = {}
         self.draining = False
+        #: Set by :meth:`stop` first: the background loops end at their next turn.
+        self._closing = False
         self._stopped = False
         #: Whether the last call to Redis succeeded (``/readyz``).
         self.available = False
@@ -272,11 +285,19 @@ class SharedGate:
             self._loops.append(asyncio.ensure_future(self._wake_loop(name)))
 
     async def stop(self) -> None:
-        for task in self._loops:
-            task.cancel()
+        self._closing = True
+        # Cancel the loops until they have ended, not once: on Python 3.11 a cancel
+        # that lands just as a Redis command has been sent is lost (redis-py sends
+        # through asyncio.wait_for, which then returns normally: CPython gh-86296), and
+        # a loop that missed it went on renewing while this waited for it forever.
+        loops = set(self._loops)
+        while loops:
+            for task in loops:
+                task.cancel()
+            _, loops = await asyncio.wait(loops, timeout=0.1)
         for task in self._loops:
             with contextlib.suppress(BaseException):
-                await task
+                task.result()
         self._loops.clear()
         self._stopped = True
         if self._tasks:  # releases still in flight: a last chance to land
@@ -308,7 +329,7 @@ class SharedGate:
             raise self._refuse(p, "draining", 1)
         view = p.view()
         if not view:
-            raise self._refuse(p, "no_healthy_replica", 1)
+            raise self._refuse(p, "no_healthy_replica", self._no_replica_wait(p, now))
         self._next += 1
         waiter_id = f"{self.backend.gateway_id}:{self._next}"
         quota = TENANT_QUOTA.get()
@@ -404,6 +425,9 @@ class SharedGate:
         now = self.clock.now()
         duration = max(0.0, now - lease.admitted_at)
         p.session_estimate_s += _EWMA_ALPHA * (duration - p.session_estimate_s)
+        if p.lengths is None:
+            p.lengths = SessionLengths(p.session_estimate_s)
+        p.lengths.observe(duration)
         p.session_estimate_s = max(p.session_estimate_s, 0.05)
         if self.metrics is not None:
             self.metrics.session_duration.labels(lease.pool).observe(duration)
@@ -582,7 +606,7 @@ class SharedGate:
     # -- background: renewals, fencing, wake-ups ------------------------------------
 
     async def _renew_loop(self) -> None:
-        while True:
+        while not self._closing:
             await self.renew()
             await asyncio.sleep(self.renew_interval_s)
 
@@ -662,7 +686,7 @@ class SharedGate:
 
     async def _wake_loop(self, pool: str) -> None:
         delay = 0.05
-        while True:
+        while not self._closing:
             try:
                 woken = await self.backend.wakeups(pool, _WAKE_BLOCK_S)
             except BackendUnavailable:
@@ -746,6 +770,10 @@ class SharedGate:
             log.warning("replica %s/%s is now %s", pool, replica,
                         "healthy" if healthy else "unhealthy")  # fmt: skip
             r.healthy = healthy
+            if healthy:
+                self._ejected_at.pop((pool, replica), None)
+            else:
+                self._ejected_at[(pool, replica)] = self.clock.now()
             self._poke(pool)
             for listener in self._healthy_listeners:
                 listener(pool, replica, healthy)
@@ -807,8 +835,9 @@ class SharedGate:
         self._healthy_listeners.append(listener)
 
     def set_recheck_interval(self, seconds: float | None) -> None:
-        """(The in-process gate advises ``no_healthy_replica`` refusals of the next
-        health re-check; this one advises 1 s.)"""
+        """How often an ejected replica is re-checked (``health.recheck_interval_s``):
+        a ``no_healthy_replica`` refusal advises retrying around the next re-check."""
+        self._recheck_interval_s = seconds
 
     def on_fence(self, listener: FenceCallback) -> None:
         self._fence_listeners.append(listener)
@@ -827,9 +856,38 @@ class SharedGate:
         return self._pool(pool).fallback
 
     def estimate_wait(self, pool: str, position: int) -> float:
+        """Expected seconds until a waiter at ``position`` (1 = head) is handed a slot:
+        when the ``position``-th usable slot frees
+        (:class:`~proxy.admission.retry_after.SlotForecast`, the in-process gate's
+        rule), from what this gateway knows: the ages of its own sessions, the sessions
+        held per replica over every gateway at the last renewal, and the session
+        lengths it saw end. The ages of other gateways' sessions are not known here:
+        they are taken to be spread like this gateway's own (evenly over one mean
+        session length if it holds none)."""
         p = self._pool(pool)
-        slots = sum(r.cap for r in p.replicas.values() if r.healthy and not r.retired)
-        return p.session_estimate_s * position / max(1, slots)
+        now = self.clock.now()
+        mine: dict[str, list[float]] = {}
+        for lease in p.leases.values():
+            mine.setdefault(lease.replica, []).append(max(0.0, now - lease.admitted_at))
+        own = sorted(age for ages in mine.values() for age in ages)
+        mean = p.session_estimate_s
+        groups: list[tuple[list[float], int]] = []
+        free_now = 0
+        for name, r in p.replicas.items():
+            if not r.healthy or r.retired:
+                continue
+            ages = mine.get(name, [])
+            held = max(p.held.get(name, 0), len(ages))
+            others = held - len(ages)
+            if own:  # stand-ins for other gateways' sessions, spread like ours
+                ages = ages + [own[(i * len(own)) // others] for i in range(others)]
+            else:
+                ages = ages + [mean * (i + 0.5) / others for i in range(others)]
+            if not r.guarded:
+                free_now += max(0, r.cap - held)
+            groups.append((ages, max(0, held - r.cap)))
+        cv = p.lengths.cv if p.lengths is not None else 0.0
+        return SlotForecast(groups, mean_s=mean, cv=cv, free_now=free_now).wait_s(position)
 
     def statistics(self) -> dict[str, PoolStatistics]:
         """This gateway's view: its own sessions per replica (``active``) and waiters."""
@@ -920,8 +978,18 @@ class SharedGate:
             self.metrics.decisions.labels(pool, decision).inc()
 
     def _estimate(self, p: _Pool, position: int) -> float:
-        base = self.estimate_wait(p.name, position) * (1.0 + self._rng.uniform(-0.1, 0.1))
-        return min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, base))
+        """Whole seconds, jittered upward (:func:`~proxy.admission.retry_after.retry_after_s`)
+        from the simple estimate: this gateway does not see the ages of the sessions
+        other gateways run."""
+        return retry_after_s(self.estimate_wait(p.name, position), self._rng.random())
+
+    def _no_replica_wait(self, p: _Pool, now: float) -> float:
+        """Until the next health re-check of a replica this gateway ejected."""
+        wait = None
+        if self._recheck_interval_s is not None:
+            ages = [now - at for (pool, _), at in self._ejected_at.items() if pool == p.name]
+            wait = next_recheck_s(ages, self._recheck_interval_s)
+        return retry_after_s(wait if wait is not None else 1.0, self._rng.random())
 
     def _refuse(self, p: _Pool, reason: str, retry_after_s: float) -> Refused:
         self._count(p.name, f"rejected_{reason}")
@@ -950,7 +1018,7 @@ def build_shared_gate(settings: Settings, clock: Clock, metrics: Metrics | None)
         heartbeat_ttl_s=r.renew_interval_s * 2.5,
         timeout_s=r.timeout_s,
     )
-    return SharedGate(
+    gate = SharedGate(
         [
             SharedPoolSpec(
                 p.name,
@@ -969,3 +1037,5 @@ def build_shared_gate(settings: Settings, clock: Clock, metrics: Metrics | None)
         lease_ttl_s=r.lease_ttl_s,
         on_backend_loss=settings.admission.on_backend_loss,
     )
+    gate.set_recheck_interval(settings.health.recheck_interval_s)
+    return gate
