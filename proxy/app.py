@@ -3,6 +3,8 @@ the rest.
 
 * A WebSocket on a WebSocket route -> :func:`proxy.relay.ws.relay_websocket`.
 * An HTTP request on an HTTP route -> :func:`proxy.relay.http.relay_http`.
+* ``POST /v1/headroom/reservations`` and ``DELETE /v1/headroom/reservations/{token}``:
+  gang admission across stages (:mod:`proxy.reservations`, docs/voice-agents.md).
 * ``/healthz`` (alive), ``/readyz`` (config loaded, not draining, at least one healthy
   replica; 503 otherwise), ``/ping`` (the same, for SageMaker's container contract),
   ``/metrics`` (Prometheus text format), served by a small
@@ -19,14 +21,22 @@ import json
 import logging
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy import __version__
+from proxy.errors import HeadroomError, PolicyViolation, Refused
 from proxy.logs import install_denial_filter
+from proxy.refusal import http_error
 from proxy.relay.http import install_abort_filter, relay_http
 from proxy.relay.ws import relay_websocket
+from proxy.reservations import (
+    ReservationUnknown,
+    key_of,
+    parse_request,
+    reservations_of,
+)
 from proxy.runtime import Runtime
 
 __all__ = ["HeadroomApp", "create_app"]
@@ -64,6 +74,59 @@ def _ops_app(rt: Runtime) -> FastAPI:
         ready, why = rt.ready()
         return JSONResponse({"status": why}, status_code=200 if ready else 503)
 
+    def error_response(err: HeadroomError, stage: str | None = None) -> Response:
+        status, raw, body = http_error(err, {"X-Headroom-Stage": stage} if stage else None)
+        if stage is not None:
+            doc = json.loads(body)
+            doc["error"]["stage"] = stage
+            doc["error"]["message"] = f"stage {stage}: {doc['error']['message']}"
+            body = json.dumps(doc, separators=(",", ":")).encode()
+        headers = {k.decode(): v.decode() for k, v in raw if k != b"content-length"}
+        return Response(body, status_code=status, headers=headers)
+
+    @ops.post("/v1/headroom/reservations")
+    async def reserve(request: Request) -> Response:
+        """Gang admission: one slot in every named pool, or one refusal."""
+        store = reservations_of(rt)
+        try:
+            try:
+                doc = json.loads(await request.body() or b"null")
+            except ValueError:
+                doc = None
+            pools, hold_s = parse_request(doc, rt.gate.pools())
+            key = key_of(rt.settings.auth, dict(request.scope), pools)
+        except PolicyViolation as err:
+            store.count_invalid()
+            return error_response(err)
+        try:
+            reservation = await store.reserve(pools, hold_s, key)
+        except Refused as refusal:
+            return error_response(refusal, stage=refusal.pool)
+        path = f"/v1/headroom/reservations/{reservation.token}"
+        return JSONResponse(
+            {"token": reservation.token, "pools": list(reservation.pools), "hold_s": hold_s},
+            status_code=201,
+            headers={"Location": path},
+        )
+
+    @ops.delete("/v1/headroom/reservations/{token}")
+    async def release(token: str, request: Request) -> Response:
+        """Release a reservation's unclaimed slots (claimed ones end with their
+        connections)."""
+        store = reservations_of(rt)
+        reservation = store.get(token)
+        try:
+            pools = list(reservation.pools) if reservation else rt.gate.pools()[:1]
+            key = key_of(rt.settings.auth, dict(request.scope), pools)
+        except PolicyViolation as err:
+            return error_response(err)
+        released = store.release(token, key)
+        if released is None:
+            unknown = ReservationUnknown("no such reservation on this gateway")
+            body = http_error(unknown)[2]
+            return Response(body, status_code=404, media_type="application/json")
+        return JSONResponse({"token": token, "released": released})
+
     @ops.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -77,6 +140,7 @@ class HeadroomApp:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self._ops = _ops_app(runtime)
+        self.reservations = reservations_of(runtime)
         install_denial_filter()
         install_abort_filter()
 
@@ -127,6 +191,7 @@ class HeadroomApp:
                     return
                 await send({"type": "lifespan.startup.complete"})
             elif message["type"] == "lifespan.shutdown":
+                self.reservations.close()
                 await self.runtime.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return

@@ -318,11 +318,13 @@ class SharedGate:
     # -- admission --------------------------------------------------------------------
 
     async def admit(
-        self, pool: str, *, on_position: PositionCallback | None = None
+        self, pool: str, *, on_position: PositionCallback | None = None, queue: bool = True
     ) -> Lease | Waiting:
         """A :class:`Lease` if admitted at once, a :class:`Waiting` already in the
         Redis queue, or raises :class:`~proxy.errors.Refused`. Cancellation-safe: a
-        slot or queue place taken by a call cancelled mid-flight is given back."""
+        slot or queue place taken by a call cancelled mid-flight is given back.
+        ``queue=False``: a slot now or a refusal, never a queue place (gang
+        reservations, :mod:`proxy.reservations`)."""
         p = self._pool(pool)
         now = self.clock.now()
         if self.draining or p.draining:
@@ -339,7 +341,7 @@ class SharedGate:
         # Registered before the call: a wake-up may arrive before the reply does.
         waiter = _Waiter(future, on_position, now)
         p.waiters[waiter_id] = waiter
-        depth = p.queue.max_depth if p.queue.enabled else 0
+        depth = p.queue.max_depth if p.queue.enabled and queue else 0
         call = asyncio.ensure_future(self.backend.acquire(pool, waiter_id, view, depth))
         try:
             kind, value = await asyncio.shield(call)

@@ -7,6 +7,11 @@ full, guarded, draining, no healthy replica) and the pool's ``fallback.pool`` ca
 it, the session goes there instead, and the response carries
 ``X-Headroom-Fallback: <pool>`` (for WebSocket routes, on the handshake response).
 Without the opt-in, a refusal still names the fallback in its body.
+
+A connection presenting a gang reservation (header ``X-Headroom-Reservation`` or query
+parameter ``headroom_reservation``, :mod:`proxy.reservations`) uses its reserved slot of
+the route's pool instead: no queue, no fallback; a token without an unused slot for
+that pool is refused (:class:`~proxy.reservations.ReservationRefused`, 409 / 1008).
 """
 
 from __future__ import annotations
@@ -14,8 +19,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode
 
+from proxy.auth import authenticate
 from proxy.errors import Refused
 from proxy.gate import Lease, PositionCallback, Waiting
+from proxy.reservations import presented_token, reservations_of
 
 if TYPE_CHECKING:
     from proxy.runtime import Runtime
@@ -25,7 +32,7 @@ __all__ = ["FALLBACK_RESPONSE_HEADER", "enter", "upstream_query", "wants_fallbac
 
 FALLBACK_RESPONSE_HEADER = b"x-headroom-fallback"
 _FALLBACK_HEADER = b"x-headroom-allow-fallback"
-_OWN_QUERY = frozenset({"headroom_fallback"})
+_OWN_QUERY = frozenset({"headroom_fallback", "headroom_reservation"})
 _TRUE = frozenset({"1", "true", "yes", "on"})
 
 
@@ -62,7 +69,13 @@ async def enter(
 ) -> tuple[Lease | Waiting, str | None]:
     """Enter the route's pool, or its fallback pool if the client opted in and the
     primary refuses. Returns the entry and the fallback pool used (None if primary).
-    Raises the primary's :class:`Refused` (naming the fallback) if neither admits."""
+    Raises the primary's :class:`Refused` (naming the fallback) if neither admits.
+    With a reservation token: the reserved slot, or raises ReservationRefused."""
+    token = presented_token(scope)
+    if token is not None:
+        key = authenticate(rt.settings.auth, scope, route.pool)
+        store = reservations_of(rt)
+        return store.claim(token, route.pool, key.name if key else None), None
     try:
         return await rt.gate.admit(route.pool, on_position=on_position), None
     except Refused as refusal:

@@ -46,7 +46,7 @@ _WS_HANDSHAKE = frozenset(
     }
 )
 #: Headroom's own request headers that are not for the upstream.
-_OWN = frozenset({"x-headroom-allow-fallback"})
+_OWN = frozenset({"x-headroom-allow-fallback", "x-headroom-reservation"})
 
 
 def _connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> set[str]:

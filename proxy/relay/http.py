@@ -174,6 +174,10 @@ async def relay_http(
             record.decision = f"rejected_{refusal.reason}"
             record.status = await send_error(send, refusal)
             return
+        except PolicyViolation as err:  # a reservation token without a slot here
+            record.decision = f"rejected_{err.code}"
+            record.status = await send_error(send, err)
+            return
         record.admitted_at = clock.now()
         record.queue_wait_s = lease.waited_s
         record.replica = lease.replica

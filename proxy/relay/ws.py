@@ -422,6 +422,10 @@ async def relay_websocket(
             record.decision = "abandoned"
             await client.refuse(err, record)
             return
+        except PolicyViolation as err:  # a reservation token without a slot here
+            record.decision = f"rejected_{err.code}"
+            await client.refuse(err, record)
+            return
         if lease is None:
             return
         record.admitted_at = clock.now()
