@@ -22,10 +22,14 @@ Two shells drive it:
 
 The rules, each stated here only:
 
-- **idle timeout**: no data frame either way for ``idle_timeout_s`` -> 1008;
+- **idle timeout**: no data frame either way for ``idle_timeout_s`` (a blocked send to
+  the client does not count) -> 1008;
 - **session length**: ``max_session_s`` after the start -> 1008;
 - **write watchdog**: the client's socket buffer full for ``client_write_timeout_s``
   (it stopped reading) -> the client is dropped, 1000 for the upstream, slot freed;
+
+(these three, with the close deadline, are :class:`Deadlines`, which the HTTP relay
+shares: :mod:`proxy.relay.http_exchange`);
 - **size limit**: a message over ``max_message_bytes`` is not forwarded (client: 1008;
   upstream: 1014 for the client, 1009 for the upstream, an upstream ``protocol``
   error);
@@ -62,7 +66,8 @@ if TYPE_CHECKING:
     from proxy.settings import LimitsSettings
 
 __all__ = [
-    "CLOSE_TIMEOUT_S", "Action", "CloseSocket", "Done", "DropSocket", "LegState",
+    "CLOSE_TIMEOUT_S", "Action", "CloseSocket", "Deadlines", "Done", "DropSocket", "Expiry",
+    "LegState",
     "LegStatus", "Phase", "Ping", "PauseReading", "RelayClose", "RelayCore",
     "ResumeReading", "SendClose", "Side", "Wake", "invalid_close",
 ]  # fmt: skip
@@ -277,7 +282,91 @@ def invalid_close(payload: bytes, code: int) -> tuple[int, str] | None:
     return None
 
 
-class RelayCore:
+class Expiry(enum.Enum):
+    """Which deadline of :class:`Deadlines` passed."""
+
+    CLOSE = "close"
+    CLIENT_WRITE = "client_write"
+    IDLE = "idle"
+    MAX_SESSION = "max_session"
+
+
+class Deadlines:
+    """The session timers every relay shares (WebSocket and HTTP), on the session clock:
+
+    - the **write watchdog**: a send to the client blocked (its socket buffer full)
+      for ``client_write_timeout_s``;
+    - the **idle timeout**: no activity for ``idle_timeout_s`` -- what counts as
+      activity is the relay's to say (a data frame either way; an upstream chunk), and
+      time spent on a blocked send does not count (a client that is not reading is the
+      watchdog's business, and its end restarts the idle clock);
+    - the **session length**: ``max_session_s`` since the start;
+    - the **close deadline**, once set, replaces them all.
+
+    A relay arms one timer for :meth:`next_deadline` and asks :meth:`expired` when it
+    fires; :meth:`earlier` says whether a new deadline needs the timer moved."""
+
+    __slots__ = ("close_deadline", "last_activity", "limits", "send_since", "started", "wake_at")
+
+    def __init__(self, limits: LimitsSettings, now: float) -> None:
+        self.limits = limits
+        self.started = now
+        self.last_activity = now
+        self.send_since: float | None = None  # a send to the client is blocked since
+        self.close_deadline: float | None = None
+        self.wake_at = _INF  # the earliest deadline the relay's timer was set for
+
+    def sending(self, now: float) -> bool:
+        """A send to the client starts blocking (or may): True if the timer must move
+        earlier, to :attr:`wake_at`."""
+        self.send_since = now
+        return self.earlier(now + self.limits.client_write_timeout_s)
+
+    def sent(self, now: float) -> None:
+        """The blocked send is over: activity."""
+        self.send_since = None
+        self.last_activity = now
+
+    def earlier(self, at: float) -> bool:
+        if at < self.wake_at:
+            self.wake_at = at
+            return True
+        return False
+
+    def due(self) -> float:
+        if self.close_deadline is not None:
+            return self.close_deadline
+        limits = self.limits
+        due = _INF
+        if self.send_since is not None:
+            due = self.send_since + limits.client_write_timeout_s
+        elif limits.idle_timeout_s:
+            due = self.last_activity + limits.idle_timeout_s
+        if limits.max_session_s:
+            due = min(due, self.started + limits.max_session_s)
+        return due
+
+    def next_deadline(self) -> float:
+        """When the timer must fire next (``inf``: never)."""
+        self.wake_at = due = self.due()
+        return due
+
+    def expired(self, now: float) -> Expiry | None:
+        """The deadline that has passed at ``now``, if one has."""
+        limits = self.limits
+        if self.close_deadline is not None:
+            return Expiry.CLOSE if now >= self.close_deadline - _EPS else None
+        if self.send_since is not None:
+            if now >= self.send_since + limits.client_write_timeout_s - _EPS:
+                return Expiry.CLIENT_WRITE
+        elif limits.idle_timeout_s and now >= self.last_activity + limits.idle_timeout_s - _EPS:
+            return Expiry.IDLE
+        if limits.max_session_s and now >= self.started + limits.max_session_s - _EPS:
+            return Expiry.MAX_SESSION
+        return None
+
+
+class RelayCore(Deadlines):
     """One WebSocket session's rules. Feed it events; then carry out :attr:`actions`
     (in order) and clear them."""
 
@@ -285,18 +374,12 @@ class RelayCore:
         "actions",
         "adapter",
         "client",
-        "close_deadline",
         "closing",
-        "last_activity",
-        "limits",
         "max_bytes",
         "phase",
         "record",
-        "send_since",
-        "started",
         "upstream",
         "upstream_error",
-        "wake_at",
     )  # fmt: skip
 
     def __init__(
@@ -307,20 +390,15 @@ class RelayCore:
         upstream_error: Callable[[str], None],
         now: float,
     ) -> None:
-        self.limits = limits
+        super().__init__(limits, now)
         self.max_bytes = limits.max_message_bytes
         self.record = record
         self.adapter = adapter
         self.upstream_error = upstream_error  # counts an upstream error of a kind
-        self.started = now
-        self.last_activity = now  # of the last data frame, either way
         self.phase = Phase.RELAYING
         self.closing: tuple[int, str] | None = None  # Headroom ended it: code, reason
         self.client = LegStatus(CLIENT)
         self.upstream = LegStatus(UPSTREAM)
-        self.close_deadline: float | None = None
-        self.send_since: float | None = None  # the client's socket buffer is full since
-        self.wake_at = _INF  # the earliest deadline the shell was told about
         self.actions: list[Action] = []
 
     # -- data ------------------------------------------------------------------------------
@@ -328,7 +406,7 @@ class RelayCore:
     def data_frame(self, leg: LegStatus, msg_size: int, now: float) -> bool:
         """A data frame from ``leg`` whose message is ``msg_size`` bytes so far: forward
         it? (No when the leg is closing, or -- the size limit -- when the message is
-        too large, which ends the session.)"""
+        too large, which ends the session.) A data frame either way is activity."""
         self.last_activity = now
         if not leg.accepting:
             return False
@@ -536,7 +614,8 @@ class RelayCore:
     def _closing_started(self, now: float) -> None:
         if self.close_deadline is None:
             self.close_deadline = now + CLOSE_TIMEOUT_S
-            self._wake(self.close_deadline)
+            if self.earlier(self.close_deadline):
+                self.actions.append(Wake(self.close_deadline))
 
     def _settle(self, now: float) -> None:
         """Close what is finished: the client's socket once close frames crossed both
@@ -565,17 +644,17 @@ class RelayCore:
         slows its sender instead of growing our memory; a client that stays so for
         ``client_write_timeout_s`` is dropped (:meth:`tick`)."""
         if leg is self.client:
-            self.send_since = now
-            self._wake(now + self.limits.client_write_timeout_s)
+            if self.sending(now):
+                self.actions.append(Wake(self.wake_at))
             other = self.upstream
         else:
             other = self.client
         if other.state is not LegState.GONE:
             self.actions.append(_PAUSE[other.side])
 
-    def buffer_drained(self, leg: LegStatus) -> None:
+    def buffer_drained(self, leg: LegStatus, now: float) -> None:
         if leg is self.client:
-            self.send_since = None
+            self.sent(now)
             other = self.upstream
         else:
             other = self.client
@@ -586,49 +665,28 @@ class RelayCore:
 
     def next_deadline(self) -> float:
         """When :meth:`tick` must run next (``inf``: never); the shell arms one timer."""
-        self.wake_at = due = self._next_due()
-        return due
-
-    def _next_due(self) -> float:
         if self.phase is Phase.DONE:
+            self.wake_at = _INF
             return _INF
-        if self.close_deadline is not None:
-            return self.close_deadline
-        limits = self.limits
-        due = _INF
-        if limits.idle_timeout_s:
-            due = self.last_activity + limits.idle_timeout_s
-        if limits.max_session_s:
-            due = min(due, self.started + limits.max_session_s)
-        if self.send_since is not None:
-            due = min(due, self.send_since + limits.client_write_timeout_s)
-        return due
-
-    def _wake(self, at: float) -> None:
-        if at < self.wake_at:
-            self.wake_at = at
-            self.actions.append(Wake(at))
+        return super().next_deadline()
 
     def tick(self, now: float) -> float:
-        """Apply the deadlines that are due at ``now``; return the next one."""
+        """Apply the deadline that is due at ``now``, if one is; return the next one."""
         if self.phase is Phase.DONE:
             return _INF
-        limits = self.limits
-        if self.close_deadline is not None:
-            if now >= self.close_deadline - _EPS:
-                self._close_overdue(now)
-        elif self.send_since is not None and (
-            now >= self.send_since + limits.client_write_timeout_s - _EPS
-        ):
+        expiry = self.expired(now)
+        if expiry is Expiry.CLOSE:
+            self._close_overdue(now)
+        elif expiry is Expiry.CLIENT_WRITE:
             self.record.error = "client stopped reading"
             client = self.client
             self._sent(client)  # nothing more can be written to it
             self.record.client_close = 1008
             self.stop(1008, "client not reading", now)
             self._gone(client, DropSocket(CLIENT), now)
-        elif limits.idle_timeout_s and now >= self.last_activity + limits.idle_timeout_s - _EPS:
+        elif expiry is Expiry.IDLE:
             self.stop(1008, "idle timeout", now)
-        elif limits.max_session_s and now >= self.started + limits.max_session_s - _EPS:
+        elif expiry is Expiry.MAX_SESSION:
             self.stop(1008, "maximum session duration reached", now)
         return self.next_deadline()
 

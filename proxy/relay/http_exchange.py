@@ -2,13 +2,15 @@
 has flowed), the response streamed back chunk by chunk, and the limits that end it.
 
 Limits run on the runtime's clock and are read from the settings in force when the
-session was admitted (a reload reaches every new session):
+session was admitted (a reload reaches every new session). The timers are the relay
+core's :class:`~proxy.relay.core.Deadlines`, shared with the WebSocket relays; here,
+activity is the upstream sending something (the status line, a body chunk):
 
-* ``idle_timeout_s``: the upstream sent nothing (no status line, no body chunk) for
-  this long. Time spent waiting on a client that is not reading does not count.
-* ``max_session_s``: the session has run this long since admission.
+* ``idle_timeout_s``: the upstream sent nothing for this long (a blocked send to the
+  client does not count);
+* ``max_session_s``: the session has run this long since admission;
 * ``client_write_timeout_s``: one send to the client has been blocked this long (its
-  socket buffer stayed full: it stopped reading). Its connection is reset at once.
+  socket buffer stayed full: it stopped reading). Its connection is reset at once;
 * drain's deadline (:meth:`~proxy.runtime.Runtime.close_sessions`).
 
 Before the response starts, such an end is an error response (504, or 503 for drain).
@@ -46,6 +48,7 @@ from proxy.errors import (
 from proxy.gate import Lease
 from proxy.refusal import http_error
 from proxy.relay.admit import FALLBACK_RESPONSE_HEADER, upstream_query
+from proxy.relay.core import Deadlines, Expiry
 from proxy.relay.failover import Failover, describe
 from proxy.relay.headers import forwarded_request_headers, response_headers
 from proxy.relay.session import SessionRecord
@@ -62,8 +65,6 @@ log = logging.getLogger("headroom.relay.http")
 Scope = dict[str, Any]
 Receive = Any
 Send = Any
-
-_EPS = 1e-6
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,10 +112,7 @@ class HttpExchange:
         self.lease, self._send, self.record, self.fallback_pool = lease, send, record, fallback_pool
         self.clock = rt.clock
         self.limits = rt.settings.limits
-        now = self.clock.now()
-        self.started = now
-        self.last_activity = now
-        self.send_since: float | None = None  # a send to the client is blocked since
+        self.timers = Deadlines(self.limits, self.clock.now())
         self.response_started = False
         self.complete = False  # the whole response was handed to the server
         self.ending: Ending | None = None
@@ -133,43 +131,34 @@ class HttpExchange:
             if self._task is not None:
                 self._task.cancel()
 
-    def _next_due(self) -> float:
-        limits = self.limits
-        due = float("inf")
-        if self.send_since is not None:
-            due = self.send_since + limits.client_write_timeout_s
-        elif limits.idle_timeout_s:
-            due = self.last_activity + limits.idle_timeout_s
-        if limits.max_session_s:
-            due = min(due, self.started + limits.max_session_s)
-        # at most one write timeout ahead, so a send that starts blocking is noticed
-        return min(due, self.clock.now() + limits.client_write_timeout_s)
-
     def _arm(self) -> None:
-        self._timer = self.clock.call_at(self._next_due(), self._tick)
+        """One timer, at the next deadline (none: the first blocked send arms it)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        due = self.timers.wake_at
+        if due != float("inf"):
+            self._timer = self.clock.call_at(due, self._tick)
 
     def _tick(self) -> None:
         self._timer = None
         if self.ending is not None or self.complete:
             return
-        now = self.clock.now()
-        limits = self.limits
-        if self.send_since is not None:
-            if now >= self.send_since + limits.client_write_timeout_s - _EPS:
-                self.record.error = "client stopped reading"
-                abort = client_abort(self._send)
-                if abort is not None:
-                    abort()  # unsent data is dropped: nobody reads it
-                self._end(Ending("client_write", "client stopped reading"))
-                return
-        elif limits.idle_timeout_s and now >= self.last_activity + limits.idle_timeout_s - _EPS:
+        expiry = self.timers.expired(self.clock.now())
+        if expiry is Expiry.CLIENT_WRITE:
+            self.record.error = "client stopped reading"
+            abort = client_abort(self._send)
+            if abort is not None:
+                abort()  # unsent data is dropped: nobody reads it
+            self._end(Ending("client_write", "client stopped reading"))
+        elif expiry is Expiry.IDLE:
             self._end(Ending("idle", f"idle timeout: the upstream sent nothing for "
-                                     f"{limits.idle_timeout_s:g} s"))  # fmt: skip
-            return
-        if limits.max_session_s and now >= self.started + limits.max_session_s - _EPS:
+                                     f"{self.limits.idle_timeout_s:g} s"))  # fmt: skip
+        elif expiry is Expiry.MAX_SESSION:
             self._end(Ending("max_session", "maximum session duration reached"))
-            return
-        self._arm()
+        else:
+            self.timers.next_deadline()
+            self._arm()
 
     # -- running it -----------------------------------------------------------------
 
@@ -179,6 +168,7 @@ class HttpExchange:
         task = self._task = asyncio.ensure_future(self._exchange())
         watcher = asyncio.ensure_future(self._watch_client(receive))
         self.rt.register_session(self.stop)
+        self.timers.next_deadline()
         self._arm()
         try:
             await asyncio.wait({task})
@@ -235,10 +225,10 @@ class HttpExchange:
             self._end(Ending("client_left", "client went away"))
 
     async def _send_body(self, chunk: bytes, more: bool) -> None:
-        self.send_since = self.clock.now()
+        if self.timers.sending(self.clock.now()):
+            self._arm()
         await self._send({"type": "http.response.body", "body": chunk, "more_body": more})
-        self.send_since = None
-        self.last_activity = self.clock.now()
+        self.timers.sent(self.clock.now())
 
     async def _open(self) -> httpx.Response:
         """Send the request, failing over to another replica while nothing has flowed."""
@@ -321,7 +311,7 @@ class HttpExchange:
                 self.complete = True
                 return
             try:
-                self.last_activity = now = clock.now()
+                self.timers.last_activity = now = clock.now()
                 adapter.request_complete(now)  # the body is sent: the ASR commit
                 record.status = response.status_code
                 adapter.response_start(response.status_code, response.headers)
@@ -339,7 +329,7 @@ class HttpExchange:
                 )  # fmt: skip
                 try:
                     async for chunk in response.aiter_raw():
-                        self.last_activity = now = clock.now()
+                        self.timers.last_activity = now = clock.now()
                         if metered:
                             adapter.response_chunk(now, chunk)
                         record.bytes_down += len(chunk)

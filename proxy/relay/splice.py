@@ -209,7 +209,7 @@ class Splice:
         if paused:
             self.core.buffer_full(leg.st, self.clock.now())
         else:
-            self.core.buffer_drained(leg.st)
+            self.core.buffer_drained(leg.st, self.clock.now())
         self.run()
 
     def close_received(self, leg: Leg, payload: bytes, raw: bytes) -> None:

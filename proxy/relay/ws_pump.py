@@ -200,7 +200,7 @@ async def relay_frames(
                     core.binary(up, message, now, size)
                     run()
                     await send({"type": "websocket.send", "bytes": message})
-                core.buffer_drained(client)
+                core.buffer_drained(client, clock.now())
                 run()
         except ConnectionClosed:
             pass
@@ -211,7 +211,9 @@ async def relay_frames(
             return  # nothing more can be sent to this client; uvicorn closes the socket
         except OSError:
             # uvicorn's ClientDisconnected: the client vanished while we were sending.
-            core.buffer_drained(client)  # that send is over: the watchdog must not fire
+            core.buffer_drained(
+                client, clock.now()
+            )  # that send is over: the watchdog must not fire
             core.connection_lost(client, clock.now())
             run()
             if shell.upstream_close is not None:

@@ -14,8 +14,10 @@ from proxy.relay.core import (
     CLOSE_TIMEOUT_S,
     Action,
     CloseSocket,
+    Deadlines,
     Done,
     DropSocket,
+    Expiry,
     LegState,
     PauseReading,
     Phase,
@@ -119,7 +121,7 @@ def test_a_full_client_buffer_pauses_the_upstream_and_the_watchdog_drops_the_cli
     s = Session(idle_timeout_s=0, max_session_s=0, client_write_timeout_s=20)
     s.core.next_deadline()
     s.do(lambda: s.core.buffer_full(s.client, T0), Wake(T0 + 20), PauseReading(U))
-    s.do(lambda: s.core.buffer_drained(s.client), ResumeReading(U))
+    s.do(lambda: s.core.buffer_drained(s.client, T0 + 1), ResumeReading(U))
     assert s.do(lambda: s.core.tick(T0 + 20)) == float("inf")  # it drained in time
     s.do(lambda: s.core.buffer_full(s.client, T0 + 30), Wake(T0 + 50), PauseReading(U))
     assert s.do(lambda: s.core.tick(T0 + 49)) == T0 + 50
@@ -135,7 +137,7 @@ def test_a_full_upstream_buffer_pauses_the_client_without_a_watchdog() -> None:
     s = Session()
     s.core.next_deadline()
     s.do(lambda: s.core.buffer_full(s.upstream, T0), PauseReading(C))
-    s.do(lambda: s.core.buffer_drained(s.upstream), ResumeReading(C))
+    s.do(lambda: s.core.buffer_drained(s.upstream, T0 + 1), ResumeReading(C))
 
 
 def test_a_stuck_closing_handshake_drops_the_upstream_and_closes_the_client() -> None:
@@ -400,3 +402,29 @@ def test_an_internal_error_tells_the_client_1011_and_drops_everything() -> None:
     assert s.record.error == "internal error" and s.record.client_close == 1011
     s.do(lambda: s.core.connection_lost(s.client, T0))  # already gone: nothing
     assert s.core.tick(T0 + 1e6) == float("inf")
+
+
+def test_a_blocked_send_is_the_watchdogs_business_not_idle() -> None:
+    s = Session(idle_timeout_s=10, max_session_s=0, client_write_timeout_s=20)
+    assert s.core.next_deadline() == T0 + 10
+    s.do(lambda: s.core.buffer_full(s.client, T0 + 5), PauseReading(U))  # 25 > 10: no wake
+    assert s.do(lambda: s.core.tick(T0 + 10)) == T0 + 25  # not idle: waiting on the client
+    s.do(lambda: s.core.buffer_drained(s.client, T0 + 24), ResumeReading(U))
+    assert s.do(lambda: s.core.tick(T0 + 25)) == T0 + 34  # idle counts from the drain
+    s.do(
+        lambda: s.core.tick(T0 + 34),
+        SendClose(C, 1008, "idle timeout"), SendClose(U, 1000, "idle timeout"),
+    )  # fmt: skip
+
+
+def test_deadlines_alone_are_the_http_relays_timers() -> None:
+    limits = LimitsSettings(idle_timeout_s=30, max_session_s=100, client_write_timeout_s=20)
+    d = Deadlines(limits, T0)
+    assert d.next_deadline() == T0 + 30 and d.expired(T0 + 29) is None
+    assert d.sending(T0 + 1) is True and d.wake_at == T0 + 21  # the timer must move
+    assert d.sending(T0 + 2) is False  # still armed earlier
+    assert d.expired(T0 + 21) is None and d.expired(T0 + 22) is Expiry.CLIENT_WRITE
+    d.sent(T0 + 3)
+    assert d.expired(T0 + 32) is None and d.expired(T0 + 33) is Expiry.IDLE
+    d.last_activity = T0 + 90
+    assert d.next_deadline() == T0 + 100 and d.expired(T0 + 100) is Expiry.MAX_SESSION
