@@ -13,7 +13,8 @@ the boundary; they never reach the admission core.
     ├── Refused                            a session is not admitted (DESIGN "Contracts")
     │   ├── CapacityRefused                503 / 1013  pool_full, queue_full, queue_timeout,
     │   │                                              guard, no_healthy_replica,
-    │   │                                              backend_unavailable
+    │   │                                              backend_unavailable,
+    │   │                                              preempted_in_queue
     │   ├── DrainingRefused                503 / 1013  draining
     │   └── TenantLimitRefused             429 / 1013  tenant_limit
     ├── PolicyViolation                    400 / 1008  client broke a limit or the protocol
@@ -74,6 +75,7 @@ REASONS = frozenset(
         "no_healthy_replica",
         "tenant_limit",
         "backend_unavailable",
+        "preempted_in_queue",
     }
 )
 
@@ -127,7 +129,9 @@ _MESSAGES = {
     "draining": "This gateway is shutting down and takes no new sessions.",
     "guard": "The GPU is at its realtime limit; admitting more would stall live audio.",
     "no_healthy_replica": "No healthy upstream replica is available for this model.",
-    "tenant_limit": "Your key has reached its own concurrency quota.",
+    "tenant_limit": "Your key has reached its own concurrency or queue quota.",
+    "preempted_in_queue": "A higher-priority session needed your place in the full wait "
+    "queue (your key's class is sheddable).",
     "backend_unavailable": "The shared admission store is unreachable, so no slot can be "
     "granted safely.",
 }

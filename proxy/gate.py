@@ -10,13 +10,20 @@ is released again at once. Every admission is a :class:`Lease` whose
 
 Queue deadlines run on the injected :class:`~proxy.clock.Clock`: tests advance a
 :class:`~proxy.clock.FakeClock` instead of sleeping.
+
+Tenants (issue 18): a session is admitted as the :class:`~proxy.admission.TenantSpec`
+passed to :meth:`Gate.enter`, or else the one in :data:`CURRENT_TENANT` (set by
+:meth:`proxy.runtime.Runtime.authorize` in the request's task); the core decides the
+order, reserves and shedding. Per-key series: ``headroom_tenant_*``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 from proxy.admission import (
@@ -27,12 +34,14 @@ from proxy.admission import (
     QueuePolicy,
     Reject,
     ReplicaSpec,
+    Reserve,
+    TenantSpec,
 )
 from proxy.clock import Clock, TimerHandle
 from proxy.errors import FallbackHint, Refused, refusal_for
-from proxy.metrics import Metrics, ReplicaGauges
+from proxy.metrics import Metrics, ReplicaGauges, TenantGauges
 
-__all__ = ["Gate", "Lease", "PositionCallback", "Waiting"]
+__all__ = ["CURRENT_TENANT", "Gate", "Lease", "PositionCallback", "Waiting"]
 
 log = logging.getLogger("headroom.gate")
 
@@ -40,17 +49,29 @@ log = logging.getLogger("headroom.gate")
 #: position changes.
 PositionCallback = Callable[[int, float], None]
 
+#: The tenant of the current task's session (its API key's scheduling fields), set by
+#: ``Runtime.authorize``; None without auth.
+CURRENT_TENANT: ContextVar[TenantSpec | None] = ContextVar("headroom_tenant", default=None)
+
 
 class Lease:
     """One admitted session's slot. Release it exactly once -- calling
     :meth:`release` again is a no-op, so call it on every exit path."""
 
-    __slots__ = ("_gate", "admitted_at", "pool", "released", "replica", "ticket", "waited_s")
+    __slots__ = (
+        "_gate", "admitted_at", "pool", "released", "replica", "tenant", "ticket", "waited_s"
+    )  # fmt: skip
 
     def __init__(
-        self, gate: Gate, pool: str, admit: Admit, admitted_at: float
+        self,
+        gate: Gate,
+        pool: str,
+        admit: Admit,
+        admitted_at: float,
+        tenant: TenantSpec | None = None,
     ) -> None:
         self._gate = gate
+        self.tenant = tenant
         self.pool = pool
         self.ticket = admit.ticket
         self.replica = admit.replica
@@ -102,6 +123,7 @@ class _Waiter:
     future: asyncio.Future[Admit | Reject]
     on_position: PositionCallback | None
     position: int
+    tenant: TenantSpec | None = None
 
 
 @dataclass(eq=False)
@@ -112,6 +134,10 @@ class _Pool:
     timer: TimerHandle | None = None
     timer_at: float | None = None
     enqueued_at: dict[int, float] = field(default_factory=dict)
+    #: Finished session-seconds per (key name, class), for headroom_tenant_session_seconds.
+    held: defaultdict[tuple[str, int], float] = field(
+        default_factory=lambda: defaultdict(float)
+    )
 
 
 class Gate:
@@ -139,40 +165,62 @@ class Gate:
 
     # -- public API -------------------------------------------------------------
 
-    def enter(self, pool: str, *, on_position: PositionCallback | None = None) -> Lease | Waiting:
+    def enter(
+        self,
+        pool: str,
+        *,
+        on_position: PositionCallback | None = None,
+        tenant: TenantSpec | None = None,
+    ) -> Lease | Waiting:
         """Ask ``pool`` for a slot without suspending: a :class:`Lease` if admitted at
         once, a :class:`Waiting` (already in the queue) to await, or raises
-        :class:`~proxy.errors.Refused`."""
+        :class:`~proxy.errors.Refused`. ``tenant`` defaults to :data:`CURRENT_TENANT`."""
         p = self._pool(pool)
         now = self.clock.now()
-        decision = p.core.arrive(now)
+        if tenant is None:
+            tenant = CURRENT_TENANT.get()
+        decision = p.core.arrive(now, tenant)
         if isinstance(decision, Admit):
-            self._count(pool, "admitted")
-            return Lease(self, pool, decision, now)
+            self._count(pool, "admitted", tenant)
+            return Lease(self, pool, decision, now, tenant)
         if isinstance(decision, Reject):
-            self._count(pool, f"rejected_{decision.reason}")
+            self._count(pool, f"rejected_{decision.reason}", tenant)
             raise self._refusal(pool, decision)
         assert isinstance(decision, Enqueue)
-        self._count(pool, "queued")
+        self._count(pool, "queued", tenant)
         future: asyncio.Future[Admit | Reject] = asyncio.get_running_loop().create_future()
-        p.waiters[decision.ticket] = _Waiter(future, on_position, decision.position)
+        p.waiters[decision.ticket] = _Waiter(future, on_position, decision.position, tenant)
         p.enqueued_at[decision.ticket] = now
+        for shed in decision.displaced:
+            self._resolve(pool, p, shed)
         self._arm_timer(p)
         if on_position is not None:
             on_position(decision.position, decision.eta_s)
+        if decision.displaced or decision.position < p.core.queue_depth:
+            self._notify_positions(p)  # it went ahead of others: they moved back
         return Waiting(self, pool, decision)
 
     async def admit(
-        self, pool: str, *, on_position: PositionCallback | None = None
+        self,
+        pool: str,
+        *,
+        on_position: PositionCallback | None = None,
+        tenant: TenantSpec | None = None,
     ) -> Lease | Waiting:
         """:meth:`enter` for callers that serve either admission backend (the shared
         one, :class:`proxy.shared_gate.SharedGate`, must await Redis)."""
-        return self.enter(pool, on_position=on_position)
+        return self.enter(pool, on_position=on_position, tenant=tenant)
 
-    async def acquire(self, pool: str, *, on_position: PositionCallback | None = None) -> Lease:
+    async def acquire(
+        self,
+        pool: str,
+        *,
+        on_position: PositionCallback | None = None,
+        tenant: TenantSpec | None = None,
+    ) -> Lease:
         """Admit a session to ``pool``, waiting in its queue if need be: returns a
         :class:`Lease` or raises :class:`~proxy.errors.Refused`. Cancellation-safe."""
-        entry = self.enter(pool, on_position=on_position)
+        entry = self.enter(pool, on_position=on_position, tenant=tenant)
         if isinstance(entry, Lease):
             return entry
         return await entry.wait()
@@ -188,7 +236,7 @@ class Gate:
         p.waiters.pop(ticket, None)
         if isinstance(outcome, Reject):
             raise self._refusal(pool, outcome)
-        return Lease(self, pool, outcome, self.clock.now())
+        return Lease(self, pool, outcome, self.clock.now(), waiter.tenant)
 
     def drain(self) -> None:
         """Refuse everything new and every waiter with ``draining``."""
@@ -245,10 +293,11 @@ class Gate:
         fallback: FallbackHint | None,
         *,
         session_estimate_s: float = 20.0,
+        reserves: Sequence[Reserve] = (),
     ) -> None:
-        """Create a pool, or change one live (reload): caps, queue limits, replicas
-        added or retired, fallback hint. Running sessions are never cut: a lowered cap
-        or a retired replica only stops new admissions there."""
+        """Create a pool, or change one live (reload): caps, queue limits, reserves,
+        replicas added or retired, fallback hint. Running sessions are never cut: a
+        lowered cap or a retired replica only stops new admissions there."""
         now = self.clock.now()
         p = self._pools.get(name)
         if p is None:
@@ -258,6 +307,7 @@ class Gate:
                 queue,
                 session_estimate_s=session_estimate_s,
                 recheck_interval_s=self.recheck_interval_s,
+                reserves=reserves,
             )
             if self.draining:  # a pool added by a reload during drain drains too
                 core.drain(now)
@@ -279,6 +329,8 @@ class Gate:
         for replica in current:
             if replica not in wanted and not current[replica].retired:
                 p.core.retire_replica(replica)
+        if tuple(reserves) != p.core.reserves:
+            self._dispatch(name, p, p.core.set_reserves(reserves, now))
         self._dispatch(name, p, [])
 
     def retire_pool(self, name: str) -> None:
@@ -335,6 +387,25 @@ class Gate:
                 )
         return out
 
+    def tenant_gauges(self) -> list[TenantGauges]:
+        """Per API key and pool: sessions active and queued, and session-seconds held
+        (finished plus running so far). Keys that never used a pool are absent; sessions
+        without a key are not counted here."""
+        out: list[TenantGauges] = []
+        now = self.clock.now()
+        for name, p in self._pools.items():
+            counts = {(t.name, t.priority): c for t, c in p.core.tenant_counts().items()}
+            held = dict(p.held)
+            for t, seconds in p.core.running_seconds(now).items():
+                held[(t.name, t.priority)] = held.get((t.name, t.priority), 0.0) + seconds
+            for key in sorted(set(counts) | set(held)):
+                if key[0]:
+                    active, queued = counts.get(key, (0, 0))
+                    out.append(
+                        TenantGauges(name, key[0], key[1], active, queued, held.get(key, 0.0))
+                    )
+        return out
+
     def queue_depths(self) -> list[tuple[str, int]]:
         return [(name, p.core.queue_depth) for name, p in self._pools.items()]
 
@@ -350,9 +421,12 @@ class Gate:
         except KeyError:
             raise LookupError(f"no pool named {name!r}") from None
 
-    def _count(self, pool: str, decision: str) -> None:
+    def _count(self, pool: str, decision: str, tenant: TenantSpec | None = None) -> None:
         if self.metrics is not None:
             self.metrics.decisions.labels(pool, decision).inc()
+            if tenant is not None and tenant.name:
+                labels = (pool, tenant.name, str(tenant.priority), decision)
+                self.metrics.tenant_decisions.labels(*labels).inc()
 
     def _refusal(self, pool: str, reject: Reject) -> Refused:
         return refusal_for(
@@ -368,6 +442,8 @@ class Gate:
         now = self.clock.now()
         if self.metrics is not None:
             self.metrics.session_duration.labels(lease.pool).observe(now - lease.admitted_at)
+        if lease.tenant is not None and lease.tenant.name:
+            p.held[(lease.tenant.name, lease.tenant.priority)] += now - lease.admitted_at
         self._dispatch(lease.pool, p, p.core.release(lease.ticket, now))
         if self._idle_waiters and self.active == 0:
             for future in self._idle_waiters:
@@ -394,26 +470,31 @@ class Gate:
             outcome = waiter.future.result()
             if isinstance(outcome, Admit):
                 # The slot was handed over in the same instant the client left.
-                self._count(pool, "abandoned")
+                self._count(pool, "abandoned", waiter.tenant)
                 self._dispatch(pool, p, p.core.release(ticket, self.clock.now()))
             return
-        self._observe_wait(p, ticket)
-        self._count(pool, "abandoned")
+        self._observe_wait(p, ticket, waiter.tenant)
+        self._count(pool, "abandoned", waiter.tenant)
         self._dispatch(pool, p, p.core.abandon(ticket, self.clock.now()))
 
-    def _observe_wait(self, p: _Pool, ticket: int) -> None:
+    def _observe_wait(self, p: _Pool, ticket: int, tenant: TenantSpec | None) -> None:
         enqueued = p.enqueued_at.pop(ticket, None)
         if enqueued is not None and self.metrics is not None:
-            self.metrics.queue_wait.labels(p.core.name).observe(self.clock.now() - enqueued)
+            waited = self.clock.now() - enqueued
+            self.metrics.queue_wait.labels(p.core.name).observe(waited)
+            if tenant is not None and tenant.name:
+                labels = (p.core.name, tenant.name, str(tenant.priority))
+                self.metrics.tenant_queue_wait.labels(*labels).observe(waited)
 
     def _resolve(self, pool: str, p: _Pool, outcome: Admit | Reject) -> None:
         waiter = p.waiters.get(outcome.ticket)
-        self._observe_wait(p, outcome.ticket)
+        tenant = waiter.tenant if waiter is not None else None
+        self._observe_wait(p, outcome.ticket, tenant)
         if waiter is not None and not waiter.future.done():
             if isinstance(outcome, Admit):
-                self._count(pool, "admitted")
+                self._count(pool, "admitted", tenant)
             else:
-                self._count(pool, f"rejected_{outcome.reason}")
+                self._count(pool, f"rejected_{outcome.reason}", tenant)
             # The entry stays until the waiter's task takes the outcome (or, if it is
             # cancelled first, hands an Admit back in _leave).
             waiter.future.set_result(outcome)
@@ -421,7 +502,7 @@ class Gate:
         # Nobody will take this outcome (the waiter was cancelled in this instant).
         p.waiters.pop(outcome.ticket, None)
         if isinstance(outcome, Admit):
-            self._count(pool, "abandoned")
+            self._count(pool, "abandoned", tenant)
             self._dispatch(pool, p, p.core.release(outcome.ticket, self.clock.now()))
 
     def _dispatch(self, pool: str, p: _Pool, admits: list[Admit]) -> None:
@@ -434,7 +515,7 @@ class Gate:
         if not any(w.on_position for w in p.waiters.values()):
             return
         now = self.clock.now()
-        for position, ticket in enumerate(p.core.waiting(), start=1):
+        for position, ticket in enumerate(p.core.waiting(now), start=1):
             waiter = p.waiters.get(ticket)
             if waiter is not None and waiter.position != position:
                 waiter.position = position

@@ -1,8 +1,9 @@
 """The Prometheus metrics of the contract (docs/contracts.md, "Metrics").
 
 All names carry the ``headroom_`` prefix and base units; labels are only ``pool``,
-``replica``, ``route``, ``decision``/``reason``, ``kind`` and ``pipeline`` (a configured
-pipeline's name) -- never a session.
+``replica``, ``route``, ``decision``/``reason``, ``kind``, ``pipeline`` (a configured
+pipeline's name) and ``tenant``/``priority`` (an API key's configured name and class;
+sessions without a key are not in the tenant series) -- never a session.
 Each :class:`Metrics` owns its own ``CollectorRegistry`` so several apps (tests,
 ``headroom demo``) can live in one process.
 
@@ -59,6 +60,7 @@ __all__ = [
     "Metrics",
     "ReplicaGauges",
     "ReplicaSeries",
+    "TenantGauges",
     "gap_buckets",
 ]
 
@@ -116,6 +118,53 @@ class ReplicaGauges:
     engine_waiting: float | None = None
     engine_running: float | None = None
     engine_kv_usage: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TenantGauges:
+    """What the scrape-time collector reports for one API key in one pool."""
+
+    pool: str
+    tenant: str
+    priority: int
+    active: int
+    queued: int
+    session_seconds: float
+
+
+_TENANT_LABELS = ["pool", "tenant", "priority"]
+
+
+class _TenantCollector(Collector):
+    def __init__(self, tenants: Callable[[], Sequence[TenantGauges]]) -> None:
+        self._tenants = tenants
+
+    def collect(self) -> Iterator[Metric]:
+        active = GaugeMetricFamily(
+            "headroom_tenant_sessions_active",
+            "Sessions of the API key holding a slot in the pool.",
+            labels=_TENANT_LABELS,
+        )
+        queued = GaugeMetricFamily(
+            "headroom_tenant_queued",
+            "Sessions of the API key waiting in the pool's queue.",
+            labels=_TENANT_LABELS,
+        )
+        held = CounterMetricFamily(
+            "headroom_tenant_session_seconds",
+            "Slot-seconds the API key's sessions have held in the pool (running sessions "
+            "count up to the scrape): what the fair share charges.",
+            labels=_TENANT_LABELS,
+        )
+        for t in self._tenants():
+            key = [t.pool, t.tenant, str(t.priority)]
+            active.add_metric(key, t.active)
+            queued.add_metric(key, t.queued)
+            held.add_metric(key, t.session_seconds)
+        yield from (active, queued, held)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
 
 
 class _StateCollector(Collector):
@@ -498,6 +547,16 @@ class Metrics:
             "Upstream failures by kind: connect, handshake, midstream, protocol, timeout.",
             ["pool", "replica", "kind"], registry=r,
         )  # fmt: skip
+        self.tenant_decisions = Counter(
+            "headroom_tenant_decisions_total",
+            "Admission decisions per API key: admitted, queued, rejected_<reason>, abandoned.",
+            [*_TENANT_LABELS, "decision"], registry=r,
+        )  # fmt: skip
+        self.tenant_queue_wait = Histogram(
+            "headroom_tenant_queue_wait_seconds",
+            "Time the API key's sessions spent in the queue, whether then admitted or not.",
+            _TENANT_LABELS, buckets=_WAIT_BUCKETS, registry=r,
+        )  # fmt: skip
         # A pool's series appears with its first answered ASR commit (proxy.meter), so
         # pools that only speak (TTS) export none.
         self.asr_finalize = Histogram(
@@ -518,6 +577,11 @@ class Metrics:
     ) -> None:
         """Report gate state at scrape time. Call once per registry."""
         self.registry.register(_StateCollector(replicas, queues))
+
+    def bind_tenants(self, tenants: Callable[[], Sequence[TenantGauges]]) -> None:
+        """Report each API key's active and queued sessions and session-seconds at
+        scrape time. Call once per registry."""
+        self.registry.register(_TenantCollector(tenants))
 
     def bind_headroom(self, headroom: Callable[[], Headroom]) -> None:
         """Report each pool's headroom left and each pipeline's limiting stage at scrape

@@ -18,18 +18,26 @@ from urllib.parse import urlsplit
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from proxy.admission import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, PoolCore, QueuePolicy, ReplicaSpec
+from proxy.admission import (
+    RETRY_AFTER_MAX_S,
+    RETRY_AFTER_MIN_S,
+    PoolCore,
+    QueuePolicy,
+    ReplicaSpec,
+    Reserve,
+    TenantSpec,
+)
 from proxy.auth import TenantQuotas, authenticate
 from proxy.clock import Clock, LoopClock, TimerHandle
 from proxy.errors import Refused
-from proxy.gate import Gate
+from proxy.gate import CURRENT_TENANT, Gate
 from proxy.guard import GuardPolicy, ReplicaGuard
 from proxy.meter import PrometheusReplicaSink, SessionMeter
 from proxy.metrics import Metrics
 from proxy.pipelines import headroom_of
 from proxy.protocols import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
 from proxy.relay.failover import Unreachable, open_tcp
-from proxy.settings import PoolSettings, RouteSettings, Settings
+from proxy.settings import ApiKeySettings, PoolSettings, RouteSettings, Settings
 from proxy.shared_gate import ADMITTED_POOL, TENANT_QUOTA, SharedGate, build_shared_gate
 from proxy.signals import ReplicaSignals
 
@@ -50,7 +58,17 @@ def _core(pool: PoolSettings, seed: int) -> PoolCore:
         QueuePolicy(pool.queue.max_depth, pool.queue.max_wait_s),
         session_estimate_s=pool.session_estimate_s,
         seed=seed,
+        reserves=_reserves(pool),
     )
+
+
+def _reserves(pool: PoolSettings) -> tuple[Reserve, ...]:
+    return tuple(Reserve(r.priority, r.slots, r.per_replica) for r in pool.reserve)
+
+
+def tenant_spec(key: ApiKeySettings) -> TenantSpec:
+    """The scheduling identity of an API key (issue 18)."""
+    return TenantSpec(key.name, key.priority, key.weight, key.max_queued)
 
 
 _ENGINE_NAMES = {
@@ -128,6 +146,8 @@ class Runtime:
         self.replicas_checked = asyncio.Event()
         self.metrics.bind_state(self._replica_gauges, self.gate.queue_depths)
         self.metrics.bind_headroom(lambda: headroom_of(self))
+        if isinstance(self.gate, Gate):
+            self.metrics.bind_tenants(self.gate.tenant_gauges)
         self.gate.on_health_change(self._on_health_change)
         if isinstance(self.gate, SharedGate):
             self.gate.on_fence(self._on_lease_loss)
@@ -175,13 +195,16 @@ class Runtime:
             if old_pools.get(pool.name) != pool:
                 changes.append(f"pool {pool.name}: " + (
                     "updated" if pool.name in old_pools else "added"))  # fmt: skip
-            self.gate.apply_pool(
-                pool.name,
-                replicas,
-                queue,
-                pool.fallback.as_hint() if pool.fallback else None,
-                session_estimate_s=pool.session_estimate_s,
-            )
+            hint = pool.fallback.as_hint() if pool.fallback else None
+            if isinstance(self.gate, Gate):
+                self.gate.apply_pool(
+                    pool.name, replicas, queue, hint,
+                    session_estimate_s=pool.session_estimate_s, reserves=_reserves(pool),
+                )  # fmt: skip
+            else:
+                self.gate.apply_pool(
+                    pool.name, replicas, queue, hint, session_estimate_s=pool.session_estimate_s
+                )
         for name in old_pools.keys() - {p.name for p in settings.pools}:
             self.gate.retire_pool(name)
             changes.append(f"pool {name}: removed (running sessions finish)")
@@ -300,6 +323,7 @@ class Runtime:
         """Check the client's key for ``pool`` and reserve one session of its quota.
         Returns a token for :meth:`release_tenant` (call it on every exit path);
         raises Unauthorized / Forbidden / TenantLimitRefused. Runs before the gate."""
+        CURRENT_TENANT.set(None)
         key = authenticate(self.settings.auth, scope, pool)
         if key is None:
             return None
@@ -312,7 +336,11 @@ class Runtime:
             token = self.tenants.reserve(key, pool, retry)
         except Refused:
             self.metrics.decisions.labels(pool, "rejected_tenant_limit").inc()
+            labels = (pool, key.name, str(key.priority), "rejected_tenant_limit")
+            self.metrics.tenant_decisions.labels(*labels).inc()
             raise
+        # The gate admits this task's session as the key's tenant (class, weight, ...).
+        CURRENT_TENANT.set(tenant_spec(key))
         if isinstance(self.gate, SharedGate) and key.max_sessions is not None:
             # Counted over every gateway too, by the shared gate's admission (this
             # process's count above is only its own part).

@@ -324,6 +324,22 @@ class ReplicaSettings(_Frozen):
         return ws_base(self.url)
 
 
+class ReserveSettings(_Frozen):
+    """Slots of a pool only sessions of class ``priority`` or higher may take (issue 18):
+    ``slots`` over the whole pool, or ``per_replica`` on each replica that takes sessions
+    (healthy, not guard-held). The classes below see a pool that many slots smaller."""
+
+    priority: int = Field(ge=-1000, le=1000)
+    slots: int = Field(0, ge=0)
+    per_replica: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _one_amount(self) -> ReserveSettings:
+        if (self.slots > 0) == (self.per_replica > 0):
+            raise Problems([((), "give exactly one of slots or per_replica, above 0")])
+        return self
+
+
 class PoolSettings(_Frozen):
     """Replicas serving the same model, with one gate and queue."""
 
@@ -332,6 +348,31 @@ class PoolSettings(_Frozen):
     queue: QueueSettings = QueueSettings()
     fallback: FallbackSettings | None = None
     session_estimate_s: PositiveSeconds = 20  # seeds Retry-After before any session ended
+    reserve: tuple[ReserveSettings, ...] = ()
+
+    @model_validator(mode="after")
+    def _reserve_fits(self) -> PoolSettings:
+        problems: list[tuple[Loc, str]] = []
+        seen: set[int] = set()
+        for i, r in enumerate(self.reserve):
+            if r.priority in seen:
+                problems.append((("reserve", i, "priority"), f"{r.priority} is reserved twice"))
+            seen.add(r.priority)
+        kept = sum(r.slots + r.per_replica * len(self.replicas) for r in self.reserve)
+        if self.reserve and kept >= self.total_slots:
+            why = (
+                f"keeps {kept} of the pool's {self.total_slots} slots; the lowest class "
+                "would never be admitted"
+            )
+            problems.append((("reserve",), why))
+        for i, r in enumerate(self.reserve):
+            small = [x.name for x in self.replicas if x.max_sessions <= r.per_replica]
+            if r.per_replica and small:
+                why = f"{r.per_replica} per replica leaves no slot on {', '.join(small)}"
+                problems.append((("reserve", i, "per_replica"), why))
+        if problems:
+            raise Problems(problems)
+        return self
 
     @field_validator("fallback")
     @classmethod
@@ -411,12 +452,26 @@ class RouteSettings(_Frozen):
 
 class ApiKeySettings(_Frozen):
     """One tenant's key, stored as its SHA-256. ``pools`` empty = every pool;
-    ``max_sessions`` caps the tenant's concurrent sessions (429 ``tenant_limit``)."""
+    ``max_sessions`` caps the tenant's concurrent sessions (429 ``tenant_limit``).
+
+    Scheduling (issue 18, README "Tenants and priorities"): ``priority`` is the key's
+    class (higher first; negative: sheddable), ``weight`` its share of session-seconds
+    within the class (unset: the key shares its class's plain FIFO), ``max_queued`` its
+    waiters in one pool's queue (429 ``tenant_limit`` past it). A key without them behaves
+    as before."""
 
     name: Name
     sha256: Sha256
     pools: tuple[str, ...] = ()
     max_sessions: int | None = Field(None, ge=1)
+    priority: int = Field(0, ge=-1000, le=1000)
+    weight: float | None = Field(None, gt=0, le=1000)
+    max_queued: int | None = Field(None, ge=0)
+
+    @property
+    def schedules(self) -> bool:
+        """Whether the key sets any of the scheduling fields."""
+        return self.priority != 0 or self.weight is not None or self.max_queued is not None
 
     def allows(self, pool: str) -> bool:
         return not self.pools or pool in self.pools
@@ -710,13 +765,30 @@ class Settings(BaseSettings):
             if problems:
                 raise Problems(problems, prior=exc.errors()) from None
             raise
-        problems += settings._port_problems()
+        problems += settings._port_problems() + settings._tenant_problems()
         if problems:
             raise Problems(problems)
         raw_auth = data.get("auth") if isinstance(data, Mapping) else None
         # A mapping that validated yet left no AuthSettings said ``enabled: false``.
         settings._auth_disabled = raw_auth is not None and settings.auth is None
         return settings
+
+    def _tenant_problems(self) -> list[tuple[Loc, str]]:
+        """Priority classes, weights and reserves are decided by the in-process core;
+        the shared (Redis) backend does not apply them yet, so it refuses them rather
+        than ignore them."""
+        if self.admission.backend != "redis":
+            return []
+        why = "not supported with admission.backend: redis yet (README 'Tenants and priorities')"
+        out: list[tuple[Loc, str]] = [
+            (("pools", i, "reserve"), why) for i, p in enumerate(self.pools) if p.reserve
+        ]
+        if self.auth is not None:
+            for i, key in enumerate(self.auth.keys):
+                for field in ("priority", "weight", "max_queued"):
+                    if field in key.model_fields_set:
+                        out.append((("auth", "keys", i, field), why))
+        return out
 
     def _port_problems(self) -> list[tuple[Loc, str]]:
         listen, admin = self.listen, self.admin

@@ -387,6 +387,13 @@ class PoolCore:
             counts.setdefault(self._waiters.waiter(t).tenant, [0, 0])[1] += 1
         return {k: (a, q) for k, (a, q) in counts.items()}
 
+    def running_seconds(self, now: float) -> dict[TenantSpec, float]:
+        """Seconds the running sessions of each tenant have held their slots so far."""
+        out: dict[TenantSpec, float] = {}
+        for lease in self._leases.values():
+            out[lease.tenant] = out.get(lease.tenant, 0.0) + now - lease.admitted_at
+        return out
+
     def set_reserves(self, reserves: Sequence[Reserve], now: float) -> list[Admit]:
         """Change the pool's reserves live; never evicts."""
         self.reserves = tuple(reserves)
