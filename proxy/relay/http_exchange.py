@@ -55,7 +55,7 @@ from proxy.relay.session import SessionRecord
 
 if TYPE_CHECKING:
     from proxy.clock import TimerHandle
-    from proxy.runtime import Runtime
+    from proxy.relay.services import RelayServices
     from proxy.settings import RouteSettings
 
 __all__ = ["Ending", "HttpExchange", "client_abort", "send_error"]
@@ -99,7 +99,7 @@ class HttpExchange:
 
     def __init__(
         self,
-        rt: Runtime,
+        rt: RelayServices,
         route: RouteSettings,
         scope: Scope,
         body: bytes,

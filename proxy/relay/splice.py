@@ -47,8 +47,8 @@ if TYPE_CHECKING:
     from proxy.clock import Clock, TimerHandle
     from proxy.gate import Lease
     from proxy.protocols.base import WsAdapter
+    from proxy.relay.services import RelayServices
     from proxy.relay.session import SessionRecord
-    from proxy.runtime import Runtime
     from proxy.settings import LimitsSettings
 
 __all__ = ["CLOSE_TIMEOUT_S", "Splice", "close_frame", "frame"]
@@ -123,7 +123,7 @@ class Splice:
 
     def __init__(
         self,
-        rt: Runtime,
+        rt: RelayServices,
         lease: Lease,
         adapter: WsAdapter,
         record: SessionRecord,

@@ -36,7 +36,7 @@ from proxy.relay.core import (
 from proxy.relay.session import SessionRecord
 
 if TYPE_CHECKING:
-    from proxy.runtime import Runtime
+    from proxy.relay.services import RelayServices
     from proxy.settings import RouteSettings
 
 __all__ = ["relay_frames"]
@@ -55,7 +55,7 @@ class _Shell:
         "timer", "timer_at", "upstream", "upstream_close",
     )  # fmt: skip
 
-    def __init__(self, rt: Runtime, core: RelayCore, upstream: ClientConnection) -> None:
+    def __init__(self, rt: RelayServices, core: RelayCore, upstream: ClientConnection) -> None:
         self.rt = rt
         self.clock = rt.clock
         self.core = core
@@ -122,7 +122,7 @@ class _Shell:
 
 
 async def relay_frames(
-    rt: Runtime,
+    rt: RelayServices,
     route: RouteSettings,
     lease: Lease,
     upstream: ClientConnection,

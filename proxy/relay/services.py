@@ -1,0 +1,80 @@
+"""What the relays need from the gateway: a narrow interface instead of the whole
+:class:`~proxy.runtime.Runtime`.
+
+The session relays -- the splice (:mod:`proxy.relay.splice`), the ASGI relay
+(:mod:`proxy.relay.ws_pump`) and the HTTP exchange (:mod:`proxy.relay.http_exchange`)
+-- are written against :class:`RelayServices`, and ``Runtime`` provides it (mypy
+checks it where :mod:`proxy.relay.ws` and :mod:`proxy.relay.http` hand their runtime
+over; ``tests/unit/test_relay_services.py`` checks the members and the imports). The
+entry points still take a ``Runtime``: admission (:func:`proxy.relay.admit.enter`)
+reaches the reservation store through :func:`proxy.reservations.reservations_of`,
+which is keyed by the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import httpx
+
+    from proxy.clock import Clock
+    from proxy.gate import Gate
+    from proxy.meter import SessionMeter
+    from proxy.protocols import HttpAdapter, WsAdapter
+    from proxy.settings import RouteSettings, Settings
+    from proxy.shared_gate import SharedGate
+
+__all__ = ["RelayServices", "StopSession"]
+
+#: Ends one live session from the gateway's side (drain): close code, reason.
+StopSession = Callable[[int, str], None]
+
+
+class RelayServices(Protocol):
+    """The gateway's services one relayed session uses."""
+
+    # configuration and time
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def clock(self) -> Clock: ...
+
+    # admission
+    @property
+    def gate(self) -> Gate | SharedGate: ...
+
+    def authorize(self, scope: dict[str, Any], pool: str) -> str | None:
+        """The tenant token the session holds (released with :meth:`release_tenant`);
+        raises ``Refused`` / ``PolicyViolation``."""
+
+    def release_tenant(self, token: str | None) -> None: ...
+
+    def key_allows(self, scope: dict[str, Any], pool: str) -> bool: ...
+
+    # upstreams
+    def ws_url(self, pool: str, replica: str) -> str: ...
+
+    def http_url(self, pool: str, replica: str) -> str: ...
+
+    @property
+    def http(self) -> httpx.AsyncClient: ...
+
+    def upstream_error(self, pool: str, replica: str, kind: str) -> None:
+        """Count an upstream failure of ``kind`` against the replica."""
+
+    # metering
+    def new_meter(self, pool: str, replica: str, admitted_at: float) -> SessionMeter: ...
+
+    def ws_adapter(self, route: RouteSettings, meter: SessionMeter) -> WsAdapter: ...
+
+    def http_adapter(self, route: RouteSettings, meter: SessionMeter) -> HttpAdapter: ...
+
+    # live sessions (drain) and background work
+    def register_session(self, stop: StopSession) -> None: ...
+
+    def unregister_session(self, stop: StopSession) -> None: ...
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None: ...
