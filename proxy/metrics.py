@@ -133,6 +133,11 @@ class TenantGauges:
 
 
 _TENANT_LABELS = ["pool", "tenant", "priority"]
+_TENANT_SESSION_SECONDS = (
+    "headroom_tenant_session_seconds",
+    "Slot-seconds the API key's sessions have held in the pool (running sessions count up "
+    "to the scrape): what the fair share charges.",
+)
 
 
 class _TenantCollector(Collector):
@@ -150,12 +155,7 @@ class _TenantCollector(Collector):
             "Sessions of the API key waiting in the pool's queue.",
             labels=_TENANT_LABELS,
         )
-        held = CounterMetricFamily(
-            "headroom_tenant_session_seconds",
-            "Slot-seconds the API key's sessions have held in the pool (running sessions "
-            "count up to the scrape): what the fair share charges.",
-            labels=_TENANT_LABELS,
-        )
+        held = CounterMetricFamily(*_TENANT_SESSION_SECONDS, labels=_TENANT_LABELS)
         for t in self._tenants():
             key = [t.pool, t.tenant, str(t.priority)]
             active.add_metric(key, t.active)
@@ -557,6 +557,10 @@ class Metrics:
             "Time the API key's sessions spent in the queue, whether then admitted or not.",
             _TENANT_LABELS, buckets=_WAIT_BUCKETS, registry=r,
         )  # fmt: skip
+        # Exported by the tenant collector (bind_tenants); the definition, not registered.
+        self.tenant_session_seconds = _CollectedCounter(
+            *_TENANT_SESSION_SECONDS, _TENANT_LABELS, registry=None
+        )
         # A pool's series appears with its first answered ASR commit (proxy.meter), so
         # pools that only speak (TTS) export none.
         self.asr_finalize = Histogram(

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prometheus_client import Counter, Histogram
 
-from proxy.metrics import Metrics, ReplicaGauges
+from proxy.metrics import Metrics, ReplicaGauges, TenantGauges
 from proxy.pipelines import Headroom, PipelineHeadroom, PoolHeadroom
 from proxy.shared_gate import SharedAdmissionMetrics
 
@@ -108,6 +108,8 @@ def _metrics() -> Metrics:
                         threshold=1.2)  # fmt: skip
     headroom = Headroom((pool,), (PipelineHeadroom("agent", (pool,), "p"),))
     metrics.bind_headroom(lambda: headroom)
+    # Per API key (auth.keys): scrape-time gauges and session-seconds (issue 18).
+    metrics.bind_tenants(lambda: [TenantGauges("p", "t", 0, 1, 0, 1.0)])
     # The shared admission backend's series (admission.backend: redis), with a sample each.
     shared = SharedAdmissionMetrics(metrics.registry)
     shared.backend_up.labels("redis").set(1)

@@ -146,6 +146,8 @@ def test_dashboard_shows_the_required_signals() -> None:
         "headroom_pool_headroom_left_ratio",
         "headroom_pool_slots_free",
         "headroom_pipeline_limiting_stage",
+        "headroom_tenant_session_seconds_total",
+        "headroom_tenant_queued",
     }
     assert required <= used, f"dashboard lacks {sorted(required - used)}"
 

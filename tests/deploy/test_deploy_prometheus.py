@@ -100,6 +100,7 @@ def _alert_exprs() -> dict[str, dict[str, Any]]:
         ("HeadroomPoolNoHealthyReplica", "headroom_replica_healthy", "page"),
         ("HeadroomGuardEngaged", "headroom_replica_guarded", "warning"),
         ("HeadroomPipelineStageNearKnee", "headroom_pipeline_limiting_stage == 1", "warning"),
+        ("HeadroomPriorityClassStarving", 'decision="admitted"', "warning"),
     ],
 )
 def test_required_alerts(name: str, fragment: str, severity: str) -> None:
