@@ -183,6 +183,16 @@ class Splice:
             self._keepalive.add(self)
         self._arm(self.core.next_deadline())
 
+    def client_left(self, upstream: asyncio.Transport) -> None:
+        """The client left before the session started (during the upstream handshake):
+        the upstream is told as the core says, and its socket closed."""
+        self.upstream.transport = upstream
+        self.client.closed = True  # it never had a socket here
+        self.core.connection_lost(self.core.client, self.clock.now())
+        self.run()
+        self.upstream.close(None)
+        self._finished()
+
     def stop(self, code: int, reason: str, upstream_code: int | None = None) -> None:
         """End the session from Headroom's side (drain, shutdown): see
         :meth:`RelayCore.stop`."""

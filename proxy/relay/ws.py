@@ -53,7 +53,7 @@ from proxy.relay.admit import FALLBACK_RESPONSE_HEADER, enter, upstream_query
 from proxy.relay.failover import Failover, Unreachable, describe, open_tcp
 from proxy.relay.headers import forwarded_request_headers
 from proxy.relay.session import SessionRecord, new_session_id
-from proxy.relay.splice import Splice, close_frame
+from proxy.relay.splice import Splice
 from proxy.relay.upstream_ws import UpstreamSocket, UpstreamStatus, open_upstream
 from proxy.relay.uvicorn_ws import TakeOver
 from proxy.relay.ws_pump import relay_frames
@@ -335,9 +335,7 @@ async def _splice(
         )  # fmt: skip
         if taken is None:  # the client left during the upstream handshake
             record.error = "client went away"
-            record.client_close = 1006
-            upstream.transport.write(close_frame(1001, "client went away", masked=True))
-            upstream.transport.close()
+            splice.client_left(upstream.transport)
             return
         transport, early = taken
         rt.register_session(splice.stop)

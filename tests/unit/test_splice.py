@@ -635,3 +635,13 @@ async def test_nothing_but_close_frames_crosses_once_a_leg_is_closing() -> None:
     assert h.client.take() == b""
     assert parse_frames(close) == [(8, True, (1008).to_bytes(2, "big") + b"idle timeout")]
     assert h.adapter.events == []
+
+
+async def test_a_client_gone_before_the_start_gets_the_upstream_a_1001_and_a_close() -> None:
+    h = Harness()
+    h.splice.client_left(h.upstream)
+    expected = (1001).to_bytes(2, "big") + b"client went away"
+    assert parse_frames(h.upstream.take()) == [(8, True, expected)]
+    assert h.upstream.closed and not h.upstream.aborted  # the close frame is flushed
+    assert h.record.client_close == 1006 and h.splice.done.done()
+    assert h.splice._timer is None  # no close deadline left running
