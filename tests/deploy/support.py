@@ -17,6 +17,7 @@ from prometheus_client import Counter, Histogram
 
 from proxy.metrics import Metrics, ReplicaGauges, TenantGauges
 from proxy.pipelines import Headroom, PipelineHeadroom, PoolHeadroom
+from proxy.reservations import ReservationMetrics
 from proxy.shared_gate import SharedAdmissionMetrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,6 +118,8 @@ def _metrics() -> Metrics:
     shared.queue_depth.labels("p", "pool").set(0)
     shared.lease_loss_closes.labels("p")
     metrics.shared_admission = shared  # type: ignore[attr-defined]
+    # Gang reservations (issue 19): counters on the gateway's registry.
+    metrics.reservations = ReservationMetrics(metrics.registry)  # type: ignore[attr-defined]
     return metrics
 
 
@@ -130,7 +133,8 @@ def exported_series() -> dict[str, set[str]]:
     metrics = _metrics()
     labels: dict[str, tuple[str, ...]] = {}
     shared = vars(metrics.shared_admission)  # type: ignore[attr-defined]
-    for attr in [*vars(metrics).values(), *shared.values()]:
+    reservations = vars(metrics.reservations)  # type: ignore[attr-defined]
+    for attr in [*vars(metrics).values(), *shared.values(), *reservations.values()]:
         if isinstance(attr, Counter | Histogram):
             labels[attr._name] = tuple(attr._labelnames)  # no public accessor
     series: dict[str, set[str]] = {}

@@ -218,6 +218,11 @@ CONTRACT_METRICS = {
     "headroom_pool_headroom_left_ratio": ("gauge", {"pool"}),
     "headroom_pipeline_stage_headroom_left_ratio": ("gauge", {"pipeline", "pool"}),
     "headroom_pipeline_limiting_stage": ("gauge", {"pipeline", "pool"}),
+    # Gang reservations (issue 19): registered with the gateway, samples once used.
+    "headroom_reservations": ("counter", {"outcome"}),
+    "headroom_reservation_refusals": ("counter", {"pool", "reason"}),
+    "headroom_reservation_slots": ("counter", {"pool", "outcome"}),
+    "headroom_reservation_claims_refused": ("counter", {"code"}),
 }
 
 
