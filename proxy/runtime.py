@@ -330,7 +330,10 @@ class Runtime:
         if isinstance(self.gate, SharedGate):
             estimate = self.gate.estimate_wait(pool, 1)
         else:
-            estimate = self.gate.core(pool).estimate_wait(1, self.clock.now())
+            # Past max_sessions only one of the key's own sessions ending helps.
+            core, now = self.gate.core(pool), self.clock.now()
+            own = core.tenant_wait(key.name, now)
+            estimate = core.estimate_wait(1, now) if own is None else own
         retry = min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, estimate))
         try:
             token = self.tenants.reserve(key, pool, retry)

@@ -387,6 +387,17 @@ class PoolCore:
             counts.setdefault(self._waiters.waiter(t).tenant, [0, 0])[1] += 1
         return {k: (a, q) for k, (a, q) in counts.items()}
 
+    def tenant_wait(self, name: str, now: float) -> float | None:
+        """Expected seconds until one of key ``name``'s own running sessions in this pool
+        ends (None if it runs none here): the Retry-After of a ``tenant_limit`` refusal
+        for ``max_sessions``, which only its own sessions ending can lift."""
+        ages = [now - lease.admitted_at for lease in self._leases.values()
+                if lease.tenant.name == name]  # fmt: skip
+        if not name or not ages:
+            return None
+        lengths = self._lengths
+        return SlotForecast([(ages, 0)], mean_s=lengths.mean, cv=lengths.cv).wait_s(1)
+
     def running_seconds(self, now: float) -> dict[TenantSpec, float]:
         """Seconds the running sessions of each tenant have held their slots so far."""
         out: dict[TenantSpec, float] = {}

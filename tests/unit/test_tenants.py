@@ -368,3 +368,15 @@ TenantMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestTenantMachine = TenantMachine.TestCase
+
+
+def test_tenant_wait_is_until_one_of_its_own_sessions_ends() -> None:
+    core = _core([4])
+    mine = core.arrive(0.0, A)
+    assert isinstance(mine, Admit)
+    for _ in range(3):
+        assert isinstance(core.arrive(9.0, B), Admit)
+    # a's only session is 9 s into a ~10 s mean; b's three have just started
+    own = core.tenant_wait("a", 9.0)
+    assert own is not None and own < core.tenant_wait("b", 9.0)  # type: ignore[operator]
+    assert core.tenant_wait("c", 9.0) is None and core.tenant_wait("", 9.0) is None
