@@ -7,9 +7,8 @@ local view = view_of(6, #ARGV - 5)
 local now = now_ms()
 -- Expired leases are gone first: a lease that lapsed is never confirmed below.
 purge(now)
--- Idempotent per id: a retry after a lost reply gets the first answer again. A lease
--- that is still live is extended: the gateway confirms a slot handed over through its
--- wake list this way before using it (the grant may have lapsed while it was paused).
+-- Idempotent per id: a retry after a lost reply gets the first answer again (a live
+-- lease, extended from now).
 local owned = redis.call('HGET', K_OWNER, id)
 if owned then
   redis.call('ZADD', K_LEASES, now + ttl, id)
