@@ -241,6 +241,11 @@ async def test_through_headroom_refusals_are_counted_not_errors(
             hold_s=1.2,
             warmup_s=0.5,
             cooldown_s=0.2,
+            # refusals are the subject here: no repeated trials, and only the steady
+            # ratio judged (a loaded machine's first-seam stall is not what is tested)
+            repeats=0,
+            max_stall_share=None,
+            ttfa_limit_s=None,
         )
         progress = RecordingProgress()
         result = await run_probe(probe, progress=progress)
@@ -285,6 +290,13 @@ async def test_ctrl_c_reports_what_was_measured_and_closes_every_session(
             "2",
             "--warmup",
             "1",
+            # the interruption is the subject: no repeats, only the steady ratio judged
+            "--repeat",
+            "0",
+            "--max-stall-share",
+            "1",
+            "--ttfa-limit",
+            "0",
             "--json",
             str(out),
             cwd=ROOT,
