@@ -605,7 +605,8 @@ async def run_soak(cfg: ChaosConfig) -> dict[str, Any]:
             tts_urls = [cluster.urls[0]]
             for i in range(1, cfg.gpus):
                 gpu = cluster.gpus[i]
-                fp = FaultProxy((gpu.host, gpu.port), plan, seed=cfg.seed * 101 + i)
+                # clean until the warm-up is done: it checks Headroom, not the faults
+                fp = FaultProxy((gpu.host, gpu.port), FaultPlan.clean(), seed=cfg.seed * 101 + i)
                 await stack.enter_async_context(fp)
                 proxies.append(fp)
                 tts_urls.append(fp.url)
@@ -634,6 +635,8 @@ async def run_soak(cfg: ChaosConfig) -> dict[str, Any]:
             await _settle(cfg, headroom, probe, counters, None)
             await asyncio.sleep(0.5)  # let closing keep-alive connections finish
             baseline = await _baseline(probe, headroom)
+            for fp in proxies:  # the faults start with the chaos
+                fp.plan = plan
 
             stop = asyncio.Event()
             sampler = asyncio.ensure_future(
