@@ -175,7 +175,7 @@ class SharedAdmissionMetrics:
 class SharedLease(Lease):
     """A slot held through Redis; :meth:`release` is idempotent and never awaits."""
 
-    __slots__ = ("_shared", "lease_id")
+    __slots__ = ("_shared", "fenced", "lease_id")
 
     def __init__(
         self, gate: SharedGate, pool: str, lease_id: str, replica: str, waited_s: float,
@@ -184,6 +184,9 @@ class SharedLease(Lease):
         self._shared = gate
         self.pool = pool
         self.lease_id = lease_id
+        #: A fence already told this lease's session to close: the lease being found
+        #: gone again (its session is still ending) does not fence the pool again.
+        self.fenced = False
         self.ticket = int(lease_id.rsplit(":", 1)[1])
         self.replica = replica
         self.waited_s = waited_s
@@ -646,8 +649,12 @@ class SharedGate:
             self._metrics.queue_depth.labels(name, "pool").set(p.queue_depth)
         p.last_renewed = sent
         self._arm_fence(p)
-        if result.lost:
-            self._fence(p, f"{len(result.lost)} lease(s) expired in the admission store")
+        # Lost means lost while its session runs: a lease released while the call was in
+        # flight (its release may have landed first) is not, nor is one whose session a
+        # fence already told to close (found gone again until that session has ended).
+        lost = [lid for lid in result.lost if lid in p.leases and not p.leases[lid].fenced]
+        if lost:
+            self._fence(p, f"{len(lost)} lease(s) expired in the admission store")
         for wid, state in zip(waiters, result.waiters, strict=True):
             waiter = p.waiters.get(wid)
             if waiter is None or waiter.future.done():
@@ -670,12 +677,17 @@ class SharedGate:
 
     def _on_fence_deadline(self, p: _Pool) -> None:
         p.fence_timer = None
-        if p.leases:
+        if any(not lease.fenced for lease in p.leases.values()):
             self._fence(p, "leases not renewed within lease_ttl_s - fence_margin_s")
         p.last_renewed = None  # until a renewal succeeds again
 
     def _fence(self, p: _Pool, why: str) -> None:
+        """Once per set of lost leases: the listeners end every session of the pool
+        this gateway runs now, so those leases are marked and never fence again; only a
+        session admitted after this fence can trigger the next one."""
         count = len(p.leases)
+        for lease in p.leases.values():
+            lease.fenced = True
         if self._metrics is not None:
             self._metrics.lease_loss_closes.labels(p.name).inc()
         if self.on_backend_loss == "keep":
