@@ -15,9 +15,10 @@ Rules, all enforced here and nowhere else:
   :class:`~proxy.admission.tenants.TenantQueue` serves next (class first, then fair
   share by session-seconds between keys with a ``weight``, FIFO within a key; with no
   tenant fields configured, one plain FIFO).
-* Reserves: a session of class ``c`` takes a slot only while more than
-  :func:`~proxy.admission.tenants.reserved_above` ``(c)`` slots are free on usable
-  replicas, so the classes below a reserve see a smaller cap.
+* Reserves: for each reserve of a class above ``c``, a session of class ``c`` takes a
+  slot only while the sessions of the classes below that reserve hold fewer than the
+  usable capacity minus it (:func:`~proxy.admission.tenants.reserve_allows`): the
+  classes below a reserve see a smaller cap.
 * A key's ``max_queued`` bounds its waiters in the queue (``tenant_limit``); a full
   queue refuses a newcomer (``queue_full``) unless it may displace a sheddable waiter of
   a lower class, which is refused at once (``preempted_in_queue``,
@@ -62,7 +63,7 @@ from proxy.admission.retry_after import (
     next_recheck_s,
     retry_after_s,
 )
-from proxy.admission.tenants import ANONYMOUS, Reserve, TenantQueue, TenantSpec, reserved_above
+from proxy.admission.tenants import ANONYMOUS, Reserve, TenantQueue, TenantSpec, reserve_allows
 
 __all__ = ["PoolCore", "RETRY_AFTER_MAX_S", "RETRY_AFTER_MIN_S"]
 
@@ -524,20 +525,27 @@ class PoolCore:
         self._forecast = None
         return Admit(ticket, replica.name, waited_s=now - arrived)
 
-    def _usable_replicas(self) -> int:
-        return sum(1 for r in self._replicas.values() if r.live and not r.guarded)
-
     def _may_take(self, priority: int) -> bool:
-        """Whether a session of class ``priority`` may take a free slot now (reserves)."""
+        """Whether a session of class ``priority`` may take a free slot now: the
+        reserves of the classes above it hold (:func:`reserve_allows`), counted over
+        the replicas that take sessions now."""
         if not self.reserves:
             return True
-        keep = reserved_above(self.reserves, priority, self._usable_replicas())
-        return self.free_slots() > keep
+        usable = {n for n, r in self._replicas.items() if r.live and not r.guarded}
+        capacity = sum(self._replicas[n].cap for n in usable)
+        classes = [lease.tenant.priority for lease in self._leases.values()
+                   if lease.replica in usable]  # fmt: skip
+
+        def below(level: int) -> int:
+            return sum(1 for c in classes if c < level)
+
+        return reserve_allows(self.reserves, priority, capacity, len(usable), below)
 
     def _assign(self, now: float) -> list[Admit]:
         """Hand free slots to waiters, the one :class:`TenantQueue` serves next first.
         If that waiter may not take a slot (no replica, or reserves), no later one may:
-        it is of the highest class waiting."""
+        it is of the highest class waiting, and a reserve that blocks a class blocks
+        every class below it too."""
         self._last_now = now
         admitted: list[Admit] = []
         if self._draining:

@@ -28,14 +28,14 @@ within a class the lanes interleaved by virtual time, each waiter advancing its 
 the expected session length over its weight (a stride schedule).
 
 Reserves (:class:`Reserve`) are slots only sessions of a class at or above
-``priority`` may take; the core applies them (:func:`reserved_above`).
+``priority`` may take; the core applies them (:func:`reserve_allows`).
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "Reserve",
     "TenantQueue",
     "TenantSpec",
+    "reserve_allows",
     "reserved_above",
 ]
 
@@ -98,9 +99,29 @@ class Reserve:
 
 
 def reserved_above(reserves: Iterable[Reserve], priority: int, usable_replicas: int) -> int:
-    """Free slots a session of class ``priority`` must leave untouched: every reserve
-    kept for a class above it."""
+    """Slots kept from a session of class ``priority``: every reserve for a class above
+    it. The sessions of that class and the classes below it hold at most the usable
+    capacity minus this."""
     return sum(r.amount(usable_replicas) for r in reserves if r.priority > priority)
+
+
+def reserve_allows(
+    reserves: Sequence[Reserve],
+    priority: int,
+    capacity: int,
+    usable_replicas: int,
+    active_below: Callable[[int], int],
+) -> bool:
+    """Whether one more session of class ``priority`` keeps every reserve above it:
+    for each reserved class ``P > priority``, the sessions of the classes below ``P``
+    (``active_below(P)``) stay under ``capacity`` minus the reserves of ``P`` and above.
+    The lower classes see a smaller pool; a reserve in use by its class does not shrink
+    it further."""
+    for level in sorted({r.priority for r in reserves if r.priority > priority}):
+        kept = reserved_above(reserves, level - 1, usable_replicas)
+        if active_below(level) >= capacity - kept:
+            return False
+    return True
 
 
 @dataclass(slots=True)

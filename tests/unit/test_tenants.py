@@ -92,6 +92,14 @@ def test_reserve_gives_a_high_class_a_slot_at_once_during_a_flood() -> None:
     assert isinstance(core.arrive(1.0, GOLD), Enqueue)  # the reserve is used up
 
 
+def test_a_reserve_in_use_does_not_shrink_the_lower_classes_cap_further() -> None:
+    core = _core([4], reserves=[Reserve(priority=1, slots=2)])
+    assert [type(core.arrive(0.0, GOLD)) for _ in range(2)] == [Admit, Admit]
+    # gold holds its 2 reserved slots: class 0 still has the other 2
+    assert [type(core.arrive(0.0, A)) for _ in range(3)] == [Admit, Admit, Enqueue]
+    assert isinstance(core.arrive(0.0, GOLD), Enqueue)  # the pool is full
+
+
 def test_pool_wide_reserve_nests_by_class() -> None:
     core = _core([4], reserves=[Reserve(priority=1, slots=1), Reserve(priority=0, slots=1)])
     assert [type(core.arrive(0.0, FREE)) for _ in range(3)] == [Admit, Admit, Enqueue]
@@ -354,11 +362,18 @@ class TenantMachine(RuleBasedStateMachine):
         for t in TENANTS:
             if t.max_queued is not None:
                 assert sum(1 for w in self.waiting if self.tenant[w] == t) <= t.max_queued
-        # work-conserving: the highest class waiting could not take a free slot
+        # work-conserving: the highest class waiting could take no slot -- none is free,
+        # or one more of its class would put the classes below some reserve above
+        # their smaller cap
         if self.waiting:
             top = max(self.tenant[w].priority for w in self.waiting)
-            keep = reserved_above(self.reserves, top, len(self.caps))
-            assert core.free_slots() <= keep
+            blocked = core.free_slots() == 0 or any(
+                sum(1 for t in self.leases if self.tenant[t].priority < r.priority)
+                >= total - reserved_above(self.reserves, r.priority - 1, len(self.caps))
+                for r in self.reserves
+                if r.priority > top
+            )
+            assert blocked
 
 
 TenantMachine.TestCase.settings = settings(
