@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -134,10 +133,6 @@ class _Pool:
     timer: TimerHandle | None = None
     timer_at: float | None = None
     enqueued_at: dict[int, float] = field(default_factory=dict)
-    #: Finished session-seconds per (key name, class), for headroom_tenant_session_seconds.
-    held: defaultdict[tuple[str, int], float] = field(
-        default_factory=lambda: defaultdict(float)
-    )
 
 
 class Gate:
@@ -395,8 +390,8 @@ class Gate:
         now = self.clock.now()
         for name, p in self._pools.items():
             counts = {(t.name, t.priority): c for t, c in p.core.tenant_counts().items()}
-            held = dict(p.held)
-            for t, seconds in p.core.running_seconds(now).items():
+            held: dict[tuple[str, int], float] = {}
+            for t, seconds in p.core.session_seconds(now).items():
                 held[(t.name, t.priority)] = held.get((t.name, t.priority), 0.0) + seconds
             for key in sorted(set(counts) | set(held)):
                 if key[0]:
@@ -442,8 +437,6 @@ class Gate:
         now = self.clock.now()
         if self.metrics is not None:
             self.metrics.session_duration.labels(lease.pool).observe(now - lease.admitted_at)
-        if lease.tenant is not None and lease.tenant.name:
-            p.held[(lease.tenant.name, lease.tenant.priority)] += now - lease.admitted_at
         self._dispatch(lease.pool, p, p.core.release(lease.ticket, now))
         if self._idle_waiters and self.active == 0:
             for future in self._idle_waiters:

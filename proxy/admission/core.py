@@ -145,6 +145,7 @@ class PoolCore:
         self._forecast_at = 0.0
         self._rng = random.Random(seed)
         self._last_now = 0.0
+        self._finished: dict[TenantSpec, float] = {}
 
     # -- events -----------------------------------------------------------------
 
@@ -198,6 +199,9 @@ class PoolCore:
         replica = self._replicas[lease.replica]
         replica.active -= 1
         self._waiters.released(ticket, now)
+        self._finished[lease.tenant] = self._finished.get(lease.tenant, 0.0) + (
+            now - lease.admitted_at
+        )
         self._lengths.observe(now - lease.admitted_at)
         self._forecast = None
         if replica.retired and replica.active == 0:
@@ -399,9 +403,10 @@ class PoolCore:
         lengths = self._lengths
         return SlotForecast([(ages, 0)], mean_s=lengths.mean, cv=lengths.cv).wait_s(1)
 
-    def running_seconds(self, now: float) -> dict[TenantSpec, float]:
-        """Seconds the running sessions of each tenant have held their slots so far."""
-        out: dict[TenantSpec, float] = {}
+    def session_seconds(self, now: float) -> dict[TenantSpec, float]:
+        """Slot-seconds each tenant's sessions have held in this pool: the finished ones
+        plus the running ones up to ``now`` (never decreases for a tenant)."""
+        out = dict(self._finished)
         for lease in self._leases.values():
             out[lease.tenant] = out.get(lease.tenant, 0.0) + now - lease.admitted_at
         return out

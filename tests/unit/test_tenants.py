@@ -395,3 +395,15 @@ def test_tenant_wait_is_until_one_of_its_own_sessions_ends() -> None:
     own = core.tenant_wait("a", 9.0)
     assert own is not None and own < core.tenant_wait("b", 9.0)  # type: ignore[operator]
     assert core.tenant_wait("c", 9.0) is None and core.tenant_wait("", 9.0) is None
+
+
+def test_session_seconds_never_decrease_and_count_running_sessions() -> None:
+    core = _core([2])
+    first = core.arrive(0.0, A)
+    second = core.arrive(1.0, A)
+    assert isinstance(first, Admit) and isinstance(second, Admit)
+    assert core.session_seconds(3.0) == {A: 3.0 + 2.0}
+    core.release(first.ticket, 3.0)
+    assert core.session_seconds(3.0) == {A: 5.0}  # the finished one moved, not lost
+    core.release(second.ticket, 4.0)
+    assert core.session_seconds(10.0) == {A: 6.0}
