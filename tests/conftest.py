@@ -86,3 +86,25 @@ async def start_proxy() -> AsyncIterator[Callable[[Settings], Any]]:
     for proxy in proxies:
         assert proxy.gate.active == 0, f"leaked slots: {proxy.gate!r}"
         assert proxy.gate.queued == 0, f"queue not empty: {proxy.gate!r}"
+
+
+#: Modules that start processes, soak, fuzz or measure (about nine tenths of the suite's
+#: time): marked ``slow`` so ``pytest -m "not slow"`` is a quick inner loop. CI runs all.
+SLOW = (
+    "tests/bench/",
+    "tests/probe/test_e2e.py",
+    "tests/chaos/test_soak_short.py",
+    "tests/fuzz/",
+    "tests/sim/test_validate.py",
+    "tests/sim/test_colocation.py",
+    "tests/shared_admission/test_workers.py",
+    "tests/shared_admission/test_crash.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = config.rootpath
+    for item in items:
+        where = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        if where.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
