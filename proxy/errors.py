@@ -10,7 +10,7 @@ the boundary; they never reach the admission core.
     HeadroomError                          (500 / 1011)
     ├── ConfigError                        invalid configuration: field path + reason
     ├── ListenError                        a listener's address cannot be bound
-    ├── Refused                            a session is not admitted (DESIGN "Contracts")
+    ├── Refused                            a session is not admitted (docs/contracts.md)
     │   ├── CapacityRefused                503 / 1013  pool_full, queue_full, queue_timeout,
     │   │                                              guard, no_healthy_replica,
     │   │                                              backend_unavailable,
@@ -29,7 +29,7 @@ the boundary; they never reach the admission core.
     │       └── UpstreamTimeout            504: no answer in time
     └── InternalError                      500 / 1011
 
-A :class:`Refused` carries ``reason`` (a DESIGN reason code), ``retry_after_s``,
+A :class:`Refused` carries ``reason`` (a reason code of docs/contracts.md), ``retry_after_s``,
 ``queue_position`` and an optional fallback hint; :meth:`Refused.body` renders the
 contract's JSON body.
 """
@@ -64,7 +64,8 @@ __all__ = [
     "refusal_for",
 ]
 
-#: Reason codes of the DESIGN contract (``X-Headroom-Reason`` and ``error.code``).
+#: Reason codes of the refusal contract, docs/contracts.md (``X-Headroom-Reason``,
+#: ``error.code``).
 REASONS = frozenset(
     {
         "pool_full",
@@ -112,7 +113,7 @@ class ListenError(HeadroomError):
 
 @dataclass(frozen=True, slots=True)
 class FallbackHint:
-    """Where a refused client may go instead (DESIGN ``fallback``)."""
+    """Where a refused client may go instead (``fallback`` in docs/contracts.md)."""
 
     voice: str | None = None
     pool: str | None = None

@@ -8,8 +8,8 @@ a few hundred of CPU. This is how ``headroom sim --describe`` finds a preset's
 Load model: ``concurrency`` closed-loop clients, each submitting one utterance
 (8-20 s of audio, seeded) after another, starts staggered over the first second. A
 chunk's *delivery ratio* is its audio seconds divided by the wall seconds since the
-stream's previous chunk (DESIGN "Meter"); a stream's first chunk has no previous one
-and is not counted. Ratios from the warm-up period are discarded.
+stream's previous chunk (docs/architecture.md, the meter); a stream's first chunk has no
+previous one and is not counted. Ratios from the warm-up period are discarded.
 
 The *ceiling* is the largest concurrency whose worst-1% (1st percentile) delivery
 ratio stays at or above ``threshold`` (1.2), found by ramping 1, 2, 4, 8, ... and
@@ -41,7 +41,8 @@ __all__ = [
     "single_stream",
 ]
 
-#: Delivery-ratio threshold of the ceiling (DESIGN: 1.2x realtime).
+#: Delivery-ratio threshold of the ceiling: 1.2x realtime, as the probe's and the guard's
+#: (docs/probe.md).
 THRESHOLD = 1.2
 _TEXT_TOKENS_PER_AUDIO_S = 3.5  # ~2.6 words/s of speech, ~1.3 tokens per word
 
