@@ -1,0 +1,27 @@
+"""bench/tenants.py's figures: Jain's index and the queue-wait p99 from the histogram."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.tenants import _wait_p99, jain
+
+W = "headroom_tenant_queue_wait_seconds_bucket"
+D = "headroom_tenant_decisions_total"
+
+
+def test_jain_index() -> None:
+    assert jain([5.0, 5.0]) == 1.0
+    assert jain([2.0, 1.0]) == pytest.approx(0.9)
+    assert jain([1.0, 0.0]) == 0.5
+    assert jain([]) is None and jain([0.0, 0.0]) is None
+
+
+def test_wait_p99_counts_sessions_admitted_at_once_as_zero() -> None:
+    before = {(D, "g", "admitted"): 10.0}
+    after = {(D, "g", "admitted"): 110.0, (W, "g", "0.01"): 0.0, (W, "g", "+Inf"): 0.0}
+    assert _wait_p99(before, after, "g") == 0.0  # 100 direct admissions, none queued
+    queued = {(D, "t", "admitted"): 10.0, (D, "t", "queued"): 10.0,
+              (W, "t", "0.5"): 5.0, (W, "t", "1.0"): 10.0, (W, "t", "+Inf"): 10.0}  # fmt: skip
+    assert _wait_p99({}, queued, "t") == 1.0
+    assert _wait_p99({}, {}, "none") is None
