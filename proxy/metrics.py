@@ -547,6 +547,13 @@ class Metrics:
             "Upstream failures by kind: connect, handshake, midstream, protocol, timeout.",
             ["pool", "replica", "kind"], registry=r,
         )  # fmt: skip
+        # A pool's series appears with its first answered ASR commit (proxy.meter), so
+        # pools that only speak (TTS) export none.
+        self.asr_finalize = Histogram(
+            "headroom_asr_finalize_seconds",
+            "ASR: client's final commit to the final transcript event.",
+            ["pool"], buckets=_FINALIZE_BUCKETS, registry=r,
+        )  # fmt: skip
         self.tenant_decisions = Counter(
             "headroom_tenant_decisions_total",
             "Admission decisions per API key: admitted, queued, rejected_<reason>, abandoned.",
@@ -561,13 +568,6 @@ class Metrics:
         self.tenant_session_seconds = _CollectedCounter(
             *_TENANT_SESSION_SECONDS, _TENANT_LABELS, registry=None
         )
-        # A pool's series appears with its first answered ASR commit (proxy.meter), so
-        # pools that only speak (TTS) export none.
-        self.asr_finalize = Histogram(
-            "headroom_asr_finalize_seconds",
-            "ASR: client's final commit to the final transcript event.",
-            ["pool"], buckets=_FINALIZE_BUCKETS, registry=r,
-        )  # fmt: skip
 
     def replica_series(self, pool: str, replica: str) -> ReplicaSeries:
         """The (one, shared) per-chunk series of ``pool``/``replica``; exported from now on,
