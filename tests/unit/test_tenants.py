@@ -407,3 +407,15 @@ def test_session_seconds_never_decrease_and_count_running_sessions() -> None:
     assert core.session_seconds(3.0) == {A: 5.0}  # the finished one moved, not lost
     core.release(second.ticket, 4.0)
     assert core.session_seconds(10.0) == {A: 6.0}
+
+
+def test_a_full_queues_retry_after_follows_the_refused_keys_own_place() -> None:
+    core = _core([1], depth=6)
+    assert isinstance(core.arrive(0.0, A), Admit)
+    for _ in range(6):
+        assert isinstance(core.arrive(0.0, A), Enqueue)
+    flood = core.arrive(1.0, A)  # behind its own six waiters: about 7 sessions away
+    other = core.arrive(1.0, TenantSpec("c", weight=1.0))  # its turn comes second
+    assert isinstance(flood, Reject) and isinstance(other, Reject)
+    assert flood.reason == other.reason == "queue_full"
+    assert other.retry_after_s < flood.retry_after_s
