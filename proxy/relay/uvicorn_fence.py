@@ -25,7 +25,7 @@ import logging
 from functools import cache
 from types import ModuleType
 
-__all__ = ["FALLBACK_PROTOCOL", "splice_problems", "websocket_protocol"]
+__all__ = ["FALLBACK_PROTOCOL", "assigned_attributes", "splice_problems", "websocket_protocol"]
 
 log = logging.getLogger("headroom.gateway")
 
@@ -59,7 +59,7 @@ def _class_node(module_source: str, name: str) -> ast.ClassDef:
     raise LookupError(f"class {name} not found")
 
 
-def _parent_names(parent: type) -> tuple[set[str], list[str]]:
+def assigned_attributes(parent: type) -> tuple[set[str], list[str]]:
     """Attributes the parent classes assign on ``self`` (from their source), and
     problems reading that source."""
     assigned: set[str] = set()
@@ -94,7 +94,7 @@ def splice_problems(module: ModuleType | str = _SPLICE_MODULE) -> list[str]:
     # uvicorn's attributes we read or write, and uvicorn's methods we call or extend
     # (super().x); our own attributes (set in our __init__) and helpers need nothing.
     required = (used - own_attributes - methods) | (_overrides(ours) - {"__init__"})
-    parent_assigned, problems = _parent_names(parent)
+    parent_assigned, problems = assigned_attributes(parent)
     if problems:
         return problems
     missing = sorted(n for n in required if n not in parent_assigned and not hasattr(parent, n))

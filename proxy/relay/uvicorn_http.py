@@ -49,6 +49,7 @@ from typing import Any, ClassVar
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from proxy.relay.uvicorn_fence import assigned_attributes
 from proxy.settings import LimitsSettings
 
 __all__ = ["LINGER_S", "HeadLimitedProtocol", "head_limited"]
@@ -72,7 +73,12 @@ _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
 def _check_uvicorn() -> None:
+    """At import (so at start-up, never on a connection): every method and attribute this
+    module uses is in uvicorn's protocol (attributes: assigned in its source, read by
+    :func:`proxy.relay.uvicorn_fence.assigned_attributes`)."""
     missing = [name for name in _METHODS if not callable(getattr(HttpToolsProtocol, name, None))]
+    assigned, problems = assigned_attributes(HttpToolsProtocol)
+    missing += problems or [name for name in _ATTRIBUTES if name not in assigned]
     if missing:
         raise ImportError(
             f"uvicorn {uvicorn.__version__}: HttpToolsProtocol has no {', '.join(missing)}; "
@@ -94,18 +100,9 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     #: Where the limits come from; read each time a head starts.
     limits_source: ClassVar[Callable[[], LimitsSettings]] = LimitsSettings
-    _attributes_checked: ClassVar[bool] = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if not HeadLimitedProtocol._attributes_checked:
-            missing = [name for name in _ATTRIBUTES if not hasattr(self, name)]
-            if missing:
-                raise RuntimeError(
-                    f"uvicorn {uvicorn.__version__}: HttpToolsProtocol instances have no "
-                    f"{', '.join(missing)}; proxy.relay.uvicorn_http cannot bound heads"
-                )
-            HeadLimitedProtocol._attributes_checked = True
         self._head_open = True  # the parser is reading a head (or waiting for one)
         self._head_bytes = 0
         self._head_tail = b""  # the head's last 3 bytes: its blank line may span reads

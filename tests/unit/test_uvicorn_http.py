@@ -116,6 +116,16 @@ def test_a_uvicorn_without_a_hook_fails_loudly(monkeypatch: pytest.MonkeyPatch) 
         uvicorn_http._check_uvicorn()
 
 
+def test_an_attribute_uvicorn_no_longer_sets_fails_at_import_not_on_a_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Attributes are checked against uvicorn's source at import (start-up): a renamed
+    one (here a name uvicorn never set) fails there, naming it."""
+    monkeypatch.setattr(uvicorn_http, "_ATTRIBUTES", (*uvicorn_http._ATTRIBUTES, "pipline"))
+    with pytest.raises(ImportError, match="pipline"):
+        uvicorn_http._check_uvicorn()
+
+
 async def test_a_partial_head_gets_408_when_the_deadline_fires() -> None:
     protocol, transport, timers = _open(LimitsSettings(handshake_timeout_s=7))
     assert timers.armed() == [7]  # armed when the connection was accepted
