@@ -207,13 +207,12 @@ def _probe_settings(url: str, args: argparse.Namespace, users: int, model: str) 
     )
 
 
-async def _worker(args: argparse.Namespace) -> int:
-    """One load-generator process: ``--users`` users against ``--worker`` from the shared
-    monotonic instant ``--start-at``; its window and traces go to ``--traces-out``."""
-    delay = args.start_at - time.monotonic()
+async def run_worker(settings: ProbeSettings, start_at: float, traces_out: str) -> int:
+    """One load-generator process's run: from the shared monotonic instant ``start_at``,
+    one probe level; its window and traces go to ``traces_out`` as JSON."""
+    delay = start_at - time.monotonic()
     if delay > 0:
         await asyncio.sleep(delay)
-    settings = _probe_settings(args.worker, args, args.users, args.model)
     result = await run_probe(settings, clock=time.monotonic)
     run = result.runs[0]
     w = run.window
@@ -221,8 +220,15 @@ async def _worker(args: argparse.Namespace) -> int:
         "window": [w.level, w.started_at, w.warm_end, w.ended_at, w.complete],
         "traces": [_trace_json(t) for t in run.traces],
     }
-    await asyncio.to_thread(Path(args.traces_out).write_text, json.dumps(data))
+    await asyncio.to_thread(Path(traces_out).write_text, json.dumps(data))
     return 0
+
+
+async def _worker(args: argparse.Namespace) -> int:
+    """One load-generator process: ``--users`` users against ``--worker`` from
+    ``--start-at``, traces to ``--traces-out``."""
+    settings = _probe_settings(args.worker, args, args.users, args.model)
+    return await run_worker(settings, args.start_at, args.traces_out)
 
 
 async def _measure(url: str, args: argparse.Namespace, users: int, model: str) -> dict[str, Any]:

@@ -49,9 +49,9 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.overload import _child, _preset, _trace_from, _trace_json
+from bench.overload import _child, _preset, _trace_from, run_worker
 from proxy.probe.analysis import LevelWindow, SessionTrace, level_stats, quantile
-from proxy.probe.runner import ProbeSettings, run_probe
+from proxy.probe.runner import ProbeSettings
 from proxy.probe.session import ClientOptions, endpoint_url
 from proxy.probe.workload import bundled
 from proxy.sim.capacity import describe
@@ -131,18 +131,7 @@ def _probe_settings(url: str, args: argparse.Namespace) -> ProbeSettings:
 
 async def _worker(args: argparse.Namespace) -> int:
     """One key's users, from the shared monotonic instant ``--start-at``."""
-    delay = args.start_at - time.monotonic()
-    if delay > 0:
-        await asyncio.sleep(delay)
-    result = await run_probe(_probe_settings(args.worker, args), clock=time.monotonic)
-    run = result.runs[0]
-    w = run.window
-    data = {
-        "window": [w.level, w.started_at, w.warm_end, w.ended_at, w.complete],
-        "traces": [_trace_json(t) for t in run.traces],
-    }
-    await asyncio.to_thread(Path(args.traces_out).write_text, json.dumps(data))
-    return 0
+    return await run_worker(_probe_settings(args.worker, args), args.start_at, args.traces_out)
 
 
 async def _scrape(base: str) -> dict[tuple[str, str, str], float]:
