@@ -419,13 +419,7 @@ class RelayCore(Deadlines):
         """A complete data message of ``size`` bytes, as read from the wire (``payload``:
         its unmasked content, empty when the meter does not need it)."""
         if opcode == BINARY:
-            if leg is self.upstream:  # the hot path: audio chunks
-                record = self.record
-                record.frames_down += 1
-                record.bytes_down += size
-                self.adapter.upstream_binary(now, payload)
-            else:
-                self.binary(leg, payload, now, size)
+            self.binary(leg, payload, now, size)
             return
         try:
             text = payload.decode()
