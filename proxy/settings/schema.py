@@ -1,16 +1,8 @@
-"""The validated configuration: one frozen :class:`Settings`, the only reader of files/env.
+"""The configuration's models: field types, per-field checks and per-model rules.
 
-Sources, highest priority first: ``HEADROOM_*`` environment variables (rules in
-:mod:`proxy.settings_env`), then one YAML file (``headroom serve --config FILE`` or
-``HEADROOM_CONFIG``), then the defaults declared here.
-
-Every failure -- a missing or unreadable file, YAML syntax (with line and column), a
-top level that is not a mapping, a bad environment variable, and every validation problem
--- is one :class:`~proxy.errors.ConfigError` listing all problems at once as
-``(field path, reason)``, e.g. ``("pools[0].replicas[1].max_sessions", "must be >= 1
-(got 0)")``. Unknown keys are errors, with a "did you mean" where a name is close; so
-is a key repeated in one mapping (:mod:`proxy.strict_yaml`), in the file or in a
-variable's YAML value.
+:class:`Settings` is the root. Checks that span several parts of the file (names unique,
+references to pools, replicas and GPUs defined) live in :mod:`proxy.settings.references`;
+reading files and the environment in :mod:`proxy.settings.loading`.
 
 All models are frozen and hashable, so a reload can compare old and new settings.
 """
@@ -18,14 +10,11 @@ All models are frozen and hashable, so a reload can compare old and new settings
 from __future__ import annotations
 
 import ipaddress
-import os
 import re
-from collections.abc import Iterable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -44,51 +33,15 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from proxy import strict_yaml
-from proxy.errors import ConfigError, FallbackHint
-from proxy.settings_env import (
-    CONFIG_VAR,
-    LOAD_CONTEXT,
-    EnvOverlaySource,
-    LoadContext,
-    Loc,
-    Problems,
-    did_you_mean,
-    explain,
-    format_loc,
+from proxy.errors import FallbackHint
+from proxy.settings.references import (
+    _gpu_problems,
+    _pipeline_problems,
+    _port_problems,
+    _reference_problems,
+    _tenant_problems,
 )
-
-__all__ = [
-    "HTTP_PROTOCOLS",
-    "WS_PROTOCOLS",
-    "AdmissionSettings",
-    "AdminSettings",
-    "ApiKeySettings",
-    "AudioSettings",
-    "AuthSettings",
-    "FallbackSettings",
-    "ForwardedSettings",
-    "GpuEngineSettings",
-    "GpuSettings",
-    "GuardSettings",
-    "HealthSettings",
-    "LimitsSettings",
-    "ListenSettings",
-    "MeterSettings",
-    "PipelineSettings",
-    "PoolSettings",
-    "Protocol",
-    "QueueSettings",
-    "RedisSettings",
-    "ReplicaSettings",
-    "RouteSettings",
-    "Settings",
-    "load_settings",
-    "reload_problems",
-    "settings_from_mapping",
-    "summary",
-    "ws_base",
-]
+from proxy.settings_env import EnvOverlaySource, Loc, Problems, did_you_mean
 
 Protocol = Literal[
     "vllm-realtime",
@@ -107,9 +60,6 @@ WS_PROTOCOLS = frozenset(
 #: Protocols relayed as (streaming) HTTP requests.
 HTTP_PROTOCOLS = frozenset({"openai-speech-http", "openai-transcription-sse", "passthrough-http"})
 
-_FILE = "<file>"
-_TOP = "<top level>"
-_MAX_PROBLEMS = 50  # an aliased YAML list can multiply one mistake thousands of times
 _HASH_HOWTO = 'printf %s "$KEY" | sha256sum'
 
 
@@ -561,7 +511,7 @@ class AdmissionSettings(_Frozen):
 # -- co-location: replicas sharing one GPU (issue 19) ----------------------------------
 # Optional. Read only by ``headroom check`` (proxy.colocation): the gateway routes the same
 # with or without it. Cross-references (replicas exist, each on one GPU) are checked in
-# _gpu_problems below, with the other cross-references.
+# proxy.settings.references (_gpu_problems), with the other cross-references.
 
 
 def _check_replica_ref(value: str) -> str:
@@ -630,32 +580,6 @@ class GpuSettings(_Frozen):
     engines: tuple[GpuEngineSettings, ...] = Field(min_length=1)
 
 
-def _gpu_problems(data: Any) -> list[tuple[Loc, str]]:
-    """GPU names unique, every engine's replica defined, each replica on one GPU only;
-    on raw data like :func:`_reference_problems`; never raises."""
-    if not isinstance(data, Mapping):
-        return []
-    gpus = _entries(data.get("gpus"))
-    problems = _duplicates(
-        [(("gpus", i, "name"), _text(g.get("name"))) for i, g in gpus], "GPU name"
-    )
-    defined: set[str] = set()
-    for pool in (p for _, p in _entries(data.get("pools"))):
-        pname = _text(pool.get("name"))
-        defined |= {f"{pname}/{_text(r.get('name'))}" for _, r in _entries(pool.get("replicas"))}
-    refs: list[tuple[Loc, str | None]] = []
-    for i, gpu in gpus:
-        for j, engine in _entries(gpu.get("engines")):
-            loc: Loc = ("gpus", i, "engines", j, "replica")
-            ref = _text(engine.get("replica"))
-            refs.append((loc, ref))
-            if ref is not None and "/" in ref and ref not in defined:
-                known = ", ".join(sorted(defined)) or "(none)"
-                problems.append((loc, f"unknown replica {ref!r}; defined replicas: {known}"))
-    problems += _duplicates(refs, "replica (an engine runs on one GPU)")
-    return problems
-
-
 class PipelineSettings(_Frozen):
     """A named chain of pools one call uses together (a voice agent's ASR and TTS stages,
     say). Headroom reports which stage has the least headroom left (the limiting stage):
@@ -663,30 +587,6 @@ class PipelineSettings(_Frozen):
 
     name: Name
     stages: tuple[str, ...] = Field(min_length=1)
-
-
-def _pipeline_problems(data: Any) -> list[tuple[Loc, str]]:
-    """Pipeline names unique, every stage a defined pool and listed once; on raw data
-    like :func:`_reference_problems`; never raises."""
-    if not isinstance(data, Mapping):
-        return []
-    pipelines = _entries(data.get("pipelines"))
-    problems = _duplicates(
-        [(("pipelines", i, "name"), _text(p.get("name"))) for i, p in pipelines],
-        "pipeline name",
-    )
-    pools = [_text(p.get("name")) for _, p in _entries(data.get("pools"))]
-    names = [name for name in dict.fromkeys(pools) if name is not None]
-    defined = ", ".join(names) or "(none)"
-    for i, pipeline in pipelines:
-        stages = pipeline.get("stages")
-        entries = list(enumerate(stages)) if isinstance(stages, list | tuple) else []
-        locs = [(("pipelines", i, "stages", j), _text(stage)) for j, stage in entries]
-        problems += _duplicates(locs, "stage")
-        for loc, stage in locs:
-            if stage is not None and stage not in names:
-                problems.append((loc, f"unknown pool {stage!r}; defined pools: {defined}"))
-    return problems
 
 
 class Settings(BaseSettings):
@@ -765,38 +665,13 @@ class Settings(BaseSettings):
             if problems:
                 raise Problems(problems, prior=exc.errors()) from None
             raise
-        problems += settings._port_problems() + settings._tenant_problems()
+        problems += _port_problems(settings) + _tenant_problems(settings)
         if problems:
             raise Problems(problems)
         raw_auth = data.get("auth") if isinstance(data, Mapping) else None
         # A mapping that validated yet left no AuthSettings said ``enabled: false``.
         settings._auth_disabled = raw_auth is not None and settings.auth is None
         return settings
-
-    def _tenant_problems(self) -> list[tuple[Loc, str]]:
-        """Priority classes, weights and reserves are decided by the in-process core;
-        the shared (Redis) backend does not apply them yet, so it refuses them rather
-        than ignore them."""
-        if self.admission.backend != "redis":
-            return []
-        why = "not supported with admission.backend: redis yet (README 'Tenants and priorities')"
-        out: list[tuple[Loc, str]] = [
-            (("pools", i, "reserve"), why) for i, p in enumerate(self.pools) if p.reserve
-        ]
-        if self.auth is not None:
-            for i, key in enumerate(self.auth.keys):
-                for field in ("priority", "weight", "max_queued"):
-                    if field in key.model_fields_set:
-                        out.append((("auth", "keys", i, field), why))
-        return out
-
-    def _port_problems(self) -> list[tuple[Loc, str]]:
-        listen, admin = self.listen, self.admin
-        wildcard = {"0.0.0.0", "::"}
-        overlap = listen.host == admin.host or bool({listen.host, admin.host} & wildcard)
-        if admin.enabled and admin.port and admin.port == listen.port and overlap:
-            return [(("admin", "port"), f"clashes with listen.port {listen.port}")]
-        return []
 
     @property
     def total_slots(self) -> int:
@@ -836,207 +711,6 @@ class Settings(BaseSettings):
         return out
 
 
-def _entries(value: Any) -> list[tuple[int, Mapping[Any, Any]]]:
-    items = value if isinstance(value, list | tuple) else ()
-    return [(i, item) for i, item in enumerate(items) if isinstance(item, Mapping)]
-
-
-def _text(value: Any) -> str | None:
-    if isinstance(value, str):
-        return value
-    return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
-def _duplicates(
-    entries: Iterable[tuple[Loc, str | None]], what: str, *, show: bool = True
-) -> list[tuple[Loc, str]]:
-    seen: dict[str, Loc] = {}
-    problems = []
-    for loc, value in entries:
-        if value is None:
-            continue
-        if value in seen:
-            shown = f" {value!r}" if show else ""
-            problems.append((loc, f"duplicate {what}{shown} (also {format_loc(seen[value])})"))
-        else:
-            seen[value] = loc
-    return problems
-
-
-def _reference_problems(data: Any) -> list[tuple[Loc, str]]:
-    """Uniqueness and cross-references, on raw (possibly invalid) data; never raises."""
-    if not isinstance(data, Mapping):
-        return []
-    pools, routes = _entries(data.get("pools")), _entries(data.get("routes"))
-    auth = data.get("auth")
-    keys = _entries(auth.get("keys")) if isinstance(auth, Mapping) else []
-    named = [(("pools", i, "name"), _text(p.get("name"))) for i, p in pools]
-    problems = _duplicates(named, "pool name")
-    names = list(dict.fromkeys(name for _, name in named if name is not None))
-    defined = ", ".join(names) or "(none)"
-
-    def check(loc: Loc, target: Any, own: str | None = None) -> None:
-        if (name := _text(target)) is None:
-            return
-        if name == own:
-            problems.append((loc, "must name another pool"))
-        elif name not in names:
-            problems.append((loc, f"unknown pool {name!r}; defined pools: {defined}"))
-
-    for (loc, own), (i, pool) in zip(named, pools, strict=True):
-        replicas = _entries(pool.get("replicas"))
-        rnames = [((*loc[:2], "replicas", j, "name"), _text(r.get("name"))) for j, r in replicas]
-        problems += _duplicates(rnames, "replica name")
-        if isinstance(fallback := pool.get("fallback"), Mapping):
-            check(("pools", i, "fallback", "pool"), fallback.get("pool"), own)
-    problems += _duplicates(
-        [(("routes", i, "path"), _text(r.get("path"))) for i, r in routes], "route path"
-    )
-    for i, route in routes:
-        check(("routes", i, "pool"), route.get("pool"))
-    problems += _duplicates(
-        [(("auth", "keys", i, "name"), _text(k.get("name"))) for i, k in keys], "key name"
-    )
-    hashes = [(("auth", "keys", i, "sha256"), _text(k.get("sha256"))) for i, k in keys]
-    problems += _duplicates(hashes, "key hash", show=False)
-    for i, key in keys:
-        allowed = key.get("pools")
-        for j, target in enumerate(allowed if isinstance(allowed, list | tuple) else ()):
-            check(("auth", "keys", i, "pools", j), target)
-    return problems
-
-
-def settings_from_mapping(
-    data: Mapping[str, Any],
-    *,
-    env: Mapping[str, str] | None = None,
-    source: str | None = None,
-) -> Settings:
-    """Validate ``data`` (the shape of the YAML file) with ``env`` applied over it.
-
-    ``env`` defaults to ``os.environ``; pass ``{}`` to ignore the environment. ``source``
-    names where ``data`` came from in error messages. Raises :class:`ConfigError` only.
-    """
-    if not isinstance(data, Mapping):
-        raise ConfigError(
-            [(_TOP, f"must be a mapping of settings (got {type(data).__name__})")], source
-        )
-    fields = list(Settings.model_fields)
-    # Unknown top-level keys are caught here: pydantic-settings would take `_env_file` & co.
-    # as options rather than data.
-    problems = [
-        (_TOP, f"unknown key {key!r}{did_you_mean(str(key), fields)}")
-        for key in data
-        if not isinstance(key, str) or key not in fields
-    ]
-    known = {key: value for key, value in data.items() if isinstance(key, str) and key in fields}
-    context = LoadContext(os.environ if env is None else env)
-    token = LOAD_CONTEXT.set(context)
-    try:
-        settings = Settings(**known)
-    except ValidationError as exc:
-        problems += explain(exc.errors(), Settings, context.origins)
-    except ConfigError as exc:  # an environment variable that cannot be applied
-        problems += exc.problems
-    finally:
-        LOAD_CONTEXT.reset(token)
-    if len(problems) > _MAX_PROBLEMS:
-        hidden = len(problems) - _MAX_PROBLEMS
-        problems = [*problems[:_MAX_PROBLEMS], ("...", f"{hidden} more problems not shown")]
-    if problems:
-        raise ConfigError(problems, source)
-    return settings
-
-
-def load_settings(
-    path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None
-) -> Settings:
-    """Load the YAML file at ``path`` (default: ``$HEADROOM_CONFIG``), then apply ``env``.
-
-    ``env`` defaults to ``os.environ``. Raises :class:`ConfigError` only.
-    """
-    environ = os.environ if env is None else env
-    if path is None:
-        path = next((v for k, v in environ.items() if k.upper() == CONFIG_VAR and v), None)
-        if path is None:
-            raise ConfigError(
-                [(_FILE, f"no configuration file: pass --config FILE or set {CONFIG_VAR}")]
-            )
-    source = os.fspath(path)
-    try:
-        text = Path(source).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(
-            [(_FILE, f"no such file: {source} (check --config / {CONFIG_VAR})")], source
-        ) from None
-    except UnicodeDecodeError as exc:
-        raise ConfigError([(_FILE, f"not UTF-8 text (byte {exc.start})")], source) from None
-    except OSError as exc:
-        raise ConfigError(
-            [(_FILE, f"cannot read {source}: {exc.strerror or exc}")], source
-        ) from None
-    return settings_from_mapping(_parse_yaml(text, source), env=environ, source=source)
-
-
-def _parse_yaml(text: str, source: str) -> Any:
-    try:
-        data = strict_yaml.load(text)
-    except strict_yaml.DuplicateKeyError as exc:
-        # A repeated key is an error, never "the last one wins": for a hard cap like
-        # max_sessions the silently kept value could be ten times the measured ceiling.
-        mark = exc.problem_mark
-        assert mark is not None
-        found = strict_yaml.key_path(text, mark.index)
-        where = f"line {mark.line + 1}, column {mark.column + 1}"
-        loc = format_loc(found) if found else where
-        reason = f"{exc.problem}" + (f" ({where})" if found else "")
-        raise ConfigError([(loc, reason)], source) from None
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else _FILE
-        context = f" ({exc.context})" if exc.context and exc.problem else ""
-        raise ConfigError(
-            [(where, f"invalid YAML: {exc.problem or exc}{context}")], source
-        ) from None
-    except (yaml.YAMLError, ValueError, TypeError, OverflowError, RecursionError) as exc:
-        raise ConfigError([(_FILE, f"invalid YAML: {exc}")], source) from None
-    if data is None:
-        raise ConfigError([(_TOP, "the file is empty; it needs at least pools and routes")], source)
-    return data
-
-
-def reload_problems(
-    old: Settings, new: Settings, *, admin_bound: str | None = None
-) -> list[tuple[str, str]]:
-    """Why the valid configuration ``new`` must not replace the running ``old`` live, as
-    ``(field path, reason)``; empty when the reload is safe.
-
-    * Client authentication may be turned off only explicitly (``auth: {enabled:
-      false}``): a file without ``auth`` is what a truncated write looks like.
-    * ``admin_bound`` is the host the running admin listener is bound to (None: no admin
-      listener). Addresses change only on restart, so while that host is not loopback the
-      new configuration must keep an admin key: the key in force follows the bound socket,
-      not the file.
-    """
-    problems: list[tuple[str, str]] = []
-    if old.auth is not None and new.auth is None and not new.auth_disabled:
-        problems.append((
-            "auth",
-            "missing, which would turn client authentication off; refused, the running "
-            "configuration stays. A file cut short by a partial write looks the same: write "
-            "the file to a temporary name and rename it. To turn authentication off on "
-            "purpose, write auth: {enabled: false}",
-        ))  # fmt: skip
-    if admin_bound is not None and not _is_loopback(admin_bound) and not new.admin.api_key_sha256:
-        problems.append((
-            "admin.api_key_sha256",
-            f"required: the admin listener stays bound to {admin_bound} until a restart, "
-            "so a reload cannot remove its key (to drop the key, set admin.host: 127.0.0.1 "
-            "and restart)",
-        ))  # fmt: skip
-    return problems
-
-
 def ws_base(http_url: str) -> str:
     """The WebSocket form of an http(s) base URL: http -> ws, https -> wss."""
     scheme, sep, rest = http_url.partition("://")
@@ -1044,47 +718,3 @@ def ws_base(http_url: str) -> str:
     if not sep or ws is None:
         raise ValueError(f"not an http(s) URL: {http_url!r}")
     return f"{ws}://{rest}"
-
-
-def summary(settings: Settings) -> str:
-    """A human-readable digest for ``headroom check`` (warnings are listed separately)."""
-    admin, guard = settings.admin, settings.guard
-    keyed = " (key required)" if admin.api_key_sha256 else ""
-    lines = [
-        f"listen  {settings.listen.host}:{settings.listen.port}",
-        f"admin   {admin.host}:{admin.port}{keyed}" if admin.enabled else "admin   off",
-        f"pools   {len(settings.pools)}, {settings.total_slots} slots in all",
-    ]
-    for pool in settings.pools:
-        queue = pool.queue
-        waiting = (
-            f"queue up to {queue.max_depth}, wait up to {queue.max_wait_s:g} s"
-            if queue.max_depth
-            else "no queue (refuse when full)"
-        )
-        lines.append(
-            f"  {pool.name}: {len(pool.replicas)} replica(s), {pool.total_slots} slots; {waiting}"
-        )
-        lines += [f"    {r.name}  {r.url}  {r.max_sessions} slots" for r in pool.replicas]
-        if pool.fallback:
-            hint = pool.fallback.as_hint().as_json().items()
-            lines.append("    fallback " + ", ".join(f"{k}={v}" for k, v in hint if v))
-    lines.append(f"routes  {len(settings.routes)}")
-    for route in settings.routes:
-        protocol = route.protocol + (f"/{route.inner_protocol}" if route.inner_protocol else "")
-        upstream = f", upstream {route.upstream_path}" if route.upstream_path else ""
-        lines.append(
-            f"  {route.path} -> {route.pool}  {protocol}, refusal {route.refusal}{upstream}"
-        )
-    if settings.pipelines:
-        lines.append(f"pipelines {len(settings.pipelines)}")
-        lines += [f"  {p.name}: {' -> '.join(p.stages)}" for p in settings.pipelines]
-    lines.append(
-        f"guard   {guard.mode} (worst-1% delivery ratio < {guard.threshold:g}, "
-        f"hysteresis {guard.hysteresis:g}, hold {guard.hold_s:g} s)"
-    )
-    keys = settings.auth.keys if settings.auth else ()
-    names = ", ".join(key.name for key in keys)
-    off = "off (auth.enabled: false)" if settings.auth_disabled else "off (no API keys)"
-    lines.append(f"auth    {len(keys)} key(s): {names}" if keys else f"auth    {off}")
-    return "\n".join(lines)

@@ -1,0 +1,93 @@
+"""The validated configuration: one frozen :class:`Settings`, the only reader of files/env.
+
+Sources, highest priority first: ``HEADROOM_*`` environment variables (rules in
+:mod:`proxy.settings_env`), then one YAML file (``headroom serve --config FILE`` or
+``HEADROOM_CONFIG``), then the defaults declared in the models.
+
+Every failure -- a missing or unreadable file, YAML syntax (with line and column), a
+top level that is not a mapping, a bad environment variable, and every validation problem
+-- is one :class:`~proxy.errors.ConfigError` listing all problems at once as
+``(field path, reason)``, e.g. ``("pools[0].replicas[1].max_sessions", "must be >= 1
+(got 0)")``. Unknown keys are errors, with a "did you mean" where a name is close; so
+is a key repeated in one mapping (:mod:`proxy.strict_yaml`), in the file or in a
+variable's YAML value.
+
+All models are frozen and hashable, so a reload can compare old and new settings.
+
+The package, by concern:
+
+* :mod:`~proxy.settings.schema` -- the models, their field types and per-model rules;
+* :mod:`~proxy.settings.references` -- checks across sections (unique names, references
+  to pools, replicas and GPUs, ports, tenants);
+* :mod:`~proxy.settings.loading` -- the YAML file, the environment overlay, validation
+  into one ConfigError, and what a live reload may not change;
+* :mod:`~proxy.settings.summary` -- the digest ``headroom check`` prints.
+
+Import from ``proxy.settings``; the names below are its public interface.
+"""
+
+from __future__ import annotations
+
+from proxy.settings.loading import load_settings, reload_problems, settings_from_mapping
+from proxy.settings.schema import (
+    HTTP_PROTOCOLS,
+    WS_PROTOCOLS,
+    AdminSettings,
+    AdmissionSettings,
+    ApiKeySettings,
+    AudioSettings,
+    AuthSettings,
+    FallbackSettings,
+    ForwardedSettings,
+    GpuEngineSettings,
+    GpuSettings,
+    GuardSettings,
+    HealthSettings,
+    LimitsSettings,
+    ListenSettings,
+    MeterSettings,
+    PipelineSettings,
+    PoolSettings,
+    Protocol,
+    QueueSettings,
+    RedisSettings,
+    ReplicaSettings,
+    ReserveSettings,
+    RouteSettings,
+    Settings,
+    ws_base,
+)
+from proxy.settings.summary import summary
+
+__all__ = [
+    "HTTP_PROTOCOLS",
+    "WS_PROTOCOLS",
+    "AdmissionSettings",
+    "AdminSettings",
+    "ApiKeySettings",
+    "AudioSettings",
+    "AuthSettings",
+    "FallbackSettings",
+    "ForwardedSettings",
+    "GpuEngineSettings",
+    "GpuSettings",
+    "GuardSettings",
+    "HealthSettings",
+    "LimitsSettings",
+    "ListenSettings",
+    "MeterSettings",
+    "PipelineSettings",
+    "PoolSettings",
+    "Protocol",
+    "QueueSettings",
+    "RedisSettings",
+    "ReplicaSettings",
+    "ReserveSettings",
+    "RouteSettings",
+    "Settings",
+    "load_settings",
+    "reload_problems",
+    "settings_from_mapping",
+    "summary",
+    "ws_base",
+]

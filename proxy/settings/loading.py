@@ -1,0 +1,161 @@
+"""Reading the configuration: one YAML file, the ``HEADROOM_*`` environment over it
+(rules in :mod:`proxy.settings_env`), validation into :class:`~proxy.settings.schema.Settings`,
+and whether a new configuration may replace the running one live.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from proxy import strict_yaml
+from proxy.errors import ConfigError
+from proxy.settings.schema import Settings, _is_loopback
+from proxy.settings_env import (
+    CONFIG_VAR,
+    LOAD_CONTEXT,
+    LoadContext,
+    did_you_mean,
+    explain,
+    format_loc,
+)
+
+_FILE = "<file>"
+_TOP = "<top level>"
+_MAX_PROBLEMS = 50  # an aliased YAML list can multiply one mistake thousands of times
+
+
+def settings_from_mapping(
+    data: Mapping[str, Any],
+    *,
+    env: Mapping[str, str] | None = None,
+    source: str | None = None,
+) -> Settings:
+    """Validate ``data`` (the shape of the YAML file) with ``env`` applied over it.
+
+    ``env`` defaults to ``os.environ``; pass ``{}`` to ignore the environment. ``source``
+    names where ``data`` came from in error messages. Raises :class:`ConfigError` only.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            [(_TOP, f"must be a mapping of settings (got {type(data).__name__})")], source
+        )
+    fields = list(Settings.model_fields)
+    # Unknown top-level keys are caught here: pydantic-settings would take `_env_file` & co.
+    # as options rather than data.
+    problems = [
+        (_TOP, f"unknown key {key!r}{did_you_mean(str(key), fields)}")
+        for key in data
+        if not isinstance(key, str) or key not in fields
+    ]
+    known = {key: value for key, value in data.items() if isinstance(key, str) and key in fields}
+    context = LoadContext(os.environ if env is None else env)
+    token = LOAD_CONTEXT.set(context)
+    try:
+        settings = Settings(**known)
+    except ValidationError as exc:
+        problems += explain(exc.errors(), Settings, context.origins)
+    except ConfigError as exc:  # an environment variable that cannot be applied
+        problems += exc.problems
+    finally:
+        LOAD_CONTEXT.reset(token)
+    if len(problems) > _MAX_PROBLEMS:
+        hidden = len(problems) - _MAX_PROBLEMS
+        problems = [*problems[:_MAX_PROBLEMS], ("...", f"{hidden} more problems not shown")]
+    if problems:
+        raise ConfigError(problems, source)
+    return settings
+
+
+def load_settings(
+    path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None
+) -> Settings:
+    """Load the YAML file at ``path`` (default: ``$HEADROOM_CONFIG``), then apply ``env``.
+
+    ``env`` defaults to ``os.environ``. Raises :class:`ConfigError` only.
+    """
+    environ = os.environ if env is None else env
+    if path is None:
+        path = next((v for k, v in environ.items() if k.upper() == CONFIG_VAR and v), None)
+        if path is None:
+            raise ConfigError(
+                [(_FILE, f"no configuration file: pass --config FILE or set {CONFIG_VAR}")]
+            )
+    source = os.fspath(path)
+    try:
+        text = Path(source).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            [(_FILE, f"no such file: {source} (check --config / {CONFIG_VAR})")], source
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError([(_FILE, f"not UTF-8 text (byte {exc.start})")], source) from None
+    except OSError as exc:
+        raise ConfigError(
+            [(_FILE, f"cannot read {source}: {exc.strerror or exc}")], source
+        ) from None
+    return settings_from_mapping(_parse_yaml(text, source), env=environ, source=source)
+
+
+def _parse_yaml(text: str, source: str) -> Any:
+    try:
+        data = strict_yaml.load(text)
+    except strict_yaml.DuplicateKeyError as exc:
+        # A repeated key is an error, never "the last one wins": for a hard cap like
+        # max_sessions the silently kept value could be ten times the measured ceiling.
+        mark = exc.problem_mark
+        assert mark is not None
+        found = strict_yaml.key_path(text, mark.index)
+        where = f"line {mark.line + 1}, column {mark.column + 1}"
+        loc = format_loc(found) if found else where
+        reason = f"{exc.problem}" + (f" ({where})" if found else "")
+        raise ConfigError([(loc, reason)], source) from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else _FILE
+        context = f" ({exc.context})" if exc.context and exc.problem else ""
+        raise ConfigError(
+            [(where, f"invalid YAML: {exc.problem or exc}{context}")], source
+        ) from None
+    except (yaml.YAMLError, ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise ConfigError([(_FILE, f"invalid YAML: {exc}")], source) from None
+    if data is None:
+        raise ConfigError([(_TOP, "the file is empty; it needs at least pools and routes")], source)
+    return data
+
+
+def reload_problems(
+    old: Settings, new: Settings, *, admin_bound: str | None = None
+) -> list[tuple[str, str]]:
+    """Why the valid configuration ``new`` must not replace the running ``old`` live, as
+    ``(field path, reason)``; empty when the reload is safe.
+
+    * Client authentication may be turned off only explicitly (``auth: {enabled:
+      false}``): a file without ``auth`` is what a truncated write looks like.
+    * ``admin_bound`` is the host the running admin listener is bound to (None: no admin
+      listener). Addresses change only on restart, so while that host is not loopback the
+      new configuration must keep an admin key: the key in force follows the bound socket,
+      not the file.
+    """
+    problems: list[tuple[str, str]] = []
+    if old.auth is not None and new.auth is None and not new.auth_disabled:
+        problems.append((
+            "auth",
+            "missing, which would turn client authentication off; refused, the running "
+            "configuration stays. A file cut short by a partial write looks the same: write "
+            "the file to a temporary name and rename it. To turn authentication off on "
+            "purpose, write auth: {enabled: false}",
+        ))  # fmt: skip
+    if admin_bound is not None and not _is_loopback(admin_bound) and not new.admin.api_key_sha256:
+        problems.append((
+            "admin.api_key_sha256",
+            f"required: the admin listener stays bound to {admin_bound} until a restart, "
+            "so a reload cannot remove its key (to drop the key, set admin.host: 127.0.0.1 "
+            "and restart)",
+        ))  # fmt: skip
+    return problems
