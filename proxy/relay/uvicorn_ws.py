@@ -13,6 +13,16 @@ A client must wait for the handshake response before it sends frames (RFC 6455 4
 bytes that arrive before it anyway are held (bounded), not parsed, and reach whichever
 relay path the app takes.
 
+A connection the app accepted through ASGI (queue feedback: the client is accepted to
+wait, told its place, then admitted) can be taken over too, once the app has written
+what it had to say: the frames the app held while waiting, the messages uvicorn
+queued that the app did not read, a fragmented message uvicorn was still assembling
+and the bytes of a frame not yet complete are handed over as client frames, in the
+order they came. To make that exact, websockets' parser is only ever fed whole frames
+on an accepted connection (a frame still arriving waits here, bounded by uvicorn's
+``ws_max_size``), so it never holds half a frame; uvicorn's keepalive stops at the
+take-over.
+
 The handshake request itself (already parsed once by uvicorn's HTTP parser and handed
 over re-serialised) is read here with a lean parser that checks what RFC 6455 4.2.1
 requires -- GET, HTTP/1.1, ``Connection: Upgrade``, ``Upgrade: websocket``, one valid
@@ -29,28 +39,78 @@ import asyncio
 import base64
 import binascii
 import hashlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
 from urllib.parse import unquote
 
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.http11 import Request
 
+from proxy.relay.wsframes import BINARY, TEXT, frame
+
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 
-__all__ = ["EARLY_LIMIT", "HeadroomWebSocketProtocol", "TakeOver"]
+__all__ = ["EARLY_LIMIT", "HeadroomWebSocketProtocol", "TakeOver", "whole_frames"]
 
 #: Bytes a client may send between its handshake request and our response; beyond
 #: this the connection is dropped (the session ends as a client disconnect).
 EARLY_LIMIT = 256 * 1024
 
-#: ``take_over(subprotocol, headers, protocol, on_shutdown)`` -> (transport, early bytes),
-#: or None if the client is already gone. ``protocol`` receives the transport's callbacks
-#: from then on; ``on_shutdown`` is called if uvicorn shuts down while it runs.
-TakeOver = Callable[
-    [str | None, list[tuple[bytes, bytes]], asyncio.Protocol, Callable[[], None]],
-    "tuple[asyncio.Transport, bytes] | None",
-]
+
+class TakeOver(Protocol):
+    """``take_over(subprotocol, headers, protocol, on_shutdown, held=())`` -> (transport,
+    early bytes), or None if the client is already gone. ``protocol`` receives the
+    transport's callbacks from then on; ``on_shutdown`` is called if uvicorn shuts down
+    while it runs. On a connection already accepted through ASGI, ``subprotocol`` and
+    ``headers`` are not used (the handshake was answered) and ``held`` are the ASGI
+    ``websocket.receive`` messages the app read but did not relay: they lead the early
+    bytes, as client frames."""
+
+    def __call__(
+        self,
+        subprotocol: str | None,
+        headers: list[tuple[bytes, bytes]],
+        protocol: asyncio.Protocol,
+        on_shutdown: Callable[[], None],
+        held: Iterable[Mapping[str, Any]] = (),
+    ) -> tuple[asyncio.Transport, bytes] | None: ...
+
+
+def whole_frames(data: bytes | bytearray, max_size: int | None) -> int:
+    """How many leading bytes of ``data`` (client frames from a frame boundary) are
+    whole frames. A frame still arriving that declares more than ``max_size`` bytes
+    counts as whole, so that the parser sees (and refuses) it at once."""
+    pos, end = 0, len(data)
+    while end - pos >= 2:
+        b1 = data[pos + 1]
+        length = b1 & 0x7F
+        head = 2
+        if length == 126:
+            head = 4
+            if end - pos < head:
+                break
+            length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        elif length == 127:
+            head = 10
+            if end - pos < head:
+                break
+            length = int.from_bytes(data[pos + 2 : pos + 10], "big")
+        if b1 & 0x80:
+            head += 4
+        if pos + head + length > end:
+            if max_size is not None and length > max_size:
+                return end
+            break
+        pos += head + length
+    return pos
+
+
+def _client_frame(message: Mapping[str, Any]) -> bytes:
+    """An ASGI ``websocket.receive`` message as the masked frame a client would send."""
+    text = message.get("text")
+    if text is not None:
+        return frame(TEXT, text.encode(), masked=True)
+    return frame(BINARY, message.get("bytes") or b"", masked=True)
 
 
 class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
@@ -62,6 +122,7 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         self._accept_key = ""  # Sec-WebSocket-Accept, once a handshake request is read
         self._request_bytes = b""  # a request the lean parser read, for websockets' if needed
         self.on_shutdown: Callable[[], None] | None = None  # set once taken over
+        self._tail = bytearray()  # after an ASGI accept: a client frame still arriving
 
     # -- handshake ----------------------------------------------------------------------
 
@@ -77,6 +138,15 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         if not self.handshake_complete:
             super().data_received(data)
             return
+        # Accepted through ASGI: the parser gets whole frames only, so that a take-over
+        # can carry over exactly what it has not turned into messages yet.
+        tail = self._tail
+        tail += data
+        whole = whole_frames(tail, self.config.ws_max_size)
+        if not whole:
+            return
+        data = bytes(tail[:whole])
+        del tail[:whole]
         # uvicorn's own version drops the frames read before a protocol violation in
         # the same read; deliver them first, as the splice does, then fail with 1002
         # (websockets' parser refuses unmasked frames, reserved bits and opcodes).
@@ -186,7 +256,7 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         await super().send(message)
         if message["type"] == "websocket.accept" and self._early and self.handshake_complete:
             early, self._early = bytes(self._early), bytearray()
-            super().data_received(early)
+            self.data_received(early)
 
     def take_over(
         self,
@@ -194,10 +264,19 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         headers: list[tuple[bytes, bytes]],
         protocol: asyncio.Protocol,
         on_shutdown: Callable[[], None],
+        held: Iterable[Mapping[str, Any]] = (),
     ) -> tuple[asyncio.Transport, bytes] | None:
-        """Answer the handshake with 101 and give the socket to ``protocol``."""
-        if self.disconnected or self.handshake_complete or self.transport.is_closing():
+        """Answer the handshake with 101 (unless the app accepted it already) and give
+        the socket to ``protocol``, with what the client sent that nobody relayed."""
+        if (
+            self.disconnected
+            or self.on_shutdown is not None
+            or self.initial_response is not None  # the app answered with HTTP
+            or self.transport.is_closing()
+        ):
             return None
+        if self.handshake_complete:
+            return self._take_over_accepted(protocol, on_shutdown, held)
         self.handshake_complete = True
         head = [
             b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
@@ -218,6 +297,39 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         self.on_shutdown = on_shutdown
         self.transport.set_protocol(protocol)
         return self.transport, early
+
+    def _take_over_accepted(
+        self,
+        protocol: asyncio.Protocol,
+        on_shutdown: Callable[[], None],
+        held: Iterable[Mapping[str, Any]],
+    ) -> tuple[asyncio.Transport, bytes] | None:
+        """The take-over of a connection accepted through ASGI: the early bytes are, in
+        order, ``held``, the messages still in uvicorn's queue, the fragmented message
+        uvicorn was assembling and the frame still arriving."""
+        if self.close_sent:
+            return None  # the app closed it
+        parts = [_client_frame(message) for message in held]
+        while not self.queue.empty():
+            message = self.queue.get_nowait()
+            if message["type"] == "websocket.disconnect":
+                return None
+            if message["type"] == "websocket.receive":
+                parts.append(_client_frame(message))
+        if self.frames:  # the first fragments of a message, as one unfinished frame
+            opcode = TEXT if self.curr_msg_data_type == "text" else BINARY
+            first = frame(opcode, b"".join(self.frames), masked=True)
+            parts.append(bytes((first[0] & 0x7F,)) + first[1:])
+            self.frames = []
+        parts.append(bytes(self._tail))
+        self._tail = bytearray()
+        self.stop_keepalive()  # its pings would land inside the relayed stream
+        if self.read_paused:
+            self.read_paused = False
+            self.transport.resume_reading()
+        self.on_shutdown = on_shutdown
+        self.transport.set_protocol(protocol)
+        return self.transport, b"".join(parts)
 
     def released(self) -> None:
         """The taken-over connection is closed: uvicorn stops tracking it."""

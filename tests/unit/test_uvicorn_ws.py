@@ -13,7 +13,8 @@ import uvicorn
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from uvicorn.server import ServerState
 
-from proxy.relay.uvicorn_ws import HeadroomWebSocketProtocol
+from proxy.relay.uvicorn_ws import HeadroomWebSocketProtocol, whole_frames
+from tests.unit.test_splice import Harness, client_frame, parse_frames
 
 KEY = b"dGhlIHNhbXBsZSBub25jZQ=="
 
@@ -51,8 +52,12 @@ async def _app(scope: Any, receive: Any, send: Any) -> None:
     await asyncio.Event().wait()  # never runs far: the test cancels it
 
 
-def _open(cls: type[WebSocketsSansIOProtocol], request: bytes) -> tuple[Any, Transport]:
-    config = uvicorn.Config(app=_app, ws=cls, ws_per_message_deflate=False, log_level="critical")
+def _open(
+    cls: type[WebSocketsSansIOProtocol], request: bytes, **options: Any
+) -> tuple[Any, Transport]:
+    config = uvicorn.Config(
+        app=_app, ws=cls, ws_per_message_deflate=False, log_level="critical", **options
+    )
     config.load()
     state = ServerState()
     protocol = cls(config=config, server_state=state, app_state={})
@@ -139,3 +144,93 @@ async def test_an_asgi_accept_after_the_lean_handshake_still_reads_frames() -> N
     lean.data_received(bytes((0x81, 0x82, 1, 2, 3, 4, ord("h") ^ 1, ord("i") ^ 2)))
     assert await lean.receive() == {"type": "websocket.connect"}
     assert await lean.receive() == {"type": "websocket.receive", "text": "hi"}
+
+
+# -- taking over a connection accepted through ASGI (queue feedback) --------------------
+
+
+def test_whole_frames_counts_complete_frames_only() -> None:
+    small = client_frame(1, b"hi")
+    medium = client_frame(2, b"m" * 300)  # 16-bit length
+    large = client_frame(2, b"l" * 70_000)  # 64-bit length
+    stream = small + medium + large
+    assert whole_frames(stream, None) == len(stream)
+    for cut in (1, 3, len(small) + 3, len(small) + len(medium) + 9, len(stream) - 1):
+        expected = max(n for n in (0, len(small), len(small) + len(medium)) if n <= cut)
+        assert whole_frames(stream[:cut], None) == expected, cut
+    # a frame still arriving that declares more than max_size goes to the parser at once
+    assert whole_frames(small + large[:20], 65_536) == len(small) + 20
+    assert whole_frames(small + large[:20], 70_000) == len(small)
+
+
+def _accepted(**config: Any) -> tuple[Any, Transport]:
+    lean, transport = _open(HeadroomWebSocketProtocol, _request(b"/ws"), **config)
+    return lean, transport
+
+
+async def _accept(lean: Any) -> None:
+    await lean.send({"type": "websocket.accept", "subprotocol": None, "headers": []})
+    assert await lean.receive() == {"type": "websocket.connect"}
+
+
+async def test_a_frame_split_across_reads_after_accept_is_still_delivered() -> None:
+    lean, _ = _accepted()
+    await _accept(lean)
+    raw = client_frame(1, b"x" * 200)
+    lean.data_received(raw[:3])
+    lean.data_received(raw[3:150])
+    assert lean.queue.empty()
+    lean.data_received(raw[150:])
+    assert await lean.receive() == {"type": "websocket.receive", "text": "x" * 200}
+
+
+async def test_take_over_after_accept_carries_everything_over_in_order() -> None:
+    """Held messages, then uvicorn's unread queue, then the fragments uvicorn was
+    assembling, then the frame still arriving: the splice reads them as the client
+    sent them, and the rest of the message follows on the socket."""
+    lean, transport = _accepted(ws_ping_interval=20.0, ws_ping_timeout=20.0)
+    await _accept(lean)
+    assert lean.ping_timer is not None  # uvicorn's keepalive runs while the client waits
+    await lean.send({"type": "websocket.send", "text": '{"type": "headroom.queue"}'})
+    cont = client_frame(0, b"-end", fin=True)
+    lean.data_received(
+        client_frame(2, b"queued") + client_frame(1, b"frag", fin=False) + cont[:3]
+    )
+    await lean.send({"type": "websocket.send", "text": '{"type": "headroom.admitted"}'})
+    written = bytes(transport.out)
+    harness = Harness()
+    held = [{"type": "websocket.receive", "text": "held-1"},
+            {"type": "websocket.receive", "bytes": b"held-2"}]  # fmt: skip
+    taken = lean.take_over(None, [], harness.splice.client, lambda: None, held)
+    assert taken is not None
+    client, early = taken
+    assert client is transport and transport.protocol is harness.splice.client
+    assert bytes(transport.out) == written  # no second handshake answer
+    assert lean.ping_timer is None and lean.pong_timer is None  # no ping mid-stream
+    assert early.endswith(cont[:3])
+    assert parse_frames(early[: -3]) == [
+        (1, True, b"held-1"), (2, True, b"held-2"), (2, True, b"queued"), (1, False, b"frag"),
+    ]  # fmt: skip
+    harness.start(client_early=early)
+    harness.from_client(cont[3:])
+    assert parse_frames(harness.upstream.take()) == [
+        (1, True, b"held-1"), (2, True, b"held-2"), (2, True, b"queued"),
+        (1, False, b"frag"), (0, True, b"-end"),
+    ]  # fmt: skip
+    texts = [value for kind, value in harness.adapter.events if kind == "client_text"]
+    assert texts == ["held-1", "frag-end"]
+    assert lean.take_over(None, [], harness.splice.client, lambda: None) is None  # once
+
+
+async def test_no_take_over_after_the_client_closed_while_waiting() -> None:
+    lean, transport = _accepted()
+    await _accept(lean)
+    lean.data_received(client_frame(8, (1000).to_bytes(2, "big")))
+    assert transport.closed
+    assert lean.take_over(None, [], asyncio.Protocol(), lambda: None) is None
+
+
+async def test_no_take_over_after_an_http_refusal() -> None:
+    lean, _ = _accepted()
+    await lean.send({"type": "websocket.http.response.start", "status": 503, "headers": []})
+    assert lean.take_over(None, [], asyncio.Protocol(), lambda: None) is None
