@@ -75,7 +75,7 @@ def create_admin_app(
                 "draining": stats.draining,
                 "replicas": [
                     {"name": r.name, "active": r.active, "cap": r.cap, "healthy": r.healthy,
-                     "guarded": runtime.guarded(name, r.name), "retired": r.retired}
+                     "guarded": runtime.guard.guarded(name, r.name), "retired": r.retired}
                     for r in stats.replicas
                 ],
                 "headroom": left.get(name),

@@ -27,18 +27,30 @@ is at or below it or the window holds fewer than ``startup_min_streams`` samples
 while guarded, no new stream starts there, so old starts age out of the window and the
 replica is tried again, as with an emptied ratio window. ``reasons`` names what tripped.
 
-Pure: no clock reads, no asyncio. Modes (``guard.mode``): ``off`` (not evaluated),
-``observe`` (state exported as ``headroom_replica_guarded`` and logged, admissions
-unaffected), ``enforce`` (the gate stops placing sessions on a guarded replica).
+:class:`ReplicaGuard` is pure: no clock reads, no asyncio. :class:`GuardLoop` drives
+every replica's guard once per :data:`GUARD_INTERVAL_S` on the injected clock
+(:mod:`proxy.clock`) and tells the gate. Modes (``guard.mode``): ``off`` (not
+evaluated), ``observe`` (state exported as ``headroom_replica_guarded`` and logged,
+admissions unaffected), ``enforce`` (the gate stops placing sessions on a guarded
+replica).
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
-from proxy.signals import StartupSignals
+from proxy.clock import Clock, TimerHandle
+from proxy.signals import ReplicaSignals, StartupSignals
 
-__all__ = ["GuardPolicy", "ReplicaGuard"]
+__all__ = ["GUARD_INTERVAL_S", "GuardLoop", "GuardPolicy", "GuardTarget", "ReplicaGuard"]
+
+log = logging.getLogger("headroom.guard")
+
+#: How often the guard evaluates every replica's rolling signals.
+GUARD_INTERVAL_S = 1.0
 
 _NO_STARTS = StartupSignals()
 
@@ -160,3 +172,102 @@ class ReplicaGuard:
     def __repr__(self) -> str:
         state = f"guarded {','.join(self.reasons)}" if self.guarded else "open"
         return f"<ReplicaGuard {state} ratio={self.last_ratio} transitions={self.transitions}>"
+
+
+class GuardTarget(Protocol):
+    """What :class:`GuardLoop` needs from the gate (in-process or shared)."""
+
+    def set_guarded(self, pool: str, replica: str, guarded: bool) -> None: ...
+
+    def pools(self) -> list[str]: ...
+
+
+class GuardLoop:
+    """Every replica's :class:`ReplicaGuard`, evaluated against its rolling signals
+    every ``interval_s`` on ``clock`` while started and not ``off``; in ``enforce``
+    mode each change is passed to the gate."""
+
+    def __init__(
+        self,
+        gate: GuardTarget,
+        clock: Clock,
+        signals: Mapping[tuple[str, str], ReplicaSignals],
+        *,
+        interval_s: float = GUARD_INTERVAL_S,
+    ) -> None:
+        self._gate = gate
+        self.clock = clock
+        self._signals = signals
+        self.interval_s = interval_s
+        self.guards: dict[tuple[str, str], ReplicaGuard] = {}
+        self.mode = "off"
+        self.started = False
+        self._timer: TimerHandle | None = None
+
+    def configure(
+        self, policy: GuardPolicy, mode: str, replicas: Iterable[tuple[str, str]]
+    ) -> None:
+        """Take a (reloaded) configuration: the policy (kept guards keep their state),
+        the mode and the configured ``(pool, replica)`` pairs. Leaving ``enforce``
+        hands every guarded replica back to placement."""
+        keys = list(replicas)
+        configured = set(keys)
+        self.guards = {k: v for k, v in self.guards.items() if k in configured}
+        for key in keys:
+            guard = self.guards.get(key)
+            if guard is None:
+                self.guards[key] = ReplicaGuard(policy)
+            else:
+                guard.policy = policy
+        if self.mode == "enforce" and mode != "enforce":
+            pools = set(self._gate.pools())
+            for pool, replica in self.guards:
+                if pool in pools:
+                    self._gate.set_guarded(pool, replica, False)
+        self.mode = mode
+        if self._timer is None:
+            self._arm()
+
+    def start(self) -> None:
+        self.started = True
+        if self._timer is None:
+            self._arm()
+
+    def stop(self) -> None:
+        self.started = False
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def guarded(self, pool: str, replica: str) -> bool:
+        """Whether the replica's guard is engaged (never in ``off`` mode)."""
+        guard = self.guards.get((pool, replica))
+        return guard is not None and guard.guarded and self.mode != "off"
+
+    def _arm(self) -> None:
+        if self.mode != "off" and self.started:
+            self._timer = self.clock.call_at(self.clock.now() + self.interval_s, self.evaluate)
+
+    def evaluate(self) -> None:
+        """Feed every replica's rolling signals to its guard; apply changes (enforce)."""
+        self._timer = None
+        now = self.clock.now()
+        mode = self.mode
+        for (pool, replica), guard in self.guards.items():
+            signals = self._signals[(pool, replica)]
+            startup = signals.startup(now)
+            if guard.update(now, signals.worst_ratio(now), signals.samples(now), startup):
+                share, p99 = startup.stalled_share, startup.ttfa_p99
+                log.warning(
+                    "guard %s %s/%s (%s): worst-1%% delivery ratio %s (threshold %.2f), "
+                    "first seams stalled %s of %d, TTFA p99 %s, mode %s",
+                    "engaged on" if guard.guarded else "released",
+                    pool, replica, ",".join(guard.reasons),
+                    f"{guard.last_ratio:.2f}" if guard.last_ratio is not None else "n/a",
+                    guard.policy.threshold,
+                    f"{share:.0%}" if share is not None else "n/a", startup.seams,
+                    f"{p99:.2f} s" if p99 is not None else "n/a", mode,
+                )  # fmt: skip
+                if mode == "enforce":
+                    self._gate.set_guarded(pool, replica, guard.guarded)
+        self._arm()

@@ -1,5 +1,11 @@
-"""Everything one running gateway shares: settings, gate, metrics, upstream clients,
-health re-checks, per-replica signals, and the list of live sessions (for drain).
+"""Everything one running gateway shares: settings, gate, metrics, tenants' quotas,
+per-replica signals and meters, the list of live sessions (for drain), and live reload.
+
+It composes the parts that run on their own: :class:`~proxy.upstreams.Upstreams` (the
+upstream HTTP client, health checks and re-checks, engine scraping) and
+:class:`~proxy.guard.GuardLoop` (the guard's evaluation loop). The session relays see
+only :class:`~proxy.relay.services.RelayServices`, which this class provides (the
+upstream members delegate to :attr:`Runtime.upstreams`).
 
 Built from a validated :class:`~proxy.settings.Settings`; started and stopped by the
 ASGI lifespan of :mod:`proxy.app`.
@@ -12,11 +18,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import Any
-from urllib.parse import urlsplit
-
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
+from typing import TYPE_CHECKING, Any
 
 from proxy.admission import (
     RETRY_AFTER_MAX_S,
@@ -28,27 +30,27 @@ from proxy.admission import (
     TenantSpec,
 )
 from proxy.auth import TenantQuotas, authenticate
-from proxy.clock import Clock, LoopClock, TimerHandle
+from proxy.clock import Clock, LoopClock
 from proxy.errors import Refused
 from proxy.gate import CURRENT_TENANT, Gate
-from proxy.guard import GuardPolicy, ReplicaGuard
+from proxy.guard import GuardLoop, GuardPolicy
 from proxy.meter import PrometheusReplicaSink, SessionMeter
 from proxy.metrics import Metrics
 from proxy.pipelines import headroom_of
 from proxy.protocols import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
-from proxy.relay.failover import Unreachable, open_tcp
-from proxy.settings import ApiKeySettings, PoolSettings, RouteSettings, Settings
+from proxy.settings import ApiKeySettings, GuardSettings, PoolSettings, RouteSettings, Settings
 from proxy.shared_gate import ADMITTED_POOL, TENANT_QUOTA, SharedGate, build_shared_gate
 from proxy.signals import ReplicaSignals
+from proxy.upstreams import Upstreams
 
-__all__ = ["Runtime", "build_gate", "parse_engine_metrics"]
+if TYPE_CHECKING:
+    import httpx
+
+__all__ = ["Runtime", "build_gate"]
 
 log = logging.getLogger("headroom.runtime")
 
 StopSession = Callable[[int, str], None]
-
-#: How often the guard evaluates every replica's rolling signals.
-GUARD_INTERVAL_S = 1.0
 
 
 def _core(pool: PoolSettings, seed: int) -> PoolCore:
@@ -71,27 +73,12 @@ def tenant_spec(key: ApiKeySettings) -> TenantSpec:
     return TenantSpec(key.name, key.priority, key.weight, key.max_queued)
 
 
-_ENGINE_NAMES = {
-    "vllm:num_requests_waiting": 0,
-    "vllm:num_requests_running": 1,
-    "vllm:kv_cache_usage_perc": 2,
-}
-
-
-def parse_engine_metrics(text: str) -> tuple[float, float, float]:
-    """(waiting, running, KV usage 0..1) from a vLLM ``/metrics`` page, summed over
-    label sets (one engine may report per model). Raises ValueError if none is there."""
-    values = [0.0, 0.0, 0.0]
-    seen = False
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            index = _ENGINE_NAMES.get(sample.name)
-            if index is not None:
-                values[index] += sample.value
-                seen = True
-    if not seen:
-        raise ValueError("no vLLM engine metrics on that page")
-    return values[0], values[1], values[2]
+def guard_policy(g: GuardSettings) -> GuardPolicy:
+    return GuardPolicy(
+        g.threshold, g.hysteresis, g.hold_s, g.min_samples,
+        max_startup_stall_share=g.startup_stall_share, ttfa_p99_s=g.ttfa_p99_s,
+        startup_min_streams=g.startup_min_streams,
+    )  # fmt: skip
 
 
 def _pool_specs(pool: PoolSettings) -> tuple[list[ReplicaSpec], QueuePolicy]:
@@ -126,53 +113,33 @@ class Runtime:
             else build_gate(settings, self.clock, self.metrics)
         )
         self.signals: dict[tuple[str, str], ReplicaSignals] = {}
-        self.guards: dict[tuple[str, str], ReplicaGuard] = {}
-        self._guard_timer: TimerHandle | None = None
-        self.engine: dict[tuple[str, str], tuple[float, float, float]] = {}
         self.tenants = TenantQuotas()
         self._sinks: dict[tuple[str, str], PrometheusReplicaSink] = {}
-        self._urls: dict[tuple[str, str], tuple[str, str]] = {}
         self._routes: dict[str, RouteSettings] = {}
         self._formats: dict[str, AudioFormat] = {}
+        self.upstreams = Upstreams(settings, self.gate, self.clock)
+        self.guard = GuardLoop(self.gate, self.clock, self.signals)
         self._apply_settings(settings)
         #: Every relaying session's stop, with the pool it was admitted to (None: not
         #: known, e.g. the in-process gate, which never fences).
         self._sessions: dict[StopSession, str | None] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._rechecks: dict[tuple[str, str], asyncio.Task[None]] = {}
-        self._http: httpx.AsyncClient | None = None
         self.started = False
-        #: Set once the start-up reachability check of every replica has finished.
-        self.replicas_checked = asyncio.Event()
         self.metrics.bind_state(self._replica_gauges, self.gate.queue_depths)
         self.metrics.bind_headroom(lambda: headroom_of(self))
         if isinstance(self.gate, Gate):
             self.metrics.bind_tenants(self.gate.tenant_gauges)
-        self.gate.on_health_change(self._on_health_change)
         if isinstance(self.gate, SharedGate):
             self.gate.on_fence(self._on_lease_loss)
 
     def _apply_settings(self, settings: Settings) -> None:
         self.settings = settings
-        g = settings.guard
-        policy = GuardPolicy(
-            g.threshold, g.hysteresis, g.hold_s, g.min_samples,
-            max_startup_stall_share=g.startup_stall_share, ttfa_p99_s=g.ttfa_p99_s,
-            startup_min_streams=g.startup_min_streams,
-        )  # fmt: skip
-        configured = {(p.name, r.name) for p in settings.pools for r in p.replicas}
-        self.guards = {k: v for k, v in self.guards.items() if k in configured}
-        for pool in settings.pools:
-            for r in pool.replicas:
-                self._urls[(pool.name, r.name)] = (r.url, r.ws_url)
-                key = (pool.name, r.name)
-                if key not in self.signals:
-                    self.signals[key] = ReplicaSignals(settings.meter.window_s)
-                guard = self.guards.get(key)
-                if guard is None:
-                    self.guards[key] = ReplicaGuard(policy)
-                else:
-                    guard.policy = policy
+        configured = [(p.name, r.name) for p in settings.pools for r in p.replicas]
+        for key in configured:
+            if key not in self.signals:
+                self.signals[key] = ReplicaSignals(settings.meter.window_s)
+        self.upstreams.apply(settings)
+        self.guard.configure(guard_policy(settings.guard), settings.guard.mode, configured)
         self._routes = {r.path: r for r in settings.routes}
         self._formats = {
             r.path: AudioFormat(r.audio.sample_rate, r.audio.channels, r.audio.sample_width)
@@ -218,58 +185,39 @@ class Runtime:
                 changes.append(f"{section} updated")
         self._apply_settings(settings)
         self.gate.set_recheck_interval(settings.health.recheck_interval_s)
-        if settings.guard.mode != "enforce" and old.guard.mode == "enforce":
-            for pool_name, replica in self.guards:
-                if pool_name in self.gate.pools():
-                    self.gate.set_guarded(pool_name, replica, False)
-        if self._guard_timer is None:
-            self._arm_guard()
         return changes
 
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
-        limits = self.settings.limits
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(
-                connect=limits.upstream_connect_timeout_s,
-                read=limits.idle_timeout_s or None,
-                write=limits.idle_timeout_s or None,
-                pool=limits.upstream_connect_timeout_s,
-            ),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            follow_redirects=False,
-            trust_env=False,
-        )
         if isinstance(self.gate, SharedGate):
             await self.gate.start()
+        await self.upstreams.start()
         self.started = True
-        self._arm_guard()
-        self.spawn(self._check_replicas())
-        if self.settings.health.engine_metrics_interval_s > 0:
-            self.spawn(self._scrape_engines())
+        self.guard.start()
 
     async def stop(self) -> None:
-        if self._guard_timer is not None:
-            self._guard_timer.cancel()
-            self._guard_timer = None
-        for task in list(self._rechecks.values()) + list(self._tasks):
+        self.guard.stop()
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        for task in list(self._rechecks.values()) + list(self._tasks):
+        for task in tasks:
             with contextlib.suppress(BaseException):
                 await task
-        if self._http is not None:
-            await self._http.aclose()
-            self._http = None
+        await self.upstreams.stop()
         if isinstance(self.gate, SharedGate):
             await self.gate.stop()
         self.started = False
 
     @property
     def http(self) -> httpx.AsyncClient:
-        if self._http is None:
-            raise RuntimeError("runtime not started")
-        return self._http
+        """The upstream HTTP client (:attr:`Upstreams.http`)."""
+        return self.upstreams.http
+
+    @property
+    def replicas_checked(self) -> asyncio.Event:
+        """Set once the start-up reachability check of every replica has finished."""
+        return self.upstreams.replicas_checked
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         """Run a background coroutine, keeping a reference until it ends."""
@@ -314,10 +262,10 @@ class Runtime:
         return self._routes.get(path)
 
     def ws_url(self, pool: str, replica: str) -> str:
-        return self._urls[(pool, replica)][1]
+        return self.upstreams.ws_url(pool, replica)
 
     def http_url(self, pool: str, replica: str) -> str:
-        return self._urls[(pool, replica)][0]
+        return self.upstreams.http_url(pool, replica)
 
     def authorize(self, scope: dict[str, Any], pool: str) -> str | None:
         """Check the client's key for ``pool`` and reserve one session of its quota.
@@ -404,129 +352,15 @@ class Runtime:
         return signals.worst_ratio(self.clock.now()) if signals else None
 
     def _replica_gauges(self) -> list[Any]:
-        gauges = self.gate.replica_gauges(self.delivery_ratio_worst_1pct, self.guarded)
-        if not self.engine:
+        gauges = self.gate.replica_gauges(self.delivery_ratio_worst_1pct, self.guard.guarded)
+        engine = self.upstreams.engine
+        if not engine:
             return gauges
         out = []
         for g in gauges:
-            figures = self.engine.get((g.pool, g.replica))
+            figures = engine.get((g.pool, g.replica))
             if figures is not None:
                 g = replace(g, engine_waiting=figures[0], engine_running=figures[1],
                             engine_kv_usage=figures[2])  # fmt: skip
             out.append(g)
         return out
-
-    # -- engine metrics -------------------------------------------------------------------
-
-    async def _scrape_engines(self) -> None:
-        """Re-export each replica's own vLLM figures, so dashboards can show the engine's
-        queue (near zero) beside the listeners' gaps (not)."""
-        while True:
-            interval = self.settings.health.engine_metrics_interval_s
-            if interval <= 0:
-                return
-            for pool in self.settings.pools:
-                for r in pool.replicas:
-                    try:
-                        response = await self.http.get(r.url + "/metrics", timeout=2.0)
-                        figures = parse_engine_metrics(response.text)
-                    except (httpx.HTTPError, ValueError):
-                        self.engine.pop((pool.name, r.name), None)
-                        continue
-                    self.engine[(pool.name, r.name)] = figures
-            await asyncio.sleep(interval)
-
-    # -- guard ----------------------------------------------------------------------------
-
-    def guarded(self, pool: str, replica: str) -> bool:
-        guard = self.guards.get((pool, replica))
-        return guard is not None and guard.guarded and self.settings.guard.mode != "off"
-
-    def _arm_guard(self) -> None:
-        if self.settings.guard.mode != "off" and self.started:
-            self._guard_timer = self.clock.call_at(
-                self.clock.now() + GUARD_INTERVAL_S, self.evaluate_guards
-            )
-
-    def evaluate_guards(self) -> None:
-        """Feed every replica's rolling signals to its guard; apply changes (enforce)."""
-        self._guard_timer = None
-        now = self.clock.now()
-        mode = self.settings.guard.mode
-        for (pool, replica), guard in self.guards.items():
-            signals = self.signals[(pool, replica)]
-            startup = signals.startup(now)
-            if guard.update(now, signals.worst_ratio(now), signals.samples(now), startup):
-                share, p99 = startup.stalled_share, startup.ttfa_p99
-                log.warning(
-                    "guard %s %s/%s (%s): worst-1%% delivery ratio %s (threshold %.2f), "
-                    "first seams stalled %s of %d, TTFA p99 %s, mode %s",
-                    "engaged on" if guard.guarded else "released",
-                    pool, replica, ",".join(guard.reasons),
-                    f"{guard.last_ratio:.2f}" if guard.last_ratio is not None else "n/a",
-                    guard.policy.threshold,
-                    f"{share:.0%}" if share is not None else "n/a", startup.seams,
-                    f"{p99:.2f} s" if p99 is not None else "n/a", mode,
-                )  # fmt: skip
-                if mode == "enforce":
-                    self.gate.set_guarded(pool, replica, guard.guarded)
-        self._arm_guard()
-
-    # -- health -------------------------------------------------------------------------
-
-    async def _check_replicas(self) -> None:
-        """At start-up, before any client can fail on them: eject every replica whose
-        TCP port refuses or does not accept within ``limits.upstream_connect_timeout_s``
-        (the same test a session's connect makes; the background re-check restores it).
-        Runs beside start-up, never blocking it; ``/readyz`` waits for it."""
-        try:
-            checks = [
-                self._check_replica(pool.name, r.name, r.url)
-                for pool in self.settings.pools
-                for r in pool.replicas
-            ]
-            await asyncio.gather(*checks)
-        finally:
-            self.replicas_checked.set()
-
-    async def _check_replica(self, pool: str, replica: str, url: str) -> None:
-        parts = urlsplit(url)
-        host = parts.hostname or ""
-        port = parts.port or (443 if parts.scheme == "https" else 80)
-        timeout = self.settings.limits.upstream_connect_timeout_s
-        try:
-            sock = await open_tcp(host, port, clock=self.clock, timeout=timeout)
-        except Unreachable as exc:
-            log.warning(
-                "replica %s/%s is unreachable at start-up (%s:%d: %s): ejected until its "
-                "health check answers", pool, replica, host, port, exc,
-            )  # fmt: skip
-            with contextlib.suppress(LookupError):  # removed by a reload meanwhile
-                self.gate.set_healthy(pool, replica, False)
-            return
-        sock.close()
-
-    def _on_health_change(self, pool: str, replica: str, healthy: bool) -> None:
-        key = (pool, replica)
-        if not healthy and key not in self._rechecks and self.started:
-            task = asyncio.ensure_future(self._recheck(pool, replica))
-            self._rechecks[key] = task
-            task.add_done_callback(lambda _t: self._rechecks.pop(key, None))
-
-    async def _recheck(self, pool: str, replica: str) -> None:
-        """Probe an ejected replica until it answers, then restore it."""
-        interval = self.settings.health.recheck_interval_s
-        url = self.http_url(pool, replica) + "/health"
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                response = await self.http.get(url, timeout=min(interval, 5.0))
-            except Exception as exc:
-                # httpx errors, and whatever else the HTTP stack raises while a
-                # connection is reset under it (the chaos soak found one): the probe
-                # must outlive them all, or the replica would stay ejected for good.
-                log.info("replica %s/%s still unreachable: %r", pool, replica, exc)
-                continue
-            if response.status_code < 500:
-                self.gate.set_healthy(pool, replica, True)
-                return

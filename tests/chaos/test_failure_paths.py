@@ -569,9 +569,9 @@ async def test_a_client_declared_output_rate_cannot_trip_the_guard_for_everyone(
             await ws.send(json.dumps({"type": "response.create"}))
             while json.loads(await ws.recv())["type"] != "response.done":
                 pass
-        proxy.runtime.evaluate_guards()
+        proxy.runtime.guard.evaluate()
         ratio = proxy.runtime.delivery_ratio_worst_1pct("main", "gpu0")
-        assert not proxy.runtime.guarded("main", "gpu0"), f"worst-1% delivery ratio {ratio}"
+        assert not proxy.runtime.guard.guarded("main", "gpu0"), f"worst-1% delivery ratio {ratio}"
         async with connect(proxy.ws_url + "/v1/realtime", compression=None) as other:
             assert json.loads(await other.recv())["type"] == "session.created"
         await wait_until(lambda: proxy.gate.active == 0)
@@ -599,8 +599,8 @@ async def test_http_client_library_failing_on_a_dropped_connection_is_a_502(
         proxy_settings([("gpu0", server.http_url, 1)], [speech_route()])
     )
     error_log.watch()
-    real = proxy.runtime._http
-    proxy.runtime._http = httpx.AsyncClient(transport=httpx.MockTransport(dropped))
+    real = proxy.runtime.upstreams._client
+    proxy.runtime.upstreams._client = httpx.AsyncClient(transport=httpx.MockTransport(dropped))
     assert real is not None
     await real.aclose()
     status, _, body = await post(proxy.server.port)

@@ -21,7 +21,6 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from proxy.errors import ConfigError, ListenError
 from proxy.gateway import Gateway
-from proxy.runtime import parse_engine_metrics
 from proxy.settings import load_settings, settings_from_mapping
 from tests.integration.test_ws_relay import hello, upstream, wait_until
 
@@ -235,20 +234,6 @@ async def test_start_and_stop_lines_appear_once(upstream: Any, tmp_path: Path) -
     assert "_AdminLifecycleFilter" not in left  # removed when serving ends
 
 
-def test_parse_engine_metrics() -> None:
-    text = (
-        "# TYPE vllm:num_requests_waiting gauge\n"
-        'vllm:num_requests_waiting{model_name="a"} 0.0\n'
-        "# TYPE vllm:num_requests_running gauge\n"
-        'vllm:num_requests_running{model_name="a"} 7.0\n'
-        "# TYPE vllm:kv_cache_usage_perc gauge\n"
-        'vllm:kv_cache_usage_perc{model_name="a"} 0.42\n'
-    )
-    assert parse_engine_metrics(text) == (0.0, 7.0, 0.42)
-    with pytest.raises(ValueError, match="no vLLM"):
-        parse_engine_metrics("other_metric 1\n")
-
-
 async def test_engine_metrics_are_scraped_and_re_exported(start_proxy: Any) -> None:
     from prometheus_client import generate_latest
 
@@ -261,7 +246,7 @@ async def test_engine_metrics_are_scraped_and_re_exported(start_proxy: Any) -> N
                            [{"path": "/s", "pool": "main", "protocol": "passthrough-ws"}],
                            health={"engine_metrics_interval_s": 0.05})
         )  # fmt: skip
-        await wait_until(lambda: ("main", "gpu0") in proxy.runtime.engine)
+        await wait_until(lambda: ("main", "gpu0") in proxy.runtime.upstreams.engine)
         text = generate_latest(proxy.runtime.metrics.registry).decode()
     assert 'headroom_engine_requests_waiting{pool="main",replica="gpu0"} 0.0' in text
     assert 'headroom_engine_requests_running{pool="main",replica="gpu0"}' in text

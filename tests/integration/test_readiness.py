@@ -1,6 +1,6 @@
 """``/readyz`` at start-up reflects whether the replicas can be reached, before any
 client has failed on them (issue 14, item 8): every replica's TCP port is checked once
-at start-up (:meth:`proxy.runtime.Runtime._check_replicas`), a refusing one is ejected
+at start-up (:meth:`proxy.upstreams.Upstreams.check_replicas`), a refusing one is ejected
 and left to the background health re-check, and readiness waits for the check.
 
 Upstreams are real sockets on 127.0.0.1 port 0; a "dead" one is a port that was bound

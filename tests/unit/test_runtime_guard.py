@@ -1,4 +1,5 @@
-"""The guard wired into the runtime and gate, on a fake clock (no sockets)."""
+"""The guard wired into the runtime, its meters and the gate, on a fake clock (no sockets);
+the loop itself is tested in tests/unit/test_guard_loop.py."""
 
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ async def test_enforce_stops_placement_on_a_guarded_replica_then_refuses_guard()
     rt, clock = runtime("enforce")
     feed(rt, clock, "gpu0", 0.9)
     feed(rt, clock, "gpu1", 2.0)
-    rt.evaluate_guards()
-    assert rt.guarded("main", "gpu0") and not rt.guarded("main", "gpu1")
+    rt.guard.evaluate()
+    assert rt.guard.guarded("main", "gpu0") and not rt.guard.guarded("main", "gpu1")
     leases = [await rt.gate.acquire("main") for _ in range(4)]
     assert {lease.replica for lease in leases} == {"gpu1"}  # gpu0 has 4 free slots, unused
     with pytest.raises(CapacityRefused) as info:
@@ -43,10 +44,10 @@ async def test_enforce_stops_placement_on_a_guarded_replica_then_refuses_guard()
         lease.release()
     # the bad samples age out of the 10 s window; after the 5 s hold it reopens
     clock.advance(12)
-    rt.evaluate_guards()
+    rt.guard.evaluate()
     clock.advance(5)
-    rt.evaluate_guards()
-    assert not rt.guarded("main", "gpu0")
+    rt.guard.evaluate()
+    assert not rt.guard.guarded("main", "gpu0")
     lease = await rt.gate.acquire("main")
     lease.release()
 
@@ -55,7 +56,7 @@ async def test_observe_exports_but_does_not_hold_admissions() -> None:
     rt, clock = runtime("observe")
     feed(rt, clock, "gpu0", 0.9)
     feed(rt, clock, "gpu1", 0.9)
-    rt.evaluate_guards()
+    rt.guard.evaluate()
     text = generate_latest(rt.metrics.registry).decode()
     assert 'headroom_replica_guarded{pool="main",replica="gpu0"} 1.0' in text
     assert 'headroom_delivery_ratio_worst_1pct{pool="main",replica="gpu0"}' in text
@@ -67,8 +68,8 @@ async def test_observe_exports_but_does_not_hold_admissions() -> None:
 async def test_off_never_guards() -> None:
     rt, clock = runtime("off")
     feed(rt, clock, "gpu0", 0.5)
-    rt.evaluate_guards()
-    assert not rt.guarded("main", "gpu0")
+    rt.guard.evaluate()
+    assert not rt.guard.guarded("main", "gpu0")
 
 
 def startup_runtime(**guard: object) -> tuple[Runtime, FakeClock]:
@@ -101,11 +102,11 @@ async def test_a_replica_whose_new_streams_stall_at_their_first_seam_is_guarded(
     start_streams(rt, clock, "gpu0", 6, stall=True)
     start_streams(rt, clock, "gpu1", 6, stall=False)
     clock.advance(5.0)
-    rt.evaluate_guards()
+    rt.guard.evaluate()
     ratio = rt.delivery_ratio_worst_1pct("main", "gpu0")
     assert ratio is not None and ratio > 1.5  # steady chunks look fine
-    assert rt.guarded("main", "gpu0") and not rt.guarded("main", "gpu1")
-    assert rt.guards[("main", "gpu0")].reasons == ("startup_stalls",)
+    assert rt.guard.guarded("main", "gpu0") and not rt.guard.guarded("main", "gpu1")
+    assert rt.guard.guards[("main", "gpu0")].reasons == ("startup_stalls",)
     leases = [await rt.gate.acquire("main") for _ in range(4)]
     assert {lease.replica for lease in leases} == {"gpu1"}
     for lease in leases:
@@ -116,8 +117,8 @@ async def test_startup_stalls_do_not_guard_unless_configured() -> None:
     rt, clock = startup_runtime()
     start_streams(rt, clock, "gpu0", 20, stall=True)
     clock.advance(5.0)
-    rt.evaluate_guards()
-    assert not rt.guarded("main", "gpu0")
+    rt.guard.evaluate()
+    assert not rt.guard.guarded("main", "gpu0")
 
 
 async def test_a_replica_whose_ttfa_p99_exceeds_the_limit_is_guarded() -> None:
@@ -128,6 +129,6 @@ async def test_a_replica_whose_ttfa_p99_exceeds_the_limit_is_guarded() -> None:
         meter.audio(t0 + (3.0 if i == 5 else 0.2), 0.5)  # one late first audio: p99 3 s
         meter.finish(t0 + 4.0)
     clock.advance(4.0)
-    rt.evaluate_guards()
-    assert rt.guarded("main", "gpu0")
-    assert rt.guards[("main", "gpu0")].reasons == ("ttfa",)
+    rt.guard.evaluate()
+    assert rt.guard.guarded("main", "gpu0")
+    assert rt.guard.guards[("main", "gpu0")].reasons == ("ttfa",)
