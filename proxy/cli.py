@@ -15,14 +15,14 @@ one line naming the address and the reason), 2 invalid configuration or usage.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import sys
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from proxy import __version__
 from proxy.errors import ConfigError, ListenError
+from proxy.eventloop import run_async
 
 __all__ = ["main", "run_async"]
 
@@ -160,16 +160,6 @@ def _check(args: argparse.Namespace) -> int:
     for finding in errors:
         print(f"headroom check: refused: {finding}", file=sys.stderr)
     return 2 if errors else 0
-
-
-def run_async(coro: Coroutine[Any, Any, None]) -> None:
-    """Run on uvloop where the platform has it (cheaper per relayed frame)."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - platforms without uvloop
-        asyncio.run(coro)
-        return
-    uvloop.run(coro)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

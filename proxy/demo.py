@@ -244,7 +244,7 @@ async def _run(args: argparse.Namespace, out: TextIO) -> None:
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    from proxy.cli import run_async
+    from proxy.eventloop import run_async
     from proxy.logs import configure_logging
 
     configure_logging("warning", "text")

@@ -258,7 +258,7 @@ class Supervisor:
 
 def supervise(settings: Settings, workers: int, args: Any) -> int:
     """Bind the sockets, run ``workers`` worker processes, return the exit code."""
-    from proxy.cli import run_async
+    from proxy.eventloop import run_async
 
     listen = _listen("listener", settings.listen.host, settings.listen.port)
     admin = None
