@@ -15,6 +15,7 @@ import json
 from typing import Any
 
 from proxy.errors import HeadroomError, Refused, Unauthorized
+from proxy.protocols.table import generic_error, spec
 
 __all__ = ["close_reason", "error_body", "error_event", "http_error", "truncate_reason"]
 
@@ -89,32 +90,14 @@ def close_reason(err: HeadroomError) -> str:
 
 
 def error_event(protocol: str, err: HeadroomError) -> str:
-    """One JSON error event in ``protocol``'s own shape, carrying the contract fields."""
+    """One JSON error event in ``protocol``'s own shape (its ``error_shape`` in
+    :mod:`proxy.protocols.table`), carrying the contract fields."""
     inner = error_body(err)["error"]
     extra = {
         "retry_after_s": inner["retry_after_s"],
         "fallback": inner["fallback"],
         "queue_position": inner["queue_position"],
     }
-    event: dict[str, Any]
-    if protocol == "vllm-realtime":
-        # vLLM: {"type": "error", "error": str, "code": str | null}
-        event = {"type": "error", "error": inner["message"], "code": inner["code"], **extra}
-    elif protocol == "openai-realtime":
-        event = {
-            "type": "error",
-            "error": {
-                "type": inner["type"],
-                "code": inner["code"],
-                "message": inner["message"],
-                "param": None,
-                "event_id": None,
-                **extra,
-            },
-        }
-    elif protocol == "vllm-omni-speech-ws":
-        # vLLM-Omni speech stream: {"type": "error", "message": str}
-        event = {"type": "error", "message": inner["message"], "code": inner["code"], **extra}
-    else:
-        event = {"type": "error", "error": inner}
-    return json.dumps(event, separators=(",", ":"))
+    entry = spec(protocol)
+    shape = entry.error_shape if entry is not None else generic_error
+    return json.dumps(shape(inner, extra), separators=(",", ":"))

@@ -17,6 +17,7 @@ import httpx
 
 from proxy.meter import RecordingReplicaSink, SessionMeter
 from proxy.probe.analysis import Arrival, Outcome, SessionTrace
+from proxy.protocols.table import PROTOCOL_TABLE
 
 __all__ = [
     "PATHS",
@@ -81,7 +82,7 @@ def endpoint_url(target: str, protocol: str) -> str:
         raise ValueError(f"unsupported protocol {protocol!r}; use one of {', '.join(PATHS)}")
     parts = urlsplit(target if "://" in target else f"http://{target}")
     secure = parts.scheme in ("https", "wss")
-    ws = protocol in ("vllm-omni-speech-ws", "vllm-realtime")
+    ws = PROTOCOL_TABLE[protocol].transport == "ws"
     scheme = ("wss" if secure else "ws") if ws else ("https" if secure else "http")
     if parts.scheme not in ("http", "https", "ws", "wss") or not parts.netloc:
         raise ValueError(f"--target must be an http(s):// or ws(s):// URL, got {target!r}")

@@ -3,6 +3,8 @@
 The relay builds one adapter per session with :func:`ws_adapter` or :func:`http_adapter`
 and calls it for every relayed message or chunk, with the arrival time; the adapter turns
 what it reads into :class:`MeterSink` calls (usually a :class:`proxy.meter.SessionMeter`).
+Both factories look the protocol up in :data:`PROTOCOL_TABLE` (:mod:`.table`), which also
+holds each protocol's transport and error-event shape, and is what the settings check.
 Adapters only read: they never modify, delay or buffer the bytes relayed, and they never
 raise (malformed data counts nothing; an internal failure increments ``adapter.errors``).
 
@@ -26,37 +28,31 @@ Building blocks: :mod:`.b64json` (base64 length from JSON without decoding), :mo
 from __future__ import annotations
 
 from proxy.protocols.base import AudioFormat, HttpAdapter, MeterSink, WsAdapter
-from proxy.protocols.http import SpeechHttpAdapter, TranscriptionSseAdapter
-from proxy.protocols.passthrough import PassthroughHttpAdapter, PassthroughWsAdapter
-from proxy.protocols.realtime import RealtimeAdapter
-from proxy.protocols.speech_ws import OmniSpeechWsAdapter
+from proxy.protocols.table import (
+    HTTP_PROTOCOLS,
+    PROTOCOL_TABLE,
+    PROTOCOLS,
+    WS_PROTOCOLS,
+    Protocol,
+    ProtocolSpec,
+    spec,
+)
 
 __all__ = [
     "HTTP_PROTOCOLS",
     "PROTOCOLS",
+    "PROTOCOL_TABLE",
     "WS_PROTOCOLS",
     "AudioFormat",
     "HttpAdapter",
     "MeterSink",
+    "Protocol",
+    "ProtocolSpec",
     "WsAdapter",
     "http_adapter",
+    "spec",
     "ws_adapter",
 ]
-
-#: Route protocols relayed over WebSocket.
-WS_PROTOCOLS = frozenset(
-    {
-        "vllm-realtime",
-        "openai-realtime",
-        "vllm-omni-speech-ws",
-        "sagemaker-bidi",
-        "passthrough-ws",
-    }
-)
-#: Route protocols relayed over HTTP.
-HTTP_PROTOCOLS = frozenset({"openai-speech-http", "openai-transcription-sse", "passthrough-http"})
-#: Every route protocol.
-PROTOCOLS = WS_PROTOCOLS | HTTP_PROTOCOLS
 
 
 def ws_adapter(
@@ -68,36 +64,30 @@ def ws_adapter(
     """The adapter metering one WebSocket session of ``protocol``.
 
     ``default_format`` is the route's audio format, used where the stream does not say.
-    ``sagemaker-bidi`` relays one WebSocket frame per SageMaker payload part, so it is
-    metered as its ``inner_protocol`` (a WS protocol other than itself); without one, as
-    ``passthrough-ws``. Raises ValueError for a protocol that is not a WS protocol (a
-    configuration error, caught when settings are validated)."""
-    if protocol == "sagemaker-bidi":
-        inner = inner_protocol or "passthrough-ws"
-        if inner == "sagemaker-bidi" or inner not in WS_PROTOCOLS:
-            raise ValueError(f"sagemaker-bidi cannot carry inner protocol {inner!r}")
-        return ws_adapter(inner, sink, default_format)
-    if protocol == "vllm-realtime":
-        return RealtimeAdapter(sink, default_format, openai=False)
-    if protocol == "openai-realtime":
-        return RealtimeAdapter(sink, default_format, openai=True)
-    if protocol == "vllm-omni-speech-ws":
-        return OmniSpeechWsAdapter(sink, default_format)
-    if protocol == "passthrough-ws":
-        return PassthroughWsAdapter(sink)
-    expected = ", ".join(sorted(WS_PROTOCOLS))
-    raise ValueError(f"{protocol!r} is not a WebSocket protocol; expected one of: {expected}")
+    A protocol that carries another (``sagemaker-bidi`` relays one WebSocket frame per
+    SageMaker payload part) is metered as its ``inner_protocol`` (a WS protocol that
+    carries none); without one, as its ``default_inner`` (``passthrough-ws``). Raises
+    ValueError for a protocol that is not a WS protocol (a configuration error, caught
+    when settings are validated)."""
+    entry = spec(protocol)
+    if entry is not None and entry.carries_inner:
+        inner = inner_protocol or entry.default_inner
+        carried = spec(inner) if inner is not None else None
+        if carried is None or carried.transport != "ws" or carried.carries_inner:
+            raise ValueError(f"{protocol} cannot carry inner protocol {inner!r}")
+        return ws_adapter(carried.name, sink, default_format)
+    if entry is None or entry.ws_adapter is None:
+        expected = ", ".join(sorted(WS_PROTOCOLS))
+        raise ValueError(f"{protocol!r} is not a WebSocket protocol; expected one of: {expected}")
+    return entry.ws_adapter(sink, default_format)
 
 
 def http_adapter(protocol: str, sink: MeterSink, default_format: AudioFormat) -> HttpAdapter:
     """The adapter metering one streaming HTTP exchange of ``protocol``.
 
     Raises ValueError for a protocol that is not an HTTP protocol."""
-    if protocol == "openai-speech-http":
-        return SpeechHttpAdapter(sink, default_format)
-    if protocol == "openai-transcription-sse":
-        return TranscriptionSseAdapter(sink, default_format)
-    if protocol == "passthrough-http":
-        return PassthroughHttpAdapter(sink)
-    expected = ", ".join(sorted(HTTP_PROTOCOLS))
-    raise ValueError(f"{protocol!r} is not an HTTP protocol; expected one of: {expected}")
+    entry = spec(protocol)
+    if entry is None or entry.http_adapter is None:
+        expected = ", ".join(sorted(HTTP_PROTOCOLS))
+        raise ValueError(f"{protocol!r} is not an HTTP protocol; expected one of: {expected}")
+    return entry.http_adapter(sink, default_format)

@@ -28,10 +28,9 @@ Import from ``proxy.settings``; the names below are its public interface.
 
 from __future__ import annotations
 
+from proxy.protocols.table import HTTP_PROTOCOLS, WS_PROTOCOLS, Protocol
 from proxy.settings.loading import load_settings, reload_problems, settings_from_mapping
 from proxy.settings.schema import (
-    HTTP_PROTOCOLS,
-    WS_PROTOCOLS,
     AdminSettings,
     AdmissionSettings,
     ApiKeySettings,
@@ -48,7 +47,6 @@ from proxy.settings.schema import (
     MeterSettings,
     PipelineSettings,
     PoolSettings,
-    Protocol,
     QueueSettings,
     RedisSettings,
     ReplicaSettings,

@@ -34,6 +34,11 @@ from pydantic_settings import (
 )
 
 from proxy.errors import FallbackHint
+from proxy.protocols.table import (
+    PROTOCOL_TABLE,
+    Protocol,
+    inner_protocols,
+)
 from proxy.settings.references import (
     _gpu_problems,
     _pipeline_problems,
@@ -42,23 +47,6 @@ from proxy.settings.references import (
     _tenant_problems,
 )
 from proxy.settings_env import EnvOverlaySource, Loc, Problems, did_you_mean
-
-Protocol = Literal[
-    "vllm-realtime",
-    "openai-realtime",
-    "vllm-omni-speech-ws",
-    "openai-speech-http",
-    "openai-transcription-sse",
-    "sagemaker-bidi",
-    "passthrough-ws",
-    "passthrough-http",
-]
-#: Protocols relayed as WebSockets (a replica's http(s) URL is used in its ws(s) form).
-WS_PROTOCOLS = frozenset(
-    {"vllm-realtime", "openai-realtime", "vllm-omni-speech-ws", "sagemaker-bidi", "passthrough-ws"}
-)
-#: Protocols relayed as (streaming) HTTP requests.
-HTTP_PROTOCOLS = frozenset({"openai-speech-http", "openai-transcription-sse", "passthrough-http"})
 
 _HASH_HOWTO = 'printf %s "$KEY" | sha256sum'
 
@@ -350,8 +338,9 @@ class RouteSettings(_Frozen):
     """A client-facing path bound to a pool and a protocol.
 
     ``refusal: close`` (accept, send one error event, close 1013) and ``queue_feedback``
-    need a WebSocket protocol; ``inner_protocol`` is required for, and only for,
-    ``sagemaker-bidi``; ``upstream_path`` relays to a different upstream path.
+    need a WebSocket protocol; ``inner_protocol`` is required for, and only for, a
+    protocol that carries another (``sagemaker-bidi``); ``upstream_path`` relays to a
+    different upstream path. What each protocol is: :mod:`proxy.protocols.table`.
     """
 
     path: UrlPath
@@ -365,7 +354,7 @@ class RouteSettings(_Frozen):
 
     @property
     def is_websocket(self) -> bool:
-        return self.protocol in WS_PROTOCOLS
+        return PROTOCOL_TABLE[self.protocol].transport == "ws"
 
     @property
     def stream_protocol(self) -> str:
@@ -386,13 +375,17 @@ class RouteSettings(_Frozen):
             problems.append((("refusal",), why))
         if self.queue_feedback and not self.is_websocket:
             problems.append((("queue_feedback",), f"needs a WebSocket protocol; {http}"))
-        inner = ", ".join(sorted(WS_PROTOCOLS - {"sagemaker-bidi"}))
-        if self.protocol == "sagemaker-bidi" and self.inner_protocol is None:
-            why = f"required for sagemaker-bidi (the protocol inside the stream): {inner}"
+        inner = ", ".join(inner_protocols())
+        carriers = [n for n, spec in PROTOCOL_TABLE.items() if spec.carries_inner]
+        carries = PROTOCOL_TABLE[self.protocol].carries_inner
+        carried = PROTOCOL_TABLE[self.inner_protocol] if self.inner_protocol else None
+        if carries and carried is None:
+            why = f"required for {self.protocol} (the protocol inside the stream): {inner}"
             problems.append((("inner_protocol",), why))
-        elif self.protocol != "sagemaker-bidi" and self.inner_protocol is not None:
-            problems.append((("inner_protocol",), "only valid with protocol sagemaker-bidi"))
-        elif self.inner_protocol in HTTP_PROTOCOLS | {"sagemaker-bidi"}:
+        elif not carries and carried is not None:
+            why = f"only valid with protocol {' or '.join(carriers)}"
+            problems.append((("inner_protocol",), why))
+        elif carried is not None and (carried.transport != "ws" or carried.carries_inner):
             why = f"must be one of: {inner} (got {self.inner_protocol!r})"
             problems.append((("inner_protocol",), why))
         if problems:
