@@ -69,10 +69,11 @@ async def start_proxy() -> AsyncIterator[Callable[[Settings], Any]]:
     stack = contextlib.AsyncExitStack()
     proxies: list[Proxy] = []
 
-    async def start(settings: Settings, clock: Clock | None = None) -> Proxy:
+    async def start(settings: Settings, clock: Clock | None = None, **uvicorn: Any) -> Proxy:
+        """``uvicorn``: options over Headroom's own (e.g. ``ws=`` another protocol)."""
         runtime = Runtime(settings, clock=clock)
         server = await stack.enter_async_context(
-            running_server(create_app(runtime), **uvicorn_options(settings))
+            running_server(create_app(runtime), **{**uvicorn_options(settings), **uvicorn})
         )
         proxy = Proxy(server, runtime)
         proxies.append(proxy)

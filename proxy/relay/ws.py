@@ -28,6 +28,7 @@ import contextlib
 import json
 import logging
 import socket
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -322,6 +323,7 @@ def _discard(connecting: asyncio.Future[ClientConnection | UpstreamSocket]) -> N
 async def _splice(
     rt: Runtime, route: RouteSettings, lease: Lease, upstream: UpstreamSocket,
     take_over: TakeOver, headers: list[tuple[bytes, bytes]], record: SessionRecord,
+    held: Sequence[dict[str, Any]] = (),
 ) -> None:  # fmt: skip
     """Accept the client and relay in protocol callbacks until both sockets close."""
     clock = rt.clock
@@ -331,7 +333,7 @@ async def _splice(
     try:
         taken = take_over(
             upstream.subprotocol, headers, splice.client,
-            lambda: splice.stop(1012, "server shutting down"),
+            lambda: splice.stop(1012, "server shutting down"), held,
         )  # fmt: skip
         if taken is None:  # the client left during the upstream handshake
             record.error = "client went away"
@@ -431,9 +433,9 @@ async def relay_websocket(
         record.replica = lease.replica
         if record.decision == "queued":
             record.decision = "admitted_after_queue"
-        take_over: TakeOver | None = None
-        if not client.accepted:
-            take_over = scope.get("extensions", {}).get("headroom.splice", {}).get("take_over")
+        take_over: TakeOver | None = (
+            scope.get("extensions", {}).get("headroom.splice", {}).get("take_over")
+        )
         try:
             upstream = await _connect_while_present(
                 rt, route, scope, receive, lease, offered, record, held,
@@ -459,16 +461,16 @@ async def relay_websocket(
             record.client_close = 1006
             return
         headers = [(FALLBACK_RESPONSE_HEADER, fallback_pool.encode())] if fallback_pool else []
-        if isinstance(upstream, UpstreamSocket):
-            assert take_over is not None
-            await _splice(rt, route, lease, upstream, take_over, headers, record)
-            upstream = None
-            return
         if client.accepted:
             while notes is not None and not notes.empty():
                 await client.text(notes.get_nowait())
             await client.text({"type": "headroom.admitted"})
-        else:
+        if isinstance(upstream, UpstreamSocket):
+            assert take_over is not None
+            await _splice(rt, route, lease, upstream, take_over, headers, record, held or ())
+            upstream = None
+            return
+        if not client.accepted:
             await client.accept(upstream.subprotocol, headers)
         await relay_frames(rt, route, lease, upstream, receive, send, record, held or ())
     except asyncio.CancelledError:

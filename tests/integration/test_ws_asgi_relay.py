@@ -1,7 +1,8 @@
-"""The ASGI relay (proxy/relay/ws_pump.py), the shell queue-feedback sessions use, applies
-the relay core's rules like the splice: limits, timeouts and close codes. Real sockets;
-a session reaches the ASGI relay by waiting in a queue-feedback route's queue (the
-client is accepted early, so its socket cannot be spliced). Fake clock for timeouts."""
+"""The ASGI relay (proxy/relay/ws_pump.py), the shell sessions use when the splice cannot
+run (the uvicorn fence's fallback protocol), applies the relay core's rules like the
+splice: limits, timeouts and close codes. Real sockets, uvicorn's own protocol; each
+session waits in a queue-feedback route's queue first (the early accept the ASGI relay
+must continue from). Fake clock for timeouts."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from proxy.clock import FakeClock
+from proxy.relay.uvicorn_fence import FALLBACK_PROTOCOL
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_relay import hello, upstream, wait_until, ws_route
 
@@ -40,7 +42,7 @@ async def test_idle_timeout_closes_with_1008(start_proxy: Any, upstream: Any) ->
     proxy: Proxy = await start_proxy(
         proxy_settings([("gpu0", server.http_url, 1)], [ws_route(queue_feedback=True)],
                        queue=QUEUE, limits={"idle_timeout_s": 30, "max_session_s": 0}),
-        clock,
+        clock, ws=FALLBACK_PROTOCOL,
     )  # fmt: skip
     ws = await queued_session(proxy)
     await hello(ws)
@@ -63,7 +65,7 @@ async def test_max_session_duration_closes_with_1008(start_proxy: Any, upstream:
     proxy: Proxy = await start_proxy(
         proxy_settings([("gpu0", server.http_url, 1)], [ws_route(queue_feedback=True)],
                        queue=QUEUE, limits={"idle_timeout_s": 0, "max_session_s": 100}),
-        clock,
+        clock, ws=FALLBACK_PROTOCOL,
     )  # fmt: skip
     ws = await queued_session(proxy)
     await hello(ws)
@@ -78,7 +80,8 @@ async def test_oversized_client_message_closes_with_1008(start_proxy: Any, upstr
     server, app = upstream
     proxy: Proxy = await start_proxy(
         proxy_settings([("gpu0", server.http_url, 1)], [ws_route(queue_feedback=True)],
-                       queue=QUEUE, limits={"max_message_bytes": 4096})
+                       queue=QUEUE, limits={"max_message_bytes": 4096}),
+        ws=FALLBACK_PROTOCOL,
     )  # fmt: skip
     ws = await queued_session(proxy)
     await hello(ws)
@@ -95,7 +98,8 @@ async def test_upstream_close_code_reaches_the_client(start_proxy: Any, upstream
     server, _ = upstream
     proxy: Proxy = await start_proxy(
         proxy_settings([("gpu0", server.http_url, 1)], [ws_route(queue_feedback=True)],
-                       queue=QUEUE)
+                       queue=QUEUE),
+        ws=FALLBACK_PROTOCOL,
     )  # fmt: skip
     ws = await queued_session(proxy)
     await hello(ws)
@@ -110,7 +114,8 @@ async def test_client_close_code_reaches_the_upstream(start_proxy: Any, upstream
     server, app = upstream
     proxy: Proxy = await start_proxy(
         proxy_settings([("gpu0", server.http_url, 1)], [ws_route(queue_feedback=True)],
-                       queue=QUEUE)
+                       queue=QUEUE),
+        ws=FALLBACK_PROTOCOL,
     )  # fmt: skip
     ws = await queued_session(proxy)
     await hello(ws)
@@ -136,7 +141,8 @@ async def test_upstream_killed_mid_stream_gives_1014(start_proxy: Any) -> None:
         port = next(iter(server.sockets)).getsockname()[1]
         proxy: Proxy = await start_proxy(
             proxy_settings([("gpu0", f"http://127.0.0.1:{port}", 1)],
-                           [ws_route("/anything", queue_feedback=True)], queue=QUEUE)
+                           [ws_route("/anything", queue_feedback=True)], queue=QUEUE),
+            ws=FALLBACK_PROTOCOL,
         )  # fmt: skip
         ws = await queued_session(proxy, "/anything")
         assert await ws.recv() == b"\x00" * 4800

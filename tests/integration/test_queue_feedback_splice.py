@@ -1,0 +1,128 @@
+"""A session that waited with queue feedback is relayed by the splice once admitted
+(proxy/relay/uvicorn_ws.py takes over the connection uvicorn accepted): the queue notes
+and ``headroom.admitted`` come first, then what the client sent while it waited -- whole
+messages, the first fragment of a message and half a frame -- reaches the upstream in
+order, and the rest of the stream follows. Real sockets on 127.0.0.1: raw clients
+(bench/wsraw.py) and a raw upstream that records every frame it reads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from bench.wsraw import (
+    OP_BINARY,
+    OP_CLOSE,
+    OP_CONT,
+    OP_TEXT,
+    close_frame,
+    frame,
+    handshake_request,
+    read_frames,
+    read_head,
+)
+from proxy.relay.uvicorn_fence import FALLBACK_PROTOCOL
+from tests.conftest import Proxy, proxy_settings
+from tests.integration.test_ws_frame_violations import RecordingUpstream, recording_upstream
+from tests.integration.test_ws_relay import wait_until
+
+__all__ = ["recording_upstream"]  # the fixture, re-exported for pytest
+
+PATH = "/ws/raw"
+
+
+def _settings(port: int) -> Any:
+    route = {"path": PATH, "pool": "main", "protocol": "passthrough-ws", "queue_feedback": True}
+    return proxy_settings(
+        [("gpu0", f"http://127.0.0.1:{port}", 1)], [route],
+        queue={"max_depth": 2, "max_wait_s": 30}, limits={"ping_interval_s": 0},
+        guard={"mode": "off"},
+    )  # fmt: skip
+
+
+async def _open(proxy: Proxy) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
+    writer.write(handshake_request(PATH))
+    head = await read_head(reader)
+    assert head is not None and head.status == 101
+    return reader, writer, head.rest
+
+
+async def _waited_then_admitted(
+    proxy: Proxy, upstream: RecordingUpstream
+) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
+    """The client's frames the upstream read, and what the client read, for a session
+    that sends a stream while it waits, then more once admitted."""
+    holder_r, holder_w, _ = await _open(proxy)  # its 101 follows its upstream handshake
+    ours = len(upstream.conns)  # the next upstream connection is the waiter's
+    await wait_until(lambda: proxy.gate.active == 1)
+    reader, writer, rest = await _open(proxy)  # accepted to wait
+    await wait_until(lambda: proxy.gate.queued == 1)
+    cont = frame(OP_CONT, b"-end")
+    writer.write(
+        frame(OP_TEXT, b"held-1") + frame(OP_BINARY, b"held-2")
+        + frame(OP_TEXT, b"frag", fin=False) + cont[:3]
+    )  # fmt: skip
+    await writer.drain()
+    holder_w.write(close_frame(1000))
+    await read_frames(holder_r, timeout=10)
+    holder_w.close()
+    got = await read_frames(reader, rest, timeout=10, until_text="headroom.admitted")
+    await wait_until(lambda: len(upstream.conns) > ours and len(upstream.conns[ours].frames) >= 3)
+    conn = upstream.conns[ours]
+    writer.write(cont[3:] + frame(OP_TEXT, b"after", fin=False))
+    await writer.drain()
+    # a fragment is forwarded as it comes on the splice (the ASGI relay would wait for
+    # the whole message)
+    await wait_until(lambda: len(conn.frames) >= 5)
+    writer.write(frame(OP_CONT, b"-done") + close_frame(4000))
+    await writer.drain()
+    closed = await read_frames(reader, got.rest, timeout=10)
+    writer.close()
+    await asyncio.wait_for(conn.closed.wait(), 10)
+    assert closed.code == 4000, closed
+    await wait_until(lambda: proxy.gate.active == 0)
+    return conn.frames, got.frames
+
+
+async def test_a_queue_feedback_session_is_spliced_after_admission(
+    start_proxy: Any, recording_upstream: RecordingUpstream
+) -> None:
+    proxy: Proxy = await start_proxy(_settings(recording_upstream.port))
+    sent, told = await _waited_then_admitted(proxy, recording_upstream)
+    assert [json.loads(p)["type"] for _, p in told] == ["headroom.queue", "headroom.admitted"]
+    assert sent == [
+        (OP_TEXT, b"held-1"), (OP_BINARY, b"held-2"), (OP_TEXT, b"frag"), (OP_CONT, b"-end"),
+        (OP_TEXT, b"after"), (OP_CONT, b"-done"), (OP_CLOSE, (4000).to_bytes(2, "big")),
+    ]  # fmt: skip
+    tracked = proxy.server.server.server_state.connections
+    await wait_until(lambda: not tracked)  # the taken-over connection was released
+
+
+async def test_without_the_splice_queue_feedback_uses_the_asgi_relay(
+    start_proxy: Any, recording_upstream: RecordingUpstream
+) -> None:
+    """uvicorn's own protocol (the fence's fallback): the same stream, relayed as whole
+    messages."""
+    proxy: Proxy = await start_proxy(_settings(recording_upstream.port), ws=FALLBACK_PROTOCOL)
+    holder_r, holder_w, _ = await _open(proxy)
+    ours = len(recording_upstream.conns)
+    await wait_until(lambda: proxy.gate.active == 1)
+    reader, writer, rest = await _open(proxy)
+    await wait_until(lambda: proxy.gate.queued == 1)
+    writer.write(frame(OP_TEXT, b"held-1") + frame(OP_TEXT, b"frag", fin=False))
+    await writer.drain()
+    holder_w.write(close_frame(1000))
+    await read_frames(holder_r, timeout=10)
+    holder_w.close()
+    got = await read_frames(reader, rest, timeout=10, until_text="headroom.admitted")
+    writer.write(frame(OP_CONT, b"-end") + close_frame(4000))
+    await writer.drain()
+    closed = await read_frames(reader, got.rest, timeout=10)
+    writer.close()
+    assert closed.code == 4000, closed
+    conn = recording_upstream.conns[ours]
+    await asyncio.wait_for(conn.closed.wait(), 10)
+    assert conn.frames[:2] == [(OP_TEXT, b"held-1"), (OP_TEXT, b"frag-end")]
+    await wait_until(lambda: proxy.gate.active == 0)
