@@ -25,35 +25,29 @@ Environment rules operators rely on:
   close misspelling, reported with "did you mean"); otherwise it is ignored, because other
   tools share the prefix (the test suite's ``HEADROOM_SLOW``).
 
-The overlay runs as a pydantic-settings source (:class:`EnvOverlaySource`), ahead of the
-init source that carries the file's data. Which mapping it reads comes from
-:data:`LOAD_CONTEXT` (``os.environ`` when unset), so tests can pass a plain dict.
+The overlay (:func:`apply_env`) is applied to the file's raw data before validation, by
+:func:`proxy.settings.settings_from_mapping`, which passes the mapping to read
+(``os.environ`` unless told otherwise, so tests can pass a plain dict). It returns the
+merged data and which variable set each path, so validation errors name the variable.
 """
 
 from __future__ import annotations
 
 import difflib
-import os
 import types
 from collections.abc import Iterable, Mapping, Sequence
-from contextvars import ContextVar
-from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticUndefined
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource
 
 from proxy import strict_yaml
 from proxy.errors import ConfigError
 
 __all__ = [
     "CONFIG_VAR",
-    "LOAD_CONTEXT",
-    "EnvOverlaySource",
-    "LoadContext",
     "Loc",
     "Problems",
     "annotation_at",
@@ -70,18 +64,6 @@ CONFIG_VAR = "HEADROOM_CONFIG"
 Loc = tuple[str | int, ...]
 
 _NULLS = frozenset({"", "~", "null", "Null", "NULL"})
-
-
-@dataclass
-class LoadContext:
-    """One load's environment, and (filled in by the overlay) which variable set which path."""
-
-    env: Mapping[str, str]
-    origins: dict[Loc, str] = field(default_factory=dict)
-
-
-#: Set by :func:`proxy.settings.settings_from_mapping` for the duration of one load.
-LOAD_CONTEXT: ContextVar[LoadContext | None] = ContextVar("headroom_settings_load", default=None)
 
 
 def format_loc(loc: Iterable[str | int]) -> str:
@@ -234,9 +216,10 @@ def apply_env(
 ) -> tuple[dict[str, Any], dict[Loc, str]]:
     """Apply the ``prefix`` variables of ``env`` over ``base`` (the file's data).
 
-    Returns the top-level keys the environment touched, each with its complete merged value,
-    and which variable set each path. ``base`` is not modified. Raises :class:`ConfigError`
-    listing every variable that cannot be applied (the variable name is the problem's path).
+    Returns the merged data (``base`` with every variable applied; a collection from the
+    environment replaces the file's value whole) and which variable set each path.
+    ``base`` is not modified. Raises :class:`ConfigError` listing every variable that
+    cannot be applied (the variable name is the problem's path).
     """
     problems: list[tuple[str, str]] = []
     overrides: list[tuple[Loc, str, str]] = []
@@ -260,7 +243,6 @@ def apply_env(
         overrides.append((path, name, raw))
 
     state: dict[str, Any] = dict(base)
-    touched: dict[str, None] = {}
     origins: dict[Loc, str] = {}
     for path, name, raw in sorted(overrides, key=lambda item: (len(item[0]), item[1])):
         try:
@@ -273,41 +255,10 @@ def apply_env(
         except _PathError as exc:
             problems.append((name, str(exc)))
             continue
-        touched[str(path[0])] = None
         origins[path] = name
     if problems:
         raise ConfigError(problems)
-    return {key: state[key] for key in touched}, origins
-
-
-class EnvOverlaySource(PydanticBaseSettingsSource):
-    """pydantic-settings source: the environment applied over the init (file) data.
-
-    Placed before the init source, so its values win; each value it returns is already the
-    complete merged value (lists included), which pydantic-settings' dict-only deep merge
-    could not produce on its own.
-    """
-
-    def __init__(self, settings_cls: type[BaseSettings], base: Mapping[str, Any]) -> None:
-        super().__init__(settings_cls)
-        self._base = base
-
-    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return None, field_name, False  # __call__ does all the work
-
-    def __call__(self) -> dict[str, Any]:
-        context = LOAD_CONTEXT.get()
-        env = os.environ if context is None else context.env
-        values, origins = apply_env(
-            env,
-            self._base,
-            self.settings_cls,
-            prefix=str(self.config.get("env_prefix") or "HEADROOM_"),
-            delimiter=str(self.config.get("env_nested_delimiter") or "__"),
-        )
-        if context is not None:
-            context.origins.update(origins)
-        return values
+    return state, origins
 
 
 # -- explaining validation errors --------------------------------------------------------

@@ -18,8 +18,7 @@ from proxy.errors import ConfigError
 from proxy.settings.schema import Settings, _is_loopback
 from proxy.settings_env import (
     CONFIG_VAR,
-    LOAD_CONTEXT,
-    LoadContext,
+    apply_env,
     did_you_mean,
     explain,
     format_loc,
@@ -46,24 +45,22 @@ def settings_from_mapping(
             [(_TOP, f"must be a mapping of settings (got {type(data).__name__})")], source
         )
     fields = list(Settings.model_fields)
-    # Unknown top-level keys are caught here: pydantic-settings would take `_env_file` & co.
-    # as options rather than data.
+    # Unknown top-level keys are reported here, where their path is the top level.
     problems = [
         (_TOP, f"unknown key {key!r}{did_you_mean(str(key), fields)}")
         for key in data
         if not isinstance(key, str) or key not in fields
     ]
     known = {key: value for key, value in data.items() if isinstance(key, str) and key in fields}
-    context = LoadContext(os.environ if env is None else env)
-    token = LOAD_CONTEXT.set(context)
     try:
-        settings = Settings(**known)
-    except ValidationError as exc:
-        problems += explain(exc.errors(), Settings, context.origins)
+        merged, origins = apply_env(os.environ if env is None else env, known, Settings)
     except ConfigError as exc:  # an environment variable that cannot be applied
         problems += exc.problems
-    finally:
-        LOAD_CONTEXT.reset(token)
+    else:
+        try:
+            settings = Settings.model_validate(merged)
+        except ValidationError as exc:
+            problems += explain(exc.errors(), Settings, origins)
     if len(problems) > _MAX_PROBLEMS:
         hidden = len(problems) - _MAX_PROBLEMS
         problems = [*problems[:_MAX_PROBLEMS], ("...", f"{hidden} more problems not shown")]

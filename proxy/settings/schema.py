@@ -26,12 +26,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import (
-    BaseSettings,
-    InitSettingsSource,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-)
 
 from proxy.errors import FallbackHint
 from proxy.protocols.table import (
@@ -46,7 +40,7 @@ from proxy.settings.references import (
     _reference_problems,
     _tenant_problems,
 )
-from proxy.settings_env import EnvOverlaySource, Loc, Problems, did_you_mean
+from proxy.settings_env import Loc, Problems, did_you_mean
 
 _HASH_HOWTO = 'printf %s "$KEY" | sha256sum'
 
@@ -582,22 +576,21 @@ class PipelineSettings(_Frozen):
     stages: tuple[str, ...] = Field(min_length=1)
 
 
-class Settings(BaseSettings):
+class Settings(BaseModel):
     """Everything Headroom reads from the outside world, validated and frozen.
 
-    Build it with :func:`load_settings` or :func:`settings_from_mapping`. Constructing it
-    directly also applies ``os.environ``, but invalid values then raise pydantic's
+    Build it with :func:`load_settings` or :func:`settings_from_mapping`, which apply the
+    environment over the file's data before validating it. Constructing or validating it
+    directly reads no environment, and invalid values then raise pydantic's
     ValidationError rather than ConfigError.
     """
 
-    model_config = SettingsConfigDict(
+    model_config = ConfigDict(
         frozen=True,
         extra="forbid",
         coerce_numbers_to_str=True,
         allow_inf_nan=False,
-        env_prefix="HEADROOM_",
-        env_nested_delimiter="__",
-        case_sensitive=False,
+        validate_default=True,
     )
 
     listen: ListenSettings = ListenSettings()
@@ -631,19 +624,6 @@ class Settings(BaseSettings):
         """True when client authentication is off because the configuration says so
         (``auth: {enabled: false}``), not merely because ``auth`` is absent."""
         return self._auth_disabled
-
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        """Environment (with list indices) over the file's data; no dotenv or secrets dir."""
-        base = init_settings.init_kwargs if isinstance(init_settings, InitSettingsSource) else {}
-        return EnvOverlaySource(settings_cls, base), init_settings
 
     @model_validator(mode="wrap")
     @classmethod

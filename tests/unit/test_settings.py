@@ -470,6 +470,26 @@ def test_env_whole_values_then_elements() -> None:
     assert (s.listen.host, s.listen.port) == ("127.0.0.1", 7000)
 
 
+def test_env_mapping_replaces_the_files_mapping_whole() -> None:
+    # A collection from the environment replaces the file's value; it is not merged into
+    # it (the overlay used to go through pydantic-settings' deep merge, which kept the
+    # file's other keys of a mapping).
+    data = valid()
+    data["listen"] = {"host": "0.0.0.0", "port": 9000}
+    data["admission"] = {"redis": {"key_prefix": "file:"}}
+    env = {"HEADROOM_LISTEN": "{host: 127.0.0.1}", "HEADROOM_ADMISSION": "{backend: memory}"}
+    s = load(data, env)
+    assert (s.listen.host, s.listen.port) == ("127.0.0.1", 8080)
+    assert s.admission.redis.key_prefix == "headroom:"
+    assert load(data, {"HEADROOM_LISTEN__HOST": "127.0.0.1"}).listen.port == 9000
+
+
+def test_only_the_loaders_read_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HEADROOM_LISTEN__PORT", "9100")
+    assert Settings.model_validate(valid()).listen.port == 8080
+    assert settings_from_mapping(valid()).listen.port == 9100
+
+
 def test_env_strings_stay_verbatim_and_null_unsets() -> None:
     data = valid()
     data["admin"] = {"api_key_sha256": KEY_HASH}
