@@ -103,17 +103,27 @@ class Upstreams:
         self._client: httpx.AsyncClient | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._rechecks: dict[tuple[str, str], asyncio.Task[None]] = {}
+        self._scraper: asyncio.Task[None] | None = None
         self.started = False
         self.apply(settings)
         gate.on_health_change(self._on_health_change)
 
     def apply(self, settings: Settings) -> None:
         """Take a (reloaded) configuration: replicas' URLs, intervals, timeouts. A
-        replica that left keeps its URLs (its running sessions may still need them)."""
+        replica that left keeps its URLs (its running sessions may still need them).
+        Scraping turned on by a reload starts now; turned off, it ends after its pass."""
         self.settings = settings
         for pool in settings.pools:
             for r in pool.replicas:
                 self._urls[(pool.name, r.name)] = (r.url, r.ws_url)
+        if self.started:
+            self._start_scraping()
+
+    def _start_scraping(self) -> None:
+        if self.settings.health.engine_metrics_interval_s > 0 and (
+            self._scraper is None or self._scraper.done()
+        ):
+            self._scraper = self._spawn(self.scrape_engines())
 
     def ws_url(self, pool: str, replica: str) -> str:
         return self._urls[(pool, replica)][1]
@@ -141,8 +151,7 @@ class Upstreams:
         )
         self.started = True
         self._spawn(self.check_replicas())
-        if self.settings.health.engine_metrics_interval_s > 0:
-            self._spawn(self.scrape_engines())
+        self._start_scraping()
 
     async def stop(self) -> None:
         """Cancel the checks, re-checks and scraping, then close the HTTP client."""
@@ -164,10 +173,11 @@ class Upstreams:
             raise RuntimeError("upstreams not started")
         return self._client
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     # -- health -------------------------------------------------------------------------
 
@@ -209,6 +219,11 @@ class Upstreams:
             task = asyncio.ensure_future(self.recheck(pool, replica))
             self._rechecks[key] = task
             task.add_done_callback(lambda _t: self._rechecks.pop(key, None))
+
+    @property
+    def scraping(self) -> bool:
+        """Whether the engine scraping loop is running."""
+        return self._scraper is not None and not self._scraper.done()
 
     @property
     def rechecking(self) -> list[tuple[str, str]]:

@@ -227,3 +227,27 @@ async def test_a_reload_moves_the_next_probe_to_the_new_url_and_interval() -> No
             assert replica.requests == ["/health", "/health"]
         finally:
             await upstreams.stop()
+
+
+async def test_scraping_turned_on_by_a_reload_starts_and_turned_off_ends() -> None:
+    clock = FakeClock()
+    replica = Replica(health=[200], page=VLLM_PAGE)
+    async with running_server(replica) as server:
+        gate = build_gate(settings(server.http_url), clock, None)
+        upstreams = Upstreams(settings(server.http_url), gate, clock)
+        await upstreams.start()
+        try:
+            await upstreams.replicas_checked.wait()
+            assert replica.requests == [] and upstreams.engine == {}
+            upstreams.apply(settings(server.http_url, engine_metrics_interval_s=10))
+            await until(lambda: ("main", "gpu0") in upstreams.engine)
+            upstreams.apply(settings(server.http_url, engine_metrics_interval_s=10))
+            await until(lambda: clock.pending_timers == 1)
+            await asyncio.sleep(0.05)
+            assert clock.pending_timers == 1 and replica.requests == ["/metrics"]  # one loop
+            upstreams.apply(settings(server.http_url))
+            clock.advance(10)
+            await until(lambda: not upstreams.scraping)
+            assert replica.requests == ["/metrics"] and clock.pending_timers == 0
+        finally:
+            await upstreams.stop()
