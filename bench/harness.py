@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -455,8 +456,10 @@ async def start_relay(
     gc_trace: Path | None = None,
     gc_freeze_s: float | None = None,
     nginx_buffer: str | None = None,
+    headroom_yaml: Callable[[str], str] | None = None,
 ) -> Relay:
-    """Start ``direct`` (nothing), ``nginx`` or ``headroom`` in front of the upstream."""
+    """Start ``direct`` (nothing), ``nginx`` or ``headroom`` in front of the upstream
+    (``headroom_yaml``: a change to Headroom's generated configuration)."""
     if target == "direct":
         return Relay("direct", f"ws://127.0.0.1:{upstream_port}{ROUTE_PATH}", None)
     port = free_port()
@@ -481,7 +484,8 @@ async def start_relay(
         cmd = [binary, "-p", str(nginx_dir), "-c", str(conf), "-e", str(nginx_dir / "stderr.log")]
     elif target == "headroom":
         conf = run_dir / "headroom.yaml"
-        conf.write_text(headroom_config(port, upstream_port, max_sessions, protocol))
+        text = headroom_config(port, upstream_port, max_sessions, protocol)
+        conf.write_text(headroom_yaml(text) if headroom_yaml else text)
         cmd = [*headroom_command(), "serve", "--config", str(conf)]
         if gc_trace is not None:  # the same command, with every GC pass logged
             freeze = ["--freeze-after", str(gc_freeze_s)] if gc_freeze_s is not None else []

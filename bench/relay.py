@@ -15,7 +15,12 @@ steady window in which latency samples and the relay's CPU are taken. Targets:
 - ``nginx``: Debian's nginx (installed if missing), one worker, WebSocket proxy, no
   compression;
 - ``headroom``: ``headroom serve`` with one pool, one replica (cap >= sessions), queue
-  off, route ``vllm-omni-speech-ws`` (metering is always on), log level warning.
+  off, route ``vllm-omni-speech-ws`` (metering is always on), log level warning;
+- ``headroom-qf``: the same with ``queue_feedback: true`` on the route, and every session
+  but the first made to wait: Headroom starts with a cap of 1 and a queue for all, so
+  each client is accepted early and told its place; after the connect phase the cap is
+  raised (``POST /admin/reload``) and the waiters are admitted together (``headroom.queue``
+  notes, ``headroom.admitted``, then the relay). Its setup CPU is that whole path.
 
 The relay under test, the upstream and the clients are separate processes: relay CPU is
 ``/proc/<pid>/task/*/schedstat`` (on-CPU ns; ``/proc/<pid>/stat`` utime+stime is kept
@@ -51,6 +56,7 @@ from harness import (  # type: ignore[import-not-found,unused-ignore]
     Relay,
     Worker,
     cpu_busy,
+    free_port,
     gc_summary,
     install_nginx,
     machine_facts,
@@ -64,16 +70,18 @@ from harness import (  # type: ignore[import-not-found,unused-ignore]
 )
 
 TARGETS = ("direct", "nginx", "headroom")
+#: Headroom with a queue-feedback route, every session admitted after waiting.
+QUEUE_FEEDBACK = "headroom-qf"
 #: Lean-relay prototypes (bench/splice_relay.py), for what-if comparisons only.
 PROTOTYPES = ("splice", "splice-meter")
 NPROC = os.cpu_count() or 1
 
-# The issue's targets (Headroom, metering on, same run).
-CPU_RATIO_MAX = 1.5  # x nginx CPU per chunk at 500 sessions x 25 chunks/s
+# The targets (Headroom, metering on, same run): issue 17's for CPU, setup and memory.
+CPU_RATIO_MAX = 1.0  # x nginx CPU per chunk at 500 sessions x 25 chunks/s
 ADDED_P50_MAX_MS = 0.5  # at 1000 sessions x 5 chunks/s
 ADDED_P99_MAX_MS = 5.0
-SETUP_MAX_MS = 0.5
-MEM_MAX_KB = 40.0
+SETUP_MAX_MS = 0.45
+MEM_MAX_KB = 28.0
 KEPT_UP = 0.98  # chunks delivered / chunks paced: below this the relay fell behind
 
 
@@ -98,11 +106,13 @@ async def run_cell(
 ) -> dict[str, Any]:
     cell_dir = run_dir / f"{target}-{sessions}-{pacing_ms:g}"
     cell_dir.mkdir(parents=True, exist_ok=True)
+    waiting = _QueueFeedback(sessions + 16) if target == QUEUE_FEEDBACK else None
     relay = await start_relay(
-        procs, target, cell_dir, upstream_port, max_sessions=sessions + 16,
-        protocol=args.protocol,
+        procs, "headroom" if waiting else target, cell_dir, upstream_port,
+        max_sessions=sessions + 16, protocol=args.protocol,
         gc_trace=cell_dir / "gc.log" if args.gc_trace or args.gc_freeze else None,
         gc_freeze_s=1.0 if args.gc_freeze else None, nginx_buffer=args.nginx_buffer,
+        headroom_yaml=waiting.configure if waiting else None,
     )  # fmt: skip
     if relay.proc is not None:
         print(f"   {target} pid {relay.proc.pid}", file=sys.stderr)
@@ -114,7 +124,7 @@ async def run_cell(
             )
             clients.append(w)
         return await _measure(args, relay, clients, upstream, target, sessions, pacing_ms,
-                              cell_dir)  # fmt: skip
+                              cell_dir, waiting)  # fmt: skip
     finally:
         for w in clients:
             with contextlib.suppress(Exception):
@@ -123,6 +133,61 @@ async def run_cell(
             await procs.stop(w.proc, grace_s=3.0)
         if relay.proc is not None:
             await procs.stop(relay.proc, grace_s=5.0)
+
+
+class _QueueFeedback:
+    """``headroom-qf``: a queue-feedback route, a cap of 1 and a queue for every session
+    while they connect; :meth:`admit_all` raises the cap to ``cap`` and waits until all
+    the waiters are admitted."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.admin_port = free_port()
+        self.config = ""
+        self.path: Path | None = None
+
+    def configure(self, text: str) -> str:
+        swaps = [
+            ("admin: {enabled: false}",
+             f"admin: {{enabled: true, host: 127.0.0.1, port: {self.admin_port}}}"),
+            (f"max_sessions: {self.cap}}}", "max_sessions: 1}"),
+            ("queue: {max_depth: 0}", f"queue: {{max_depth: {self.cap}, max_wait_s: 600}}"),
+            ("    protocol: ", "    queue_feedback: true\n    protocol: "),
+        ]  # fmt: skip
+        for old, new in swaps:
+            if text.count(old) != 1:
+                raise RuntimeError(f"headroom-qf: {old!r} not once in the bench configuration")
+            text = text.replace(old, new)
+        self.config = text
+        return text
+
+    async def _admin(self, method: str, path: str) -> dict[str, Any]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.admin_port)
+        try:
+            writer.write(f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         "Content-Length: 0\r\nConnection: close\r\n\r\n".encode())  # fmt: skip
+            raw = await reader.read()
+        finally:
+            writer.close()
+        head, _, body = raw.partition(b"\r\n\r\n")
+        if b" 200 " not in head.split(b"\r\n", 1)[0]:
+            raise RuntimeError(f"admin {method} {path}: {head[:200]!r}")
+        result: dict[str, Any] = json.loads(body)
+        return result
+
+    async def admit_all(self, config_path: Path, sessions: int, deadline_s: float) -> None:
+        config_path.write_text(  # noqa: ASYNC240 - between phases, not under load
+            self.config.replace("max_sessions: 1}", f"max_sessions: {self.cap}}}")
+        )
+        await self._admin("POST", "/admin/reload")
+        end = time.monotonic() + deadline_s
+        while True:
+            pool = (await self._admin("GET", "/admin/status"))["pools"]["bench"]
+            if pool["queue_depth"] == 0 and pool["active"] >= sessions:
+                return
+            if time.monotonic() > end:
+                raise RuntimeError(f"headroom-qf: waiters not all admitted: {pool}")
+            await asyncio.sleep(0.1)
 
 
 async def _measure(
@@ -134,6 +199,7 @@ async def _measure(
     sessions: int,
     pacing_ms: float,
     cell_dir: Path,
+    waiting: _QueueFeedback | None = None,
 ) -> dict[str, Any]:
     pids = relay.pids()
     loadgen_pids = [w.pid for w in clients + upstream]
@@ -162,6 +228,8 @@ async def _measure(
             failed[k] = failed.get(k, 0) + int(v)
     if not connected:
         raise RuntimeError(f"no session connected through {target}: {failed}")
+    if waiting is not None:  # connected = accepted to wait; now admit them all
+        await waiting.admit_all(cell_dir / "headroom.yaml", connected, connect_timeout)
     await asyncio.sleep(args.settle)
     after_connect = sample(pids)
 
@@ -272,10 +340,11 @@ def ratios(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for (target, n, p), h in by.items():
         x = by.get(("nginx", n, p))
-        if target != "headroom" or x is None:
+        if not target.startswith("headroom") or x is None:
             continue
         out.append(
             {
+                "target": target,
                 "sessions": n,
                 "pacing_ms": p,
                 "cpu_per_chunk": _ratio(h["relay_cpu_us_per_chunk"], x["relay_cpu_us_per_chunk"]),
@@ -306,7 +375,7 @@ def targets(cells: list[dict[str, Any]], ratio_rows: list[dict[str, Any]]) -> di
     def find(rows: list[dict[str, Any]], n: int, p: float) -> dict[str, Any] | None:
         return next((r for r in rows if r["sessions"] == n and r["pacing_ms"] == p), None)
 
-    r500 = find(ratio_rows, 500, 40.0)
+    r500 = find([r for r in ratio_rows if r["target"] == "headroom"], 500, 40.0)
     h1000 = find(h, 1000, 200.0)
     setups = [c["setup_cpu_ms_per_session"] for c in h if c["setup_cpu_ms_per_session"]]
     # A relay that fell behind holds the backlog in memory: that is saturation, not the
@@ -365,13 +434,14 @@ def markdown(result: dict[str, Any]) -> str:
     if result["ratios"]:
         lines += [
             "",
-            "| sessions | pacing | Headroom/nginx CPU per chunk | setup CPU | memory "
+            "| sessions | pacing | target | x nginx CPU per chunk | setup CPU | memory "
             "| added p50 - nginx's (ms) | added p99 - nginx's (ms) |",
-            "|---:|---:|---:|---:|---:|---:|---:|",
+            "|---:|---:|---|---:|---:|---:|---:|---:|",
         ]
         for r in result["ratios"]:
             lines.append(
-                f"| {r['sessions']} | {r['pacing_ms']:g} ms | {_fmt(r['cpu_per_chunk'])} "
+                f"| {r['sessions']} | {r['pacing_ms']:g} ms | {r['target']} "
+                f"| {_fmt(r['cpu_per_chunk'])} "
                 f"| {_fmt(r['setup_cpu'])} | {_fmt(r['mem_per_session'])} "
                 f"| {_fmt(r['added_p50_ms_delta'])} | {_fmt(r['added_p99_ms_delta'])} |"
             )
@@ -391,8 +461,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     raise_fd_limit()
     wanted = [t.strip() for t in args.targets.split(",") if t.strip()]
     for t in wanted:
-        if t not in TARGETS + PROTOTYPES:
-            choices = ", ".join(TARGETS + PROTOTYPES)
+        if t not in (*TARGETS, QUEUE_FEEDBACK, *PROTOTYPES):
+            choices = ", ".join((*TARGETS, QUEUE_FEEDBACK, *PROTOTYPES))
             raise SystemExit(f"unknown target {t!r} (choose from {choices})")
     notes: list[str] = []
     no_nginx = "nginx" in wanted and nginx_binary() is None
@@ -472,7 +542,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--targets", default=",".join(TARGETS), help="direct,nginx,headroom")
+    p.add_argument(
+        "--targets", default=",".join(TARGETS),
+        help=f"direct,nginx,headroom (also {QUEUE_FEEDBACK}: queue-feedback sessions)",
+    )  # fmt: skip
     p.add_argument("--sessions", type=int, nargs="+", default=[100, 500, 1000])
     p.add_argument("--pacing-ms", type=float, nargs="+", default=[40.0, 200.0])
     p.add_argument("--chunk-bytes", type=int, default=9600)
