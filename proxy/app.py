@@ -31,12 +31,7 @@ from proxy.logs import install_denial_filter
 from proxy.refusal import http_error
 from proxy.relay.http import install_abort_filter, relay_http
 from proxy.relay.ws import relay_websocket
-from proxy.reservations import (
-    ReservationUnknown,
-    key_of,
-    parse_request,
-    reservations_of,
-)
+from proxy.reservations import ReservationUnknown, key_of, parse_request
 from proxy.runtime import Runtime
 
 __all__ = ["HeadroomApp", "create_app"]
@@ -87,7 +82,7 @@ def _ops_app(rt: Runtime) -> FastAPI:
     @ops.post("/v1/headroom/reservations")
     async def reserve(request: Request) -> Response:
         """Gang admission: one slot in every named pool, or one refusal."""
-        store = reservations_of(rt)
+        store = rt.reservations
         try:
             try:
                 doc = json.loads(await request.body() or b"null")
@@ -113,7 +108,7 @@ def _ops_app(rt: Runtime) -> FastAPI:
     async def release(token: str, request: Request) -> Response:
         """Release a reservation's unclaimed slots (claimed ones end with their
         connections)."""
-        store = reservations_of(rt)
+        store = rt.reservations
         reservation = store.get(token)
         try:
             pools = list(reservation.pools) if reservation else rt.gate.pools()[:1]
@@ -140,7 +135,7 @@ class HeadroomApp:
     def __init__(self, runtime: Runtime) -> None:
         self.runtime = runtime
         self._ops = _ops_app(runtime)
-        self.reservations = reservations_of(runtime)
+        self.reservations = runtime.reservations
         install_denial_filter()
         install_abort_filter()
 

@@ -35,11 +35,10 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -49,9 +48,6 @@ from proxy.errors import PolicyViolation, Refused, refusal_for
 from proxy.gate import Gate, Lease, Waiting
 from proxy.settings import AuthSettings
 from proxy.shared_gate import ADMITTED_POOL, SharedGate
-
-if TYPE_CHECKING:
-    from proxy.runtime import Runtime
 
 __all__ = [
     "MAX_HOLD_S",
@@ -66,7 +62,6 @@ __all__ = [
     "ReservationUnknown",
     "Reservations",
     "presented_token",
-    "reservations_of",
 ]
 
 log = logging.getLogger("headroom.reservations")
@@ -375,15 +370,3 @@ def key_of(auth: AuthSettings | None, scope: dict[str, Any], pools: Sequence[str
         key = authenticate(auth, scope, pool)
         name = key.name if key is not None else None
     return name
-
-
-_BY_RUNTIME: weakref.WeakKeyDictionary[Runtime, Reservations] = weakref.WeakKeyDictionary()
-
-
-def reservations_of(rt: Runtime) -> Reservations:
-    """The reservations of the gateway ``rt`` (made with it by :mod:`proxy.app`, or on
-    first use)."""
-    store = _BY_RUNTIME.get(rt)
-    if store is None:
-        store = _BY_RUNTIME[rt] = Reservations(rt.gate, rt.clock, rt.metrics.registry)
-    return store

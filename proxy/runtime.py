@@ -38,6 +38,7 @@ from proxy.meter import PrometheusReplicaSink, SessionMeter
 from proxy.metrics import Metrics
 from proxy.pipelines import headroom_of
 from proxy.protocols import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
+from proxy.reservations import Reservations
 from proxy.settings import ApiKeySettings, GuardSettings, PoolSettings, RouteSettings, Settings
 from proxy.shared_gate import ADMITTED_POOL, TENANT_QUOTA, SharedGate, build_shared_gate
 from proxy.signals import ReplicaSignals
@@ -114,6 +115,7 @@ class Runtime:
         )
         self.signals: dict[tuple[str, str], ReplicaSignals] = {}
         self.tenants = TenantQuotas()
+        self._reservations: Reservations | None = None
         self._sinks: dict[tuple[str, str], PrometheusReplicaSink] = {}
         self._routes: dict[str, RouteSettings] = {}
         self._formats: dict[str, AudioFormat] = {}
@@ -300,6 +302,14 @@ class Runtime:
 
     def release_tenant(self, token: str | None) -> None:
         self.tenants.release(token)
+
+    @property
+    def reservations(self) -> Reservations:
+        """This gateway's gang reservations (:mod:`proxy.reservations`), made on first
+        use (their metric families then follow the others in the exposition)."""
+        if self._reservations is None:
+            self._reservations = Reservations(self.gate, self.clock, self.metrics.registry)
+        return self._reservations
 
     def key_allows(self, scope: dict[str, Any], pool: str) -> bool:
         """Whether the (already authenticated) caller may use ``pool`` (fallback)."""

@@ -22,10 +22,10 @@ from urllib.parse import parse_qsl, urlencode
 from proxy.auth import authenticate
 from proxy.errors import Refused
 from proxy.gate import Lease, PositionCallback, Waiting
-from proxy.reservations import presented_token, reservations_of
+from proxy.reservations import presented_token
 
 if TYPE_CHECKING:
-    from proxy.runtime import Runtime
+    from proxy.relay.services import RelayServices
     from proxy.settings import RouteSettings
 
 __all__ = ["FALLBACK_RESPONSE_HEADER", "enter", "upstream_query", "wants_fallback"]
@@ -62,7 +62,7 @@ def upstream_query(scope: dict[str, Any], *, auth: bool = False) -> str:
 
 
 async def enter(
-    rt: Runtime,
+    services: RelayServices,
     route: RouteSettings,
     scope: dict[str, Any],
     on_position: PositionCallback | None = None,
@@ -73,19 +73,20 @@ async def enter(
     With a reservation token: the reserved slot, or raises ReservationRefused."""
     token = presented_token(scope)
     if token is not None:
-        key = authenticate(rt.settings.auth, scope, route.pool)
-        store = reservations_of(rt)
-        return store.claim(token, route.pool, key.name if key else None), None
+        key = authenticate(services.settings.auth, scope, route.pool)
+        claimed = services.reservations.claim(token, route.pool, key.name if key else None)
+        return claimed, None
+    gate = services.gate
     try:
-        return await rt.gate.admit(route.pool, on_position=on_position), None
+        return await gate.admit(route.pool, on_position=on_position), None
     except Refused as refusal:
         hint = refusal.fallback
         target = hint.pool if hint else None
-        if target is None or target not in rt.gate.pools() or not wants_fallback(scope):
+        if target is None or target not in gate.pools() or not wants_fallback(scope):
             raise
-        if not rt.key_allows(scope, target):
+        if not services.key_allows(scope, target):
             raise
         try:
-            return await rt.gate.admit(target, on_position=on_position), target
+            return await gate.admit(target, on_position=on_position), target
         except Refused:
             raise refusal from None

@@ -12,6 +12,11 @@ Shared by both relays. The rules:
   request itself, so it never ejects: one client must not be able to empty a pool.
 * **One overall deadline** bounds a session's whole set-up (every attempt together);
   the relay enforces it on the injected clock.
+* **One walk for both relays** (:func:`walk`): a relay gives one attempt at the
+  lease's current replica, which returns the connection or raises
+  :class:`AttemptFailed` (what went wrong, whether it ejects, whether it is final);
+  the walk counts the failure, logs it, and moves on or gives up with
+  :class:`~proxy.errors.UpstreamConnectError`.
 * **Failures have names**: :func:`describe` never returns an empty string, so a log
   line or close reason built from an exception (``TimeoutError()`` has no message)
   always says what happened.
@@ -20,15 +25,20 @@ Shared by both relays. The rules:
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
 
 from proxy.clock import Clock, clock_timeout
+from proxy.errors import UpstreamConnectError
 
 if TYPE_CHECKING:
     from proxy.gate import Lease
 
-__all__ = ["Failover", "Unreachable", "describe", "open_tcp"]
+__all__ = ["AttemptFailed", "Failover", "Unreachable", "describe", "open_tcp", "walk"]
+
+T = TypeVar("T")
 
 
 def describe(exc: BaseException) -> str:
@@ -89,3 +99,46 @@ class Failover:
 
     def __repr__(self) -> str:
         return f"<Failover {self.lease!r} tried={sorted(self.tried)}>"
+
+
+class AttemptFailed(Exception):
+    """One connect attempt at one replica failed. ``kind`` is the upstream-error label
+    counted against the replica; ``eject``: the replica is unreachable (take it out of
+    placement); ``final``: the request itself was refused, so another replica would
+    refuse it too -- give up without failing over."""
+
+    def __init__(self, reason: str, *, kind: str, eject: bool = False, final: bool = False):
+        super().__init__(reason)
+        self.reason, self.kind, self.eject, self.final = reason, kind, eject, final
+
+
+async def walk(
+    lease: Lease,
+    attempt: Callable[[], Awaitable[T]],
+    *,
+    count: Callable[[str, str, str], None],
+    moved: Callable[[str], None],
+    log: logging.Logger,
+) -> T:
+    """``attempt()`` at the lease's replica, then at each other replica with a free
+    slot this session has not tried (:class:`Failover`), until one succeeds. Every
+    failure is counted (``count(pool, replica, kind)``) and logged; ``moved(replica)``
+    after each move. Raises :class:`~proxy.errors.UpstreamConnectError` naming the last
+    replica tried when none is left, or at once for a final failure; the lease still
+    holds a slot then, released as usual."""
+    failover = Failover(lease)
+    while True:
+        try:
+            return await attempt()
+        except AttemptFailed as failed:
+            failed_replica = lease.replica
+            count(lease.pool, failed_replica, failed.kind)
+            error = UpstreamConnectError(failed.reason, replica=failed_replica, kind=failed.kind)
+            if failed.final:
+                log.warning("%s; not failing over (the request was refused)", failed.reason)
+                raise error from failed.__cause__
+            if not await failover.next(eject=failed.eject):
+                log.warning("%s; no other replica to try", failed.reason)
+                raise error from failed.__cause__
+            log.warning("%s; failing over to %s", failed.reason, lease.replica)
+            moved(lease.replica)

@@ -20,19 +20,20 @@ that record is dropped (:func:`install_abort_filter`).
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import logging
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
 from proxy.clock import clock_timeout
-from proxy.errors import MessageTooLarge, PolicyViolation, Refused, RequestTimeout
-from proxy.gate import Lease
-from proxy.relay.admit import enter
+from proxy.errors import HeadroomError, MessageTooLarge, RequestTimeout
 from proxy.relay.http_exchange import HttpExchange, send_error
-from proxy.relay.session import SessionRecord, new_session_id
+from proxy.relay.lifecycle import Declined, run_session
 
 if TYPE_CHECKING:
-    from proxy.runtime import Runtime
+    from proxy.gate import Lease, PositionCallback
+    from proxy.relay.services import RelayServices
+    from proxy.relay.session import SessionRecord
     from proxy.settings import RouteSettings
 
 __all__ = ["ResponseAborted", "install_abort_filter", "relay_http", "send_error"]
@@ -86,116 +87,91 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
             return b"".join(chunks)
 
 
-async def _await_disconnect(receive: Receive) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def _while_connected(receive: Receive, work: asyncio.Future[Any]) -> bool:
-    """Run ``work`` until done or the client disconnects (then cancel it). True if the
-    client went away first."""
-    gone = asyncio.ensure_future(_await_disconnect(receive))
-    client_left = False
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-        client_left = gone.done()
-    finally:
-        for task in (work, gone):
-            if not task.done():
-                task.cancel()
-        await asyncio.gather(work, gone, return_exceptions=True)
-    return client_left
-
-
 async def relay_http(
-    rt: Runtime, route: RouteSettings, scope: Scope, receive: Receive, send: Send
+    services: RelayServices, route: RouteSettings, scope: Scope, receive: Receive, send: Send
 ) -> None:
-    """Serve one HTTP request on ``route``; every exit path releases the slot and logs
-    one line."""
-    clock = rt.clock
-    record = SessionRecord(
-        new_session_id(), route.path, route.pool, "http", clock.now(), decision="admitted"
-    )
-    lease: Lease | None = None
-    tenant: str | None = None
-    exchange: HttpExchange | None = None
-    abort = False
-    try:
-        try:
-            tenant = rt.authorize(scope, route.pool)
-        except Refused as refusal:
-            record.decision = f"rejected_{refusal.reason}"
-            record.status = await send_error(send, refusal)
-            return
-        except PolicyViolation as err:
-            record.decision = f"rejected_{err.code}"
-            record.status = await send_error(send, err)
-            return
-        limits = rt.settings.limits
-        try:
-            async with clock_timeout(clock, limits.handshake_timeout_s):
-                body = await _read_body(receive, limits.max_http_body_bytes)
-        except MessageTooLarge as err:
-            record.decision = "rejected_too_large"
-            record.status = await send_error(send, err)
-            return
-        except TimeoutError:
-            # slowloris: the body must arrive within the handshake timeout (no slot is
-            # held meanwhile: admission comes after the body)
-            record.decision = "rejected_timeout"
-            record.status = await send_error(
-                send, RequestTimeout(f"request body not received within "
-                                     f"{limits.handshake_timeout_s:g} s")
-            )  # fmt: skip
-            return
-        except _ClientGone:
-            record.decision = "abandoned"
-            return
-        record.bytes_up = len(body)
-        try:
-            entry, fallback_pool = await enter(rt, route, scope)
-            if fallback_pool is not None:
-                record.pool = fallback_pool
-            if isinstance(entry, Lease):
-                lease = entry
-            else:
-                record.decision = "queued"
-                wait = asyncio.ensure_future(entry.wait())
-                if await _while_connected(receive, wait):
-                    record.decision = "abandoned"
-                    if not wait.cancelled() and wait.exception() is None:
-                        wait.result().release()  # granted in the instant the client left
-                    return
-                lease = wait.result()
-                record.decision = "admitted_after_queue"
-        except Refused as refusal:
-            record.decision = f"rejected_{refusal.reason}"
-            record.status = await send_error(send, refusal)
-            return
-        except PolicyViolation as err:  # a reservation token without a slot here
-            record.decision = f"rejected_{err.code}"
-            record.status = await send_error(send, err)
-            return
-        record.admitted_at = clock.now()
-        record.queue_wait_s = lease.waited_s
-        record.replica = lease.replica
-        exchange = HttpExchange(rt, route, scope, body, lease, send, record, fallback_pool)
-        abort = await exchange.run(receive)
-    except asyncio.CancelledError:
-        record.error = "cancelled"
-        raise
-    except Exception as exc:
-        record.error = f"{type(exc).__name__}: {exc}"
-        log.exception("internal error in session %s", record.session)
-        # logged above: a started response is cut without uvicorn's second traceback
-        abort = exchange is not None and exchange.response_started and not exchange.complete
-    finally:
-        if lease is not None:
-            lease.release()
-        rt.release_tenant(tenant)
-        record.ended = clock.now()
-        record.emit()
-    if abort:
+    """Serve one HTTP request on ``route`` (:func:`proxy.relay.lifecycle.run_session`);
+    every exit path releases the slot and logs one line. Raises
+    :class:`ResponseAborted`, after the log line, when a started response could not be
+    completed."""
+    request = _Request(services, route, scope, receive, send)
+    record = await run_session(services, route, scope, request)
+    if request.abort:
         raise ResponseAborted(f"session {record.session}: {record.error or 'aborted'}")
+
+
+class _Request:
+    """The HTTP half of a session (:class:`proxy.relay.lifecycle.Transport`): the body
+    read before admission, refusals as error responses, and the exchange, which sends
+    the request upstream itself (failing over while nothing has flowed) under its own
+    limits -- so :meth:`open` only builds it."""
+
+    kind: str = "http"
+    log: logging.Logger = log
+    on_position: PositionCallback | None = None
+    open_races_client: bool = False
+
+    def __init__(
+        self, services: RelayServices, route: RouteSettings, scope: Scope,
+        receive: Receive, send: Send,
+    ) -> None:  # fmt: skip
+        self.services, self.route, self.scope = services, route, scope
+        self.receive, self.send = receive, send
+        self.body = b""
+        self.exchange: HttpExchange | None = None
+        #: The response started and could not be completed: the caller aborts it.
+        self.abort = False
+
+    async def prepare(self, record: SessionRecord) -> None:
+        """Read the body, bounded in size and, since no slot is held meanwhile, in time
+        (a slowloris gets 408)."""
+        limits = self.services.settings.limits
+        try:
+            async with clock_timeout(self.services.clock, limits.handshake_timeout_s):
+                self.body = await _read_body(self.receive, limits.max_http_body_bytes)
+        except MessageTooLarge as err:
+            raise Declined("rejected_too_large", err) from None
+        except TimeoutError:
+            timeout = RequestTimeout(
+                f"request body not received within {limits.handshake_timeout_s:g} s"
+            )
+            raise Declined("rejected_timeout", timeout) from None
+        except _ClientGone:
+            raise Declined("abandoned") from None
+        record.bytes_up = len(self.body)
+
+    def queued(self) -> AbstractAsyncContextManager[None]:
+        return contextlib.nullcontext()
+
+    async def until_disconnect(self) -> None:
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    async def open(self, lease: Lease, record: SessionRecord) -> HttpExchange:
+        self.exchange = HttpExchange(
+            self.services, self.route, self.scope, self.body, lease, self.send, record, None
+        )
+        return self.exchange
+
+    def discard(self, upstream: HttpExchange) -> None:
+        return None  # the exchange closes its own upstream response
+
+    async def relay(
+        self, lease: Lease, upstream: HttpExchange, fallback_pool: str | None,
+        record: SessionRecord,
+    ) -> None:  # fmt: skip
+        upstream.fallback_pool = fallback_pool
+        self.abort = await upstream.run(self.receive)
+
+    async def refuse(self, err: HeadroomError, record: SessionRecord) -> None:
+        record.status = await send_error(self.send, err)
+
+    def client_gone(self, exc: Exception) -> bool:
+        return False
+
+    async def internal_error(self) -> None:
+        # logged already: a started response is cut without uvicorn's second traceback
+        exchange = self.exchange
+        self.abort = exchange is not None and exchange.response_started and not exchange.complete

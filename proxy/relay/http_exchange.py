@@ -49,7 +49,7 @@ from proxy.gate import Lease
 from proxy.refusal import http_error
 from proxy.relay.admit import FALLBACK_RESPONSE_HEADER, upstream_query
 from proxy.relay.core import Deadlines, Expiry
-from proxy.relay.failover import Failover, describe
+from proxy.relay.failover import AttemptFailed, describe, walk
 from proxy.relay.headers import forwarded_request_headers, response_headers
 from proxy.relay.session import SessionRecord
 
@@ -250,8 +250,8 @@ class HttpExchange:
         connect = self.limits.upstream_connect_timeout_s
         # read/write: the idle watchdog (on the runtime's clock) bounds every wait
         timeout = {"connect": connect, "read": None, "write": None, "pool": connect}
-        failover = Failover(lease)  # each replica at most once (proxy.relay.failover)
-        while True:
+
+        async def attempt() -> httpx.Response:
             url = rt.http_url(lease.pool, lease.replica) + path + (f"?{query}" if query else "")
             # httpx.Request, not client.build_request: the client's default headers
             # (Accept, Accept-Encoding, User-Agent) and cookie jar are not the client's
@@ -264,17 +264,17 @@ class HttpExchange:
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # the replica refused or did not accept in time: it is unreachable
                 reason = f"cannot reach upstream {lease.replica}: {describe(exc)}"
-                eject = True
+                raise AttemptFailed(reason, kind="connect", eject=True) from exc
             except httpx.PoolTimeout as exc:
                 # our own connection pool was full: not the replica's fault
                 reason = f"no upstream connection to {lease.replica} free: {describe(exc)}"
-                eject = False
-            rt.upstream_error(lease.pool, lease.replica, "connect")
-            log.warning("%s; failing over", reason)
-            failed = lease.replica
-            if not await failover.next(eject=eject):
-                raise UpstreamConnectError(reason, replica=failed, kind="connect")
-            self.record.replica = lease.replica
+                raise AttemptFailed(reason, kind="connect") from exc
+
+        def moved(replica: str) -> None:
+            self.record.replica = replica
+
+        # each replica at most once (proxy.relay.failover)
+        return await walk(lease, attempt, count=rt.upstream_error, moved=moved, log=log)
 
     async def _exchange(self) -> None:
         rt, lease, record, scope = self.rt, self.lease, self.record, self.scope

@@ -1,14 +1,15 @@
 """What the relays need from the gateway: a narrow interface instead of the whole
 :class:`~proxy.runtime.Runtime`.
 
-The session relays -- the splice (:mod:`proxy.relay.splice`), the ASGI relay
-(:mod:`proxy.relay.ws_pump`) and the HTTP exchange (:mod:`proxy.relay.http_exchange`)
--- are written against :class:`RelayServices`, and ``Runtime`` provides it (mypy
-checks it where :mod:`proxy.relay.ws` and :mod:`proxy.relay.http` hand their runtime
-over; ``tests/unit/test_relay_services.py`` checks the members and the imports). The
-entry points still take a ``Runtime``: admission (:func:`proxy.relay.admit.enter`)
-reaches the reservation store through :func:`proxy.reservations.reservations_of`,
-which is keyed by the runtime.
+Every module of :mod:`proxy.relay` is written against :class:`RelayServices`: the
+entry points (:mod:`proxy.relay.ws`, :mod:`proxy.relay.http`), the session lifecycle
+they share (:mod:`proxy.relay.lifecycle`), admission (:mod:`proxy.relay.admit`, which
+reaches the gang reservations through :attr:`RelayServices.reservations`), the splice
+(:mod:`proxy.relay.splice`), the ASGI relay (:mod:`proxy.relay.ws_pump`) and the HTTP
+exchange (:mod:`proxy.relay.http_exchange`). ``Runtime`` provides it: mypy checks that
+where :mod:`proxy.app` hands the runtime to the relays, and
+``tests/unit/test_relay_services.py`` checks the members and that no relay module
+imports the runtime.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
     from proxy.gate import Gate
     from proxy.meter import SessionMeter
     from proxy.protocols import HttpAdapter, WsAdapter
+    from proxy.reservations import Reservations
     from proxy.settings import RouteSettings, Settings
     from proxy.shared_gate import SharedGate
 
@@ -51,6 +53,10 @@ class RelayServices(Protocol):
         raises ``Refused`` / ``PolicyViolation``."""
 
     def release_tenant(self, token: str | None) -> None: ...
+
+    @property
+    def reservations(self) -> Reservations:
+        """The gateway's gang reservations: a stage connection claims its slot there."""
 
     def key_allows(self, scope: dict[str, Any], pool: str) -> bool: ...
 

@@ -1,0 +1,278 @@
+"""One relayed session from start to end, the same for WebSocket and HTTP.
+
+The steps, in order (docs/architecture.md, "The path of one session"):
+
+1. **authorize**: the client's key and its tenant quota (:meth:`RelayServices.authorize`),
+   before anything else is held;
+2. **prepare**: what the transport must have before admission (HTTP: the request
+   body, bounded in size and time; WebSocket: nothing);
+3. **admit**: the route's pool, its opt-in fallback pool, or a reserved slot
+   (:func:`proxy.relay.admit.enter`);
+4. **wait**: queued, raced against the client leaving -- a client that leaves is taken
+   out of the queue at once, and a slot granted in that instant goes back;
+5. **connect**: the upstream, failing over before any byte flows
+   (:func:`proxy.relay.failover.walk`), raced against the client leaving and against
+   drain (a draining gateway refuses the session, naming the fallback pool);
+6. **relay**: the transport's own relay;
+7. **release and log**: the slot and the tenant token are released and one
+   :class:`~proxy.relay.session.SessionRecord` line is logged, exactly once, on every
+   exit path (a refusal, the client leaving, an upstream failure, cancellation, an
+   internal error).
+
+The refusal mapping lives here too: each step's failure becomes the record's
+``decision`` (``rejected_<reason>``, ``rejected_<code>``, ``abandoned``,
+``upstream_unreachable``, ``upstream_timeout``) and one refusal to the client, in the
+transport's form (an HTTP error response, or a WebSocket denial / error event and close
+code: docs/contracts.md).
+
+What differs between transports is given by a :class:`Transport`: how to refuse the
+client, how to notice it leave, what to do while it waits, how to open the upstream
+and how to relay. The lifecycle is written against :class:`RelayServices`, never the
+runtime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+from proxy.admission import RETRY_AFTER_MIN_S
+from proxy.errors import (
+    HeadroomError,
+    MessageTooLarge,
+    PolicyViolation,
+    Refused,
+    UpstreamConnectError,
+    UpstreamConnectTimeout,
+    refusal_for,
+)
+from proxy.gate import Lease, PositionCallback, Waiting
+from proxy.relay.admit import enter
+from proxy.relay.session import SessionRecord, new_session_id
+
+if TYPE_CHECKING:
+    from proxy.relay.services import RelayServices
+    from proxy.settings import RouteSettings
+
+__all__ = ["Declined", "Transport", "race_client", "run_session"]
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class Declined(Exception):
+    """Raised by a transport's step to end the session with ``decision``, answering the
+    client with ``err`` (None: there is nobody to answer, e.g. it left)."""
+
+    def __init__(self, decision: str, err: HeadroomError | None = None) -> None:
+        super().__init__(decision)
+        self.decision, self.err = decision, err
+
+
+class Transport(Protocol[U]):
+    """The transport-specific half of a session; ``U`` is what :meth:`open` returns and
+    :meth:`relay` uses."""
+
+    #: The record's ``transport`` field ("ws", "http").
+    kind: str
+    #: Where an internal error of the session is logged.
+    log: logging.Logger
+    #: Called with (position, eta_s) while queued; None: the client is not told.
+    on_position: PositionCallback | None
+    #: True: :meth:`open` does I/O, raced against the client and drain. False: it only
+    #: builds what :meth:`relay` uses, which opens the upstream itself.
+    open_races_client: bool
+
+    async def prepare(self, record: SessionRecord) -> None:
+        """Before admission; raises :class:`Declined` to end the session."""
+
+    def queued(self) -> AbstractAsyncContextManager[None]:
+        """Entered while the session waits in the queue."""
+
+    async def until_disconnect(self) -> None:
+        """Return once the client has left. May raise (a client flooding while it
+        waits: :class:`~proxy.errors.MessageTooLarge`)."""
+
+    async def open(self, lease: Lease, record: SessionRecord) -> U:
+        """The upstream connection for the lease (failing over); raises
+        :class:`~proxy.errors.UpstreamConnectError`."""
+
+    def discard(self, upstream: U) -> None:
+        """Drop what :meth:`open` made if the relay did not close it (cancellation,
+        an internal error, or the client left during the connect)."""
+
+    async def relay(
+        self, lease: Lease, upstream: U, fallback_pool: str | None, record: SessionRecord
+    ) -> None: ...
+
+    async def refuse(self, err: HeadroomError, record: SessionRecord) -> None:
+        """Answer the client with ``err`` (sets ``record.status`` or ``client_close``)."""
+
+    def client_gone(self, exc: Exception) -> bool:
+        """Whether ``exc`` only means the client left while being answered."""
+
+    async def internal_error(self) -> None:
+        """An internal error ended the session (already logged): tell the client if
+        possible. Must not raise."""
+
+
+async def race_client(
+    work: Awaitable[T],
+    gone: Awaitable[None],
+    *,
+    leftover: Callable[[T], None],
+    services: RelayServices | None = None,
+    pool: str = "",
+) -> T | None:
+    """``work`` raced against ``gone`` (the client leaving): its result, or None if the
+    client left first -- ``work`` is then cancelled at once, and a result it produced
+    anyway (a slot granted, a connection made in the same instant) goes to
+    ``leftover``, as it does when the caller itself is cancelled. ``gone``'s own error
+    (a client flooding while it waits) is raised.
+
+    With ``services``, a drain stops ``work`` too: raises the ``draining`` refusal for
+    ``pool`` (naming its fallback)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(gone)
+    drained: list[tuple[int, str]] = []
+
+    def stop(code: int, reason: str) -> None:
+        drained.append((code, reason))
+        task.cancel()
+
+    if services is not None:
+        services.register_session(stop)
+    left = False
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if services is not None:
+            services.unregister_session(stop)
+        for future in (task, watcher):
+            if not future.done():
+                future.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+        left = watcher.done() and not watcher.cancelled()
+        current = asyncio.current_task()
+        if (left or (current is not None and current.cancelling())) and (
+            not task.cancelled() and task.exception() is None
+        ):
+            leftover(task.result())
+    if left:
+        watcher.result()  # the client's flood, if that is how it "left"
+        return None
+    if drained and task.cancelled() and services is not None:
+        raise refusal_for(
+            "draining", retry_after_s=RETRY_AFTER_MIN_S, pool=pool,
+            fallback=services.gate.fallback(pool),
+        )  # fmt: skip
+    return task.result()
+
+
+def _release(lease: Lease) -> None:
+    lease.release()
+
+
+async def run_session(
+    services: RelayServices, route: RouteSettings, scope: dict[str, Any], transport: Transport[U]
+) -> SessionRecord:
+    """Serve one session on ``route`` through ``transport``. Never raises for client or
+    upstream behaviour (only cancellation); returns the record, already logged."""
+    clock = services.clock
+    record = SessionRecord(
+        new_session_id(), route.path, route.pool, transport.kind, clock.now(), decision="admitted"
+    )
+    lease: Lease | None = None
+    upstream: U | None = None
+    tenant: str | None = None
+    try:
+        try:
+            tenant = services.authorize(scope, route.pool)
+            await transport.prepare(record)
+            entry, fallback_pool = await enter(services, route, scope, transport.on_position)
+            if fallback_pool is not None:
+                record.pool = fallback_pool
+            if isinstance(entry, Waiting):
+                record.decision = "queued"
+                async with transport.queued():
+                    lease = await race_client(
+                        entry.wait(), transport.until_disconnect(), leftover=_release
+                    )
+                if lease is None:
+                    record.decision = "abandoned"
+                    return record
+                record.decision = "admitted_after_queue"
+            else:
+                lease = entry
+        except Declined as declined:
+            record.decision = declined.decision
+            if declined.err is not None:
+                await transport.refuse(declined.err, record)
+            return record
+        except Refused as refusal:
+            record.decision = f"rejected_{refusal.reason}"
+            await transport.refuse(refusal, record)
+            return record
+        except MessageTooLarge as err:  # only a client flooding while queued, here
+            record.decision = "abandoned"
+            await transport.refuse(err, record)
+            return record
+        except PolicyViolation as err:  # the key, or a reservation without a slot here
+            record.decision = f"rejected_{err.code}"
+            await transport.refuse(err, record)
+            return record
+        record.admitted_at = clock.now()
+        record.queue_wait_s = lease.waited_s
+        record.replica = lease.replica
+        try:
+            if transport.open_races_client:
+                upstream = await race_client(
+                    transport.open(lease, record), transport.until_disconnect(),
+                    leftover=transport.discard, services=services, pool=lease.pool,
+                )  # fmt: skip
+            else:
+                upstream = await transport.open(lease, record)
+        except UpstreamConnectError as err:
+            timeout = isinstance(err, UpstreamConnectTimeout)
+            record.decision = "upstream_timeout" if timeout else "upstream_unreachable"
+            record.error = str(err)
+            await transport.refuse(err, record)
+            return record
+        except Refused as refusal:  # drained while connecting
+            record.decision = f"rejected_{refusal.reason}"
+            record.error = "gateway draining during the upstream connect"
+            await transport.refuse(refusal, record)
+            return record
+        except MessageTooLarge as err:  # a client flooding an early accept
+            record.error = str(err)
+            await transport.refuse(err, record)
+            return record
+        if upstream is None:
+            record.error = "client went away during the upstream connect"
+            record.client_close = 1006
+            return record
+        await transport.relay(lease, upstream, fallback_pool, record)
+    except asyncio.CancelledError:
+        record.error = "cancelled"
+        raise
+    except Exception as exc:
+        if transport.client_gone(exc):
+            record.error = "client went away"
+            if record.client_close is None:
+                record.client_close = 1006
+        else:
+            record.error = f"{type(exc).__name__}: {exc}"
+            transport.log.exception("internal error in session %s", record.session)
+            await transport.internal_error()
+    finally:
+        if upstream is not None:
+            transport.discard(upstream)
+        if lease is not None:
+            lease.release()
+        services.release_tenant(tenant)
+        record.ended = clock.now()
+        record.emit()
+    return record
