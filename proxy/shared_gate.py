@@ -22,6 +22,13 @@ Safety rules:
   clock, or Redis reports one of this gateway's leases gone, the gateway ends its own
   sessions (``on_backend_loss: close``, the default) before other gateways can reuse
   those slots; ``keep`` only logs and counts (the replica may then run over its cap).
+
+Tenants (issue 18): a session is admitted as the :class:`~proxy.admission.TenantSpec`
+passed to :meth:`SharedGate.admit`, or else the one in
+:data:`~proxy.gate.CURRENT_TENANT`; the scripts apply the rules of
+:mod:`proxy.admission.tenants` over every gateway (class, fair share, reserves,
+``max_queued``, shedding). The ``headroom_tenant_*`` series count this gateway's own
+sessions (sum them over gateways).
 """
 
 from __future__ import annotations
@@ -46,6 +53,8 @@ from proxy.admission import (
     Reject,
     ReplicaSpec,
     ReplicaStatistics,
+    Reserve,
+    TenantSpec,
 )
 from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission, ReplicaView
 from proxy.admission.retry_after import (
@@ -56,8 +65,8 @@ from proxy.admission.retry_after import (
 )
 from proxy.clock import Clock, TimerHandle
 from proxy.errors import FallbackHint, Refused, TenantLimitRefused, refusal_for
-from proxy.gate import Lease, PositionCallback, Waiting
-from proxy.metrics import Metrics, ReplicaGauges
+from proxy.gate import CURRENT_TENANT, Lease, PositionCallback, Waiting
+from proxy.metrics import Metrics, ReplicaGauges, TenantGauges
 
 if TYPE_CHECKING:
     from proxy.settings import Settings
@@ -97,6 +106,7 @@ class SharedPoolSpec:
     queue: QueuePolicy
     fallback: FallbackHint | None = None
     session_estimate_s: float = 20.0
+    reserves: tuple[Reserve, ...] = ()
 
 
 @dataclass(eq=False, slots=True)
@@ -115,6 +125,7 @@ class _Waiter:
     position: int = 0
     queued: bool = False
     timer: TimerHandle | None = None
+    tenant: TenantSpec | None = None
 
 
 @dataclass(eq=False)
@@ -134,6 +145,8 @@ class _Pool:
     queue_depth: int = 0
     #: The spread of the session lengths this gateway saw end (Retry-After's model).
     lengths: SessionLengths | None = None
+    #: Slot-seconds of this gateway's finished sessions per (key name, class).
+    finished: dict[tuple[str, int], float] = field(default_factory=dict)
 
     def view(self) -> list[ReplicaView]:
         return [
@@ -179,9 +192,10 @@ class SharedLease(Lease):
 
     def __init__(
         self, gate: SharedGate, pool: str, lease_id: str, replica: str, waited_s: float,
-        admitted_at: float,
+        admitted_at: float, tenant: TenantSpec | None = None,
     ) -> None:  # fmt: skip
         self._shared = gate
+        self.tenant = tenant
         self.pool = pool
         self.lease_id = lease_id
         #: A fence already told this lease's session to close: the lease being found
@@ -249,6 +263,7 @@ class SharedGate:
         self.lease_ttl_s = lease_ttl_s
         self.on_backend_loss = on_backend_loss
         self._pools: dict[str, _Pool] = {}
+        self._reserves: dict[str, tuple[Reserve, ...]] = {}
         self._healthy_listeners: list[Callable[[str, str, bool], None]] = []
         self._fence_listeners: list[FenceCallback] = []
         self._idle_waiters: list[asyncio.Future[None]] = []
@@ -268,9 +283,12 @@ class SharedGate:
         #: Whether the last call to Redis succeeded (``/readyz``).
         self.available = False
         self._metrics = SharedAdmissionMetrics(metrics.registry) if metrics else None
+        if metrics is not None:
+            metrics.bind_tenants(self.tenant_gauges)
         for spec in pools:
             self.apply_pool(spec.name, spec.replicas, spec.queue, spec.fallback,
-                            session_estimate_s=spec.session_estimate_s)  # fmt: skip
+                            session_estimate_s=spec.session_estimate_s,
+                            reserves=spec.reserves)  # fmt: skip
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -321,20 +339,28 @@ class SharedGate:
     # -- admission --------------------------------------------------------------------
 
     async def admit(
-        self, pool: str, *, on_position: PositionCallback | None = None, queue: bool = True
+        self,
+        pool: str,
+        *,
+        on_position: PositionCallback | None = None,
+        queue: bool = True,
+        tenant: TenantSpec | None = None,
     ) -> Lease | Waiting:
         """A :class:`Lease` if admitted at once, a :class:`Waiting` already in the
         Redis queue, or raises :class:`~proxy.errors.Refused`. Cancellation-safe: a
         slot or queue place taken by a call cancelled mid-flight is given back.
         ``queue=False``: a slot now or a refusal, never a queue place (gang
-        reservations, :mod:`proxy.reservations`)."""
+        reservations, :mod:`proxy.reservations`). ``tenant`` defaults to
+        :data:`~proxy.gate.CURRENT_TENANT`."""
         p = self._pool(pool)
         now = self.clock.now()
+        if tenant is None:
+            tenant = CURRENT_TENANT.get()
         if self.draining or p.draining:
-            raise self._refuse(p, "draining", 1)
+            raise self._refuse(p, "draining", 1, tenant)
         view = p.view()
         if not view:
-            raise self._refuse(p, "no_healthy_replica", self._no_replica_wait(p, now))
+            raise self._refuse(p, "no_healthy_replica", self._no_replica_wait(p, now), tenant)
         self._next += 1
         waiter_id = f"{self.backend.gateway_id}:{self._next}"
         quota = TENANT_QUOTA.get()
@@ -342,12 +368,14 @@ class SharedGate:
             await self._reserve_tenant(p, waiter_id, *quota)
         future: asyncio.Future[Admit | Reject] = asyncio.get_running_loop().create_future()
         # Registered before the call: a wake-up may arrive before the reply does.
-        waiter = _Waiter(future, on_position, now)
+        waiter = _Waiter(future, on_position, now, tenant=tenant)
         p.waiters[waiter_id] = waiter
         depth = p.queue.max_depth if p.queue.enabled and queue else 0
-        call = asyncio.ensure_future(self.backend.acquire(pool, waiter_id, view, depth))
+        call = asyncio.ensure_future(
+            self.backend.acquire_as(pool, waiter_id, view, depth, tenant)
+        )
         try:
-            kind, value = await asyncio.shield(call)
+            got = await asyncio.shield(call)
         except asyncio.CancelledError:
             p.waiters.pop(waiter_id, None)
             self._spawn(self._give_back(pool, waiter_id, call))
@@ -360,25 +388,30 @@ class SharedGate:
             self._spawn(self._leave_remote(pool, waiter_id))
             self._drop_tenant(waiter_id)
             log.warning("refusing a session on %s: admission store unreachable (%s)", pool, exc)
-            raise self._refuse(p, "backend_unavailable", 1) from None
+            raise self._refuse(p, "backend_unavailable", 1, tenant) from None
         self._set_available(True)
+        kind, value = got.kind, got.value
         if kind == "admit":
             p.waiters.pop(waiter_id, None)
             ADMITTED_POOL.set(pool)
-            return self._lease(p, waiter_id, str(value), now)
+            return self._lease(p, waiter_id, str(value), now, tenant)
         if kind == "queued":
             ADMITTED_POOL.set(pool)
-            if future.done():  # handed a slot before the reply arrived
+            if future.done():  # handed a slot (or shed) before the reply arrived
                 outcome = future.result()
                 p.waiters.pop(waiter_id, None)
                 if isinstance(outcome, Admit):
-                    return self._lease(p, waiter_id, outcome.replica, now)
+                    return self._lease(p, waiter_id, outcome.replica, now, tenant)
+                self._drop_tenant(waiter_id)
+                self._count(pool, "queued", tenant)
+                self._count(pool, f"rejected_{outcome.reason}", tenant)
+                raise self._refusal(p, outcome)
             waiter.queued = True
             waiter.position = int(value)
             waiter.timer = self.clock.call_at(
                 now + p.queue.max_wait_s, lambda: self._on_deadline(pool, waiter_id)
             )
-            self._count(pool, "queued")
+            self._count(pool, "queued", tenant)
             eta = self.estimate_wait(pool, waiter.position)
             if on_position is not None:
                 on_position(waiter.position, eta)
@@ -386,8 +419,9 @@ class SharedGate:
         p.waiters.pop(waiter_id, None)
         self._drop_tenant(waiter_id)
         if kind == "blocked":  # Redis lost its data: survivors are re-asserting
-            raise self._refuse(p, "backend_unavailable", int(value) / 1000)
-        raise self._refuse(p, str(value), self._estimate(p, p.queue_depth + 1))
+            raise self._refuse(p, "backend_unavailable", int(value) / 1000, tenant)
+        # Retry-After from where this key's session would have stood in the queue.
+        raise self._refuse(p, str(value), self._estimate(p, got.position), tenant)
 
     async def acquire(self, pool: str, *, on_position: PositionCallback | None = None) -> Lease:
         entry = await self.admit(pool, on_position=on_position)
@@ -404,24 +438,40 @@ class SharedGate:
             self._leave(p, waiter_id)
             raise
         self._forget_waiter(p, waiter_id)
-        if self.metrics is not None:
-            self.metrics.queue_wait.labels(pool).observe(self.clock.now() - waiter.arrived)
+        self._observe_wait(p, waiter)
         if isinstance(outcome, Reject):
             self._drop_tenant(waiter_id)
-            self._count(pool, f"rejected_{outcome.reason}")
+            self._count(pool, f"rejected_{outcome.reason}", waiter.tenant)
             if outcome.reason != "queue_timeout":  # (a timed-out waiter has left already)
                 self._spawn(self._leave_remote(pool, waiter_id))
             raise self._refusal(p, outcome)
-        return self._lease(p, waiter_id, outcome.replica, waiter.arrived)
+        return self._lease(p, waiter_id, outcome.replica, waiter.arrived, waiter.tenant)
 
-    def _lease(self, p: _Pool, lease_id: str, replica: str, arrived: float) -> SharedLease:
+    def _observe_wait(self, p: _Pool, waiter: _Waiter) -> None:
+        if self.metrics is None:
+            return
+        waited = self.clock.now() - waiter.arrived
+        self.metrics.queue_wait.labels(p.name).observe(waited)
+        tenant = waiter.tenant
+        if tenant is not None and tenant.name:
+            labels = (p.name, tenant.name, str(tenant.priority))
+            self.metrics.tenant_queue_wait.labels(*labels).observe(waited)
+
+    def _lease(
+        self,
+        p: _Pool,
+        lease_id: str,
+        replica: str,
+        arrived: float,
+        tenant: TenantSpec | None = None,
+    ) -> SharedLease:
         now = self.clock.now()
-        lease = SharedLease(self, p.name, lease_id, replica, now - arrived, now)
+        lease = SharedLease(self, p.name, lease_id, replica, now - arrived, now, tenant)
         p.leases[lease_id] = lease
         if p.last_renewed is None:  # the grant itself proves the lease until now + TTL
             p.last_renewed = arrived
             self._arm_fence(p)
-        self._count(p.name, "admitted")
+        self._count(p.name, "admitted", tenant)
         return lease
 
     def _release(self, lease: SharedLease) -> None:
@@ -434,6 +484,9 @@ class SharedGate:
             p.lengths = SessionLengths(p.session_estimate_s)
         p.lengths.observe(duration)
         p.session_estimate_s = max(p.session_estimate_s, 0.05)
+        if lease.tenant is not None and lease.tenant.name:
+            key = (lease.tenant.name, lease.tenant.priority)
+            p.finished[key] = p.finished.get(key, 0.0) + duration
         if self.metrics is not None:
             self.metrics.session_duration.labels(lease.pool).observe(duration)
         self._spawn(self._release_remote(lease.pool, lease.lease_id))
@@ -481,7 +534,9 @@ class SharedGate:
         if waiter is None:
             return
         self._drop_tenant(waiter_id)
-        self._count(p.name, "abandoned")
+        self._count(p.name, "abandoned", waiter.tenant)
+        if not waiter.future.done():
+            self._observe_wait(p, waiter)
         if waiter.future.done() and not waiter.future.cancelled():
             if isinstance(waiter.future.result(), Admit):
                 self._spawn(self._release_remote(p.name, waiter_id))
@@ -510,11 +565,21 @@ class SharedGate:
             return
         if kind == "granted" and replica is not None:
             waiter.future.set_result(Admit(0, replica, self.clock.now() - waiter.arrived))
+        elif kind == "shed":  # its wake-up is on the way: the same outcome, now
+            self._shed(p, waiter, waiter.position)
         else:
             waited = self.clock.now() - waiter.arrived
             waiter.future.set_result(
                 Reject(0, "queue_timeout", self._estimate(p, 1), waited_s=waited)
             )
+
+    def _shed(self, p: _Pool, waiter: _Waiter, position: int) -> None:
+        """A sheddable waiter displaced by a higher class: ``preempted_in_queue``, with
+        a Retry-After from where it would stand if it queued again."""
+        if not waiter.future.done():
+            waited = self.clock.now() - waiter.arrived
+            retry = self._estimate(p, max(1, position))
+            waiter.future.set_result(Reject(0, "preempted_in_queue", retry, waited_s=waited))
 
     # -- tenant quotas over every gateway ---------------------------------------------
 
@@ -542,7 +607,7 @@ class SharedGate:
             raise self._refuse(p, "backend_unavailable", 1) from None
         self._set_available(True)
         if not reserved:
-            self._count(p.name, "rejected_tenant_limit")
+            self._count(p.name, "rejected_tenant_limit", CURRENT_TENANT.get())
             raise TenantLimitRefused(
                 "tenant_limit", retry_after_s=self._estimate(p, 1), pool=p.name
             )
@@ -659,7 +724,9 @@ class SharedGate:
             waiter = p.waiters.get(wid)
             if waiter is None or waiter.future.done():
                 continue
-            if state < 0:
+            if state == -2:  # shed; its wake-up may still be on the way
+                self._shed(p, waiter, waiter.position)
+            elif state < 0:
                 waiter.future.set_result(Reject(0, "backend_unavailable", 1.0,
                                                 waited_s=self.clock.now() - waiter.arrived))
             elif state > 0 and state != waiter.position:
@@ -710,8 +777,12 @@ class SharedGate:
                 continue
             delay = 0.05
             p = self._pools.get(pool)
-            for waiter_id, _ in woken:  # the confirm says which replica
+            for waiter_id, message in woken:  # the confirm says which replica
                 waiter = p.waiters.get(waiter_id) if p is not None else None
+                if message.startswith("!"):  # refused in the queue: '!<reason> <position>'
+                    if p is not None and waiter is not None:
+                        self._shed(p, waiter, int(message.rpartition(" ")[2] or 1))
+                    continue
                 if waiter is not None and not waiter.future.done():
                     self._spawn(self._confirm(pool, waiter_id, waiter))
                 elif p is None or not self._taken(p, waiter_id, waiter):
@@ -748,6 +819,9 @@ class SharedGate:
         waited = self.clock.now() - waiter.arrived
         if kind == "granted" and replica is not None:
             waiter.future.set_result(Admit(0, replica, waited))
+            return
+        if kind == "shed":
+            self._shed(p, waiter, waiter.position)
             return
         if kind != "unavailable":
             log.warning("pool %s: the slot handed to %s lapsed before this gateway took it",
@@ -812,10 +886,17 @@ class SharedGate:
         fallback: FallbackHint | None,
         *,
         session_estimate_s: float = 20.0,
+        reserves: Sequence[Reserve] | None = None,
     ) -> None:
-        """Create a pool or change one live. Caps take effect for new admissions on
-        every gateway at once (each gateway's acquire carries its own view); running
-        sessions are never cut."""
+        """Create a pool or change one live. Caps and reserves (None: unchanged) take
+        effect for new admissions on every gateway at once (each gateway's calls carry
+        its own view and reserves); running sessions are never cut."""
+        if reserves is None:
+            reserves = self._reserves.get(name, ())
+        self._reserves[name] = tuple(reserves)
+        self.backend.configure_pool(
+            name, session_estimate_s=session_estimate_s, reserves=reserves
+        )
         p = self._pools.get(name)
         if p is None:
             self._pools[name] = _Pool(
@@ -958,6 +1039,30 @@ class SharedGate:
     def queue_depths(self) -> list[tuple[str, int]]:
         return [(name, self._queued(p)) for name, p in self._pools.items()]
 
+    def tenant_gauges(self) -> list[TenantGauges]:
+        """Per API key and pool, this gateway's part (sum over gateways): sessions
+        active and queued, and session-seconds held (finished plus running so far), as
+        :meth:`proxy.gate.Gate.tenant_gauges` reports them in process."""
+        out: list[TenantGauges] = []
+        now = self.clock.now()
+        for name, p in self._pools.items():
+            counts: dict[tuple[str, int], list[int]] = {}
+            held = dict(p.finished)
+            for lease in p.leases.values():
+                t = lease.tenant
+                if t is not None and t.name:
+                    key = (t.name, t.priority)
+                    counts.setdefault(key, [0, 0])[0] += 1
+                    held[key] = held.get(key, 0.0) + max(0.0, now - lease.admitted_at)
+            for w in p.waiters.values():
+                t = w.tenant
+                if t is not None and t.name and w.queued and not w.future.done():
+                    counts.setdefault((t.name, t.priority), [0, 0])[1] += 1
+            for key in sorted(set(counts) | set(held)):
+                active, queued = counts.get(key, [0, 0])
+                out.append(TenantGauges(name, key[0], key[1], active, queued, held.get(key, 0.0)))
+        return out
+
     def __repr__(self) -> str:
         inner = ", ".join(
             f"{n} leases={len(p.leases)} waiters={self._queued(p)}" for n, p in self._pools.items()
@@ -987,9 +1092,12 @@ class SharedGate:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _count(self, pool: str, decision: str) -> None:
+    def _count(self, pool: str, decision: str, tenant: TenantSpec | None = None) -> None:
         if self.metrics is not None:
             self.metrics.decisions.labels(pool, decision).inc()
+            if tenant is not None and tenant.name:
+                labels = (pool, tenant.name, str(tenant.priority), decision)
+                self.metrics.tenant_decisions.labels(*labels).inc()
 
     def _estimate(self, p: _Pool, position: int) -> float:
         """Whole seconds, jittered upward (:func:`~proxy.admission.retry_after.retry_after_s`)
@@ -1005,8 +1113,10 @@ class SharedGate:
             wait = next_recheck_s(ages, self._recheck_interval_s)
         return retry_after_s(wait if wait is not None else 1.0, self._rng.random())
 
-    def _refuse(self, p: _Pool, reason: str, retry_after_s: float) -> Refused:
-        self._count(p.name, f"rejected_{reason}")
+    def _refuse(
+        self, p: _Pool, reason: str, retry_after_s: float, tenant: TenantSpec | None = None
+    ) -> Refused:
+        self._count(p.name, f"rejected_{reason}", tenant)
         retry = min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, retry_after_s))
         return refusal_for(reason, retry_after_s=retry, pool=p.name, fallback=p.fallback)
 
@@ -1040,6 +1150,7 @@ def build_shared_gate(settings: Settings, clock: Clock, metrics: Metrics | None)
                 QueuePolicy(p.queue.max_depth, p.queue.max_wait_s),
                 p.fallback.as_hint() if p.fallback else None,
                 p.session_estimate_s,
+                tuple(Reserve(r.priority, r.slots, r.per_replica) for r in p.reserve),
             )
             for p in settings.pools
         ],

@@ -12,9 +12,15 @@ Redis Cluster slot):
   inside the scripts), extended by the owning gateway's batched renewals; an expired
   lease gives its slot back, so a crashed gateway's slots return within one TTL plus
   one renewal interval;
-* a **FIFO** of waiters from every gateway, each kept alive by heartbeats; a freed
-  slot is handed to the head waiter inside the release script (no barging) and its
-  gateway is woken by a push onto its wake list, which it reads with ``BLPOP``;
+* a **queue** of waiters from every gateway, each kept alive by heartbeats; a freed
+  slot is handed to the waiter served next inside the release script (no barging) and
+  its gateway is woken by a push onto its wake list, which it reads with ``BLPOP``;
+* **tenants** (issue 18): each waiter and lease carries its key's class, weight,
+  ``max_queued`` and name; the scripts apply the rules of
+  :mod:`proxy.admission.tenants` (class first, fair share by session-seconds, FIFO
+  within a lane, reserves, ``max_queued``, shedding a sheddable waiter, which its
+  gateway hears through its wake list as ``<waiter> !preempted_in_queue <position>``).
+  With no tenant fields anywhere the queue is the plain FIFO;
 * a **generation**: when Redis has lost its data, the first script to run starts a
   new generation and grants are blocked for one TTL while surviving gateways
   re-assert their live leases in their next renewal.
@@ -31,11 +37,14 @@ from __future__ import annotations
 import importlib.resources
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.admission.tenants import ANONYMOUS, Reserve, TenantSpec
+
 __all__ = [
+    "Acquired",
     "BackendUnavailable",
     "RedisAdmission",
     "ReplicaView",
@@ -44,7 +53,10 @@ __all__ = [
 ]
 
 _SCRIPTS = ("acquire", "release", "leave", "renew", "relocate")
-_KEYS = ("leases", "owner", "held", "queue", "beats", "gen", "seq", "flags")
+_KEYS = (
+    "leases", "owner", "held", "queue", "beats", "gen", "seq", "flags", "tw", "lanes", "run",
+    "shed",
+)  # fmt: skip
 
 
 class BackendUnavailable(Exception):
@@ -72,6 +84,18 @@ class ReplicaView:
 
 
 @dataclass(frozen=True, slots=True)
+class Acquired:
+    """The answer to one acquire: ``kind`` is ``admit`` (``value`` the replica),
+    ``queued`` (``value`` the position), ``reject`` (``value`` the reason; ``position``
+    where the newcomer would have stood, for its Retry-After) or ``blocked`` (``value``
+    ms until grants resume)."""
+
+    kind: str
+    value: str | int
+    position: int = 1
+
+
+@dataclass(frozen=True, slots=True)
 class TickResult:
     """The answer to one renewal tick of one pool."""
 
@@ -79,8 +103,9 @@ class TickResult:
     #: This gateway's leases that Redis no longer holds (expired: the gateway was
     #: cut off or paused past the TTL). Their sessions must end.
     lost: tuple[str, ...]
-    #: Per waiter sent: its queue position (1 = head), 0 if a slot was handed to it,
-    #: -1 if Redis no longer knows it (its heartbeat lapsed, or data was lost).
+    #: Per waiter sent: its queue position (1 = served next), 0 if a slot was handed to
+    #: it, -2 if it was refused ``preempted_in_queue``, -1 if Redis no longer knows it
+    #: (its heartbeat lapsed, or data was lost).
     waiters: tuple[int, ...]
     #: Sessions held per replica, counted over every gateway.
     held: dict[str, int]
@@ -98,6 +123,15 @@ def _view_args(view: Sequence[ReplicaView]) -> list[str | int]:
     return args
 
 
+def _tenant_args(tenant: TenantSpec) -> list[str | int]:
+    return [
+        tenant.priority,
+        "-" if tenant.weight is None else repr(float(tenant.weight)),
+        "-" if tenant.max_queued is None else tenant.max_queued,
+        tenant.name,
+    ]
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -106,7 +140,9 @@ class RedisAdmission:
     """The Redis side of shared admission for one gateway process.
 
     ``gateway_id`` names this process in lease and waiter ids (``<gateway>:<n>``); it
-    must be unique among live gateways (the default is host, pid and random bits)."""
+    must be unique among live gateways (the default is host, pid and random bits).
+    ``clock_ms`` is for tests only: the scripts take their time from it instead of
+    Redis ``TIME`` (a fake clock, or the differential test against ``PoolCore``)."""
 
     def __init__(
         self,
@@ -117,6 +153,7 @@ class RedisAdmission:
         heartbeat_ttl_s: float = 3.0,
         timeout_s: float = 1.0,
         gateway_id: str | None = None,
+        clock_ms: Callable[[], int] | None = None,
     ) -> None:
         try:
             import redis.asyncio as aioredis
@@ -150,6 +187,8 @@ class RedisAdmission:
         # timeout outlasts the longest block.
         self._blocking: Any = aioredis.from_url(url, socket_timeout=timeout_s + 5.0, **common)
         self._closed = False
+        self._clock_ms = clock_ms
+        self._schedule: dict[str, tuple[float, tuple[Reserve, ...]]] = {}
         prelude = _load("common")
         self._scripts = {
             name: self._client.register_script(prelude + "\n" + _load(name)) for name in _SCRIPTS
@@ -174,6 +213,24 @@ class RedisAdmission:
 
     def wake_key(self, pool: str) -> str:
         return f"{self.prefix(pool)}wake:{self.gateway_id}"
+
+    def configure_pool(
+        self, pool: str, *, session_estimate_s: float = 20.0, reserves: Sequence[Reserve] = ()
+    ) -> None:
+        """The pool's scheduling context, sent with every script call: the seed of its
+        mean session length and its reserves (every gateway has the same
+        configuration)."""
+        self._schedule[pool] = (session_estimate_s, tuple(reserves))
+
+    def _context(self, pool: str) -> list[str | int]:
+        estimate, reserves = self._schedule.get(pool, (20.0, ()))
+        args: list[str | int] = [
+            "" if self._clock_ms is None else self._clock_ms(), repr(float(estimate)),
+            len(reserves),
+        ]  # fmt: skip
+        for r in reserves:
+            args += [r.priority, r.slots, r.per_replica]
+        return args
 
     # -- scripts ----------------------------------------------------------------------
 
@@ -244,18 +301,32 @@ class RedisAdmission:
     async def acquire(
         self, pool: str, lease_id: str, view: Sequence[ReplicaView], max_depth: int
     ) -> tuple[str, str | int]:
-        """Take a slot for ``lease_id``. Returns ``('admit', replica)``,
+        """Take a slot for ``lease_id`` (no tenant fields). Returns ``('admit', replica)``,
         ``('queued', position)``, ``('reject', reason)`` or ``('blocked', ms)``."""
+        got = await self.acquire_as(pool, lease_id, view, max_depth)
+        return got.kind, got.value
+
+    async def acquire_as(
+        self,
+        pool: str,
+        lease_id: str,
+        view: Sequence[ReplicaView],
+        max_depth: int,
+        tenant: TenantSpec | None = None,
+    ) -> Acquired:
+        """Take a slot for ``lease_id``, a session of ``tenant`` (None: no key)."""
         args: list[str | int] = [lease_id, self.ttl_ms, self.prefix(pool), max_depth]
-        reply = await self._run("acquire", pool, [*args, self.beat_ms, *_view_args(view)])
+        args += [self.beat_ms, *self._context(pool), *_tenant_args(tenant or ANONYMOUS)]
+        reply = await self._run("acquire", pool, [*args, *_view_args(view)])
         kind = _text(reply[0])
         value = reply[1]
-        return kind, (value if isinstance(value, int) else _text(value))
+        position = int(reply[2]) if len(reply) > 2 else 1
+        return Acquired(kind, value if isinstance(value, int) else _text(value), position)
 
     async def release(self, pool: str, lease_id: str, view: Sequence[ReplicaView]) -> bool:
         """Drop ``lease_id`` and hand its slot to the head waiter. Idempotent: returns
         False if the lease was already gone."""
-        args: list[str | int] = [lease_id, self.ttl_ms, self.prefix(pool)]
+        args: list[str | int] = [lease_id, self.ttl_ms, self.prefix(pool), *self._context(pool)]
         return bool(await self._run("release", pool, [*args, *_view_args(view)]))
 
     async def relocate(
@@ -271,7 +342,7 @@ class RedisAdmission:
         ``('moved', replica)``, ``('stay', current)`` (nowhere to go; the lease is
         unchanged) or ``('gone', None)`` (the lease expired). Idempotent."""
         args: list[str | int] = [lease_id, self.ttl_ms, self.prefix(pool), current]
-        args += [len(exclude), *exclude, *_view_args(view)]
+        args += [len(exclude), *exclude, *self._context(pool), *_view_args(view)]
         reply = await self._run("relocate", pool, args)
         kind = _text(reply[0])
         return kind, (_text(reply[1]) if len(reply) > 1 else None)
@@ -280,8 +351,9 @@ class RedisAdmission:
         self, pool: str, waiter_id: str, view: Sequence[ReplicaView]
     ) -> tuple[str, str | None]:
         """Take a waiter out of the queue: ``('left', None)``, ``('granted', replica)``
-        if a slot reached it first (it now holds a lease), or ``('gone', None)``."""
-        args: list[str | int] = [waiter_id, self.ttl_ms, self.prefix(pool)]
+        if a slot reached it first (it now holds a lease), ``('shed', None)`` if it was
+        refused ``preempted_in_queue``, or ``('gone', None)``."""
+        args: list[str | int] = [waiter_id, self.ttl_ms, self.prefix(pool), *self._context(pool)]
         reply = await self._run("leave", pool, [*args, *_view_args(view)])
         kind = _text(reply[0])
         return kind, (_text(reply[1]) if len(reply) > 1 else None)
@@ -301,7 +373,7 @@ class RedisAdmission:
         guard flags of ``guards`` and hand out slots freed by expiry -- one round trip."""
         args: list[str | int] = [
             self.ttl_ms, self.prefix(pool), self.beat_ms, generation, round(guard_ttl_s * 1000),
-            self.gateway_id,
+            self.gateway_id, *self._context(pool),
         ]  # fmt: skip
         view_args = _view_args(view)
         args += [len(view_args), *view_args, len(leases)]
@@ -321,7 +393,8 @@ class RedisAdmission:
 
     async def wakeups(self, pool: str, block_s: float) -> list[tuple[str, str]]:
         """Wait up to ``block_s`` for slots handed to this gateway's waiters; returns
-        (waiter id, replica) pairs, everything pending at once."""
+        (waiter id, replica) pairs, everything pending at once. A waiter refused in the
+        queue comes as (waiter id, ``!<reason> <position>``)."""
         key = self.wake_key(pool)
         if self._closed:
             raise BackendUnavailable("admission store client closed")

@@ -1,12 +1,18 @@
--- ARGV: id, ttl_ms, prefix, max_depth, beat_ms, then the replica view.
--- Returns {'admit', replica} | {'queued', position} | {'reject', reason}
---       | {'blocked', ms until grants resume}.
+-- ARGV: id, ttl_ms, prefix, max_depth, beat_ms, the scheduling context (common.lua),
+--       the tenant (priority, weight or '-', max_queued or '-', name), then the
+--       replica view.
+-- Returns {'admit', replica} | {'queued', position} | {'reject', reason, position}
+--       | {'blocked', ms until grants resume}. A refusal's position is where the
+-- newcomer would have stood (its Retry-After); the decisions are PoolCore.arrive's.
 local id, ttl, prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local max_depth, beat = tonumber(ARGV[4]), tonumber(ARGV[5])
-local view = view_of(6, #ARGV - 5)
-local now = now_ms()
+local ctx, at = ctx_of(6)
+local tenant = tenant_of(ARGV[at] .. ' ' .. ARGV[at + 1] .. ' ' .. ARGV[at + 2] .. ' '
+  .. ARGV[at + 3])
+local view = view_of(at + 4, #ARGV - at - 3)
+local now = now_ms(ctx)
 -- Expired leases are gone first: a lease that lapsed is never confirmed below.
-purge(now)
+purge(now, ctx)
 -- Idempotent per id: a retry after a lost reply gets the first answer again (a live
 -- lease, extended from now).
 local owned = redis.call('HGET', K_OWNER, id)
@@ -14,28 +20,64 @@ if owned then
   redis.call('ZADD', K_LEASES, now + ttl, id)
   return {'admit', owned}
 end
-local rank = redis.call('ZRANK', K_QUEUE, id)
-if rank then
-  return {'queued', rank + 1}
+if redis.call('ZSCORE', K_QUEUE, id) then
+  return {'queued', rank_in(tq_order(tq_load(ctx), now / 1000), id)}
+end
+if redis.call('ZSCORE', K_SHED, id) then
+  return {'reject', 'preempted_in_queue', 1}
 end
 local _, blocked_until = generation(now, ttl)
 if now < blocked_until then
   return {'blocked', blocked_until - now}
 end
-assign(now, ttl, prefix, view, blocked_until)
-if redis.call('ZCARD', K_QUEUE) == 0 then
+assign(now, ttl, prefix, view, blocked_until, ctx)
+local waiting = redis.call('ZCARD', K_QUEUE) > 0
+-- No barging: a free slot, only if nobody of this class or a higher one waits.
+if not (waiting and tq_waiting_at_or_above(tq_load(ctx), tenant.priority))
+    and may_take(tenant.priority, view, now, ctx) then
   local replica = pick(view, now, nil)
   if replica then
     grant(id, replica, now, ttl)
+    tq_admitted(id, tenant, now)
     return {'admit', replica}
   end
 end
+local function refuse(reason)
+  local position = 1
+  if waiting then
+    position = rank_in(tq_order(tq_load(ctx), now / 1000, tenant), false)
+  end
+  return {'reject', reason, position}
+end
 if max_depth <= 0 then
-  return {'reject', full_reason(view, now)}
+  return refuse(full_reason(view, now))
+end
+if tenant.max_queued then
+  local queued = 0
+  if waiting then
+    queued = tq_queued_by(tq_load(ctx), tenant.name)
+  end
+  if queued >= tenant.max_queued then
+    return refuse('tenant_limit')
+  end
 end
 if redis.call('ZCARD', K_QUEUE) >= max_depth then
-  return {'reject', 'queue_full'}
+  local st = tq_load(ctx)
+  local victim = tq_victim(st, tenant.priority)
+  if not victim then
+    return refuse('queue_full')
+  end
+  -- Shed: the newest waiter of the lowest sheddable class below the newcomer's.
+  tq_remove(st, victim.id)
+  redis.call('ZREM', K_QUEUE, victim.id)
+  redis.call('ZREM', K_BEATS, victim.id)
+  redis.call('ZADD', K_SHED, now + ttl, victim.id)
+  local shed_at = rank_in(tq_order(st, now / 1000, victim.tenant), false)
+  wake(prefix, victim.id, '!preempted_in_queue ' .. shed_at, ttl)
 end
-redis.call('ZADD', K_QUEUE, redis.call('INCR', K_SEQ), id)
+local st = tq_load(ctx)
+local seq = redis.call('INCR', K_SEQ)
+redis.call('ZADD', K_QUEUE, seq, id)
 redis.call('ZADD', K_BEATS, now + beat, id)
-return {'queued', redis.call('ZCARD', K_QUEUE)}
+tq_push(st, id, seq, tenant, now / 1000)
+return {'queued', rank_in(tq_order(st, now / 1000), id)}

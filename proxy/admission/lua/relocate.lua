@@ -1,5 +1,5 @@
 -- ARGV: id, ttl_ms, prefix, from (the replica the caller holds the lease on),
---       n_exclude, exclude..., then the replica view.
+--       n_exclude, exclude..., the scheduling context (common.lua), then the view.
 -- Failover before the first byte: move the lease from `from` to another eligible
 -- replica (least loaded, free slot, not `from`, not excluded) -- the placement rule of
 -- PoolCore.relocate. The session keeps its admission, so this is not barging. The slot
@@ -13,9 +13,10 @@ local exclude = {[from] = true}
 for i = 6, 5 + n do
   exclude[ARGV[i]] = true
 end
-local view = view_of(6 + n, #ARGV - 5 - n)
-local now = now_ms()
-purge(now)
+local ctx, at = ctx_of(6 + n)
+local view = view_of(at, #ARGV - at + 1)
+local now = now_ms(ctx)
+purge(now, ctx)
 local owner = redis.call('HGET', K_OWNER, id)
 if not owner then
   return {'gone'}
@@ -36,5 +37,5 @@ redis.call('HINCRBY', K_HELD, from, -1)
 redis.call('HSET', K_OWNER, id, target)
 redis.call('HINCRBY', K_HELD, target, 1)
 redis.call('ZADD', K_LEASES, now + ttl, id)
-assign(now, ttl, prefix, view, blocked_until)
+assign(now, ttl, prefix, view, blocked_until, ctx)
 return {'moved', target}
