@@ -509,4 +509,6 @@ async def test_client_gone_while_answered_is_not_an_internal_error() -> None:
 
 async def test_race_client_returns_the_work_when_the_client_stays() -> None:
     left = asyncio.Event()
-    assert await race_client(asyncio.sleep(0, "done"), left.wait(), leftover=print) == "done"
+    leftovers: list[str] = []
+    result = await race_client(asyncio.sleep(0, "done"), left.wait(), leftover=leftovers.append)
+    assert result == "done" and leftovers == []
