@@ -324,6 +324,9 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         parts.append(bytes(self._tail))
         self._tail = bytearray()
         self.stop_keepalive()  # its pings would land inside the relayed stream
+        # websockets' request and response (headers and all) served the ASGI accept;
+        # the session may last an hour without them (about 1 KB each)
+        del self.request, self.response
         if self.read_paused:
             self.read_paused = False
             self.transport.resume_reading()

@@ -222,6 +222,14 @@ async def test_take_over_after_accept_carries_everything_over_in_order() -> None
     assert lean.take_over(None, [], harness.splice.client, lambda: None) is None  # once
 
 
+async def test_an_accepted_take_over_lets_go_of_websockets_handshake_objects() -> None:
+    lean, _ = _accepted()
+    await _accept(lean)
+    assert lean.request is not None and lean.response is not None
+    assert lean.take_over(None, [], asyncio.Protocol(), lambda: None) is not None
+    assert not hasattr(lean, "request") and not hasattr(lean, "response")
+
+
 async def test_no_take_over_after_the_client_closed_while_waiting() -> None:
     lean, transport = _accepted()
     await _accept(lean)
