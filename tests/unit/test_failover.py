@@ -4,6 +4,7 @@ failures that always have a name."""
 from __future__ import annotations
 
 import asyncio
+import socket
 
 import pytest
 
@@ -103,3 +104,32 @@ async def test_open_tcp_deadline_runs_on_the_injected_clock() -> None:
             await attempt
     finally:
         loop.getaddrinfo = original  # type: ignore[method-assign]
+
+
+def test_open_tcp_resolves_the_address_once_on_uvloop() -> None:
+    """The address is resolved once, for the host. uvloop's own sock_connect resolves
+    it again with no socket type, which even for a numeric address takes libuv's
+    thread pool: a thread round trip on every upstream connect."""
+    uvloop = pytest.importorskip("uvloop")
+    lookups: list[tuple[object, ...]] = []
+
+    class CountingLoop(uvloop.Loop):  # type: ignore[misc,name-defined]
+        async def getaddrinfo(self, *args: object, **kwargs: object) -> object:
+            lookups.append((*args, *sorted(kwargs.items())))
+            return await super().getaddrinfo(*args, **kwargs)
+
+    async def connect() -> int:
+        listening = bind_socket()
+        try:
+            port = int(listening.getsockname()[1])
+            sock = await open_tcp("127.0.0.1", port, clock=FakeClock(), timeout=5)
+            peer = int(sock.getpeername()[1])
+            sock.close()
+            assert peer == port
+        finally:
+            listening.close()
+        return port
+
+    with asyncio.Runner(loop_factory=CountingLoop) as runner:
+        port = runner.run(connect())
+    assert lookups == [("127.0.0.1", port, ("type", socket.SOCK_STREAM))]
