@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import hashlib
 import os
 import socket
@@ -22,9 +23,9 @@ from dataclasses import dataclass
 
 import httpx
 from websockets.exceptions import InvalidHandshake
-from websockets.uri import parse_uri
+from websockets.uri import WebSocketURI, parse_uri
 
-__all__ = ["UpstreamSocket", "UpstreamStatus", "open_upstream"]
+__all__ = ["UpstreamSocket", "UpstreamStatus", "open_upstream", "upstream_uri"]
 
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 #: Bound on the upstream's response head.
@@ -40,6 +41,14 @@ def _tls_context() -> ssl.SSLContext:
     if _tls is None:
         _tls = httpx.create_ssl_context()
     return _tls
+
+
+@functools.lru_cache(maxsize=512)
+def upstream_uri(url: str) -> WebSocketURI:
+    """websockets' ``parse_uri``, once per distinct upstream URL: a replica's base and
+    the session's path and query, the same for most sessions of a route. Raises
+    ``InvalidURI`` (never cached). Read only: the result is shared."""
+    return parse_uri(url)
 
 
 class UpstreamStatus(InvalidHandshake):
@@ -181,7 +190,7 @@ async def open_upstream(
     this); the event loop owns ``sock`` from the first step, and closes it on any
     failure. Raises OSError (TLS errors included),
     :class:`UpstreamStatus` or another ``InvalidHandshake``."""
-    uri = parse_uri(url)
+    uri = upstream_uri(url)
     loop = asyncio.get_running_loop()
     key = base64.b64encode(os.urandom(16)).decode()
     default_port = 443 if uri.secure else 80

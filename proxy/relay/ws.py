@@ -35,7 +35,6 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidHandshake, InvalidStatus
 from websockets.protocol import State
 from websockets.typing import Subprotocol
-from websockets.uri import parse_uri
 
 from proxy.clock import clock_timeout
 from proxy.errors import HeadroomError, MessageTooLarge, UpstreamConnectTimeout
@@ -45,7 +44,7 @@ from proxy.relay.failover import AttemptFailed, Unreachable, describe, open_tcp,
 from proxy.relay.headers import forwarded_request_headers
 from proxy.relay.lifecycle import run_session
 from proxy.relay.splice import Splice
-from proxy.relay.upstream_ws import UpstreamSocket, UpstreamStatus, open_upstream
+from proxy.relay.upstream_ws import UpstreamSocket, UpstreamStatus, open_upstream, upstream_uri
 from proxy.relay.uvicorn_ws import TakeOver
 from proxy.relay.ws_pump import relay_frames
 
@@ -272,7 +271,7 @@ class _WebSocket:
         async def attempt() -> Upstream:
             replica = lease.replica
             url = services.ws_url(lease.pool, replica) + target
-            uri = parse_uri(url)
+            uri = upstream_uri(url)  # parsed once per distinct URL
             try:
                 sock = await open_tcp(
                     uri.host, uri.port, clock=services.clock,
