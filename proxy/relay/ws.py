@@ -100,11 +100,13 @@ class _WebSocket:
         #: Frames the client sent after an early accept, relayed first (None: no
         #: early accept).
         self.held: list[dict[str, Any]] | None = None
+        #: Queue notes not yet sent (queue feedback): made when the session first
+        #: waits, dropped once it is admitted (an asyncio.Queue is about 3 KB).
         self.notes: asyncio.Queue[dict[str, Any]] | None = None
         self.on_position: PositionCallback | None = None
         if route.queue_feedback:
-            self.notes = asyncio.Queue()
             self.on_position = self._on_position
+        self.admitted = False
         self.take_over: TakeOver | None = None
         self.spliced = False
 
@@ -171,7 +173,10 @@ class _WebSocket:
         return None
 
     def _on_position(self, position: int, eta_s: float) -> None:
-        assert self.notes is not None
+        if self.admitted:
+            return
+        if self.notes is None:
+            self.notes = asyncio.Queue()
         self.notes.put_nowait({"type": "headroom.queue", "position": position,
                                "eta_s": round(eta_s, 1)})  # fmt: skip
 
@@ -179,12 +184,14 @@ class _WebSocket:
     async def queued(self) -> AsyncIterator[None]:
         """With queue feedback, the client is accepted at once (with its first offered
         subprotocol, the only one the upstream will be asked for) and told its place."""
-        if self.notes is None:
+        if self.on_position is None:
             yield
             return
         self.offered = self.offered[:1]
         await self.accept(self.offered[0] if self.offered else None, [])
         self.held = []
+        if self.notes is None:
+            self.notes = asyncio.Queue()
         notifier = asyncio.ensure_future(self._notify(self.notes))
         try:
             yield
@@ -314,10 +321,12 @@ class _WebSocket:
         self, lease: Lease, upstream: Upstream, fallback_pool: str | None, record: SessionRecord
     ) -> None:
         headers = [(FALLBACK_RESPONSE_HEADER, fallback_pool.encode())] if fallback_pool else []
+        self.admitted = True
         if self.accepted:
             while self.notes is not None and not self.notes.empty():
                 await self.text(self.notes.get_nowait())
             await self.text({"type": "headroom.admitted"})
+        self.notes = None
         if isinstance(upstream, UpstreamSocket):
             assert self.take_over is not None
             await self._splice(lease, upstream, self.take_over, headers, record)

@@ -8,6 +8,7 @@ order, and the rest of the stream follows. Real sockets on 127.0.0.1: raw client
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 from typing import Any
 
@@ -23,6 +24,7 @@ from bench.wsraw import (
     read_head,
 )
 from proxy.relay.uvicorn_fence import FALLBACK_PROTOCOL
+from proxy.relay.ws import _WebSocket
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_frame_violations import RecordingUpstream, recording_upstream
 from tests.integration.test_ws_relay import wait_until
@@ -125,4 +127,40 @@ async def test_without_the_splice_queue_feedback_uses_the_asgi_relay(
     conn = recording_upstream.conns[ours]
     await asyncio.wait_for(conn.closed.wait(), 10)
     assert conn.frames[:2] == [(OP_TEXT, b"held-1"), (OP_TEXT, b"frag-end")]
+    await wait_until(lambda: proxy.gate.active == 0)
+
+
+def _sessions() -> list[Any]:
+    """The WebSocket halves of the sessions alive in this process."""
+    gc.collect()  # those of earlier tests
+    return [o for o in gc.get_objects() if type(o) is _WebSocket]
+
+
+async def test_the_notes_queue_lives_only_while_the_session_waits(
+    start_proxy: Any, recording_upstream: RecordingUpstream
+) -> None:
+    """A session admitted at once never makes a queue for its notes; one that waited
+    drops it once admitted (it would otherwise live as long as the session)."""
+    proxy: Proxy = await start_proxy(_settings(recording_upstream.port))
+    earlier = _sessions()
+    holder_r, holder_w, _ = await _open(proxy)
+    await wait_until(lambda: proxy.gate.active == 1)
+    (holder,) = [s for s in _sessions() if not any(s is e for e in earlier)]
+    assert holder.notes is None
+    reader, writer, rest = await _open(proxy)  # accepted to wait
+    await wait_until(lambda: proxy.gate.queued == 1)
+    (waiter,) = [s for s in _sessions() if s is not holder and not any(s is e for e in earlier)]
+    assert waiter.notes is not None  # while it waits
+    holder_w.write(close_frame(1000))
+    await read_frames(holder_r, timeout=10)
+    holder_w.close()
+    got = await read_frames(reader, rest, timeout=10, until_text="headroom.admitted")
+    assert [json.loads(p)["type"] for _, p in got.frames] == ["headroom.queue", "headroom.admitted"]
+    assert waiter.notes is None
+    del earlier
+    writer.write(close_frame(4000))
+    await writer.drain()
+    closed = await read_frames(reader, got.rest, timeout=10)
+    writer.close()
+    assert closed.code == 4000, closed
     await wait_until(lambda: proxy.gate.active == 0)
