@@ -7,6 +7,7 @@ WebSocket paths (any path works; behaviour by path):
   /ws/stream        sends binary chunks on demand: the test sets ``controls.release``
 HTTP paths:
   /sse              SSE: one event, then waits for ``controls.release`` before the rest
+                    (or for the client to disconnect, and then ends)
   /echo-http        echoes method, headers, query and body as JSON
 """
 
@@ -82,6 +83,20 @@ class FakeEngine:
         finally:
             c.ws_active -= 1
 
+    async def _released_before_disconnect(self, receive: Any) -> bool:
+        """Wait for ``controls.release``; False if the client disconnected first. (An
+        engine that ignored the disconnect would hold the server's shutdown for its
+        whole graceful timeout.)"""
+        release = asyncio.ensure_future(self.controls.release.wait())
+        gone = asyncio.ensure_future(receive())
+        try:
+            done, _ = await asyncio.wait({release, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (release, gone):
+                task.cancel()
+            await asyncio.gather(release, gone, return_exceptions=True)
+        return release in done
+
     async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         body = b""
         while True:
@@ -94,7 +109,8 @@ class FakeEngine:
                         "headers": [(b"content-type", b"text/event-stream")]})  # fmt: skip
             await send({"type": "http.response.body", "more_body": True,
                         "body": b'event: first\ndata: {"n": 1}\n\n'})  # fmt: skip
-            await self.controls.release.wait()
+            if not await self._released_before_disconnect(receive):
+                return  # the client left: a real engine stops generating too
             await send({"type": "http.response.body", "more_body": True,
                         "body": b'event: second\ndata: {"n": 2}\n\n'})  # fmt: skip
             await send({"type": "http.response.body", "body": b""})
