@@ -15,6 +15,14 @@ from proxy.gateway import uvicorn_options
 from proxy.runtime import Runtime
 from proxy.serving import RunningServer, running_server
 from proxy.settings import Settings, settings_from_mapping
+from tests import hypothesis_profiles
+
+#: "ci" (full example counts) under CI, "dev" (a quarter) otherwise: see the module.
+HYPOTHESIS_PROFILE = hypothesis_profiles.load()
+
+
+def pytest_report_header() -> str:
+    return f"hypothesis examples: {HYPOTHESIS_PROFILE} profile (tests/hypothesis_profiles.py)"
 
 
 class Proxy:

@@ -23,6 +23,7 @@ from proxy.admission import (
     Reject,
     ReplicaSpec,
 )
+from tests.hypothesis_profiles import examples
 
 REPLICAS = ("a", "b", "c")
 
@@ -271,7 +272,7 @@ class AdmissionMachine(RuleBasedStateMachine):
 
 
 AdmissionMachine.TestCase.settings = settings(
-    max_examples=400,
+    max_examples=examples(400),
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

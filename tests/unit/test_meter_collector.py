@@ -14,6 +14,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from proxy.meter import PrometheusReplicaSink, SessionMeter
 from proxy.metrics import Metrics
 from proxy.signals import ReplicaSignals
+from tests.hypothesis_profiles import examples
 
 REPLICA_FAMILIES = (
     "headroom_chunk_gap_seconds",
@@ -285,7 +286,7 @@ events = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(events, st.sampled_from([(), (0.032, 0.48), (0.2, 0.04)]))
 def test_exposition_is_byte_identical_to_prometheus_client(
     events: list[tuple[str, tuple[str, str], float, float | None, float | None]],

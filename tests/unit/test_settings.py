@@ -24,6 +24,7 @@ from proxy.settings import (
     summary,
     ws_base,
 )
+from tests.hypothesis_profiles import examples
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 KEY_HASH = "de67e4f90ff14fcfe89b77afac4c0029a3a28f9b4b684851d8a5c9a5290d81b8"
@@ -651,13 +652,13 @@ def outcome(call: Callable[[], Settings]) -> None:
     assert all(isinstance(path, str) and reason for path, reason in found)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.dictionaries(field_names | st.text(max_size=6), junk, max_size=5))
 def test_junk_mappings_raise_only_config_error(data: dict[str, Any]) -> None:
     outcome(lambda: load(data))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.data())
 def test_corrupted_valid_configs_raise_only_config_error(draw: st.DataObject) -> None:
     data = valid()
@@ -670,7 +671,7 @@ def test_corrupted_valid_configs_raise_only_config_error(draw: st.DataObject) ->
     outcome(lambda: load(data))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(
     st.dictionaries(
         st.from_regex(
@@ -685,7 +686,7 @@ def test_junk_environment_raises_only_config_error(env: dict[str, str]) -> None:
     outcome(lambda: load(valid(), env))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.text(max_size=80)
     | st.sampled_from(

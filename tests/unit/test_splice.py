@@ -17,6 +17,7 @@ from proxy.clock import FakeClock
 from proxy.relay.session import SessionRecord
 from proxy.relay.splice import Splice, _Keepalive, close_frame, frame
 from proxy.settings import LimitsSettings
+from tests.hypothesis_profiles import examples
 
 
 class FakeTransport(asyncio.Transport):
@@ -174,7 +175,7 @@ DOWNSTREAM = b"".join(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(points=st.lists(st.integers(0, 90000), max_size=12))
 async def test_upstream_stream_is_forwarded_byte_for_byte_however_it_is_cut(
     points: list[int],
@@ -206,7 +207,7 @@ UPSTREAM = b"".join(
 )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(points=st.lists(st.integers(0, 7000), max_size=10))
 async def test_client_frames_are_forwarded_masked_and_text_is_metered_unmasked(
     points: list[int],

@@ -23,6 +23,7 @@ from proxy.admission import (
     TenantSpec,
 )
 from proxy.admission.tenants import reserved_above
+from tests.hypothesis_profiles import examples
 
 GOLD = TenantSpec("gold", priority=1, weight=1.0)
 A = TenantSpec("a", priority=0, weight=1.0)
@@ -195,7 +196,7 @@ def jain(values: list[float]) -> float:
     return sum(values) ** 2 / (len(values) * sum(v * v for v in values))
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(
     seed=st.integers(0, 10_000),
     la=st.sampled_from([2.0, 10.0, 40.0]),
@@ -208,7 +209,7 @@ def test_equal_weights_share_session_seconds_whatever_the_session_lengths(
     assert jain(list(held.values())) >= 0.97, held
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=examples(15), deadline=None)
 @given(seed=st.integers(0, 10_000), wb=st.sampled_from([2.0, 3.0]), la=st.sampled_from([3, 20]))
 def test_weights_are_respected_in_the_long_run(seed: int, wb: float, la: float) -> None:
     b = TenantSpec("b", weight=wb)
@@ -377,7 +378,7 @@ class TenantMachine(RuleBasedStateMachine):
 
 
 TenantMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=examples(150),
     stateful_step_count=60,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
