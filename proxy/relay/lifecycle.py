@@ -134,42 +134,71 @@ async def race_client(
     (a client flooding while it waits) is raised.
 
     With ``services``, a drain stops ``work`` too: raises the ``draining`` refusal for
-    ``pool`` (naming its fallback)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(gone)
-    drained: list[tuple[int, str]] = []
+    ``pool`` (naming its fallback).
+
+    ``work`` runs in the caller's task (one task fewer per race than running it in its
+    own): the client leaving, or a drain, cancels the caller's task and the
+    cancellation is taken back here (``uncancel``), as ``asyncio.timeout`` does."""
+    current = asyncio.current_task()
+    assert current is not None
+    watcher = asyncio.ensure_future(gone, loop=current.get_loop())
+    cancelling = current.cancelling()
+    #: Why this race cancelled the caller's task ("left", "drained"), if it did.
+    why: list[str] = []
+    racing = True
+
+    def interrupt(reason: str) -> None:
+        if racing and not why:
+            why.append(reason)
+            current.cancel()
+
+    def on_gone(_: object) -> None:
+        interrupt("left")
 
     def stop(code: int, reason: str) -> None:
-        drained.append((code, reason))
-        task.cancel()
+        interrupt("drained")
 
+    watcher.add_done_callback(on_gone)
     if services is not None:
         services.register_session(stop)
-    left = False
+    made = False
+    result: T | None = None
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if services is not None:
-            services.unregister_session(stop)
-        for future in (task, watcher):
-            if not future.done():
-                future.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-        left = watcher.done() and not watcher.cancelled()
-        current = asyncio.current_task()
-        if (left or (current is not None and current.cancelling())) and (
-            not task.cancelled() and task.exception() is None
-        ):
-            leftover(task.result())
-    if left:
-        watcher.result()  # the client's flood, if that is how it "left"
+        try:
+            result = await work
+            made = True
+            if not watcher.done():
+                # the client may have left in this same instant: its watcher runs first
+                await asyncio.sleep(0)
+        finally:
+            racing = False
+            if services is not None:
+                services.unregister_session(stop)
+            watcher.remove_done_callback(on_gone)
+            if not watcher.done():
+                watcher.cancel()
+                await asyncio.wait((watcher,))
+    except asyncio.CancelledError:
+        if not why or current.uncancel() > cancelling:  # the caller's own cancellation
+            if made:
+                leftover(result)  # type: ignore[arg-type]
+            raise
+    else:
+        if why:  # the work caught the cancellation itself and finished
+            current.uncancel()
+    if not watcher.cancelled() or why == ["left"]:  # the client left
+        if made:
+            leftover(result)  # type: ignore[arg-type]
+        if not watcher.cancelled():
+            watcher.result()  # the client's flood, if that is how it "left"
         return None
-    if drained and task.cancelled() and services is not None:
+    if not made:  # drained: the work was cancelled
+        assert services is not None
         raise refusal_for(
             "draining", retry_after_s=RETRY_AFTER_MIN_S, pool=pool,
             fallback=services.gate.fallback(pool),
         )  # fmt: skip
-    return task.result()
+    return result
 
 
 def _release(lease: Lease) -> None:

@@ -512,3 +512,66 @@ async def test_race_client_returns_the_work_when_the_client_stays() -> None:
     leftovers: list[str] = []
     result = await race_client(asyncio.sleep(0, "done"), left.wait(), leftover=leftovers.append)
     assert result == "done" and leftovers == []
+
+
+async def test_race_client_runs_the_work_in_the_callers_task() -> None:
+    """One task fewer per race: only the client's watcher gets its own."""
+    caller = asyncio.current_task()
+
+    async def work() -> asyncio.Task[Any] | None:
+        await asyncio.sleep(0)
+        return asyncio.current_task()
+
+    ran_in = await race_client(work(), asyncio.Event().wait(), leftover=lambda _: None)
+    assert ran_in is caller
+    assert caller is not None and caller.cancelling() == 0
+
+
+async def test_race_client_takes_back_its_cancellation_when_the_client_leaves() -> None:
+    """The client leaving cancels the work through the caller's task; the caller is
+    then not left cancelling (a later timeout in the session would misfire)."""
+    left = asyncio.Event()
+    cancelled_work: list[bool] = []
+
+    async def work() -> str:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled_work.append(True)
+            raise
+        return "never"
+
+    async def caller() -> tuple[str | None, int]:
+        result = await race_client(work(), left.wait(), leftover=lambda _: None)
+        task = asyncio.current_task()
+        assert task is not None
+        await asyncio.sleep(0)  # no cancellation is pending either
+        return result, task.cancelling()
+
+    running = asyncio.ensure_future(caller())
+    await settle()
+    left.set()
+    assert await running == (None, 0)
+    assert cancelled_work == [True]
+
+
+async def test_race_client_passes_the_callers_own_cancellation_on() -> None:
+    watching = asyncio.Event()
+    watcher_cancelled: list[bool] = []
+
+    async def gone() -> None:
+        watching.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            watcher_cancelled.append(True)
+            raise
+
+    running = asyncio.ensure_future(
+        race_client(asyncio.Event().wait(), gone(), leftover=lambda _: None)
+    )
+    await watching.wait()
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    assert watcher_cancelled == [True]
