@@ -230,6 +230,27 @@ async def test_an_accepted_take_over_lets_go_of_websockets_handshake_objects() -
     assert not hasattr(lean, "request") and not hasattr(lean, "response")
 
 
+_UVICORN_SIDE = ("conn", "queue", "writable")  # websockets' protocol, receive queue, flow
+
+
+async def test_a_take_over_lets_go_of_uvicorns_websocket_machinery() -> None:
+    """Once taken over (lean handshake or ASGI accept), nothing of uvicorn's WebSocket
+    side runs again for the connection: it is not kept for the session's life (about
+    6 KB), and a stray ASGI send fails instead of writing into the relayed stream."""
+    lean, transport = _open(HeadroomWebSocketProtocol, _request(b"/ws"))
+    assert all(hasattr(lean, name) for name in _UVICORN_SIDE)
+    assert lean.take_over(None, [], asyncio.Protocol(), lambda: None) is not None
+    assert not any(hasattr(lean, name) for name in _UVICORN_SIDE)
+    written = bytes(transport.out)
+    with pytest.raises(AttributeError):
+        await lean.send({"type": "websocket.close", "code": 1011, "reason": "internal error"})
+    assert bytes(transport.out) == written
+    accepted, _ = _accepted()
+    await _accept(accepted)
+    assert accepted.take_over(None, [], asyncio.Protocol(), lambda: None) is not None
+    assert not any(hasattr(accepted, name) for name in _UVICORN_SIDE)
+
+
 async def test_no_take_over_after_the_client_closed_while_waiting() -> None:
     lean, transport = _accepted()
     await _accept(lean)
