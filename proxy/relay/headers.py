@@ -75,6 +75,19 @@ def is_trusted(host: str | None, trusted_proxies: Sequence[str]) -> bool:
     return any(address in net for net in _networks(tuple(trusted_proxies)))
 
 
+#: What never crosses, by (keep_authorization, websocket): built once, not per request.
+_DROP = {
+    (keep, ws): frozenset(
+        HOP_BY_HOP
+        | _OWN
+        | (set() if keep else {"authorization"})
+        | (_WS_HANDSHAKE if ws else set())
+    )
+    for keep in (True, False)
+    for ws in (True, False)
+}
+
+
 def forwarded_request_headers(
     raw: Iterable[tuple[bytes, bytes]],
     *,
@@ -87,17 +100,18 @@ def forwarded_request_headers(
     """The headers to send upstream for a client request's raw ASGI headers. With
     ``keep_authorization=False`` (Headroom's own auth is on) the client's key stays
     here. ``client_host`` is the TCP peer (see the module docstring)."""
-    raw = list(raw)
-    drop = HOP_BY_HOP | _OWN | _connection_tokens(raw)
-    if not keep_authorization:
-        drop = drop | {"authorization"}
-    if websocket:
-        drop = drop | _WS_HANDSHAKE
+    named = [(name.decode("latin-1").lower(), value) for name, value in raw]
+    drop = _DROP[keep_authorization, websocket]
+    tokens: set[str] = set()
+    for name, value_b in named:
+        if name == "connection":
+            tokens.update(t.strip().lower() for t in value_b.decode("latin-1").split(","))
+    if not tokens <= drop:  # the Connection header names more hop-by-hop headers
+        drop = drop | tokens
     out: list[tuple[str, str]] = []
     chain: list[str] = []
     given_proto: str | None = None
-    for name_b, value_b in raw:
-        name = name_b.decode("latin-1").lower()
+    for name, value_b in named:
         if name in drop:
             continue
         value = value_b.decode("latin-1")
