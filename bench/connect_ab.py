@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,8 @@ from harness import (  # type: ignore[import-not-found,unused-ignore]
     wait_port,
 )
 
+GC_TRACE = Path(__file__).resolve().parent / "gc_trace.py"
+
 
 @dataclass
 class Side:
@@ -49,7 +52,9 @@ class Side:
     tree: Path
     pid: int = 0
     clients: list[Worker] = field(default_factory=list)
+    gc_log: Path | None = None
     setup_ms: list[float] = field(default_factory=list)
+    windows: list[tuple[int, int]] = field(default_factory=list)  # connect phases, ns
     close_ms: list[float] = field(default_factory=list)
 
 
@@ -59,9 +64,12 @@ async def _start(procs: Processes, side: Side, run_dir: Path, upstream_port: int
     conf.write_text(headroom_config(port, upstream_port, cap, "vllm-omni-speech-ws"))
     log = run_dir / f"{side.name}.log"
     env = {**os.environ, "PYTHONPATH": str(side.tree.resolve())}
+    cmd = [sys.executable, "-m", "proxy"]
+    if side.gc_log is not None:  # every collection logged (bench/gc_trace.py)
+        cmd = [sys.executable, str(GC_TRACE), str(side.gc_log), "--"]
     with log.open("wb") as out:
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy", "serve", "--config", str(conf),
+            *cmd, "serve", "--config", str(conf),
             stdin=asyncio.subprocess.DEVNULL, stdout=out, stderr=out, env=env,
             start_new_session=True, cwd=str(side.tree.resolve()),
         )  # fmt: skip
@@ -72,9 +80,9 @@ async def _start(procs: Processes, side: Side, run_dir: Path, upstream_port: int
 
 
 async def _round(side: Side, n: int, concurrency: int, settle: float) -> None:
-    parts = len(side.clients)
-    shares = [n // parts + (i < n % parts) for i in range(parts)]
+    shares = _shares(n, side)
     before = sample([side.pid])
+    started_ns = time.monotonic_ns()
     replies = await asyncio.gather(
         *(w.call("connect", "connected", 60.0, n=k, concurrency=concurrency)
           for w, k in zip(side.clients, shares, strict=True))
@@ -84,6 +92,7 @@ async def _round(side: Side, n: int, concurrency: int, settle: float) -> None:
         raise RuntimeError(f"{side.name}: {ok} of {n} connected: {[r['failed'] for r in replies]}")
     await asyncio.sleep(settle)
     connected = sample([side.pid])
+    side.windows.append((started_ns, time.monotonic_ns()))
     await asyncio.gather(*(w.call("close", "closed", 60.0) for w in side.clients))
     await asyncio.sleep(settle)
     closed = sample([side.pid])
@@ -96,6 +105,9 @@ async def run(args: argparse.Namespace) -> int:
     procs = Processes()
     run_dir = Path(tempfile.mkdtemp(prefix="headroom-connect-ab-"))
     sides = [Side("A", Path(args.a)), Side("B", Path(args.b))]
+    if args.gc_trace:
+        for side in sides:
+            side.gc_log = run_dir / f"{side.name}-gc.log"
     try:
         _, up_port = await start_upstreams(procs, 1, 40.0, 9600)
         for side in sides:
@@ -120,6 +132,8 @@ async def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         busy1 = cpu_busy()
+        if args.stream_windows:
+            await _stream(sides, args, run_dir)
     finally:
         await procs.stop_all()
     busy = (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])
@@ -133,11 +147,74 @@ async def run(args: argparse.Namespace) -> int:
             f"(min {min(side.setup_ms):.3f}, max {max(side.setup_ms):.3f}); close median "
             f"{statistics.median(side.close_ms):.3f} ms/session"
         )
+    for side in sides:
+        if side.gc_log is not None:
+            print(f"{side.name}: {_gc_summary(side, args.sessions)}")
     print(
         f"B/A setup per round: {' '.join(f'{x:.3f}' for x in ratios)}; "
         f"median {statistics.median(ratios):.3f}"
     )
     return 0
+
+
+async def _stream(sides: list[Side], args: argparse.Namespace, run_dir: Path) -> None:
+    """Both relays stream at once (``--sessions`` each, one chunk per 40 ms): relay CPU
+    per chunk in each of ``--stream-windows`` windows of ``--window`` seconds, side by
+    side, so that both see the same machine."""
+    for side in sides:
+        await asyncio.gather(
+            *(w.call("connect", "connected", 60.0, n=n, concurrency=args.concurrency)
+              for w, n in zip(side.clients, _shares(args.sessions, side), strict=True))
+        )  # fmt: skip
+    for side in sides:
+        await asyncio.gather(*(w.call("start", "started", 10.0) for w in side.clients))
+    await asyncio.sleep(2.0)
+    per_chunk: dict[str, list[float]] = {side.name: [] for side in sides}
+    workers = [w for side in sides for w in side.clients]
+    for k in range(args.stream_windows):
+        await asyncio.gather(*(w.call("mark", "marked", 10.0) for w in workers))
+        before = {side.name: sample([side.pid]) for side in sides}
+        await asyncio.sleep(args.window)
+        after = {side.name: sample([side.pid]) for side in sides}
+        for side in sides:
+            stops = await asyncio.gather(
+                *(w.call("stop", "stopped", 30.0, out=str(run_dir / f"{side.name}{i}"))
+                  for i, w in enumerate(side.clients))
+            )  # fmt: skip
+            chunks = sum(int(x["chunks"]) for x in stops)
+            cpu_us = (after[side.name].cpu_ns - before[side.name].cpu_ns) / 1e3
+            per_chunk[side.name].append(cpu_us / max(1, chunks))
+        a, b = (per_chunk[side.name][-1] for side in sides)
+        print(f"window {k + 1}: CPU per chunk A {a:.1f} B {b:.1f} us (B/A {b / a:.3f})",
+              file=sys.stderr)  # fmt: skip
+    ratios = [b / a for a, b in zip(*per_chunk.values(), strict=True)]
+    for side in sides:
+        print(f"{side.name}: CPU per chunk median {statistics.median(per_chunk[side.name]):.1f} us")
+    print(f"B/A CPU per chunk per window: {' '.join(f'{x:.3f}' for x in ratios)}; "
+          f"median {statistics.median(ratios):.3f}")  # fmt: skip
+    for side in sides:
+        await asyncio.gather(*(w.call("close", "closed", 60.0) for w in side.clients))
+
+
+def _shares(n: int, side: Side) -> list[int]:
+    parts = len(side.clients)
+    return [n // parts + (i < n % parts) for i in range(parts)]
+
+
+def _gc_summary(side: Side, sessions: int) -> str:
+    """Collections during the connect phases: count and pause per generation, per
+    session."""
+    count = [0, 0, 0]
+    pause_ns = [0, 0, 0]
+    assert side.gc_log is not None
+    for line in side.gc_log.read_text().splitlines():
+        at, gen, pause, _ = (int(x) for x in line.split())
+        if any(a <= at <= b for a, b in side.windows):
+            count[gen] += 1
+            pause_ns[gen] += pause
+    n = sessions * len(side.windows)
+    per = " ".join(f"gen{g} {count[g]}x {pause_ns[g] / 1e3 / n:.1f}" for g in range(3))
+    return f"GC in connect phases, us per session: {per}; total {sum(pause_ns) / 1e3 / n:.1f}"
 
 
 def main() -> int:
@@ -149,6 +226,14 @@ def main() -> int:
     p.add_argument("--client-procs", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=50)
     p.add_argument("--settle", type=float, default=0.3)
+    p.add_argument("--gc-trace", action="store_true", help="log and sum GC passes")
+    p.add_argument(
+        "--stream-windows",
+        type=int,
+        default=0,
+        help="then stream on both at once: CPU per chunk in this many windows",
+    )
+    p.add_argument("--window", type=float, default=4.0, help="seconds per stream window")
     return asyncio.run(run(p.parse_args()))
 
 
