@@ -22,12 +22,20 @@ from proxy.sim.cluster import Cluster
 FAST_TTS = replace(get_preset("h200-voxtral-tts-4b"), name="test-fast-tts", chunk_tokens=5)
 #: The ASR preset as is (8 ms steps, 480 ms segments).
 ASR = get_preset("h100-voxtral-realtime-4b")
-#: Short speech-WebSocket limits so timeout tests take well under a second.
+#: Short speech-WebSocket limits so timeout tests take well under a second. Only the
+#: tests of those limits get them (``tts_quick``): on a loaded machine a 0.3 s idle limit
+#: could cut another test's session between two of its messages.
 QUICK_TIMEOUTS = Timeouts(speech_config_s=0.3, speech_idle_s=0.3)
 
 
 @pytest.fixture
 async def tts() -> AsyncIterator[Cluster]:
+    async with running_cluster(FAST_TTS, gpus=1) as cluster:
+        yield cluster
+
+
+@pytest.fixture
+async def tts_quick() -> AsyncIterator[Cluster]:
     async with running_cluster(FAST_TTS, gpus=1, timeouts=QUICK_TIMEOUTS) as cluster:
         yield cluster
 

@@ -171,15 +171,15 @@ async def test_config_may_be_large_but_not_over_4_mib(tts: Cluster) -> None:
         assert json.loads(await ws.recv())["message"] == "WebSocket message too large"
 
 
-async def test_config_timeout(tts: Cluster) -> None:
-    async with connect(url(tts), compression=None) as ws:
+async def test_config_timeout(tts_quick: Cluster) -> None:
+    async with connect(url(tts_quick), compression=None) as ws:
         error = json.loads(await ws.recv())  # nothing sent: the 0.3 s test limit expires
         assert error == {"type": "error", "message": "Timeout waiting for session.config"}
         assert await closed_without_close_frame(ws)
 
 
-async def test_idle_timeout(tts: Cluster) -> None:
-    async with connect(url(tts), compression=None) as ws:
+async def test_idle_timeout(tts_quick: Cluster) -> None:
+    async with connect(url(tts_quick), compression=None) as ws:
         await ws.send(json.dumps(PCM_STREAM))
         error = json.loads(await ws.recv())
         assert error == {"type": "error", "message": "Idle timeout: no message received"}
