@@ -65,17 +65,19 @@ class UpstreamSocket:
 
     transport: asyncio.Transport
     subprotocol: str | None
-    handshake: _Handshake
+    #: Reads the response; None once handed over (:meth:`hand_over`).
+    handshake: _Handshake | None
+    loop: asyncio.AbstractEventLoop
 
-    def take_leftover(self) -> bytes:
-        """The bytes the upstream sent after its response (its first frames)."""
-        data = bytes(self.handshake.buffer)
-        self.handshake.buffer.clear()
-        return data
-
-    @property
-    def lost(self) -> bool:
-        return self.handshake.lost
+    def hand_over(self) -> tuple[bytes, bool]:
+        """For the splice taking the transport: the bytes the upstream sent after its
+        response (its first frames) and whether the connection is lost already. The
+        handshake's protocol (its buffer, the response head's future) is let go rather
+        than kept as long as the session."""
+        handshake = self.handshake
+        assert handshake is not None, "handed over twice"
+        self.handshake = None
+        return bytes(handshake.buffer), handshake.lost
 
     def abort(self) -> None:
         self.transport.abort()
@@ -212,4 +214,4 @@ async def open_upstream(
         if transport is not None:
             transport.abort()
         raise
-    return UpstreamSocket(transport, subprotocol, protocol)
+    return UpstreamSocket(transport, subprotocol, protocol, loop)

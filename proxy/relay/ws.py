@@ -347,7 +347,7 @@ class _WebSocket:
         services = self.services
         clock = services.clock
         meter = services.new_meter(lease.pool, lease.replica, record.admitted_at or clock.now())
-        loop = upstream.handshake.head.get_loop()  # get_running_loop() costs a getpid()
+        loop = upstream.loop  # get_running_loop() costs a getpid()
         adapter = services.ws_adapter(self.route, meter)
         splice = Splice(services, lease, adapter, record, services.settings.limits, loop)
         try:
@@ -362,8 +362,7 @@ class _WebSocket:
             transport, early = taken
             services.register_session(splice.stop)
             try:
-                splice.start(transport, early, upstream.transport, upstream.take_leftover(),
-                             upstream.lost)  # fmt: skip
+                splice.start(transport, early, upstream.transport, *upstream.hand_over())
                 await splice.done
             except BaseException:
                 splice.abort()

@@ -8,6 +8,7 @@ import base64
 import contextlib
 import hashlib
 import socket
+import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -21,8 +22,9 @@ _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 
 
 @asynccontextmanager
-async def answering_server(requests: list[bytes]) -> AsyncIterator[int]:
-    """Answers each handshake with a 101 (and keeps the request head); on exit, waits
+async def answering_server(requests: list[bytes], first_frames: bytes = b"") -> AsyncIterator[int]:
+    """Answers each handshake with a 101 and ``first_frames`` in the same write (and
+    keeps the request head); on exit, waits
     for every connection to end (the test's clients abort theirs)."""
     handlers: list[asyncio.Task[None]] = []
 
@@ -40,7 +42,7 @@ async def answering_server(requests: list[bytes]) -> AsyncIterator[int]:
         accept = base64.b64encode(hashlib.sha1(key + _GUID).digest())
         writer.write(
             b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
-            b"Connection: Upgrade\r\nSec-WebSocket-Accept: " + accept + b"\r\n\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Accept: " + accept + b"\r\n\r\n" + first_frames
         )
         await writer.drain()
         with contextlib.suppress(ConnectionError):
@@ -96,3 +98,18 @@ def test_an_invalid_upstream_url_is_refused_each_time() -> None:
         with pytest.raises(InvalidURI):
             upstream_uri("ws://127.0.0.1:1/a#fragment")
     assert upstream_uri.cache_info().currsize == 0
+
+
+async def test_hand_over_gives_the_first_frames_and_lets_the_handshake_go() -> None:
+    """The splice gets what the upstream sent right after its 101; the handshake's
+    protocol (buffer, future) is not kept for the session's life."""
+    first = bytes((0x82, 3)) + b"abc"
+    async with answering_server([], first) as port:
+        upstream = await handshake(f"ws://127.0.0.1:{port}/v1/stream", port)
+        handshake_protocol = weakref.ref(upstream.handshake)  # type: ignore[arg-type]
+        # the head and the first frames came in one write, so in one read: reading
+        # pauses once the head is complete
+        upstream.transport.set_protocol(asyncio.Protocol())  # what the splice does
+        assert upstream.hand_over() == (first, False)
+        assert upstream.handshake is None and handshake_protocol() is None
+        upstream.abort()
