@@ -39,12 +39,42 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
 
 
 class EmbeddedServer(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to its owner and tells when it has
-    started (:attr:`ready`)."""
+    """A uvicorn server that leaves signal handling to its owner, tells when it has
+    started (:attr:`ready`), and stops at once when told to while no connection is open
+    (uvicorn's own loop notices :attr:`should_exit` on its next 0.1 s tick)."""
 
     def __init__(self, config: uvicorn.Config) -> None:
+        self._exit = asyncio.Event()  # before uvicorn's __init__, which sets should_exit
         super().__init__(config)
         self.ready = asyncio.Event()
+
+    @property
+    def should_exit(self) -> bool:
+        return self._exit.is_set()
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        if value:
+            self._exit.set()
+        else:
+            self._exit.clear()
+
+    async def main_loop(self) -> None:
+        """uvicorn's loop -- ``on_tick`` every 0.1 s until it says to exit -- except that
+        :attr:`should_exit` ends the wait for the next tick when no connection is open.
+        With connections open the tick keeps uvicorn's timing: uvicorn's shutdown tells
+        each one to close, and raises for a WebSocket whose close handshake is still in
+        flight (websockets' ``send_close`` in the CLOSING state), which the tick's delay
+        usually lets finish."""
+        loop = asyncio.get_running_loop()
+        counter = 0
+        while not await self.on_tick(counter):
+            counter = (counter + 1) % 864000
+            tick = loop.time() + 0.1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._exit.wait(), 0.1)
+            if self.server_state.connections:
+                await asyncio.sleep(max(0.0, tick - loop.time()))
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
