@@ -97,23 +97,33 @@ async def start_proxy() -> AsyncIterator[Callable[[Settings], Any]]:
         assert proxy.gate.queued == 0, f"queue not empty: {proxy.gate!r}"
 
 
-#: Modules that start processes, soak, fuzz or measure (about nine tenths of the suite's
-#: time): marked ``slow`` so ``pytest -m "not slow"`` is a quick inner loop. CI runs all.
+#: Tests that start processes, soak, fuzz or measure: marked ``slow`` so
+#: ``pytest -m "not slow"`` is a quick inner loop (README, "Tests"). CI runs all. Each
+#: entry is a directory, a module or one test (its node id without parameters).
 SLOW = (
-    "tests/bench/",
-    "tests/probe/test_e2e.py",
-    "tests/chaos/test_soak_short.py",
-    "tests/fuzz/",
-    "tests/sim/test_validate.py",
-    "tests/sim/test_colocation.py",
-    "tests/shared_admission/test_workers.py",
-    "tests/shared_admission/test_crash.py",
+    "tests/bench/",  # benchmarks: real load for seconds
+    "tests/probe/test_e2e.py",  # the probe against a simulator process, end to end
+    "tests/chaos/test_soak_short.py",  # a soak under injected faults
+    "tests/fuzz/",  # fuzz campaigns, live stacks included
+    "tests/sim/test_validate.py",  # the capacity model against simulated runs
+    "tests/sim/test_colocation.py",  # co-located engines under load
+    "tests/shared_admission/test_workers.py",  # gateway worker processes
+    "tests/shared_admission/test_crash.py",  # gateway processes killed mid-session
+    # `headroom serve` processes, one per busy listener:
+    "tests/integration/test_operations.py::test_busy_port_fails_with_one_line_naming_the_address",
+    # the whole ASR demo (simulated GPU, gateway, capacity model) served and queried:
+    "tests/integration/test_demo.py::test_every_route_the_asr_demo_banner_lists_is_served",
+    # a `python -m proxy.sim` process, served and stopped by SIGINT:
+    "tests/sim/test_cli.py::test_serve_prints_one_url_per_gpu_serves_and_stops_on_sigint",
+    # the SageMaker entrypoint's processes (Headroom and a stand-in engine):
+    "tests/deploy/test_deploy_sagemaker.py::test_sigterm_drains_headroom_before_stopping_vllm",
+    "tests/deploy/test_deploy_sagemaker.py::test_engine_batch_follows_the_cap_including_env",
+    "tests/deploy/test_deploy_sagemaker.py::test_engine_exit_stops_headroom_and_fails",
+    "tests/deploy/test_deploy_sagemaker.py::test_invalid_config_stops_before_starting_anything",
 )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    root = config.rootpath
     for item in items:
-        where = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
-        if where.startswith(SLOW):
+        if item.nodeid.startswith(SLOW):
             item.add_marker(pytest.mark.slow)
