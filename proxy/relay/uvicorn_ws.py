@@ -359,6 +359,11 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
             self.on_shutdown()
 
     async def run_asgi(self) -> None:
-        await super().run_asgi()
+        try:
+            await super().run_asgi()
+        finally:
+            # The extension's bound take_over ties the scope back to this protocol: a
+            # cycle that left the connection's objects to the garbage collector.
+            self.scope["extensions"].pop("headroom.splice", None)
         if self.on_shutdown is not None:
             self.released()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import hashlib
+import weakref
 from typing import Any
 
 import pytest
@@ -263,3 +265,36 @@ async def test_no_take_over_after_an_http_refusal() -> None:
     lean, _ = _accepted()
     await lean.send({"type": "websocket.http.response.start", "status": 503, "headers": []})
     assert lean.take_over(None, [], asyncio.Protocol(), lambda: None) is None
+
+
+async def _refusing_app(scope: Any, receive: Any, send: Any) -> None:
+    await receive()  # websocket.connect
+    await send({"type": "websocket.close", "code": 1008})
+
+
+async def test_a_finished_connection_is_freed_without_the_garbage_collector() -> None:
+    """The scope's ``headroom.splice`` extension (a bound take_over) tied the scope back
+    to its protocol: every connection's objects waited for a collection. It goes when
+    the ASGI app ends."""
+    config = uvicorn.Config(
+        app=_refusing_app, ws=HeadroomWebSocketProtocol, ws_per_message_deflate=False,
+        log_level="critical",
+    )  # fmt: skip
+    config.load()
+    state = ServerState()
+    gc.disable()
+    try:
+        lean = HeadroomWebSocketProtocol(config=config, server_state=state, app_state={})
+        transport = Transport()
+        lean.connection_made(transport)
+        lean.data_received(_request(b"/ws"))
+        (task,) = state.tasks
+        await task
+        assert bytes(transport.out).startswith(b"HTTP/1.1 403")  # closed before accept
+        assert "headroom.splice" not in lean.scope["extensions"]
+        lean.connection_lost(None)
+        protocol = weakref.ref(lean)
+        del lean, task
+        assert protocol() is None
+    finally:
+        gc.enable()
