@@ -136,7 +136,12 @@ class Splice:
         self.record = record
         self.limits = limits
         self.clock: Clock = rt.clock
-        self.core = RelayCore(limits, record, adapter, self._upstream_error, self.clock.now())
+        count = rt.upstream_error
+
+        def upstream_error(kind: str) -> None:  # not a bound method: no cycle to the splice
+            count(lease.pool, lease.replica, kind)
+
+        self.core = RelayCore(limits, record, adapter, upstream_error, self.clock.now())
         self.client = Leg(self, self.core.client)
         self.upstream = Leg(self, self.core.upstream)
         self.client.peer = self.upstream
@@ -147,9 +152,6 @@ class Splice:
         self._keepalive = _keepalive_for(loop) if limits.ping_interval_s else None
         self._timer: TimerHandle | None = None
         self._timer_at = float("inf")
-
-    def _upstream_error(self, kind: str) -> None:
-        self.rt.upstream_error(self.lease.pool, self.lease.replica, kind)
 
     @property
     def closing(self) -> tuple[int, str] | None:
@@ -296,6 +298,20 @@ class Splice:
             self._timer = None
         if not self.done.done():
             self.done.set_result(None)
+        # after the batch of actions this Done ends: the legs are used until then
+        self.done.get_loop().call_soon(self.leg_gone)
+
+    def leg_gone(self) -> None:
+        """A leg's transport is gone (connection_lost is the last call a transport
+        makes), or the session is done. Once both are gone and the session is done,
+        nothing calls the legs or the core again: untie the legs from the splice and
+        from each other, so that the session's objects (legs, core, meter, transports:
+        about 35) go as soon as its task lets go of them, not at the garbage collector's
+        next pass."""
+        client, upstream = self.client, self.upstream
+        if client.gone and upstream.gone and self.done.done():
+            for leg in (client, upstream):
+                leg.session = leg.peer = None  # type: ignore[assignment]
 
     # -- the timer -----------------------------------------------------------------------
 

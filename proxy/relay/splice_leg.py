@@ -80,6 +80,7 @@ class Leg(asyncio.Protocol):
         "closed",
         "core",
         "fin",
+        "gone",
         "head",
         "held",
         "hlen",
@@ -107,6 +108,7 @@ class Leg(asyncio.Protocol):
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.peer: Leg = None  # type: ignore[assignment]
         self.closed = False  # our transport is closed (an I/O fact; the state is st's)
+        self.gone = False  # connection_lost came: the transport calls nothing more
         self.abort_at: float | None = None  # a deferred close drops the socket then
         self.head = b""  # an incomplete header (or control frame), withheld
         # A data frame still arriving is held, not forwarded, until it is complete: the
@@ -146,9 +148,14 @@ class Leg(asyncio.Protocol):
         return None  # close the socket; connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self.gone:  # once per transport
+            return
+        self.gone = True
+        session = self.session
         if not self.closed:
             self.closed = True
-            self.session.lost(self)
+            session.lost(self)
+        session.leg_gone()  # may untie this leg from the session
 
     def write(self, data: bytes) -> None:
         if not self.closed:

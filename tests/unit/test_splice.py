@@ -5,7 +5,9 @@ back-pressure and keepalive. Timing comes from a FakeClock; nothing sleeps."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -646,3 +648,30 @@ async def test_a_client_gone_before_the_start_gets_the_upstream_a_1001_and_a_clo
     assert h.upstream.closed and not h.upstream.aborted  # the close frame is flushed
     assert h.record.client_close == 1006 and h.splice.done.done()
     assert h.splice._timer is None  # no close deadline left running
+
+
+async def test_an_ended_session_is_freed_without_the_garbage_collector() -> None:
+    """Once both transports are gone (connection_lost is the last call a transport
+    makes) and the session is done, the legs are untied from the splice and from each
+    other: the session's objects go with its last reference, not at the garbage
+    collector's next pass."""
+    gc.disable()
+    try:
+        h = Harness()
+        h.start()
+        h.from_client(client_frame(8, (1000).to_bytes(2, "big")))
+        h.from_upstream(server_frame(8, (1000).to_bytes(2, "big")))
+        for leg, transport in ((h.splice.client, h.client), (h.splice.upstream, h.upstream)):
+            leg.connection_lost(None)
+            transport.protocol = None  # uvloop lets go of a protocol once it is lost
+        assert h.splice.done.done()
+        await asyncio.sleep(0)  # the untie runs after the batch of actions that ended it
+        h.clock.advance(3600)  # drops the timers it armed, as a loop drops cancelled ones
+        # (the splice, its legs and core have no weak references: follow what only they
+        # hold -- the done future, and each leg's transport)
+        refs = [weakref.ref(o) for o in (h.splice.done, h.client, h.upstream)]
+        assert h.record.client_close == 1000
+        del h, leg, transport
+        assert [r() for r in refs] == [None] * 3
+    finally:
+        gc.enable()
