@@ -423,8 +423,14 @@ class SharedGate:
         # Retry-After from where this key's session would have stood in the queue.
         raise self._refuse(p, str(value), self._estimate(p, got.position), tenant)
 
-    async def acquire(self, pool: str, *, on_position: PositionCallback | None = None) -> Lease:
-        entry = await self.admit(pool, on_position=on_position)
+    async def acquire(
+        self,
+        pool: str,
+        *,
+        on_position: PositionCallback | None = None,
+        tenant: TenantSpec | None = None,
+    ) -> Lease:
+        entry = await self.admit(pool, on_position=on_position, tenant=tenant)
         if isinstance(entry, Lease):
             return entry
         return await entry.wait()

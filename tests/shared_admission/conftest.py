@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
+from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec, Reserve
 from proxy.admission.redis_backend import RedisAdmission
 from proxy.clock import FakeClock
 from proxy.errors import FallbackHint
@@ -62,16 +62,27 @@ class Backend:
         replicas = [ReplicaSpec(f"gpu{i}", c) for i, c in enumerate(caps)]
         queue = QueuePolicy(depth, wait)
         hint = FallbackHint(voice="lite")
+        reserves: tuple[Reserve, ...] = tuple(options.pop("reserves", ()))
+        # fake_time: the scripts read the test's FakeClock (ms) instead of Redis TIME, so
+        # session-seconds (fair share) are the same on both backends.
+        fake_time = options.pop("fake_time", False)
         gate: Gate | SharedGate
         if self.kind == "memory":
-            core = PoolCore("tts", replicas, queue, session_estimate_s=10.0)
+            core = PoolCore("tts", replicas, queue, session_estimate_s=10.0, reserves=reserves)
             gate = Gate([core], clock=self.clock, metrics=metrics, fallbacks={"tts": hint})
+            metrics.bind_tenants(gate.tenant_gauges)  # (the shared gate binds its own)
         else:
             assert self.url is not None
-            store = RedisAdmission(self.url, gateway_id=f"gw{len(self.made)}",
-                                   lease_ttl_s=options.pop("lease_ttl_s", 10.0))  # fmt: skip
+            clock = self.clock
+            # On the test's clock, leases and heartbeats outlast any advance of it (the
+            # renewals run on the event loop's clock).
+            ttl = options.pop("lease_ttl_s", 1000.0 if fake_time else 10.0)
+            store = RedisAdmission(self.url, gateway_id=f"gw{len(self.made)}", lease_ttl_s=ttl,
+                                   heartbeat_ttl_s=ttl if fake_time else 3.0,
+                                   clock_ms=(lambda: round(clock.now() * 1000)) if fake_time
+                                   else None)  # fmt: skip
             gate = SharedGate(
-                [SharedPoolSpec("tts", tuple(replicas), queue, hint, 10.0)],
+                [SharedPoolSpec("tts", tuple(replicas), queue, hint, 10.0, reserves)],
                 backend=store, clock=self.clock, metrics=metrics,
                 lease_ttl_s=store.ttl_ms / 1000, **options,
             )  # fmt: skip
