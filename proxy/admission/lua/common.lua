@@ -119,9 +119,13 @@ local function tq_load(ctx)
   local runs = {}
   raw = redis.call('HGETALL', K_RUN)
   for j = 1, #raw, 2 do
-    local seq, ms, rest = string.match(raw[j + 1], '^(%S+) (%S+) (.*)$')
-    runs[#runs + 1] = {id = raw[j], seq = tonumber(seq), t = tonumber(ms) / 1000,
-                       tenant = tenant_of(rest .. '')}
+    if redis.call('HEXISTS', K_OWNER, raw[j]) == 1 then
+      local seq, ms, rest = string.match(raw[j + 1], '^(%S+) (%S+) (.*)$')
+      runs[#runs + 1] = {id = raw[j], seq = tonumber(seq), t = tonumber(ms) / 1000,
+                         tenant = tenant_of(rest)}
+    else  -- released by a script that does not charge (an older gateway's)
+      redis.call('HDEL', K_RUN, raw[j])
+    end
   end
   table.sort(runs, function(a, b) return a.seq < b.seq end)
   for _, r in ipairs(runs) do
