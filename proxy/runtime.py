@@ -172,8 +172,9 @@ class Runtime:
                 )  # fmt: skip
             else:
                 self.gate.apply_pool(
-                    pool.name, replicas, queue, hint, session_estimate_s=pool.session_estimate_s
-                )
+                    pool.name, replicas, queue, hint, session_estimate_s=pool.session_estimate_s,
+                    reserves=_reserves(pool),
+                )  # fmt: skip
         for name in old_pools.keys() - {p.name for p in settings.pools}:
             self.gate.retire_pool(name)
             changes.append(f"pool {name}: removed (running sessions finish)")

@@ -956,6 +956,11 @@ class SharedGate:
     def fallback(self, pool: str) -> FallbackHint | None:
         return self._pool(pool).fallback
 
+    def reserves(self, pool: str) -> tuple[Reserve, ...]:
+        """The pool's reserves as this gateway sends them with every script call."""
+        self._pool(pool)
+        return self._reserves.get(pool, ())
+
     def estimate_wait(self, pool: str, position: int) -> float:
         """Expected seconds until a waiter at ``position`` (1 = head) is handed a slot:
         when the ``position``-th usable slot frees

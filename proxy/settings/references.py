@@ -138,24 +138,6 @@ def _pipeline_problems(data: Any) -> list[tuple[Loc, str]]:
     return problems
 
 
-def _tenant_problems(settings: Settings) -> list[tuple[Loc, str]]:
-    """Priority classes, weights and reserves are decided by the in-process core;
-    the shared (Redis) backend does not apply them yet, so it refuses them rather
-    than ignore them."""
-    if settings.admission.backend != "redis":
-        return []
-    why = "not supported with admission.backend: redis yet (README 'Tenants and priorities')"
-    out: list[tuple[Loc, str]] = [
-        (("pools", i, "reserve"), why) for i, p in enumerate(settings.pools) if p.reserve
-    ]
-    if settings.auth is not None:
-        for i, key in enumerate(settings.auth.keys):
-            for field in ("priority", "weight", "max_queued"):
-                if field in key.model_fields_set:
-                    out.append((("auth", "keys", i, field), why))
-    return out
-
-
 def _port_problems(settings: Settings) -> list[tuple[Loc, str]]:
     listen, admin = settings.listen, settings.admin
     wildcard = {"0.0.0.0", "::"}

@@ -38,7 +38,6 @@ from proxy.settings.references import (
     _pipeline_problems,
     _port_problems,
     _reference_problems,
-    _tenant_problems,
 )
 from proxy.settings_env import Loc, Problems, did_you_mean
 
@@ -638,7 +637,7 @@ class Settings(BaseModel):
             if problems:
                 raise Problems(problems, prior=exc.errors()) from None
             raise
-        problems += _port_problems(settings) + _tenant_problems(settings)
+        problems += _port_problems(settings)
         if problems:
             raise Problems(problems)
         raw_auth = data.get("auth") if isinstance(data, Mapping) else None

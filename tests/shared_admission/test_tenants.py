@@ -12,9 +12,12 @@ from typing import Any
 
 import pytest
 
-from proxy.admission import Reserve, TenantSpec
+from proxy.admission import QueuePolicy, ReplicaSpec, Reserve, TenantSpec
 from proxy.errors import Refused, TenantLimitRefused
 from proxy.gate import Lease, Waiting
+from proxy.runtime import Runtime
+from proxy.settings import settings_from_mapping
+from proxy.shared_gate import SharedGate
 from tests.shared_admission.conftest import Backend, eventually
 
 GOLD = TenantSpec("gold", priority=1)
@@ -199,3 +202,42 @@ async def test_tenant_series_count_decisions_and_session_seconds(backend: Backen
     assert sample("headroom_tenant_session_seconds_total", "team", "0") == 5.0
     assert sample("headroom_tenant_session_seconds_total", "gold", "1") == 4.0
     assert sample("headroom_tenant_sessions_active", "gold", "1") == 0
+
+
+async def test_reserves_change_on_reload(backend: Backend) -> None:
+    gate = await backend.gate(caps=(2,), depth=2)
+    first = await gate.acquire("tts", tenant=TEAM)
+    replicas, queue = [ReplicaSpec("gpu0", 2)], QueuePolicy(2, 30.0)
+    gate.apply_pool("tts", replicas, queue, None, reserves=(Reserve(1, slots=1),))
+    await backend.settle()
+    q = Queue(gate)
+    await q.add("team", TEAM)  # the last slot is kept for class 1
+    gate.apply_pool("tts", replicas, queue, None, reserves=())
+    await eventually(lambda: q.order == ["team"], "admitted once the reserve is gone")
+    q.tasks["team"].result().release()
+    first.release()
+
+
+async def test_runtime_sends_the_configured_reserves_and_reloads_them() -> None:
+    """A redis-backend gateway takes tenant fields (no longer refused at start-up) and
+    hands the pool's reserves to the shared gate, at start and on reload."""
+    data: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "admin": {"enabled": False},
+        "admission": {"backend": "redis"},
+        "pools": [{"name": "main", "queue": {"max_depth": 2, "max_wait_s": 30},
+                   "replicas": [{"name": "gpu0", "url": "http://127.0.0.1:9",
+                                 "max_sessions": 2}],
+                   "reserve": [{"priority": 1, "slots": 1}]}],
+        "routes": [{"path": "/ws", "pool": "main", "protocol": "passthrough-ws"}],
+        "auth": {"keys": [{"name": "gold", "sha256": "0" * 64, "priority": 1, "weight": 2},
+                          {"name": "free", "sha256": "1" * 64, "priority": -1,
+                           "max_queued": 1}]},
+    }  # fmt: skip
+    runtime = Runtime(settings_from_mapping(data, env={}))
+    assert isinstance(runtime.gate, SharedGate)
+    assert runtime.gate.reserves("main") == (Reserve(1, slots=1),)
+    data["pools"][0]["reserve"] = [{"priority": 1, "per_replica": 1}]
+    runtime.apply(settings_from_mapping(data, env={}))
+    assert runtime.gate.reserves("main") == (Reserve(1, per_replica=1),)
+    await runtime.gate.backend.close()

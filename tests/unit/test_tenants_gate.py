@@ -196,15 +196,16 @@ def test_bad_reserves_are_refused_naming_the_field(reserve: Any, where: str) -> 
     assert any(path.startswith(where) for path, _ in info.value.problems), info.value.problems
 
 
-def test_redis_backend_refuses_tenant_fields_it_does_not_apply() -> None:
+def test_redis_backend_takes_tenant_fields_and_reserves() -> None:
+    """The shared backend applies the tenant rules (tests/shared_admission/test_tenants.py),
+    so the fields are no longer refused with it; keys without them load as before."""
     data = mapping(reserve=[{"priority": 1, "slots": 1}])
     data["admission"] = {"backend": "redis"}
-    with pytest.raises(ConfigError) as info:
-        settings_from_mapping(data, env={})
-    paths = {path for path, _ in info.value.problems}
-    assert {"pools[0].reserve", "auth.keys[0].priority", "auth.keys[0].weight",
-            "auth.keys[1].priority", "auth.keys[1].max_queued"} <= paths  # fmt: skip
-    assert not any(p.startswith("auth.keys[2]") for p in paths)
+    s = settings_from_mapping(data, env={})
+    assert s.pools[0].reserve[0].slots == 1
+    assert s.auth is not None
+    gold, batch, _ = s.auth.keys
+    assert (gold.priority, gold.weight, batch.priority, batch.max_queued) == (1, 2.0, -1, 1)
     plain = mapping()
     plain["admission"] = {"backend": "redis"}
     plain["auth"]["keys"] = [plain["auth"]["keys"][2]]
