@@ -1,7 +1,7 @@
 """Tenants and priorities, measured through real sockets (issue 18).
 
     python -m bench.tenants [--preset l40s-qwen3tts-1.7b] [--codec-chunk-ramp 4,4,8,16,25]
-                            [--hold 60] [--warmup 15] [--json OUT]
+                            [--hold 60] [--warmup 15] [--backend memory|redis] [--json OUT]
 
 Starts ``headroom sim`` (one simulated GPU) and, per phase, ``headroom serve`` with API
 keys, caps the pool at the simulator's ceiling (``headroom sim --describe``) and offers
@@ -21,6 +21,10 @@ refused user retries after ``min(Retry-After, 1 s)``). Three phases:
    ``a`` and ``b`` have users. Reported per key: sessions, queued share, queue wait p99
    (from ``headroom_tenant_queue_wait_seconds``; a session admitted at once waited 0),
    time to first audio p99, modelled underruns, and refusals by reason.
+
+``--backend redis`` runs each phase's ``headroom serve`` with ``admission.backend: redis``
+on a redis-server of its own (127.0.0.1, free port, no persistence; a key prefix per
+phase): the same rules, applied by the shared backend's scripts.
 
 The Headroom figures are the deltas of its ``/metrics`` over the hold window; the load
 runs 5 s past it, so the users stopping is not measured. Client figures (TTFA,
@@ -77,7 +81,7 @@ def _key(name: str) -> str:
 
 
 def _config(sim_url: str, preset: Any, cap: int, phase: str, users: dict[str, int],
-            reserve: int) -> dict[str, Any]:  # fmt: skip
+            reserve: int, redis_url: str | None = None) -> dict[str, Any]:  # fmt: skip
     fields: dict[str, dict[str, Any]] = {"a": {}, "b": {}}
     queue = {"max_depth": sum(users.values()), "max_wait_s": 120}
     replica = {"name": "gpu0", "url": sim_url, "max_sessions": cap}
@@ -95,7 +99,7 @@ def _config(sim_url: str, preset: Any, cap: int, phase: str, users: dict[str, in
         {"name": name, "sha256": hashlib.sha256(_key(name).encode()).hexdigest(), **extra}
         for name, extra in fields.items()
     ]
-    return {
+    config: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "admin": {"enabled": False},
         "log_level": "warning",
@@ -104,6 +108,10 @@ def _config(sim_url: str, preset: Any, cap: int, phase: str, users: dict[str, in
         "routes": [route],
         "auth": {"keys": keys},
     }
+    if redis_url is not None:
+        redis = {"url": redis_url, "key_prefix": f"bench-tenants-{phase}:"}
+        config["admission"] = {"backend": "redis", "redis": redis}
+    return config
 
 
 def _probe_settings(url: str, args: argparse.Namespace) -> ProbeSettings:
@@ -180,7 +188,8 @@ async def _phase(sim_url: str, preset: Any, cap: int, phase: str, users: dict[st
                  args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         config = Path(tmp) / "headroom.yaml"
-        settings = _config(sim_url, preset, cap, phase, users, args.reserve)
+        settings = _config(sim_url, preset, cap, phase, users, args.reserve,
+                           getattr(args, "redis_url", None))  # fmt: skip
         config.write_text(yaml.safe_dump(settings))
         serve = [*_PY, "serve", "--config", str(config)]
         async with _child(serve, "stderr", "headroom: serving on ") as banner:
@@ -271,6 +280,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.codec_chunk_ramp:
         sim_args += ["--codec-chunk-ramp", args.codec_chunk_ramp]
     base = {"a": 2 * cap, "b": cap}
+    out["backend"] = args.backend
+    redis = None
+    if args.backend == "redis":
+        from bench.admission_redis import Redis
+
+        redis = Redis()
+        args.redis_url = redis.url
+    try:
+        await _phases(sim_args, preset, cap, base, args, out)
+    finally:
+        if redis is not None:
+            redis.stop()
+    out["loadavg_after"] = os.getloadavg()
+    out["duration_s"] = round(time.monotonic() - started, 1)
+    return out
+
+
+async def _phases(sim_args: list[str], preset: Any, cap: int, base: dict[str, int],
+                  args: argparse.Namespace, out: dict[str, Any]) -> None:  # fmt: skip
     async with _child(sim_args, "stdout", "{") as line:
         sim_url = json.loads(line)["urls"][0]
         for phase in args.phases.split(","):
@@ -279,14 +307,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 users.update(free=cap, gold=args.reserve)
             out["phases"][phase] = await _phase(sim_url, preset, cap, phase, users, args)
             await asyncio.sleep(2)  # let the engine drain
-    out["loadavg_after"] = os.getloadavg()
-    out["duration_s"] = round(time.monotonic() - started, 1)
-    return out
 
 
 def render(result: dict[str, Any]) -> str:
     lines = [
-        f"Tenants: {result['preset']} (chunks {result['chunk_schedule']}), one simulated GPU "
+        f"Tenants ({result.get('backend', 'memory')} admission backend): {result['preset']} "
+        f"(chunks {result['chunk_schedule']}), one simulated GPU "
         f"capped at {result['cap']}, {result['hold_s']:g} s measured after "
         f"{result['warmup_s']:g} s warm-up; keys a (2x the cap in users) and b (1x) flood "
         f"together (3x); reserve {result['reserve']} for class 10 in 'priority'",
@@ -326,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hold", type=float, default=60.0, help="measured seconds")
     parser.add_argument("--warmup", type=float, default=15.0, help="excluded seconds")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", choices=("memory", "redis"), default="memory",
+                        help="admission backend of the gateway (redis: a local redis-server)")
     parser.add_argument("--json", metavar="OUT", help="write the figures as JSON")
     parser.add_argument("--worker", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--tenant", help=argparse.SUPPRESS)

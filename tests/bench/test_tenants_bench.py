@@ -25,3 +25,21 @@ def test_wait_p99_counts_sessions_admitted_at_once_as_zero() -> None:
               (W, "t", "0.5"): 5.0, (W, "t", "1.0"): 10.0, (W, "t", "+Inf"): 10.0}  # fmt: skip
     assert _wait_p99({}, queued, "t") == 1.0
     assert _wait_p99({}, {}, "none") is None
+
+
+def test_the_redis_backend_option_configures_every_tenant_field_on_redis() -> None:
+    from types import SimpleNamespace
+
+    from bench.tenants import _config
+    from proxy.settings import settings_from_mapping
+
+    preset = SimpleNamespace(sample_rate=24000)
+    users = {"a": 12, "b": 6, "free": 6, "gold": 2}
+    data = _config("http://127.0.0.1:9", preset, 6, "priority", users, 2, "redis://127.0.0.1:1/0")
+    settings = settings_from_mapping(data, env={})  # no longer refused with redis
+    assert settings.admission.backend == "redis"
+    assert settings.admission.redis.key_prefix == "bench-tenants-priority:"
+    assert settings.pools[0].reserve[0].slots == 2
+    memory = settings_from_mapping(_config("http://127.0.0.1:9", preset, 6, "fair", users, 2),
+                                   env={})  # fmt: skip
+    assert memory.admission.backend == "memory"
