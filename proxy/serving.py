@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
@@ -75,6 +76,28 @@ class EmbeddedServer(uvicorn.Server):
                 await asyncio.wait_for(self._exit.wait(), 0.1)
             if self.server_state.connections:
                 await asyncio.sleep(max(0.0, tick - loop.time()))
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, without its 0.1 s pause for open connections to answer
+        the close it sends them when no connection or request task is left: log as
+        uvicorn does, close the listeners, wait for them, run the app's lifespan
+        shutdown. Anything open, or a connection arriving while the listeners close,
+        gets uvicorn's own shutdown (closing twice is harmless)."""
+        state = self.server_state
+        if state.connections or state.tasks or self.force_exit:
+            await super().shutdown(sockets)
+            return
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        if state.connections or state.tasks:
+            await super().shutdown(sockets)
+            return
+        logging.getLogger("uvicorn.error").info("Shutting down")
+        for server in self.servers:
+            await server.wait_closed()
+        await self.lifespan.shutdown()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:

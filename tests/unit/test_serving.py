@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from typing import Any
 
 from proxy.serving import EmbeddedServer, make_config, running_server
@@ -49,3 +51,41 @@ async def test_a_server_stopped_with_a_connection_open_still_stops() -> None:
             assert await reader.read() == b""  # uvicorn closed the idle connection
         finally:
             writer.close()
+
+
+class Lifespan:
+    """An app that answers only the lifespan protocol and records its messages."""
+
+    def __init__(self) -> None:
+        self.messages: list[str] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "lifespan":
+            return
+        while True:
+            message = await receive()
+            self.messages.append(message["type"])
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            else:
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+async def test_an_idle_server_shuts_down_without_uvicorns_pause_and_runs_the_lifespan() -> None:
+    """With no connection open, the stop skips uvicorn's 0.1 s pause for connections to
+    answer their close: the serve task ends within a few turns of the event loop, and
+    the app still gets its lifespan shutdown (Headroom's Runtime closes there)."""
+    app = Lifespan()
+    async with running_server(app) as server:
+        server.server.should_exit = True
+        for _ in range(200):
+            if server.task.done():
+                break
+            await asyncio.sleep(0)
+        assert server.task.done()
+        assert app.messages == ["lifespan.startup", "lifespan.shutdown"]
+        with contextlib.suppress(OSError), socket.create_connection(
+            (server.host, server.port), timeout=1
+        ):
+            raise AssertionError("the listener still accepts connections")
