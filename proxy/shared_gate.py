@@ -615,9 +615,32 @@ class SharedGate:
         if not reserved:
             self._count(p.name, "rejected_tenant_limit", CURRENT_TENANT.get())
             raise TenantLimitRefused(
-                "tenant_limit", retry_after_s=self._estimate(p, 1), pool=p.name
+                "tenant_limit", retry_after_s=self._tenant_retry(p, tenant), pool=p.name
             )
         self._tenants[reservation_id] = tenant
+
+    def tenant_wait(self, pool: str, name: str) -> float | None:
+        """Expected seconds until one of key ``name``'s sessions this gateway runs in
+        ``pool`` ends (None if it runs none here), as :meth:`PoolCore.tenant_wait`
+        judges it in process: past ``max_sessions`` only the key's own sessions ending
+        help, not the pool's next free slot. (Its sessions on other gateways are not
+        seen here.)"""
+        p = self._pool(pool)
+        now = self.clock.now()
+        ages = [now - lease.admitted_at for lease in p.leases.values()
+                if lease.tenant is not None and lease.tenant.name == name]  # fmt: skip
+        if not name or not ages:
+            return None
+        cv = p.lengths.cv if p.lengths is not None else 0.0
+        return SlotForecast([(ages, 0)], mean_s=p.session_estimate_s, cv=cv).wait_s(1)
+
+    def _tenant_retry(self, p: _Pool, tenant: str) -> float:
+        """A ``tenant_limit`` refusal's Retry-After: from the key's own sessions here,
+        else from the pool's next slot."""
+        own = self.tenant_wait(p.name, tenant)
+        if own is None:
+            return self._estimate(p, 1)
+        return retry_after_s(own, self._rng.random())
 
     async def _give_back_tenant(self, reservation_id: str, call: asyncio.Future[Any]) -> None:
         with contextlib.suppress(BaseException):

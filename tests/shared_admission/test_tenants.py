@@ -17,7 +17,7 @@ from proxy.errors import Refused, TenantLimitRefused
 from proxy.gate import Lease, Waiting
 from proxy.runtime import Runtime
 from proxy.settings import settings_from_mapping
-from proxy.shared_gate import SharedGate
+from proxy.shared_gate import TENANT_QUOTA, SharedGate
 from tests.shared_admission.conftest import Backend, eventually
 
 GOLD = TenantSpec("gold", priority=1)
@@ -241,3 +241,27 @@ async def test_runtime_sends_the_configured_reserves_and_reloads_them() -> None:
     runtime.apply(settings_from_mapping(data, env={}))
     assert runtime.gate.reserves("main") == (Reserve(1, per_replica=1),)
     await runtime.gate.backend.close()
+
+
+async def test_a_key_past_max_sessions_is_told_when_its_own_session_ends(
+    backend: Backend,
+) -> None:
+    """Over every gateway (tenants.lua), a key past ``max_sessions`` is refused
+    tenant_limit with a Retry-After from its own running session's expected end (10 s
+    sessions, one just started), not the pool's free slot (which is free now)."""
+    if backend.kind == "memory":
+        pytest.skip("the in-process quota is Runtime.authorize's (tests/unit)")
+    gate = await backend.gate(caps=(3,), depth=2)
+    token = TENANT_QUOTA.set(("team", 1))
+    try:
+        held = await gate.acquire("tts", tenant=TEAM)
+        backend.clock.advance(1.0)
+        with pytest.raises(TenantLimitRefused) as info:
+            await gate.acquire("tts", tenant=TEAM)
+    finally:
+        TENANT_QUOTA.reset(token)
+    assert info.value.reason == "tenant_limit"
+    assert info.value.retry_after_s >= 5  # ~9 s left of the key's own session
+    assert gate.tenant_wait("tts", "team") == pytest.approx(9.0, abs=3.0)
+    assert gate.tenant_wait("tts", "gold") is None
+    held.release()
