@@ -278,10 +278,11 @@ class Runtime:
         key = authenticate(self.settings.auth, scope, pool)
         if key is None:
             return None
+        # Past max_sessions only one of the key's own sessions ending helps.
         if isinstance(self.gate, SharedGate):
-            estimate = self.gate.estimate_wait(pool, 1)
+            own = self.gate.tenant_wait(pool, key.name)
+            estimate = self.gate.estimate_wait(pool, 1) if own is None else own
         else:
-            # Past max_sessions only one of the key's own sessions ending helps.
             core, now = self.gate.core(pool), self.clock.now()
             own = core.tenant_wait(key.name, now)
             estimate = core.estimate_wait(1, now) if own is None else own

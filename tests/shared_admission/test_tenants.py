@@ -8,6 +8,7 @@ and the headroom_tenant_* series. The redis backend runs on the test's clock
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any
 
 import pytest
@@ -18,7 +19,7 @@ from proxy.gate import Lease, Waiting
 from proxy.runtime import Runtime
 from proxy.settings import settings_from_mapping
 from proxy.shared_gate import TENANT_QUOTA, SharedGate
-from tests.shared_admission.conftest import Backend, eventually
+from tests.shared_admission.conftest import Backend, eventually, seed_generation
 
 GOLD = TenantSpec("gold", priority=1)
 TEAM = TenantSpec("team", priority=0, weight=1.0, max_queued=2)
@@ -265,3 +266,46 @@ async def test_a_key_past_max_sessions_is_told_when_its_own_session_ends(
     assert gate.tenant_wait("tts", "team") == pytest.approx(9.0, abs=3.0)
     assert gate.tenant_wait("tts", "gold") is None
     held.release()
+
+
+async def test_runtime_tells_a_key_past_max_sessions_when_its_own_session_ends() -> None:
+    """On the redis backend too, the gateway's own max_sessions check (Runtime.authorize,
+    before the gate) gives a refused key the Retry-After of its own running session
+    (20 s sessions, one 5 s old: about 15 s), not the pool's next free slot (free now,
+    which would say 1-3 s)."""
+    from proxy.clock import FakeClock
+    from tests.redis_support import RedisServer
+
+    server = RedisServer()
+    try:
+        await seed_generation(server.url, pool="main")
+        data: dict[str, Any] = {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "admin": {"enabled": False},
+            "admission": {"backend": "redis", "redis": {"url": server.url}},
+            "pools": [{"name": "main", "session_estimate_s": 20,
+                       "replicas": [{"name": "gpu0", "url": "http://127.0.0.1:9",
+                                     "max_sessions": 3}]}],
+            "routes": [{"path": "/ws", "pool": "main", "protocol": "passthrough-ws"}],
+            "auth": {"keys": [{"name": "team", "sha256": hashlib.sha256(b"k").hexdigest(),
+                               "max_sessions": 1}]},
+        }  # fmt: skip
+        clock = FakeClock()
+        runtime = Runtime(settings_from_mapping(data, env={}), clock=clock)
+        assert isinstance(runtime.gate, SharedGate)
+        await runtime.gate.start()
+        try:
+            scope = {"headers": [(b"authorization", b"Bearer k")], "query_string": b""}
+            token = runtime.authorize(scope, "main")
+            lease = await runtime.gate.acquire("main")
+            clock.advance(5.0)
+            with pytest.raises(TenantLimitRefused) as info:
+                runtime.authorize(scope, "main")
+            assert info.value.reason == "tenant_limit"
+            assert 15 <= info.value.retry_after_s <= 20
+            lease.release()
+            runtime.release_tenant(token)
+        finally:
+            await runtime.gate.stop()
+    finally:
+        server.stop()
