@@ -34,6 +34,7 @@ from proxy.admission import (
     TenantSpec,
 )
 from proxy.admission.redis_backend import RedisAdmission, ReplicaView
+from tests.hypothesis_profiles import examples
 from tests.redis_support import RedisServer
 
 POOL = "tts"
@@ -204,7 +205,9 @@ _prefixes = itertools.count()
 
 
 @settings(
-    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=examples(120),
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(ops=ops, reserves=st.sampled_from(RESERVES), depth=st.sampled_from([0, 2, 4, 6]))
 def test_lua_scripts_decide_as_pool_core(
