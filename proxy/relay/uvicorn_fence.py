@@ -34,6 +34,7 @@ FALLBACK_PROTOCOL = "websockets-sansio"
 
 _SPLICE_MODULE = "proxy.relay.uvicorn_ws"
 _SPLICE_CLASS = "HeadroomWebSocketProtocol"
+_UVICORN_INIT = "_uvicorn_init"  # the splice's copy of uvicorn's constructor
 
 
 def _self_names(tree: ast.AST) -> tuple[set[str], set[str]]:
@@ -98,7 +99,23 @@ def splice_problems(module: ModuleType | str = _SPLICE_MODULE) -> list[str]:
     if problems:
         return problems
     missing = sorted(n for n in required if n not in parent_assigned and not hasattr(parent, n))
-    return [f"{parent.__module__}.{parent.__qualname__} has no {name!r}" for name in missing]
+    where = f"{parent.__module__}.{parent.__qualname__}"
+    problems = [f"{where} has no {name!r}" for name in missing]
+    # Our copy of uvicorn's constructor (_uvicorn_init; the names it assigns are
+    # required above) must also set everything uvicorn's sets, but for what we define
+    # ourselves (the lazy ``conn`` property).
+    copy = next((n for n in ours.body if getattr(n, "name", "") == _UVICORN_INIT), None)
+    if copy is not None:
+        try:
+            source = inspect.getsource(parent.__init__)
+        except (OSError, TypeError) as exc:
+            return [f"cannot read the source of {where}.__init__: {exc}"]
+        theirs = _self_names(ast.parse(inspect.cleandoc("\n" + source)))[1]
+        unset = sorted(theirs - _self_names(copy)[1] - methods)
+        problems += [
+            f"{where}.__init__ sets {name!r}, which {_UVICORN_INIT} does not" for name in unset
+        ]
+    return problems
 
 
 def _overrides(ours: ast.ClassDef) -> set[str]:

@@ -39,12 +39,18 @@ import asyncio
 import base64
 import binascii
 import hashlib
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 from urllib.parse import unquote
 
+from uvicorn.config import Config
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+from uvicorn.server import ServerState
+from websockets.extensions.base import ServerExtensionFactory
+from websockets.extensions.permessage_deflate import ServerPerMessageDeflateFactory
 from websockets.http11 import Request
+from websockets.server import ServerProtocol
 
 from proxy.relay.wsframes import BINARY, TEXT, frame
 
@@ -116,13 +122,104 @@ def _client_frame(message: Mapping[str, Any]) -> bytes:
 class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's ``websockets-sansio`` protocol with the ``headroom.splice`` extension."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self._uvicorn_init(config, server_state, app_state, _loop)
+        self._conn: ServerProtocol | None = None  # websockets' protocol, on first use
+        self._conn_gone = False  # taken over: never built again
         self._early = bytearray()
         self._accept_key = ""  # Sec-WebSocket-Accept, once a handshake request is read
         self._request_bytes = b""  # a request the lean parser read, for websockets' if needed
         self.on_shutdown: Callable[[], None] | None = None  # set once taken over
         self._tail = bytearray()  # after an ASGI accept: a client frame still arriving
+
+    def _uvicorn_init(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None,
+    ) -> None:
+        """uvicorn's constructor (the same in every uvicorn pyproject.toml allows) but
+        for websockets' ServerProtocol (:attr:`conn`), built on first use: a spliced
+        session never uses it, and it cost about 5 us (a uuid4 and a parser generator)
+        of every session's set-up (issue 17). The fence
+        (:func:`proxy.relay.uvicorn_fence.splice_problems`) checks that this sets every
+        attribute uvicorn's constructor sets, and only those."""
+        if not config.loaded:
+            config.load()  # pragma: no cover
+        self.config = config
+        self.app = config.loaded_app
+        self.loop = _loop or asyncio.get_event_loop()
+        self.logger = logging.getLogger("uvicorn.error")
+        self.root_path = config.root_path
+        self.asgi_version = config.asgi_version
+        self.app_state = app_state
+        self.connections = server_state.connections
+        self.tasks = server_state.tasks
+        self.default_headers = server_state.default_headers
+        self.transport = None  # type: ignore[assignment]
+        self.server = None
+        self.client = None
+        self.scheme = None  # type: ignore[assignment]
+        self.queue = asyncio.Queue()
+        self.handshake_initiated = False
+        self.handshake_complete = False
+        self.close_sent = False
+        self.disconnected = False
+        self.close_timer = None
+        self.close_timeout = 10.0
+        self.initial_response = None
+        self.read_paused = False
+        self.writable = asyncio.Event()
+        self.writable.set()
+        self.ping_interval = config.ws_ping_interval
+        self.ping_timeout = config.ws_ping_timeout
+        self.ping_timer = None
+        self.pong_timer = None
+        self.pending_ping_payload = None
+        self.ping_sent_at = 0.0
+        self.last_ping_rtt = 0.0
+        self.frames = []
+        self.curr_msg_data_type = "bytes"
+
+    @property
+    def conn(self) -> ServerProtocol:
+        """websockets' protocol, as uvicorn's constructor builds it, on first use (a
+        handshake websockets parses, an ASGI accept); gone once taken over."""
+        conn = self._conn
+        if conn is None:
+            if self._conn_gone:
+                raise AttributeError("conn")
+            extensions: list[ServerExtensionFactory] = []
+            if self.config.ws_per_message_deflate:
+                extensions = [
+                    ServerPerMessageDeflateFactory(
+                        server_max_window_bits=12,
+                        client_max_window_bits=12,
+                        compress_settings={"memLevel": 5},
+                    )
+                ]
+            conn = self._conn = ServerProtocol(
+                extensions=extensions,
+                max_size=self.config.ws_max_size,
+                logger=logging.getLogger("uvicorn.error"),
+            )
+        return conn
+
+    @conn.setter
+    def conn(self, value: ServerProtocol) -> None:
+        self._conn = value
+
+    @conn.deleter
+    def conn(self) -> None:
+        self._conn = None
+        self._conn_gone = True
 
     # -- handshake ----------------------------------------------------------------------
 

@@ -72,6 +72,14 @@ def test_an_unchanged_copy_passes_the_check(on_path: Path) -> None:
         ({"def handle_connect(": "def on_connect("}, "handle_connect"),
         # connection tracking the splice edits by hand
         ({"self.connections": "self.live_connections"}, "connections"),
+        # state uvicorn's constructor adds, which the splice's copy of it would not set
+        (
+            {
+                "        self.close_timeout = 10.0\n": "        self.close_timeout = 10.0\n"
+                "        self.added_state = None\n"
+            },
+            "added_state",
+        ),
     ],
 )
 def test_a_renamed_internal_is_named_and_disables_the_splice(

@@ -253,6 +253,56 @@ async def test_a_take_over_lets_go_of_uvicorns_websocket_machinery() -> None:
     assert not any(hasattr(accepted, name) for name in _UVICORN_SIDE)
 
 
+_OWN = {"_early", "_accept_key", "_request_bytes", "on_shutdown", "_tail", "_conn", "_conn_gone"}
+
+
+@pytest.mark.parametrize("deflate", [False, True])
+async def test_the_constructor_sets_what_uvicorns_does_with_websockets_protocol_lazily(
+    deflate: bool,
+) -> None:
+    """HeadroomWebSocketProtocol copies uvicorn's constructor but for websockets'
+    ServerProtocol, which it builds on first use: the same attributes, the same values,
+    and the same ServerProtocol once asked for (on every uvicorn version CI runs)."""
+    config = uvicorn.Config(
+        app=_app, ws=HeadroomWebSocketProtocol, ws_per_message_deflate=deflate,
+        ws_max_size=12345, ws_ping_interval=7.0, ws_ping_timeout=3.0, root_path="/r",
+        log_level="critical",
+    )  # fmt: skip
+    config.load()
+    state = ServerState()
+    state.default_headers = [(b"server", b"x")]
+    stock = WebSocketsSansIOProtocol(config=config, server_state=state, app_state={"a": 1})
+    lean = HeadroomWebSocketProtocol(config=config, server_state=state, app_state={"a": 1})
+    theirs, ours = vars(stock), vars(lean)
+    assert set(ours) - _OWN == set(theirs) - {"conn"}
+    assert lean._conn is None  # not built yet
+    fresh = {"queue", "writable"}  # a new object of the same kind each
+    for name, value in theirs.items():
+        if name in fresh:
+            assert type(ours[name]) is type(value), name
+        elif name != "conn":
+            assert ours[name] == value, name
+    assert lean.writable.is_set() and lean.queue.empty()
+    conn = lean.conn
+    assert lean.conn is conn  # built once
+    assert type(conn) is type(stock.conn)
+    limits = {k: v for k, v in vars(conn).items() if k.startswith("max")}
+    assert limits == {k: v for k, v in vars(stock.conn).items() if k.startswith("max")}
+    assert 12345 in limits.values()
+    assert [type(e) for e in conn.available_extensions] == [
+        type(e) for e in stock.conn.available_extensions
+    ]
+    assert conn.logger is stock.conn.logger
+
+
+async def test_a_spliced_lean_handshake_never_builds_websockets_protocol() -> None:
+    lean, transport = _open(HeadroomWebSocketProtocol, _request(b"/ws"))
+    assert lean._accept_key and lean._conn is None
+    assert lean.take_over(None, [], asyncio.Protocol(), lambda: None) is not None
+    assert transport.out.startswith(b"HTTP/1.1 101")
+    assert lean._conn is None and not hasattr(lean, "conn")
+
+
 async def test_no_take_over_after_the_client_closed_while_waiting() -> None:
     lean, transport = _accepted()
     await _accept(lean)
