@@ -418,7 +418,7 @@ class Gate:
 
     def _count(self, pool: str, decision: str, tenant: TenantSpec | None = None) -> None:
         if self.metrics is not None:
-            self.metrics.decisions.labels(pool, decision).inc()
+            self.metrics.child(self.metrics.decisions, pool, decision).inc()
             if tenant is not None and tenant.name:
                 labels = (pool, tenant.name, str(tenant.priority), decision)
                 self.metrics.tenant_decisions.labels(*labels).inc()
@@ -436,7 +436,8 @@ class Gate:
         p = self._pools[lease.pool]
         now = self.clock.now()
         if self.metrics is not None:
-            self.metrics.session_duration.labels(lease.pool).observe(now - lease.admitted_at)
+            duration = self.metrics.child(self.metrics.session_duration, lease.pool)
+            duration.observe(now - lease.admitted_at)
         self._dispatch(lease.pool, p, p.core.release(lease.ticket, now))
         if self._idle_waiters and self.active == 0:
             for future in self._idle_waiters:
@@ -474,7 +475,7 @@ class Gate:
         enqueued = p.enqueued_at.pop(ticket, None)
         if enqueued is not None and self.metrics is not None:
             waited = self.clock.now() - enqueued
-            self.metrics.queue_wait.labels(p.core.name).observe(waited)
+            self.metrics.child(self.metrics.queue_wait, p.core.name).observe(waited)
             if tenant is not None and tenant.name:
                 labels = (p.core.name, tenant.name, str(tenant.priority))
                 self.metrics.tenant_queue_wait.labels(*labels).observe(waited)

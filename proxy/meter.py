@@ -177,8 +177,8 @@ class PrometheusReplicaSink:
         self._metrics = metrics
         self._signals = signals
         self._series = metrics.replica_series(pool, replica)
-        self._ttfa = metrics.time_to_first_audio.labels(pool)
-        self._gap_p99 = metrics.stream_gap_p99.labels(pool)
+        self._ttfa = metrics.child(metrics.time_to_first_audio, pool)
+        self._gap_p99 = metrics.child(metrics.stream_gap_p99, pool)
         # Created by the pool's first answered ASR commit: a pool that only speaks (TTS)
         # never has a headroom_asr_finalize_seconds series, not even one of zeros.
         self._finalize: Histogram | None = None

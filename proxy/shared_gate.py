@@ -457,7 +457,7 @@ class SharedGate:
         if self.metrics is None:
             return
         waited = self.clock.now() - waiter.arrived
-        self.metrics.queue_wait.labels(p.name).observe(waited)
+        self.metrics.child(self.metrics.queue_wait, p.name).observe(waited)
         tenant = waiter.tenant
         if tenant is not None and tenant.name:
             labels = (p.name, tenant.name, str(tenant.priority))
@@ -494,7 +494,7 @@ class SharedGate:
             key = (lease.tenant.name, lease.tenant.priority)
             p.finished[key] = p.finished.get(key, 0.0) + duration
         if self.metrics is not None:
-            self.metrics.session_duration.labels(lease.pool).observe(duration)
+            self.metrics.child(self.metrics.session_duration, lease.pool).observe(duration)
         self._spawn(self._release_remote(lease.pool, lease.lease_id))
         self._drop_tenant(lease.lease_id)
         if self._idle_waiters and self.active == 0:
@@ -1128,7 +1128,7 @@ class SharedGate:
 
     def _count(self, pool: str, decision: str, tenant: TenantSpec | None = None) -> None:
         if self.metrics is not None:
-            self.metrics.decisions.labels(pool, decision).inc()
+            self.metrics.child(self.metrics.decisions, pool, decision).inc()
             if tenant is not None and tenant.name:
                 labels = (pool, tenant.name, str(tenant.priority), decision)
                 self.metrics.tenant_decisions.labels(*labels).inc()

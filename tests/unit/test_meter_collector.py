@@ -434,3 +434,29 @@ def test_the_deprecated_p99_gauge_is_the_worst_1pct_gauge_under_its_old_name() -
         text = exposition(metrics.registry)
         assert f"# HELP {old} DEPRECATED" in text
         assert f"# TYPE {old} gauge" in text and f"# TYPE {new} gauge" in text
+
+
+def test_a_cached_child_is_the_labelled_child_and_exports_the_same() -> None:
+    """Metrics.child looks a labelled child up once (per session set-up saved a labels()
+    call per metric): the same object labels() gives, observations exported as
+    through labels(), distinct labels or metrics never mixed up."""
+    metrics, reference = Metrics(), Metrics()
+    admitted = metrics.child(metrics.decisions, "main", "admitted")
+    assert admitted is metrics.decisions.labels("main", "admitted")
+    assert metrics.child(metrics.decisions, "main", "admitted") is admitted
+    assert metrics.child(metrics.decisions, "main", "queued") is not admitted
+    assert metrics.child(metrics.decisions, "other", "admitted") is not admitted
+    duration = metrics.child(metrics.session_duration, "main")
+    assert duration is not metrics.child(metrics.queue_wait, "main")
+    metrics = Metrics()
+    for _ in range(3):
+        metrics.child(metrics.decisions, "main", "admitted").inc()
+        reference.decisions.labels("main", "admitted").inc()
+        metrics.child(metrics.session_duration, "main").observe(1.5)
+        reference.session_duration.labels("main").observe(1.5)
+    metrics.child(metrics.decisions, "other", "queued").inc()
+    reference.decisions.labels("other", "queued").inc()
+    for name in ("headroom_session_decisions", "headroom_session_duration_seconds"):
+        assert family_block(exposition(metrics.registry), name) == family_block(
+            exposition(reference.registry), name
+        )
