@@ -94,7 +94,7 @@ class _WebSocket:
     ) -> None:  # fmt: skip
         self.services, self.route, self.scope = services, route, scope
         self.receive, self.send = receive, send
-        self.protocol = route.inner_protocol or route.protocol
+        self.protocol = route.stream_protocol
         self.accepted = False
         self.offered: list[str] = list(scope.get("subprotocols") or [])
         #: Frames the client sent after an early accept, relayed first (None: no
