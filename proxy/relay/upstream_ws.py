@@ -1,13 +1,15 @@
 """A lean WebSocket client handshake for the upstream leg of a spliced session.
 
-Over one TCP connection opened by the caller (:func:`proxy.relay.failover.open_tcp`,
-TLS started here for ``wss``), one pre-rendered ``GET`` with the upgrade headers, and a
-check of the ``101`` answer: ``Upgrade``/``Connection``, ``Sec-WebSocket-Accept``, a
-subprotocol among those offered, no extension (none is offered: compression stays off
-on both legs). The result is the open transport, still paused, and any bytes the
-upstream sent right after its response -- the first frames of the session, which the
-splice then reads first. No task, queue or keepalive object per connection: framing is
-the splice's business (:mod:`proxy.relay.splice`).
+Over one TCP connection opened by the caller (a plain ``ws://`` one by the event loop,
+:func:`proxy.relay.failover.open_tcp_transport`, with :data:`HandshakeProtocol` on it;
+a ``wss://`` one from :func:`proxy.relay.failover.open_tcp`, TLS started here), one
+pre-rendered ``GET`` with the upgrade headers, and a check of the ``101`` answer:
+``Upgrade``/``Connection``, ``Sec-WebSocket-Accept``, a subprotocol among those
+offered, no extension (none is offered: compression stays off on both legs). The
+result is the open transport, still paused, and any bytes the upstream sent right
+after its response -- the first frames of the session, which the splice then reads
+first. No task, queue or keepalive object per connection: framing is the splice's
+business (:mod:`proxy.relay.splice`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,14 @@ import httpx
 from websockets.exceptions import InvalidHandshake
 from websockets.uri import WebSocketURI, parse_uri
 
-__all__ = ["UpstreamSocket", "UpstreamStatus", "open_upstream", "upstream_uri"]
+__all__ = [
+    "HandshakeProtocol",
+    "UpstreamSocket",
+    "UpstreamStatus",
+    "open_upstream",
+    "upgrade",
+    "upstream_uri",
+]
 
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 #: Bound on the upstream's response head.
@@ -194,24 +203,45 @@ async def open_upstream(
     :class:`UpstreamStatus` or another ``InvalidHandshake``."""
     uri = upstream_uri(url)
     loop = asyncio.get_running_loop()
-    key = base64.b64encode(os.urandom(16)).decode()
-    default_port = 443 if uri.secure else 80
-    host = f"[{uri.host}]" if ":" in uri.host else uri.host
-    host_header = host if uri.port == default_port else f"{host}:{uri.port}"
-    request = _request(host_header, uri.resource_name, key, subprotocols, headers, user_agent)
-    transport: asyncio.Transport | None = None
+    transport, protocol = await loop.create_connection(
+        lambda: _Handshake(loop),
+        sock=sock,
+        ssl=_tls_context() if uri.secure else None,
+        server_hostname=uri.host if uri.secure else None,
+    )
+    return await upgrade(
+        url, transport, protocol, headers=headers, subprotocols=subprotocols, user_agent=user_agent
+    )
+
+
+#: The protocol :func:`upgrade` expects on a transport the caller connected itself.
+HandshakeProtocol = _Handshake
+
+
+async def upgrade(
+    url: str,
+    transport: asyncio.Transport,
+    protocol: _Handshake,
+    *,
+    headers: list[tuple[str, str]],
+    subprotocols: list[str],
+    user_agent: str | None,
+) -> UpstreamSocket:
+    """The handshake over ``transport``, connected to the URL's host with a
+    :data:`HandshakeProtocol` from the start (plain TCP: :func:`open_upstream` starts
+    TLS). The caller bounds the time; ``transport`` is aborted on any failure. Raises
+    OSError, :class:`UpstreamStatus` or another ``InvalidHandshake``."""
+    uri = upstream_uri(url)
     try:
-        transport, protocol = await loop.create_connection(
-            lambda: _Handshake(loop),
-            sock=sock,
-            ssl=_tls_context() if uri.secure else None,
-            server_hostname=uri.host if uri.secure else None,
-        )
+        key = base64.b64encode(os.urandom(16)).decode()
+        default_port = 443 if uri.secure else 80
+        host = f"[{uri.host}]" if ":" in uri.host else uri.host
+        host_header = host if uri.port == default_port else f"{host}:{uri.port}"
+        request = _request(host_header, uri.resource_name, key, subprotocols, headers, user_agent)
         transport.write(request)
         head = await protocol.head
         subprotocol = _check(head, key, subprotocols)
     except BaseException:
-        if transport is not None:
-            transport.abort()
+        transport.abort()
         raise
-    return UpstreamSocket(transport, subprotocol, protocol, loop)
+    return UpstreamSocket(transport, subprotocol, protocol, protocol.head.get_loop())

@@ -40,11 +40,25 @@ from proxy.clock import clock_timeout
 from proxy.errors import HeadroomError, MessageTooLarge, UpstreamConnectTimeout
 from proxy.refusal import close_reason, error_event, http_error
 from proxy.relay.admit import FALLBACK_RESPONSE_HEADER, upstream_query
-from proxy.relay.failover import AttemptFailed, Unreachable, describe, open_tcp, walk
+from proxy.relay.failover import (
+    AttemptFailed,
+    Unreachable,
+    describe,
+    open_tcp,
+    open_tcp_transport,
+    walk,
+)
 from proxy.relay.headers import forwarded_request_headers
 from proxy.relay.lifecycle import run_session
 from proxy.relay.splice import Splice
-from proxy.relay.upstream_ws import UpstreamSocket, UpstreamStatus, open_upstream, upstream_uri
+from proxy.relay.upstream_ws import (
+    HandshakeProtocol,
+    UpstreamSocket,
+    UpstreamStatus,
+    open_upstream,
+    upgrade,
+    upstream_uri,
+)
 from proxy.relay.uvicorn_ws import TakeOver
 from proxy.relay.ws_pump import relay_frames
 
@@ -249,7 +263,13 @@ class _WebSocket:
         headers = [(k, v) for k, v in headers if k != "user-agent"]
         subprotocols = self.offered
 
-        async def handshake(url: str, sock: socket.socket) -> Upstream:
+        async def handshake(
+            url: str, sock: socket.socket | tuple[asyncio.Transport, HandshakeProtocol]
+        ) -> Upstream:
+            if isinstance(sock, tuple):
+                return await upgrade(
+                    url, *sock, headers=headers, subprotocols=subprotocols, user_agent=user_agent
+                )
             if lean:
                 return await open_upstream(
                     url, sock, headers=headers, subprotocols=subprotocols, user_agent=user_agent
@@ -279,11 +299,19 @@ class _WebSocket:
             replica = lease.replica
             url = services.ws_url(lease.pool, replica) + target
             uri = upstream_uri(url)  # parsed once per distinct URL
+            sock: socket.socket | tuple[asyncio.Transport, HandshakeProtocol]
             try:
-                sock = await open_tcp(
-                    uri.host, uri.port, clock=services.clock,
-                    timeout=limits.upstream_connect_timeout_s,
-                )  # fmt: skip
+                if lean and not uri.secure:  # the loop connects (no socket of ours)
+                    loop = asyncio.get_running_loop()
+                    sock = await open_tcp_transport(
+                        uri.host, uri.port, lambda: HandshakeProtocol(loop), clock=services.clock,
+                        timeout=limits.upstream_connect_timeout_s,
+                    )  # fmt: skip
+                else:
+                    sock = await open_tcp(
+                        uri.host, uri.port, clock=services.clock,
+                        timeout=limits.upstream_connect_timeout_s,
+                    )  # fmt: skip
             except Unreachable as exc:
                 reason = f"cannot reach upstream {replica}: {exc}"
                 raise AttemptFailed(reason, kind="connect", eject=True) from exc

@@ -11,7 +11,7 @@ import pytest
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
 from proxy.clock import FakeClock
 from proxy.gate import Gate
-from proxy.relay.failover import Failover, Unreachable, describe, open_tcp
+from proxy.relay.failover import Failover, Unreachable, describe, open_tcp, open_tcp_transport
 from proxy.serving import bind_socket
 
 
@@ -95,6 +95,59 @@ async def test_open_tcp_deadline_runs_on_the_injected_clock() -> None:
     loop.getaddrinfo = slow_getaddrinfo  # type: ignore[method-assign,assignment]
     try:
         attempt = asyncio.ensure_future(open_tcp("gpu.invalid", 80, clock=clock, timeout=5))
+        await resolving.wait()
+        clock.advance(4.9)
+        await asyncio.sleep(0)
+        assert not attempt.done()
+        clock.advance(0.1)
+        with pytest.raises(Unreachable, match=r"within 5 s \(TimeoutError\)"):
+            await attempt
+    finally:
+        loop.getaddrinfo = original  # type: ignore[method-assign]
+
+
+class _Connected(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+
+async def test_open_tcp_transport_connects_and_names_a_refusal() -> None:
+    """The event loop's own connect, with open_tcp's rules: the transport comes with
+    the factory's protocol, already told of it; a refusal is Unreachable."""
+    listening = bind_socket()
+    port = listening.getsockname()[1]
+    transport, protocol = await open_tcp_transport(
+        "127.0.0.1", port, _Connected, clock=FakeClock(), timeout=5
+    )
+    assert protocol.transport is transport
+    assert transport.get_extra_info("peername")[1] == port
+    transport.abort()
+    listening.close()  # now refused
+    with pytest.raises(Unreachable) as info:
+        await open_tcp_transport("127.0.0.1", port, _Connected, clock=FakeClock(), timeout=5)
+    assert str(info.value)
+
+
+async def test_open_tcp_transport_deadline_runs_on_the_injected_clock() -> None:
+    clock = FakeClock()
+    loop = asyncio.get_running_loop()
+    resolving = asyncio.Event()
+    never: asyncio.Future[None] = loop.create_future()
+
+    async def slow_getaddrinfo(*_args: object, **_kwargs: object) -> list[object]:
+        resolving.set()
+        await never
+        return []
+
+    original = loop.getaddrinfo
+    loop.getaddrinfo = slow_getaddrinfo  # type: ignore[method-assign,assignment]
+    try:
+        attempt = asyncio.ensure_future(
+            open_tcp_transport("gpu.invalid", 80, _Connected, clock=clock, timeout=5)
+        )
         await resolving.wait()
         clock.advance(4.9)
         await asyncio.sleep(0)
