@@ -302,7 +302,9 @@ async def test_ctrl_c_drains_and_an_orphaned_worker_drains_too(
             served.wait_for(r"draining: \d+ active sessions", 2)
             assert "second signal" not in "".join(served.lines)
             os.kill(served.process.pid, signal.SIGKILL)
-            served.wait_for(r"supervisor \(pid \d+\) is gone; draining goes on", 2)
+            # The worker holding the session notices; the idle one may have drained
+            # and exited before the supervisor died (its drain has nothing to wait for).
+            served.wait_for(r"supervisor \(pid \d+\) is gone; draining goes on")
             assert any(not _gone(pid) for pid in workers)  # the one holding the session
             app.controls.release.set()
             async for _ in chunks:  # served to its end: nobody closed it early
