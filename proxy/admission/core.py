@@ -376,13 +376,6 @@ class PoolCore:
         at = self._last_now if now is None else now
         return self._waiters.order(at, self._lengths.mean)
 
-    def tenant_of(self, ticket: int) -> TenantSpec | None:
-        """The tenant of a waiting or admitted ticket."""
-        lease = self._leases.get(ticket)
-        if lease is not None:
-            return lease.tenant
-        return self._waiters.waiter(ticket).tenant if ticket in self._waiters else None
-
     def tenant_counts(self) -> dict[TenantSpec, tuple[int, int]]:
         """(active, queued) per tenant with either, for metrics."""
         counts: dict[TenantSpec, list[int]] = {}

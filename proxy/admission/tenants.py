@@ -292,17 +292,10 @@ class TenantQueue:
         self._lane(tenant).running[ticket] = now
         self._held[ticket] = tenant.lane
 
-    def released(self, ticket: int, now: float) -> float:
-        """The session ended: its lane is charged its real length. Returns that length."""
-        key = self._held.pop(ticket)
-        lane = self._lanes[key]
-        held = now - lane.running.pop(ticket)
-        lane.charge += held / lane.weight
-        return held
-
-    def vtime(self, tenant: TenantSpec, now: float, expected_s: float) -> float:
-        lane = self._lanes.get(tenant.lane)
-        return lane.vtime(now, expected_s) if lane else 0.0
+    def released(self, ticket: int, now: float) -> None:
+        """The session ended: its lane is charged its real length."""
+        lane = self._lanes[self._held.pop(ticket)]
+        lane.charge += (now - lane.running.pop(ticket)) / lane.weight
 
     # -- internals --------------------------------------------------------------
 
