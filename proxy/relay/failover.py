@@ -64,29 +64,7 @@ class Unreachable(Exception):
 async def open_tcp(host: str, port: int, *, clock: Clock, timeout: float) -> socket.socket:
     """A connected non-blocking TCP socket to ``host:port`` (each resolved address in
     turn), within ``timeout`` seconds on ``clock``. Raises :class:`Unreachable`."""
-    loop = asyncio.get_running_loop()
-    try:
-        async with clock_timeout(clock, timeout):
-            infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-            error: OSError = OSError(f"no address for {host}")
-            for family, kind, proto, _, address in infos:
-                sock = socket.socket(family, kind, proto)
-                try:
-                    sock.setblocking(False)
-                    await _connect(loop, sock, address)
-                except OSError as exc:
-                    sock.close()
-                    error = exc
-                    continue
-                except BaseException:
-                    sock.close()
-                    raise
-                return sock
-            raise error
-    except TimeoutError as exc:
-        raise Unreachable(f"no TCP connection within {timeout:g} s (TimeoutError)") from exc
-    except OSError as exc:
-        raise Unreachable(describe(exc)) from exc
+    return await _first_connect(host, port, _connected_socket, clock=clock, timeout=timeout)
 
 
 async def open_tcp_transport(
@@ -98,8 +76,39 @@ async def open_tcp_transport(
     On uvloop that is libuv's own connect; a socket of ours handed over afterwards
     costs a Python socket, a poll handle made and dropped for the writability wait
     and a second hand-over (13 more system calls per connect, about 25 us of CPU).
-    An IPv6 address with a scope id goes through :func:`open_tcp` (a host string
-    would lose the scope)."""
+    An IPv6 address with a scope id still goes through a socket of ours, connected as
+    :func:`open_tcp` does (a host string would lose the scope)."""
+    loop = asyncio.get_running_loop()
+
+    async def connect(
+        family: int, kind: int, proto: int, address: Any
+    ) -> tuple[asyncio.Transport, P]:
+        if len(address) == 4 and address[3]:  # IPv6 with a scope id
+            sock = await _connected_socket(family, kind, proto, address)
+            try:
+                return await loop.create_connection(factory, sock=sock)
+            except BaseException:
+                sock.close()
+                raise
+        return await loop.create_connection(
+            factory, str(address[0]), int(address[1]), family=family, proto=proto
+        )
+
+    return await _first_connect(host, port, connect, clock=clock, timeout=timeout)
+
+
+async def _first_connect(
+    host: str,
+    port: int,
+    connect: Callable[[int, int, int, Any], Awaitable[T]],
+    *,
+    clock: Clock,
+    timeout: float,
+) -> T:
+    """The connect rules of :func:`open_tcp` and :func:`open_tcp_transport`:
+    ``connect(family, kind, proto, address)`` for each resolved address of
+    ``host:port`` in turn until one does not raise :class:`OSError`, all within
+    ``timeout`` seconds on ``clock``; :class:`Unreachable` when none connects."""
     loop = asyncio.get_running_loop()
     try:
         async with clock_timeout(clock, timeout):
@@ -107,28 +116,27 @@ async def open_tcp_transport(
             error: OSError = OSError(f"no address for {host}")
             for family, kind, proto, _, address in infos:
                 try:
-                    if len(address) == 4 and address[3]:  # IPv6 with a scope id
-                        sock = socket.socket(family, kind, proto)
-                        try:
-                            sock.setblocking(False)
-                            await _connect(loop, sock, address)
-                            transport, protocol = await loop.create_connection(factory, sock=sock)
-                        except BaseException:
-                            sock.close()
-                            raise
-                    else:
-                        transport, protocol = await loop.create_connection(
-                            factory, str(address[0]), int(address[1]), family=family, proto=proto
-                        )
+                    return await connect(family, kind, proto, address)
                 except OSError as exc:
                     error = exc
-                    continue
-                return transport, protocol
             raise error
     except TimeoutError as exc:
         raise Unreachable(f"no TCP connection within {timeout:g} s (TimeoutError)") from exc
     except OSError as exc:
         raise Unreachable(describe(exc)) from exc
+
+
+async def _connected_socket(family: int, kind: int, proto: int, address: Any) -> socket.socket:
+    """A non-blocking socket connected to the resolved ``address`` (closed if that
+    fails or is cancelled)."""
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setblocking(False)
+        await _connect(asyncio.get_running_loop(), sock, address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 async def _connect(loop: asyncio.AbstractEventLoop, sock: socket.socket, address: Any) -> None:
