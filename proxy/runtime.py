@@ -165,16 +165,10 @@ class Runtime:
                 changes.append(f"pool {pool.name}: " + (
                     "updated" if pool.name in old_pools else "added"))  # fmt: skip
             hint = pool.fallback.as_hint() if pool.fallback else None
-            if isinstance(self.gate, Gate):
-                self.gate.apply_pool(
-                    pool.name, replicas, queue, hint,
-                    session_estimate_s=pool.session_estimate_s, reserves=_reserves(pool),
-                )  # fmt: skip
-            else:
-                self.gate.apply_pool(
-                    pool.name, replicas, queue, hint, session_estimate_s=pool.session_estimate_s,
-                    reserves=_reserves(pool),
-                )  # fmt: skip
+            self.gate.apply_pool(
+                pool.name, replicas, queue, hint,
+                session_estimate_s=pool.session_estimate_s, reserves=_reserves(pool),
+            )  # fmt: skip
         for name in old_pools.keys() - {p.name for p in settings.pools}:
             self.gate.retire_pool(name)
             changes.append(f"pool {name}: removed (running sessions finish)")
