@@ -37,6 +37,7 @@ import heapq
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 __all__ = [
     "ANONYMOUS",
@@ -46,6 +47,8 @@ __all__ = [
     "reserve_allows",
     "reserved_above",
 ]
+
+_K = TypeVar("_K", int, str)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,10 +197,8 @@ class TenantQueue:
                 lane.queue.popleft()
             else:
                 lane.queue.remove(ticket)
-            self._per_class[waiter.tenant.priority] -= 1
-            self._per_name[waiter.tenant.name] -= 1
-            self._per_class += Counter()  # drops the zeros
-            self._per_name += Counter()
+            _decrement(self._per_class, waiter.tenant.priority)
+            _decrement(self._per_name, waiter.tenant.name)
         return waiter
 
     def queued_by(self, name: str) -> int:
@@ -324,6 +325,14 @@ class TenantQueue:
         floor = self._floor(key, now, expected_s, own)
         if floor > own:
             lane.charge += floor - own
+
+
+def _decrement(counts: Counter[_K], key: _K) -> None:
+    """One fewer of ``key``; a count that reaches 0 is dropped (callers iterate keys)."""
+    if counts[key] <= 1:
+        del counts[key]
+    else:
+        counts[key] -= 1
 
 
 def _weight(tenant: TenantSpec | None) -> float:
