@@ -211,10 +211,9 @@ async def relay_frames(
             return  # nothing more can be sent to this client; uvicorn closes the socket
         except OSError:
             # uvicorn's ClientDisconnected: the client vanished while we were sending.
-            core.buffer_drained(
-                client, clock.now()
-            )  # that send is over: the watchdog must not fire
-            core.connection_lost(client, clock.now())
+            now = clock.now()
+            core.buffer_drained(client, now)  # that send is over: the watchdog must not fire
+            core.connection_lost(client, now)
             run()
             if shell.upstream_close is not None:
                 code, reason = shell.upstream_close
