@@ -73,7 +73,7 @@ def ws_adapter(
     if entry is not None and entry.carries_inner:
         inner = inner_protocol or entry.default_inner
         carried = spec(inner) if inner is not None else None
-        if carried is None or carried.transport != "ws" or carried.carries_inner:
+        if carried is None or not carried.carriable:
             raise ValueError(f"{protocol} cannot carry inner protocol {inner!r}")
         return ws_adapter(carried.name, sink, default_format)
     if entry is None or entry.ws_adapter is None:

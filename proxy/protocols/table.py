@@ -109,6 +109,12 @@ class ProtocolSpec:
     carries_inner: bool = False
     default_inner: Protocol | None = None
 
+    @property
+    def carriable(self) -> bool:
+        """Whether a ``carries_inner`` protocol may carry this one: a WS protocol that
+        carries none itself."""
+        return self.transport == "ws" and not self.carries_inner
+
 
 def _realtime(openai: bool) -> WsFactory:
     def build(sink: MeterSink, fmt: AudioFormat) -> WsAdapter:
@@ -162,6 +168,4 @@ def spec(protocol: str) -> ProtocolSpec | None:
 
 def inner_protocols() -> list[str]:
     """The protocols a ``carries_inner`` protocol may carry: WS ones that carry none."""
-    return sorted(
-        n for n, s in PROTOCOL_TABLE.items() if s.transport == "ws" and not s.carries_inner
-    )
+    return sorted(n for n, s in PROTOCOL_TABLE.items() if s.carriable)

@@ -378,7 +378,7 @@ class RouteSettings(_Frozen):
         elif not carries and carried is not None:
             why = f"only valid with protocol {' or '.join(carriers)}"
             problems.append((("inner_protocol",), why))
-        elif carried is not None and (carried.transport != "ws" or carried.carries_inner):
+        elif carried is not None and not carried.carriable:
             why = f"must be one of: {inner} (got {self.inner_protocol!r})"
             problems.append((("inner_protocol",), why))
         if problems:
