@@ -53,6 +53,28 @@ PositionCallback = Callable[[int, float], None]
 CURRENT_TENANT: ContextVar[TenantSpec | None] = ContextVar("headroom_tenant", default=None)
 
 
+def count_decision(
+    metrics: Metrics | None, pool: str, decision: str, tenant: TenantSpec | None
+) -> None:
+    """Count an admission decision, and per key for a session with one (both gates)."""
+    if metrics is not None:
+        metrics.child(metrics.decisions, pool, decision).inc()
+        if tenant is not None and tenant.name:
+            labels = (pool, tenant.name, str(tenant.priority), decision)
+            metrics.tenant_decisions.labels(*labels).inc()
+
+
+def observe_queue_wait(
+    metrics: Metrics | None, pool: str, waited: float, tenant: TenantSpec | None
+) -> None:
+    """Observe a waiter's time in the queue, and per key for one with a key (both gates)."""
+    if metrics is not None:
+        metrics.child(metrics.queue_wait, pool).observe(waited)
+        if tenant is not None and tenant.name:
+            labels = (pool, tenant.name, str(tenant.priority))
+            metrics.tenant_queue_wait.labels(*labels).observe(waited)
+
+
 class Lease:
     """One admitted session's slot. Release it exactly once -- calling
     :meth:`release` again is a no-op, so call it on every exit path."""
@@ -417,11 +439,7 @@ class Gate:
             raise LookupError(f"no pool named {name!r}") from None
 
     def _count(self, pool: str, decision: str, tenant: TenantSpec | None = None) -> None:
-        if self.metrics is not None:
-            self.metrics.child(self.metrics.decisions, pool, decision).inc()
-            if tenant is not None and tenant.name:
-                labels = (pool, tenant.name, str(tenant.priority), decision)
-                self.metrics.tenant_decisions.labels(*labels).inc()
+        count_decision(self.metrics, pool, decision, tenant)
 
     def _refusal(self, pool: str, reject: Reject) -> Refused:
         return refusal_for(
@@ -473,12 +491,8 @@ class Gate:
 
     def _observe_wait(self, p: _Pool, ticket: int, tenant: TenantSpec | None) -> None:
         enqueued = p.enqueued_at.pop(ticket, None)
-        if enqueued is not None and self.metrics is not None:
-            waited = self.clock.now() - enqueued
-            self.metrics.child(self.metrics.queue_wait, p.core.name).observe(waited)
-            if tenant is not None and tenant.name:
-                labels = (p.core.name, tenant.name, str(tenant.priority))
-                self.metrics.tenant_queue_wait.labels(*labels).observe(waited)
+        if enqueued is not None:
+            observe_queue_wait(self.metrics, p.core.name, self.clock.now() - enqueued, tenant)
 
     def _resolve(self, pool: str, p: _Pool, outcome: Admit | Reject) -> None:
         waiter = p.waiters.get(outcome.ticket)

@@ -65,7 +65,14 @@ from proxy.admission.retry_after import (
 )
 from proxy.clock import Clock, TimerHandle
 from proxy.errors import FallbackHint, Refused, TenantLimitRefused, refusal_for
-from proxy.gate import CURRENT_TENANT, Lease, PositionCallback, Waiting
+from proxy.gate import (
+    CURRENT_TENANT,
+    Lease,
+    PositionCallback,
+    Waiting,
+    count_decision,
+    observe_queue_wait,
+)
 from proxy.metrics import Metrics, ReplicaGauges, TenantGauges
 
 if TYPE_CHECKING:
@@ -454,14 +461,7 @@ class SharedGate:
         return self._lease(p, waiter_id, outcome.replica, waiter.arrived, waiter.tenant)
 
     def _observe_wait(self, p: _Pool, waiter: _Waiter) -> None:
-        if self.metrics is None:
-            return
-        waited = self.clock.now() - waiter.arrived
-        self.metrics.child(self.metrics.queue_wait, p.name).observe(waited)
-        tenant = waiter.tenant
-        if tenant is not None and tenant.name:
-            labels = (p.name, tenant.name, str(tenant.priority))
-            self.metrics.tenant_queue_wait.labels(*labels).observe(waited)
+        observe_queue_wait(self.metrics, p.name, self.clock.now() - waiter.arrived, waiter.tenant)
 
     def _lease(
         self,
@@ -1127,11 +1127,7 @@ class SharedGate:
         task.add_done_callback(self._tasks.discard)
 
     def _count(self, pool: str, decision: str, tenant: TenantSpec | None = None) -> None:
-        if self.metrics is not None:
-            self.metrics.child(self.metrics.decisions, pool, decision).inc()
-            if tenant is not None and tenant.name:
-                labels = (pool, tenant.name, str(tenant.priority), decision)
-                self.metrics.tenant_decisions.labels(*labels).inc()
+        count_decision(self.metrics, pool, decision, tenant)
 
     def _estimate(self, p: _Pool, position: int) -> float:
         """Whole seconds, jittered upward (:func:`~proxy.admission.retry_after.retry_after_s`)
