@@ -224,8 +224,9 @@ class HttpExchange:
             self.record.client_close = 1006
             self._end(Ending("client_left", "client went away"))
 
-    async def _send_body(self, chunk: bytes, more: bool) -> None:
-        if self.timers.sending(self.clock.now()):
+    async def _send_body(self, chunk: bytes, more: bool, now: float) -> None:
+        """Send a body chunk at ``now``, under the write watchdog."""
+        if self.timers.sending(now):
             self._arm()
         await self._send({"type": "http.response.body", "body": chunk, "more_body": more})
         self.timers.sent(self.clock.now())
@@ -334,7 +335,7 @@ class HttpExchange:
                             adapter.response_chunk(now, chunk)
                         record.bytes_down += len(chunk)
                         record.frames_down += 1
-                        await self._send_body(chunk, True)
+                        await self._send_body(chunk, True, now)
                 except httpx.HTTPError as exc:
                     # Bytes have flowed: nothing is retried, and the client must see the
                     # stream cut, not end (the caller aborts the response).
@@ -343,7 +344,7 @@ class HttpExchange:
                     record.error = reason
                     self.ending = Ending("midstream", reason)
                     return
-                await self._send_body(b"", False)
+                await self._send_body(b"", False, clock.now())
                 self.complete = True
             finally:
                 with contextlib.suppress(Exception):
