@@ -32,7 +32,7 @@ from proxy.admission import (
 from proxy.auth import TenantQuotas, authenticate
 from proxy.clock import Clock, LoopClock
 from proxy.errors import Refused
-from proxy.gate import CURRENT_TENANT, Gate
+from proxy.gate import CURRENT_TENANT, Gate, count_decision
 from proxy.guard import GuardLoop, GuardPolicy
 from proxy.meter import PrometheusReplicaSink, SessionMeter
 from proxy.metrics import Metrics
@@ -281,15 +281,14 @@ class Runtime:
             own = core.tenant_wait(key.name, now)
             estimate = core.estimate_wait(1, now) if own is None else own
         retry = min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, estimate))
+        tenant = tenant_spec(key)
         try:
             token = self.tenants.reserve(key, pool, retry)
         except Refused:
-            self.metrics.decisions.labels(pool, "rejected_tenant_limit").inc()
-            labels = (pool, key.name, str(key.priority), "rejected_tenant_limit")
-            self.metrics.tenant_decisions.labels(*labels).inc()
+            count_decision(self.metrics, pool, "rejected_tenant_limit", tenant)
             raise
         # The gate admits this task's session as the key's tenant (class, weight, ...).
-        CURRENT_TENANT.set(tenant_spec(key))
+        CURRENT_TENANT.set(tenant)
         if isinstance(self.gate, SharedGate) and key.max_sessions is not None:
             # Counted over every gateway too, by the shared gate's admission (this
             # process's count above is only its own part).
