@@ -238,7 +238,7 @@ class PoolCore:
     def expire(self, now: float) -> list[Reject]:
         """Refuse every waiter whose deadline has passed (``queue_timeout``)."""
         expired: list[Reject] = []
-        if not any(self._waiters.waiter(t).deadline <= now for t in self._waiters):
+        if not any(w.deadline <= now for w in self._waiters.waiters()):
             return expired
         for position, ticket in enumerate(self.waiting(now), start=1):
             waiter = self._waiters.waiter(ticket)
@@ -363,7 +363,7 @@ class PoolCore:
 
     def next_deadline(self) -> float | None:
         """The earliest waiter deadline, for the caller's timer."""
-        return min((self._waiters.waiter(t).deadline for t in self._waiters), default=None)
+        return min((w.deadline for w in self._waiters.waiters()), default=None)
 
     def position(self, ticket: int, now: float | None = None) -> int | None:
         """1-based queue position of a waiter (its rank in the projected service
@@ -381,8 +381,8 @@ class PoolCore:
         counts: dict[TenantSpec, list[int]] = {}
         for lease in self._leases.values():
             counts.setdefault(lease.tenant, [0, 0])[0] += 1
-        for t in self._waiters:
-            counts.setdefault(self._waiters.waiter(t).tenant, [0, 0])[1] += 1
+        for w in self._waiters.waiters():
+            counts.setdefault(w.tenant, [0, 0])[1] += 1
         return {k: (a, q) for k, (a, q) in counts.items()}
 
     def tenant_wait(self, name: str, now: float) -> float | None:

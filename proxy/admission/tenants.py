@@ -177,6 +177,10 @@ class TenantQueue:
     def waiter(self, ticket: int) -> _Waiter:
         return self._waiters[ticket]
 
+    def waiters(self) -> Iterable[_Waiter]:
+        """Every waiter, in arrival order."""
+        return self._waiters.values()
+
     def push(
         self, ticket: int, tenant: TenantSpec, arrived: float, deadline: float, expected_s: float
     ) -> None:
