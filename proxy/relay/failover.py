@@ -26,6 +26,7 @@ Shared by both relays. The rules:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -64,7 +65,9 @@ class Unreachable(Exception):
 async def open_tcp(host: str, port: int, *, clock: Clock, timeout: float) -> socket.socket:
     """A connected non-blocking TCP socket to ``host:port`` (each resolved address in
     turn), within ``timeout`` seconds on ``clock``. Raises :class:`Unreachable`."""
-    return await _first_connect(host, port, _connected_socket, clock=clock, timeout=timeout)
+    loop = asyncio.get_running_loop()  # once: it costs a getpid()
+    connect = functools.partial(_connected_socket, loop)
+    return await _first_connect(loop, host, port, connect, clock=clock, timeout=timeout)
 
 
 async def open_tcp_transport(
@@ -78,13 +81,13 @@ async def open_tcp_transport(
     and a second hand-over (13 more system calls per connect, about 25 us of CPU).
     An IPv6 address with a scope id still goes through a socket of ours, connected as
     :func:`open_tcp` does (a host string would lose the scope)."""
-    loop = asyncio.get_running_loop()
+    loop = asyncio.get_running_loop()  # once: it costs a getpid()
 
     async def connect(
         family: int, kind: int, proto: int, address: Any
     ) -> tuple[asyncio.Transport, P]:
         if len(address) == 4 and address[3]:  # IPv6 with a scope id
-            sock = await _connected_socket(family, kind, proto, address)
+            sock = await _connected_socket(loop, family, kind, proto, address)
             try:
                 return await loop.create_connection(factory, sock=sock)
             except BaseException:
@@ -94,10 +97,11 @@ async def open_tcp_transport(
             factory, str(address[0]), int(address[1]), family=family, proto=proto
         )
 
-    return await _first_connect(host, port, connect, clock=clock, timeout=timeout)
+    return await _first_connect(loop, host, port, connect, clock=clock, timeout=timeout)
 
 
 async def _first_connect(
+    loop: asyncio.AbstractEventLoop,
     host: str,
     port: int,
     connect: Callable[[int, int, int, Any], Awaitable[T]],
@@ -109,7 +113,6 @@ async def _first_connect(
     ``connect(family, kind, proto, address)`` for each resolved address of
     ``host:port`` in turn until one does not raise :class:`OSError`, all within
     ``timeout`` seconds on ``clock``; :class:`Unreachable` when none connects."""
-    loop = asyncio.get_running_loop()
     try:
         async with clock_timeout(clock, timeout):
             infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -126,13 +129,15 @@ async def _first_connect(
         raise Unreachable(describe(exc)) from exc
 
 
-async def _connected_socket(family: int, kind: int, proto: int, address: Any) -> socket.socket:
+async def _connected_socket(
+    loop: asyncio.AbstractEventLoop, family: int, kind: int, proto: int, address: Any
+) -> socket.socket:
     """A non-blocking socket connected to the resolved ``address`` (closed if that
     fails or is cancelled)."""
     sock = socket.socket(family, kind, proto)
     try:
         sock.setblocking(False)
-        await _connect(asyncio.get_running_loop(), sock, address)
+        await _connect(loop, sock, address)
     except BaseException:
         sock.close()
         raise
