@@ -111,6 +111,32 @@ async def _child(args: list[str], stream: str, prefix: str) -> AsyncIterator[str
             drain.cancel()
 
 
+@contextlib.asynccontextmanager
+async def worker_processes(
+    cmds: list[list[str]],
+) -> AsyncIterator[list[asyncio.subprocess.Process]]:
+    """Start every load-generator command in its own process group; on the way out,
+    kill the group of any still running."""
+    procs: list[asyncio.subprocess.Process] = []
+    try:
+        for cmd in cmds:
+            procs.append(await asyncio.create_subprocess_exec(*cmd, start_new_session=True))
+        yield procs
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                await p.wait()
+
+
+async def wait_workers(procs: list[asyncio.subprocess.Process], deadline: float) -> None:
+    """Wait up to ``deadline`` seconds for every process; raise unless all exited 0."""
+    codes = await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), deadline)
+    if any(codes):
+        raise RuntimeError(f"load-generator processes exited with {codes}")
+
+
 async def _discard(proc: asyncio.subprocess.Process, other: asyncio.StreamReader) -> None:
     streams = [other]
     if proc.stdout is not None and proc.stdout is not other:
@@ -238,27 +264,18 @@ async def _measure(url: str, args: argparse.Namespace, users: int, model: str) -
     shares = [users // clients + (i < users % clients) for i in range(clients)]
     start_at = time.monotonic() + 3.0 + 0.5 * clients  # every interpreter up and waiting
     with tempfile.TemporaryDirectory() as tmp:
-        procs, outs = [], []
+        cmds, outs = [], []
         for i, share in enumerate(shares):
             out = Path(tmp) / f"worker{i}.json"
             outs.append(out)
-            cmd = [sys.executable, "-m", "bench.overload", "--worker", url,
-                   "--users", str(share), "--start-at", repr(start_at),
-                   "--traces-out", str(out), "--model", model, "--protocol", args.protocol,
-                   "--hold", str(args.hold), "--warmup", str(args.warmup),
-                   "--seed", str(args.seed + 1000 * i)]  # fmt: skip
-            procs.append(await asyncio.create_subprocess_exec(*cmd, start_new_session=True))
-        try:
-            deadline = args.warmup + args.hold + 240
-            codes = await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), deadline)
-        finally:
-            for p in procs:
-                if p.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.pid, signal.SIGKILL)
-                    await p.wait()
-        if any(codes):
-            raise RuntimeError(f"load-generator processes exited with {codes}")
+            cmds.append([sys.executable, "-m", "bench.overload", "--worker", url,
+                         "--users", str(share), "--start-at", repr(start_at),
+                         "--traces-out", str(out), "--model", model,
+                         "--protocol", args.protocol,
+                         "--hold", str(args.hold), "--warmup", str(args.warmup),
+                         "--seed", str(args.seed + 1000 * i)])  # fmt: skip
+        async with worker_processes(cmds) as procs:
+            await wait_workers(procs, args.warmup + args.hold + 240)
         traces: list[SessionTrace] = []
         windows = []
         for out in outs:

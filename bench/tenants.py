@@ -38,11 +38,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -53,7 +51,14 @@ import httpx
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.overload import _child, _preset, _trace_from, run_worker
+from bench.overload import (
+    _child,
+    _preset,
+    _trace_from,
+    run_worker,
+    wait_workers,
+    worker_processes,
+)
 from proxy.probe.analysis import LevelWindow, SessionTrace, level_stats, quantile
 from proxy.probe.runner import ProbeSettings
 from proxy.probe.session import ClientOptions, endpoint_url
@@ -197,33 +202,21 @@ async def _phase(sim_url: str, preset: Any, cap: int, phase: str, users: dict[st
             base = url.replace("ws://", "http://")
             print(f"{phase}: {users} -> {url} (cap {cap})", file=sys.stderr)
             start_at = time.monotonic() + 3.0 + 0.5 * len(users)
-            procs, outs = [], {}
+            cmds, outs = [], {}
             for i, (tenant, n) in enumerate(users.items()):
                 out = Path(tmp) / f"{tenant}.json"
                 outs[tenant] = out
-                cmd = [sys.executable, "-m", "bench.tenants", "--worker", url,
-                       "--tenant", tenant, "--users", str(n), "--start-at", repr(start_at),
-                       "--traces-out", str(out), "--model", preset.model,
-                       "--hold", str(args.hold + _TAIL_S), "--warmup", str(args.warmup),
-                       "--seed", str(args.seed + 1000 * i)]  # fmt: skip
-                procs.append(await asyncio.create_subprocess_exec(*cmd, start_new_session=True))
-            try:
+                cmds.append([sys.executable, "-m", "bench.tenants", "--worker", url,
+                             "--tenant", tenant, "--users", str(n), "--start-at", repr(start_at),
+                             "--traces-out", str(out), "--model", preset.model,
+                             "--hold", str(args.hold + _TAIL_S), "--warmup", str(args.warmup),
+                             "--seed", str(args.seed + 1000 * i)])  # fmt: skip
+            async with worker_processes(cmds) as procs:
                 await asyncio.sleep(max(0.0, start_at + args.warmup - time.monotonic()))
                 before = await _scrape(base)
                 await asyncio.sleep(args.hold)
                 after = await _scrape(base)
-                deadline = args.warmup + args.hold + 400
-                codes = await asyncio.wait_for(
-                    asyncio.gather(*(p.wait() for p in procs)), deadline
-                )
-            finally:
-                for p in procs:
-                    if p.returncode is None:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.killpg(p.pid, signal.SIGKILL)
-                        await p.wait()
-            if any(codes):
-                raise RuntimeError(f"load-generator processes exited with {codes}")
+                await wait_workers(procs, args.warmup + args.hold + 400)
             result: dict[str, Any] = {"users": users, "tenants": {}}
             for tenant, out in outs.items():
                 data = json.loads(out.read_text())

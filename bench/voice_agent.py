@@ -49,7 +49,6 @@ import base64
 import contextlib
 import json
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -61,7 +60,7 @@ import yaml
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus, WebSocketException
 
-from bench.overload import _child, _loads
+from bench.overload import _child, _loads, wait_workers, worker_processes
 from proxy.probe.analysis import quantile
 from proxy.probe.clients import run_session
 from proxy.probe.session import ClientOptions, Refusal, SessionFailed, SessionRecorder
@@ -287,30 +286,21 @@ async def _measure(base: str, mode: str, users: int, args: argparse.Namespace) -
     shares = [users // clients + (i < users % clients) for i in range(clients)]
     start_at = time.monotonic() + 3.0 + 0.5 * clients  # every interpreter up and waiting
     with tempfile.TemporaryDirectory() as tmp:
-        procs, outs = [], []
+        cmds, outs = [], []
         for i, share in enumerate(shares):
             out = Path(tmp) / f"worker{i}.json"
             outs.append(out)
-            cmd = [sys.executable, "-m", "bench.voice_agent", "--worker", base,
-                   "--mode", mode, "--users", str(share), "--start-at", repr(start_at),
-                   "--records-out", str(out), "--hold", str(args.hold),
-                   "--warmup", str(args.warmup), "--speak", str(args.speak),
-                   "--hold-s", str(args.hold_s), "--call-timeout", str(args.call_timeout),
-                   "--asr-model", args.asr_model, "--tts-model", args.tts_model,
-                   "--sample-rate", str(args.sample_rate),
-                   "--seed", str(args.seed + 1000 * i)]  # fmt: skip
-            procs.append(await asyncio.create_subprocess_exec(*cmd, start_new_session=True))
-        try:
-            deadline = 5.0 + 0.5 * clients + args.warmup + args.hold + args.call_timeout + 60
-            codes = await asyncio.wait_for(asyncio.gather(*(p.wait() for p in procs)), deadline)
-        finally:
-            for p in procs:
-                if p.returncode is None:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(p.pid, signal.SIGKILL)
-                    await p.wait()
-        if any(codes):
-            raise RuntimeError(f"load-generator processes exited with {codes}")
+            cmds.append([sys.executable, "-m", "bench.voice_agent", "--worker", base,
+                         "--mode", mode, "--users", str(share), "--start-at", repr(start_at),
+                         "--records-out", str(out), "--hold", str(args.hold),
+                         "--warmup", str(args.warmup), "--speak", str(args.speak),
+                         "--hold-s", str(args.hold_s), "--call-timeout", str(args.call_timeout),
+                         "--asr-model", args.asr_model, "--tts-model", args.tts_model,
+                         "--sample-rate", str(args.sample_rate),
+                         "--seed", str(args.seed + 1000 * i)])  # fmt: skip
+        deadline = 5.0 + 0.5 * clients + args.warmup + args.hold + args.call_timeout + 60
+        async with worker_processes(cmds) as procs:
+            await wait_workers(procs, deadline)
         records: list[dict[str, Any]] = []
         for out in outs:
             records += json.loads(out.read_text())
