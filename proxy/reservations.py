@@ -45,7 +45,7 @@ from prometheus_client import CollectorRegistry, Counter
 from proxy.auth import authenticate
 from proxy.clock import Clock, TimerHandle
 from proxy.errors import PolicyViolation, Refused, refusal_for
-from proxy.gate import Gate, Lease, Waiting
+from proxy.gate import Gate, Lease, Waiting, count_decision
 from proxy.settings import AuthSettings
 from proxy.shared_gate import ADMITTED_POOL, SharedGate
 
@@ -222,13 +222,8 @@ class Reservations:
     @staticmethod
     def _full(gate: Gate, pool: str) -> Refused:
         core = gate.core(pool)
-        stats = core.statistics()
-        guarded = any(
-            r.healthy and not r.retired and r.guarded and r.active < r.cap for r in stats.replicas
-        )
-        reason = "guard" if guarded else "pool_full"
-        if gate.metrics is not None:
-            gate.metrics.decisions.labels(pool, f"rejected_{reason}").inc()
+        reason = core.full_reason()
+        count_decision(gate.metrics, pool, f"rejected_{reason}", None)
         retry = core.retry_after(reason, core.queue_depth + 1, gate.clock.now())
         return refusal_for(reason, retry_after_s=retry, pool=pool, fallback=gate.fallback(pool))
 

@@ -166,7 +166,7 @@ class PoolCore:
             if replica is not None:
                 return self._admit(ticket, spec, replica, now, now)
         if not self.queue.enabled:
-            return self._reject(ticket, self._full_reason(), position=None, now=now, tenant=spec)
+            return self._reject(ticket, self.full_reason(), position=None, now=now, tenant=spec)
         if spec.max_queued is not None and self._waiters.queued_by(spec.name) >= spec.max_queued:
             return self._reject(ticket, "tenant_limit", position=None, now=now, tenant=spec)
         displaced: tuple[Reject, ...] = ()
@@ -560,7 +560,9 @@ class PoolCore:
             admitted.append(self._admit(head.ticket, head.tenant, replica, head.arrived, now))
         return admitted
 
-    def _full_reason(self) -> str:
+    def full_reason(self) -> str:
+        """Why a pool with no slot for a newcomer is full: ``guard`` if a live replica
+        has room the guard holds back, else ``pool_full``."""
         live = [r for r in self._replicas.values() if r.healthy and not r.retired]
         if any(r.guarded and r.active < r.cap for r in live):
             return "guard"
