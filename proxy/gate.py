@@ -411,7 +411,12 @@ class Gate:
         out: list[TenantGauges] = []
         now = self.clock.now()
         for name, p in self._pools.items():
-            counts = {(t.name, t.priority): c for t, c in p.core.tenant_counts().items()}
+            # A reload that changes a key's weight or max_queued leaves its sessions
+            # under two specs with one (name, class): sum them, as the seconds below.
+            counts: dict[tuple[str, int], tuple[int, int]] = {}
+            for t, (active, queued) in p.core.tenant_counts().items():
+                was = counts.get((t.name, t.priority), (0, 0))
+                counts[(t.name, t.priority)] = (was[0] + active, was[1] + queued)
             held: dict[tuple[str, int], float] = {}
             for t, seconds in p.core.session_seconds(now).items():
                 held[(t.name, t.priority)] = held.get((t.name, t.priority), 0.0) + seconds

@@ -287,3 +287,16 @@ async def test_gateway_reserve_shedding_and_tenant_series(
                         priority="1", decision="admitted") == 2  # fmt: skip
     assert proxy.metric("headroom_tenant_session_seconds_total", pool="main", tenant="gold",
                         priority="1") > 0  # fmt: skip
+
+
+async def test_tenant_gauges_sum_a_keys_sessions_across_a_reloaded_spec() -> None:
+    """After a reload changes a key's weight, its running sessions hold the old spec and
+    new ones the new: the gauges count both under the key's one (name, class)."""
+    gate, _, _ = make_gate(caps=(3,), depth=1)
+    before = gate.enter("tts", tenant=TenantSpec("team", priority=0, weight=1.0))
+    after = gate.enter("tts", tenant=TenantSpec("team", priority=0, weight=2.0))
+    assert isinstance(before, Lease) and isinstance(after, Lease)
+    gauges = {(g.tenant, g.priority): (g.active, g.queued) for g in gate.tenant_gauges()}
+    assert gauges == {("team", 0): (2, 0)}
+    before.release()
+    after.release()
