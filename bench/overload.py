@@ -44,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -428,17 +428,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_bench(
+    args: argparse.Namespace,
+    worker: Callable[[argparse.Namespace], Awaitable[int]],
+    run: Callable[[argparse.Namespace], Awaitable[dict[str, Any]]],
+    render: Callable[[dict[str, Any]], str],
+) -> int:
+    """The main of a bench with load-generator processes: with ``--worker``, one such
+    process; otherwise the run, its table printed and its figures written to ``--json``."""
     if args.worker:
-        return asyncio.run(_worker(args))
-    if args.clients < 1:
-        raise SystemExit("--clients must be >= 1")
-    result = asyncio.run(run_overload(args))
+        return asyncio.run(worker(args))
+    result = asyncio.run(run(args))
     print(render(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.clients < 1:
+        raise SystemExit("--clients must be >= 1")
+    return run_bench(args, _worker, run_overload, render)
 
 
 if __name__ == "__main__":

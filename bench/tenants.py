@@ -55,6 +55,7 @@ from bench.overload import (
     _child,
     _preset,
     _trace_from,
+    run_bench,
     run_worker,
     wait_workers,
     worker_processes,
@@ -358,14 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.worker:
-        return asyncio.run(_worker(args))
-    result = asyncio.run(run(args))
-    print(render(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return run_bench(build_parser().parse_args(argv), _worker, run, render)
 
 
 if __name__ == "__main__":

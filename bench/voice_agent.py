@@ -60,7 +60,7 @@ import yaml
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus, WebSocketException
 
-from bench.overload import _child, _loads, wait_workers, worker_processes
+from bench.overload import _child, _loads, run_bench, wait_workers, worker_processes
 from proxy.probe.analysis import quantile
 from proxy.probe.clients import run_session
 from proxy.probe.session import ClientOptions, Refusal, SessionFailed, SessionRecorder
@@ -450,15 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.worker:
-        return asyncio.run(_worker(args))
     if args.clients < 1:
         raise SystemExit("--clients must be >= 1")
-    result = asyncio.run(run_voice_agent(args))
-    print(render(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return run_bench(args, _worker, run_voice_agent, render)
 
 
 if __name__ == "__main__":
