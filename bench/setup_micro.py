@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _rounds(label: str, per_round: int, values: list[float]) -> None:
+def _rounds(label: str, values: list[float]) -> None:
     print(f"{label:28s} best {min(values):7.2f} us  ({' '.join(f'{v:.2f}' for v in values)})")
 
 
@@ -67,7 +67,7 @@ async def main(args: argparse.Namespace) -> None:
         return await open_tcp("127.0.0.1", port, clock=clock, timeout=5)
 
     close_all([await connect() for _ in range(100)])  # warm up
-    _rounds("open_tcp", args.n, await _measure(connect, args.n, close_all))
+    _rounds("open_tcp", await _measure(connect, args.n, close_all))
     server.close()
 
     never = asyncio.Event()
@@ -80,7 +80,7 @@ async def main(args: argparse.Namespace) -> None:
     async def race() -> Any:
         return await race_client(work(), never.wait(), leftover=lambda _: None)
 
-    _rounds("race_client", args.n * 10, await _measure(race, args.n * 10))
+    _rounds("race_client", await _measure(race, args.n * 10))
 
     raw = [
         (b"host", b"127.0.0.1:8080"), (b"upgrade", b"websocket"), (b"connection", b"Upgrade"),
@@ -97,7 +97,7 @@ async def main(args: argparse.Namespace) -> None:
                 raw, client_host="127.0.0.1", scheme="ws", websocket=True, trusted_proxies=()
             )
         values.append((time.process_time() - started) / n * 1e6)
-    _rounds("forwarded_request_headers", n, values)
+    _rounds("forwarded_request_headers", values)
 
 
 def run() -> int:
