@@ -144,7 +144,6 @@ class _QueueFeedback:
         self.cap = cap
         self.admin_port = free_port()
         self.config = ""
-        self.path: Path | None = None
 
     def configure(self, text: str) -> str:
         swaps = [
