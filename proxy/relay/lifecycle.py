@@ -92,9 +92,11 @@ class Transport(Protocol[U]):
     def queued(self) -> AbstractAsyncContextManager[None]:
         """Entered while the session waits in the queue."""
 
-    async def until_disconnect(self) -> None:
-        """Return once the client has left. May raise (a client flooding while it
-        waits: :class:`~proxy.errors.MessageTooLarge`)."""
+    def until_disconnect(self) -> Awaitable[None]:
+        """Done once the client has left. May raise (a client flooding while it waits:
+        :class:`~proxy.errors.MessageTooLarge`). A future is watched as it is (the
+        transport's own signal); a coroutine runs in a watcher task, cancelled when the
+        race ends."""
 
     async def open(self, lease: Lease, record: SessionRecord) -> U:
         """The upstream connection for the lease (failing over); raises
@@ -141,7 +143,13 @@ async def race_client(
     cancellation is taken back here (``uncancel``), as ``asyncio.timeout`` does."""
     current = asyncio.current_task()
     assert current is not None
-    watcher = asyncio.ensure_future(gone, loop=current.get_loop())
+    # A future (a signal the transport keeps) is watched as it is; anything else runs
+    # in a watcher task of ours, cancelled when the race ends.
+    watcher: asyncio.Future[None]
+    if isinstance(gone, asyncio.Future):
+        watcher, owned = gone, False
+    else:
+        watcher, owned = asyncio.ensure_future(gone, loop=current.get_loop()), True
     cancelling = current.cancelling()
     #: Why this race cancelled the caller's task ("left", "drained"), if it did.
     why: list[str] = []
@@ -167,7 +175,7 @@ async def race_client(
         try:
             result = await work
             made = True
-            if not watcher.done():
+            if owned and not watcher.done():
                 # the client may have left in this same instant: its watcher runs first
                 await asyncio.sleep(0)
         finally:
@@ -175,7 +183,7 @@ async def race_client(
             if services is not None:
                 services.unregister_session(stop)
             watcher.remove_done_callback(on_gone)
-            if not watcher.done():
+            if owned and not watcher.done():
                 watcher.cancel()
                 await asyncio.wait((watcher,))
     except asyncio.CancelledError:
@@ -186,7 +194,7 @@ async def race_client(
     else:
         if why:  # the work caught the cancellation itself and finished
             current.uncancel()
-    if not watcher.cancelled() or why == ["left"]:  # the client left
+    if (watcher.done() and not watcher.cancelled()) or why == ["left"]:  # the client left
         if made:
             leftover(result)  # type: ignore[arg-type]
         if not watcher.cancelled():

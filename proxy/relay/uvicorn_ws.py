@@ -137,6 +137,7 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         self._request_bytes = b""  # a request the lean parser read, for websockets' if needed
         self.on_shutdown: Callable[[], None] | None = None  # set once taken over
         self._tail = bytearray()  # after an ASGI accept: a client frame still arriving
+        self._gone: asyncio.Future[None] | None = None  # see gone()
 
     def _uvicorn_init(
         self,
@@ -345,7 +346,27 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
             self.scope["extensions"].update(self._splice_extension())
 
     def _splice_extension(self) -> dict[str, Any]:
-        return {"headroom.splice": {"take_over": self.take_over}}
+        return {"headroom.splice": {"take_over": self.take_over, "gone": self.gone}}
+
+    def gone(self) -> asyncio.Future[None]:
+        """A future that is done once the client's connection is lost: what a session
+        not yet accepted races its waits against (the queue, the upstream connect).
+        Before an accept nothing but a disconnect can come from the client, so this
+        says what a ``websocket.disconnect`` from ASGI ``receive`` would, without a task
+        blocked in ``receive`` (a task, a queue getter and a cancellation per session
+        set-up: issue 17)."""
+        gone = self._gone
+        if gone is None:
+            gone = self._gone = self.loop.create_future()
+            if self.disconnected:
+                gone.set_result(None)
+        return gone
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        gone = self._gone
+        if gone is not None and not gone.done():
+            gone.set_result(None)
 
     async def send(self, message: Any) -> None:
         if message["type"] == "websocket.accept":

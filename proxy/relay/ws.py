@@ -28,7 +28,7 @@ import contextlib
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any
 
 from websockets.asyncio.client import ClientConnection, connect
@@ -155,10 +155,21 @@ class _WebSocket:
         )
         record.client_close = err.close_code
 
-    async def until_disconnect(self) -> None:
-        """Wait for the client to leave. Before accept only a disconnect can come; after
-        an early accept (queue feedback) frames are held, within bounds (the message
-        size limit and 16 messages; beyond that, MessageTooLarge)."""
+    def until_disconnect(self) -> Awaitable[None]:
+        """Wait for the client to leave. Before accept only a disconnect can come: when
+        uvicorn offers it, that is the connection's own ``gone`` future (no task and no
+        ASGI receive, :meth:`HeadroomWebSocketProtocol.gone
+        <proxy.relay.uvicorn_ws.HeadroomWebSocketProtocol.gone>`). After an early accept
+        (queue feedback) frames are held, within bounds (the message size limit and 16
+        messages; beyond that, MessageTooLarge)."""
+        if not self.accepted:
+            gone = self.scope.get("extensions", {}).get("headroom.splice", {}).get("gone")
+            if gone is not None:
+                future: asyncio.Future[None] = gone()
+                return future
+        return self._receive_until_disconnect()
+
+    async def _receive_until_disconnect(self) -> None:
         held = self.held
         limit = self.services.settings.limits.max_message_bytes
         size = 0

@@ -575,3 +575,63 @@ async def test_race_client_passes_the_callers_own_cancellation_on() -> None:
     with pytest.raises(asyncio.CancelledError):
         await running
     assert watcher_cancelled == [True]
+
+
+async def test_race_client_watches_a_future_as_it_is() -> None:
+    """A transport's own disconnect future is watched without a task of ours: it is
+    neither wrapped nor cancelled when the race ends (a later race reuses it), and the
+    race costs no extra turn of the loop."""
+    loop = asyncio.get_running_loop()
+    gone: asyncio.Future[None] = loop.create_future()
+    tasks_before = len(asyncio.all_tasks())
+
+    async def work() -> str:
+        assert len(asyncio.all_tasks()) == tasks_before  # no watcher task
+        return "done"
+
+    assert await race_client(work(), gone, leftover=lambda _: None) == "done"
+    assert not gone.done() and not gone.cancelled()
+    assert await race_client(work(), gone, leftover=lambda _: None) == "done"
+
+
+async def test_race_client_on_a_future_ends_when_it_is_set() -> None:
+    loop = asyncio.get_running_loop()
+    gone: asyncio.Future[None] = loop.create_future()
+    started = asyncio.Event()
+    cancelled_work: list[bool] = []
+
+    async def work() -> str:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled_work.append(True)
+            raise
+        return "never"
+
+    async def caller() -> tuple[str | None, int]:
+        result = await race_client(work(), gone, leftover=lambda _: None)
+        task = asyncio.current_task()
+        assert task is not None
+        return result, task.cancelling()
+
+    running = asyncio.ensure_future(caller())
+    await started.wait()
+    gone.set_result(None)
+    assert await running == (None, 0)
+    assert cancelled_work == [True]
+
+
+async def test_race_client_on_a_future_already_set_hands_the_result_back() -> None:
+    """The client left in the instant the work finished: the result goes to
+    ``leftover`` (a slot granted, a connection made) and the race returns None."""
+    loop = asyncio.get_running_loop()
+    gone: asyncio.Future[None] = loop.create_future()
+    leftovers: list[str] = []
+
+    async def work() -> str:
+        gone.set_result(None)  # the disconnect lands before the work's result is seen
+        return "slot"
+
+    assert await race_client(work(), gone, leftover=leftovers.append) is None
+    assert leftovers == ["slot"]

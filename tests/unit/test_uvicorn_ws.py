@@ -253,7 +253,7 @@ async def test_a_take_over_lets_go_of_uvicorns_websocket_machinery() -> None:
     assert not any(hasattr(accepted, name) for name in _UVICORN_SIDE)
 
 
-_OWN = {"_early", "_accept_key", "_request_bytes", "on_shutdown", "_tail", "_conn", "_conn_gone"}
+_OWN = {"_early", "_accept_key", "_request_bytes", "on_shutdown", "_tail", "_conn", "_conn_gone", "_gone"}
 
 
 @pytest.mark.parametrize("deflate", [False, True])
@@ -348,3 +348,21 @@ async def test_a_finished_connection_is_freed_without_the_garbage_collector() ->
         assert protocol() is None
     finally:
         gc.enable()
+
+
+async def test_gone_is_done_when_the_connection_is_lost() -> None:
+    """The ``gone`` future a session not yet accepted races its waits against: done
+    when the client's connection is lost, the same future each time, and done at once
+    when asked for after the loss."""
+    lean, _ = _accepted()
+    gone = lean.scope["extensions"]["headroom.splice"]["gone"]
+    first = gone()
+    assert gone() is first and not first.done()
+    lean.connection_lost(None)
+    assert first.done() and first.result() is None
+    assert await lean.receive() == {"type": "websocket.connect"}
+    assert (await lean.receive())["type"] == "websocket.disconnect"  # ASGI is told too
+
+    late, _ = _accepted()
+    late.connection_lost(None)
+    assert late.gone().done()
