@@ -66,8 +66,13 @@ _METHODS = (
     "handle_websocket_upgrade", "send_400_response", "_should_upgrade",
     "_unset_keepalive_if_required",
 )  # fmt: skip
-#: ... and attributes it reads (set in its __init__).
-_ATTRIBUTES = ("parser", "cycle", "pipeline", "transport", "loop", "server_state")
+#: ... attributes it reads (set in its __init__) ...
+_ATTRIBUTES = (
+    "parser", "cycle", "pipeline", "transport", "loop", "server_state",
+    "ws_protocol_class", "connections", "config", "app_state", "scope", "headers",
+)  # fmt: skip
+#: ... and those set when a request begins (``on_message_begin``).
+_REQUEST_ATTRIBUTES = ("url",)
 
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
@@ -78,7 +83,9 @@ def _check_uvicorn() -> None:
     :func:`proxy.relay.uvicorn_fence.assigned_attributes`)."""
     missing = [name for name in _METHODS if not callable(getattr(HttpToolsProtocol, name, None))]
     assigned, problems = assigned_attributes(HttpToolsProtocol)
-    missing += problems or [name for name in _ATTRIBUTES if name not in assigned]
+    missing += problems or [
+        name for name in _ATTRIBUTES + _REQUEST_ATTRIBUTES if name not in assigned
+    ]
     if missing:
         raise ImportError(
             f"uvicorn {uvicorn.__version__}: HttpToolsProtocol has no {', '.join(missing)}; "
@@ -251,7 +258,20 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     def handle_websocket_upgrade(self) -> None:
         self._head_open = False
         self._cancel_head_timer()
-        super().handle_websocket_upgrade()
+        # Any: uvicorn types it as asyncio.Protocol; importing the splice's class here
+        # would make this module fail wherever the splice cannot load (its fence).
+        cls: Any = self.ws_protocol_class
+        if not hasattr(cls, "upgrade_parsed"):
+            super().handle_websocket_upgrade()
+            return
+        # uvicorn's hand-over, but the request goes over as parsed (the splice's
+        # protocol reads it as it is) rather than re-serialised to be parsed again.
+        self.connections.discard(self)
+        protocol = cls(config=self.config, server_state=self.server_state,
+                       app_state=self.app_state)  # fmt: skip
+        protocol.connection_made(self.transport)
+        protocol.upgrade_parsed(self.scope["method"], self.url, self.headers)
+        self.transport.set_protocol(protocol)
 
 
 def head_limited(limits: Callable[[], LimitsSettings]) -> type[HeadLimitedProtocol]:

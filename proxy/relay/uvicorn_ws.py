@@ -111,6 +111,15 @@ def whole_frames(data: bytes | bytearray, max_size: int | None) -> int:
     return pos
 
 
+def _serialised(target: bytes, headers: list[tuple[bytes, bytes]], method: bytes = b"GET") -> bytes:
+    """A parsed request as uvicorn hands an upgrade over (its HTTP version always 1.1)."""
+    out = [method, b" ", target, b" HTTP/1.1\r\n"]
+    for name, value in headers:
+        out += [name, b": ", value, b"\r\n"]
+    out.append(b"\r\n")
+    return b"".join(out)
+
+
 def _client_frame(message: Mapping[str, Any]) -> bytes:
     """An ASGI ``websocket.receive`` message as the masked frame a client would send."""
     text = message.get("text")
@@ -134,7 +143,8 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         self._conn_gone = False  # taken over: never built again
         self._early = bytearray()
         self._accept_key = ""  # Sec-WebSocket-Accept, once a handshake request is read
-        self._request_bytes = b""  # a request the lean parser read, for websockets' if needed
+        #: A request the lean parser read (target, headers), for websockets' if needed.
+        self._request: tuple[bytes, list[tuple[bytes, bytes]]] | None = None
         self.on_shutdown: Callable[[], None] | None = None  # set once taken over
         self._tail = bytearray()  # after an ASGI accept: a client frame still arriving
         self._gone: asyncio.Future[None] | None = None  # see gone()
@@ -253,6 +263,18 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         if self.conn.parser_exc is not None:
             self.handle_parser_exception()
 
+    def upgrade_parsed(
+        self, method: str, target: bytes, headers: list[tuple[bytes, bytes]]
+    ) -> None:
+        """The request of an upgrade that uvicorn's HTTP protocol has already parsed
+        (:class:`proxy.relay.uvicorn_http.HeadLimitedProtocol` hands it over after
+        ``connection_made``): read as it is, rather than re-serialised by uvicorn and
+        parsed again. ``headers`` are uvicorn's: names lower-cased. Anything the lean
+        reading does not take goes to websockets' parser as uvicorn would send it."""
+        if method == "GET" and self._lean_request(target, headers):
+            return
+        self.data_received(_serialised(target, headers, method.encode()))
+
     def _lean_handshake(self, data: bytes) -> bool:
         """Read a well-formed handshake request (the common case) without websockets'
         parser; False leaves it to that parser (errors, odd requests)."""
@@ -262,19 +284,26 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         request_line = lines[0].split(b" ")
         if len(request_line) != 3 or request_line[0] != b"GET" or request_line[2] != b"HTTP/1.1":
             return False
-        target = request_line[1]
+        headers: list[tuple[bytes, bytes]] = []
+        for line in lines[1:]:
+            name, sep, value = line.partition(b": ")
+            if not sep or name != name.lower():
+                return False
+            headers.append((name, value))
+        return self._lean_request(request_line[1], headers)
+
+    def _lean_request(self, target: bytes, headers: list[tuple[bytes, bytes]]) -> bool:
+        """The RFC 6455 4.2.1 checks of a GET request's target and headers (names lower
+        case), then the scope and the ASGI task; False (nothing done) if one fails."""
         if not target.isascii() or not target.startswith(b"/"):
             return False
-        headers: list[tuple[bytes, bytes]] = []
         key: bytes | None = None
         version: bytes | None = None
         upgrade = connection = False
         protocols: list[str] = []
-        for line in lines[1:]:
-            name, sep, value = line.partition(b": ")
-            if not sep or not name or name != name.lower() or b":" in name:
+        for name, value in headers:
+            if not name or b":" in name:
                 return False
-            headers.append((name, value))
             if name == b"sec-websocket-key":
                 if key is not None:
                     return False
@@ -301,7 +330,7 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         except binascii.Error:
             return False
         self._accept_key = base64.b64encode(hashlib.sha1(key + _GUID).digest()).decode()
-        self._request_bytes = data
+        self._request = (target, headers)
         raw_path, _, query = target.decode("ascii").partition("?")
         self.handshake_initiated = True
         self.scope = {
@@ -329,11 +358,11 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
     def _websockets_handshake(self) -> None:
         """Build the websockets request/response objects the lean handshake skipped,
         for uvicorn's own ``websocket.accept`` path."""
-        if not self._request_bytes:
+        if self._request is None:
             return
         # websockets' parser reads the request now, so that it then reads frames
-        self.conn.receive_data(self._request_bytes)
-        self._request_bytes = b""
+        self.conn.receive_data(_serialised(*self._request))
+        self._request = None
         (request,) = self.conn.events_received()
         assert isinstance(request, Request)
         self.request = request

@@ -108,6 +108,9 @@ def test_uvicorn_still_has_what_the_head_limits_use() -> None:
         loop.close()
     for name in uvicorn_http._ATTRIBUTES:
         assert hasattr(stock, name), name
+    stock.on_message_begin()
+    for name in uvicorn_http._REQUEST_ATTRIBUTES:
+        assert hasattr(stock, name), name
 
 
 def test_a_uvicorn_without_a_hook_fails_loudly(monkeypatch: pytest.MonkeyPatch) -> None:

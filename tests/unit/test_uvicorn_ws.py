@@ -253,7 +253,9 @@ async def test_a_take_over_lets_go_of_uvicorns_websocket_machinery() -> None:
     assert not any(hasattr(accepted, name) for name in _UVICORN_SIDE)
 
 
-_OWN = {"_early", "_accept_key", "_request_bytes", "on_shutdown", "_tail", "_conn", "_conn_gone", "_gone"}
+_OWN = {
+    "_early", "_accept_key", "_request", "on_shutdown", "_tail", "_conn", "_conn_gone", "_gone",
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("deflate", [False, True])
@@ -366,3 +368,69 @@ async def test_gone_is_done_when_the_connection_is_lost() -> None:
     late, _ = _accepted()
     late.connection_lost(None)
     assert late.gone().done()
+
+
+# -- the upgrade handed over from uvicorn's HTTP protocol, already parsed ----------------
+
+
+def _via_http(request: bytes) -> tuple[Any, Transport, ServerState]:
+    """A request through HeadLimitedProtocol (uvicorn's httptools protocol with the head
+    limits), configured with the splice's protocol, as the gateway serves it."""
+    from proxy.relay.uvicorn_http import HeadLimitedProtocol
+
+    config = uvicorn.Config(
+        app=_app, ws=HeadroomWebSocketProtocol, ws_per_message_deflate=False,
+        log_level="critical", lifespan="off",
+    )  # fmt: skip
+    config.load()
+    state = ServerState()
+    http = HeadLimitedProtocol(config=config, server_state=state, app_state={"a": 1})
+    transport = Transport()
+    http.connection_made(transport)
+    http.data_received(request)
+    for task in state.tasks:
+        task.cancel()
+    return transport.protocol, transport, state
+
+
+async def test_an_upgrade_is_handed_over_parsed_not_reserialised(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The HTTP protocol gives the splice's protocol the request it parsed; nothing is
+    serialised again to be read again, and the scope is the one the raw path builds."""
+    request = _request(b"/ws?x=1", b"sec-websocket-protocol: a, b", b"x-custom: V")
+    raw, _ = _open(HeadroomWebSocketProtocol, request)
+
+    def reparsed(self: Any, data: bytes) -> None:
+        raise AssertionError(f"request parsed again: {data!r}")
+
+    monkeypatch.setattr(HeadroomWebSocketProtocol, "data_received", reparsed)
+    lean, transport, state = _via_http(request)
+    assert isinstance(lean, HeadroomWebSocketProtocol)
+    assert lean in state.connections and lean.handshake_initiated
+    assert transport.out == b""  # nothing answered yet: the app decides
+    for name in ("path", "raw_path", "query_string", "headers", "subprotocols"):
+        assert lean.scope[name] == raw.scope[name], name
+    assert lean.scope["headers"][-1] == (b"x-custom", b"V")
+    assert lean._accept_key == raw._accept_key
+    assert set(lean.scope["extensions"]["headroom.splice"]) == {"take_over", "gone"}
+
+
+async def test_a_parsed_upgrade_the_lean_reading_refuses_goes_to_websockets() -> None:
+    """A request the lean reading does not take (here: no Sec-WebSocket-Key) is still
+    answered by websockets' parser, as uvicorn would hand it over."""
+    request = _request(b"/ws").replace(b"sec-websocket-key: " + KEY + b"\r\n", b"")
+    lean, transport, _ = _via_http(request)
+    assert isinstance(lean, HeadroomWebSocketProtocol) and lean._request is None
+    assert bytes(transport.out).startswith(b"HTTP/1.1 400 ")
+
+
+async def test_an_asgi_accept_after_a_parsed_upgrade_still_reads_frames() -> None:
+    """Queue feedback accepts through ASGI: websockets' parser is then given the
+    request (serialised as uvicorn would) and reads frames after it."""
+    lean, transport, _ = _via_http(_request(b"/ws"))
+    await lean.send({"type": "websocket.accept", "subprotocol": None, "headers": []})
+    assert transport.out.startswith(b"HTTP/1.1 101")
+    lean.data_received(bytes((0x81, 0x82, 1, 2, 3, 4, ord("h") ^ 1, ord("i") ^ 2)))
+    assert await lean.receive() == {"type": "websocket.connect"}
+    assert await lean.receive() == {"type": "websocket.receive", "text": "hi"}
