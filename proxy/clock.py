@@ -38,6 +38,8 @@ class LoopClock:
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop
+        # the loop's bound time(), once known: now() runs for every relayed chunk
+        self._time: Callable[[], float] | None = loop.time if loop is not None else None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -46,7 +48,10 @@ class LoopClock:
         return self._loop
 
     def now(self) -> float:
-        return self.loop.time()
+        time = self._time
+        if time is None:
+            time = self._time = self.loop.time
+        return time()
 
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:
         return self.loop.call_at(when, callback)
