@@ -268,7 +268,8 @@ class Runtime:
         """Check the client's key for ``pool`` and reserve one session of its quota.
         Returns a token for :meth:`release_tenant` (call it on every exit path);
         raises Unauthorized / Forbidden / TenantLimitRefused. Runs before the gate."""
-        CURRENT_TENANT.set(None)
+        if CURRENT_TENANT.get() is not None:  # a set() copies the task's context
+            CURRENT_TENANT.set(None)
         key = authenticate(self.settings.auth, scope, pool)
         if key is None:
             return None
