@@ -70,6 +70,7 @@ _METHODS = (
 _ATTRIBUTES = (
     "parser", "cycle", "pipeline", "transport", "loop", "server_state",
     "ws_protocol_class", "connections", "config", "app_state", "scope", "headers",
+    "server", "client", "scheme",
 )  # fmt: skip
 #: ... and those set when a request begins (``on_message_begin``).
 _REQUEST_ATTRIBUTES = ("url",)
@@ -121,6 +122,10 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._max_head_bytes = 0
         self._max_headers = 0
         self._head_timeout_s = 0.0
+        #: uvicorn's _should_upgrade for the request whose header list this is: it asks
+        #: up to four times per request, each a walk over the headers.
+        self._upgrade_for: list[tuple[bytes, bytes]] | None = None
+        self._upgrade = False
         self._start_head()
 
     # -- the head's life ----------------------------------------------------------------
@@ -255,6 +260,15 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         super().on_response_complete()
         self._await_head()
 
+    def _should_upgrade(self) -> bool:
+        # Asked once the head is complete (headers no longer change), then again for
+        # the same request; each new request has a new header list.
+        headers = self.headers
+        if self._upgrade_for is not headers:
+            self._upgrade = super()._should_upgrade()
+            self._upgrade_for = headers
+        return self._upgrade
+
     def handle_websocket_upgrade(self) -> None:
         self._head_open = False
         self._cancel_head_timer()
@@ -269,8 +283,10 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self.connections.discard(self)
         protocol = cls(config=self.config, server_state=self.server_state,
                        app_state=self.app_state)  # fmt: skip
-        protocol.connection_made(self.transport)
-        protocol.upgrade_parsed(self.scope["method"], self.url, self.headers)
+        protocol.upgrade_parsed(
+            self.transport, (self.server, self.client, self.scheme),
+            self.scope["method"], self.url, self.headers,
+        )  # fmt: skip
         self.transport.set_protocol(protocol)
 
 

@@ -58,6 +58,8 @@ _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 
 __all__ = ["EARLY_LIMIT", "HeadroomWebSocketProtocol", "TakeOver", "whole_frames"]
 
+_UVICORN_LOG = logging.getLogger("uvicorn.error")
+
 #: Bytes a client may send between its handshake request and our response; beyond
 #: this the connection is dropped (the session ends as a client disconnect).
 EARLY_LIMIT = 256 * 1024
@@ -167,7 +169,7 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         self.config = config
         self.app = config.loaded_app
         self.loop = _loop or asyncio.get_event_loop()
-        self.logger = logging.getLogger("uvicorn.error")
+        self.logger = _UVICORN_LOG  # logging.getLogger("uvicorn.error"), looked up once
         self.root_path = config.root_path
         self.asgi_version = config.asgi_version
         self.app_state = app_state
@@ -264,13 +266,24 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
             self.handle_parser_exception()
 
     def upgrade_parsed(
-        self, method: str, target: bytes, headers: list[tuple[bytes, bytes]]
+        self,
+        transport: asyncio.Transport,
+        http: tuple[tuple[str, int | None] | None, tuple[str, int] | None, str | None],
+        method: str,
+        target: bytes,
+        headers: list[tuple[bytes, bytes]],
     ) -> None:
-        """The request of an upgrade that uvicorn's HTTP protocol has already parsed
-        (:class:`proxy.relay.uvicorn_http.HeadLimitedProtocol` hands it over after
-        ``connection_made``): read as it is, rather than re-serialised by uvicorn and
-        parsed again. ``headers`` are uvicorn's: names lower-cased. Anything the lean
-        reading does not take goes to websockets' parser as uvicorn would send it."""
+        """An upgrade that uvicorn's HTTP protocol has already read
+        (:class:`proxy.relay.uvicorn_http.HeadLimitedProtocol` hands it over): uvicorn's
+        ``connection_made`` with the addresses and scheme the HTTP protocol found for
+        the connection (``http``: server, client, "http"/"https"; not asked of the
+        socket again), then the request as parsed, rather than re-serialised by uvicorn
+        and parsed again. ``headers`` are uvicorn's: names lower-cased. Anything the
+        lean reading does not take goes to websockets' parser as uvicorn would send it."""
+        self.connections.add(self)
+        self.transport = transport
+        self.server, self.client, scheme = http
+        self.scheme = "wss" if scheme == "https" else "ws"
         if method == "GET" and self._lean_request(target, headers):
             return
         self.data_received(_serialised(target, headers, method.encode()))

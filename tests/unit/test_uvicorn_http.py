@@ -181,3 +181,17 @@ async def test_too_many_header_lines_get_431() -> None:
     protocol.data_received(b"GET / HTTP/1.1\r\nA: 1\r\nB: 2\r\nC: 3\r\nD: 4\r\n\r\n")
     assert transport.out.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
     assert b"more than 3 header lines" in transport.out
+
+
+async def test_should_upgrade_is_asked_of_each_requests_own_headers() -> None:
+    """uvicorn asks _should_upgrade several times per request; the answer is kept for
+    that request's header list only, so a keep-alive connection's next request (a new
+    list) is asked afresh."""
+    protocol, _, _ = _open(LimitsSettings())
+    protocol.ws_protocol_class = object  # type: ignore[assignment]  # any WebSocket support
+    protocol.headers = [(b"connection", b"Upgrade"), (b"upgrade", b"websocket")]
+    assert protocol._should_upgrade() and protocol._should_upgrade()
+    protocol.headers = [(b"connection", b"keep-alive")]
+    assert not protocol._should_upgrade()
+    protocol.headers = [(b"connection", b"keep-alive, Upgrade"), (b"upgrade", b"WebSocket")]
+    assert protocol._should_upgrade()

@@ -413,6 +413,10 @@ async def test_an_upgrade_is_handed_over_parsed_not_reserialised(
         assert lean.scope[name] == raw.scope[name], name
     assert lean.scope["headers"][-1] == (b"x-custom", b"V")
     assert lean._accept_key == raw._accept_key
+    # uvicorn's connection_made, with what the HTTP protocol read of the connection
+    assert (lean.transport, lean.server, lean.client, lean.scheme) == (
+        transport, raw.server, raw.client, "ws"
+    )  # fmt: skip
     assert set(lean.scope["extensions"]["headroom.splice"]) == {"take_over", "gone"}
 
 
