@@ -38,8 +38,10 @@ class LoopClock:
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self._loop = loop
-        # the loop's bound time(), once known: now() runs for every relayed chunk
-        self._time: Callable[[], float] | None = loop.time if loop is not None else None
+        #: ``now()`` is the loop's own bound ``time()`` once the loop is known: a call
+        #: into the loop, no Python frame (it runs for every relayed chunk); until then
+        #: a method that finds the running loop and puts its ``time`` here.
+        self.now: Callable[[], float] = loop.time if loop is not None else self._first_now
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -47,10 +49,8 @@ class LoopClock:
             self._loop = asyncio.get_running_loop()
         return self._loop
 
-    def now(self) -> float:
-        time = self._time
-        if time is None:
-            time = self._time = self.loop.time
+    def _first_now(self) -> float:
+        time = self.now = self.loop.time
         return time()
 
     def call_at(self, when: float, callback: Callable[[], None]) -> TimerHandle:

@@ -122,3 +122,16 @@ async def test_on_the_loop_clock_a_short_deadline_cuts_a_long_sleep() -> None:
     with pytest.raises(TimeoutError):
         async with clock_timeout(LoopClock(), 0.01):
             await asyncio.sleep(3600)
+
+
+async def test_loop_clock_reads_the_running_loops_time() -> None:
+    """Made before the loop runs (as the runtime's is), the clock finds the running loop
+    on first use; from then on now() is the loop's own time()."""
+    loop = asyncio.get_running_loop()
+    clock = LoopClock()
+    before = loop.time()
+    assert before <= clock.now() <= loop.time()
+    assert clock.now == loop.time  # bound to the loop now: no Python frame per call
+    assert clock.loop is loop
+    given = LoopClock(loop)
+    assert given.now == loop.time and given.now() <= loop.time()
