@@ -313,6 +313,7 @@ async def _measure(
     }  # fmt: skip
     if (args.gc_trace or args.gc_freeze) and target == "headroom":
         cell["gc_in_window"] = gc_summary(cell_dir / "gc.log", w0.at_ns, w1.at_ns)
+        cell["gc_in_setup"] = gc_summary(cell_dir / "gc.log", idle.at_ns, after_connect.at_ns)
     return cell
 
 
@@ -564,7 +565,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--nginx-buffer", help="nginx proxy_buffer_size (default: nginx's own, 4k here)"
     )
-    p.add_argument("--gc-trace", action="store_true", help="log Headroom's GC passes")
+    p.add_argument(
+        "--gc-trace", action="store_true",
+        help="log Headroom's GC passes; the JSON gets those of the window and the set-up",
+    )  # fmt: skip
     p.add_argument(
         "--gc-freeze", action="store_true", help="what-if: gc.freeze() Headroom after start"
     )
