@@ -71,7 +71,13 @@ async def open_tcp(host: str, port: int, *, clock: Clock, timeout: float) -> soc
 
 
 async def open_tcp_transport(
-    host: str, port: int, factory: Callable[[], P], *, clock: Clock, timeout: float
+    host: str,
+    port: int,
+    factory: Callable[[], P],
+    *,
+    clock: Clock,
+    timeout: float,
+    loop: asyncio.AbstractEventLoop | None = None,
 ) -> tuple[asyncio.Transport, P]:
     """:func:`open_tcp`'s connect (each resolved address in turn, within ``timeout``
     seconds on ``clock``, :class:`Unreachable` otherwise), but the event loop makes
@@ -80,8 +86,10 @@ async def open_tcp_transport(
     costs a Python socket, a poll handle made and dropped for the writability wait
     and a second hand-over (13 more system calls per connect, about 25 us of CPU).
     An IPv6 address with a scope id still goes through a socket of ours, connected as
-    :func:`open_tcp` does (a host string would lose the scope)."""
-    loop = asyncio.get_running_loop()  # once: it costs a getpid()
+    :func:`open_tcp` does (a host string would lose the scope). ``loop``: the running
+    loop, if the caller has it (looking it up costs a getpid())."""
+    if loop is None:
+        loop = asyncio.get_running_loop()
 
     async def connect(
         family: int, kind: int, proto: int, address: Any

@@ -282,7 +282,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         # protocol reads it as it is) rather than re-serialised to be parsed again.
         self.connections.discard(self)
         protocol = cls(config=self.config, server_state=self.server_state,
-                       app_state=self.app_state)  # fmt: skip
+                       app_state=self.app_state, _loop=self.loop)  # fmt: skip
         protocol.upgrade_parsed(
             self.transport, (self.server, self.client, self.scheme),
             self.scope["method"], self.url, self.headers,

@@ -316,7 +316,7 @@ class _WebSocket:
                     loop = asyncio.get_running_loop()
                     sock = await open_tcp_transport(
                         uri.host, uri.port, lambda: HandshakeProtocol(loop), clock=services.clock,
-                        timeout=limits.upstream_connect_timeout_s,
+                        timeout=limits.upstream_connect_timeout_s, loop=loop,
                     )  # fmt: skip
                 else:
                     sock = await open_tcp(
