@@ -231,26 +231,8 @@ class ReplicaSignals:
         if now >= self._open_until:
             self._rotate(now)
         current = self._open
-        # LogHistogram.add (and _bucket) twice, inlined: this runs for every audio chunk
-        # relayed
-        hist = current.ratios
-        key = (
-            _ceil(_log(_MIN if ratio < _MIN else _MAX if ratio > _MAX else ratio) * _INV_LOG_GAMMA)
-            if ratio > 0.0
-            else _ZERO
-        )
-        buckets = hist.buckets
-        buckets[key] = buckets.get(key, 0) + 1
-        hist.count += 1
-        hist = current.gaps
-        key = (
-            _ceil(_log(_MIN if gap < _MIN else _MAX if gap > _MAX else gap) * _INV_LOG_GAMMA)
-            if gap > 0.0
-            else _ZERO
-        )
-        buckets = hist.buckets
-        buckets[key] = buckets.get(key, 0) + 1
-        hist.count += 1
+        current.ratios.add(ratio)
+        current.gaps.add(gap)
 
     def observe_gap(self, now: float, gap: float) -> None:
         """One gap between gap-only events (no audio, so no ratio)."""

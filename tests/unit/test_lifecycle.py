@@ -527,13 +527,21 @@ async def test_race_client_runs_the_work_in_the_callers_task() -> None:
     assert caller is not None and caller.cancelling() == 0
 
 
-async def test_race_client_takes_back_its_cancellation_when_the_client_leaves() -> None:
+@pytest.mark.parametrize("signal", ["coroutine", "future"])
+async def test_race_client_takes_back_its_cancellation_when_the_client_leaves(
+    signal: str,
+) -> None:
     """The client leaving cancels the work through the caller's task; the caller is
-    then not left cancelling (a later timeout in the session would misfire)."""
+    then not left cancelling (a later timeout in the session would misfire). The same
+    whether the client's leaving is watched by a task of the race's (a coroutine) or is
+    a future of the transport's, which the race watches as it is."""
     left = asyncio.Event()
+    gone: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    started = asyncio.Event()
     cancelled_work: list[bool] = []
 
     async def work() -> str:
+        started.set()
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
@@ -542,15 +550,18 @@ async def test_race_client_takes_back_its_cancellation_when_the_client_leaves() 
         return "never"
 
     async def caller() -> tuple[str | None, int]:
-        result = await race_client(work(), left.wait(), leftover=lambda _: None)
+        watched = left.wait() if signal == "coroutine" else gone
+        result = await race_client(work(), watched, leftover=lambda _: None)
         task = asyncio.current_task()
         assert task is not None
         await asyncio.sleep(0)  # no cancellation is pending either
         return result, task.cancelling()
 
     running = asyncio.ensure_future(caller())
+    await started.wait()
     await settle()
     left.set()
+    gone.set_result(None)
     assert await running == (None, 0)
     assert cancelled_work == [True]
 
@@ -592,34 +603,6 @@ async def test_race_client_watches_a_future_as_it_is() -> None:
     assert await race_client(work(), gone, leftover=lambda _: None) == "done"
     assert not gone.done() and not gone.cancelled()
     assert await race_client(work(), gone, leftover=lambda _: None) == "done"
-
-
-async def test_race_client_on_a_future_ends_when_it_is_set() -> None:
-    loop = asyncio.get_running_loop()
-    gone: asyncio.Future[None] = loop.create_future()
-    started = asyncio.Event()
-    cancelled_work: list[bool] = []
-
-    async def work() -> str:
-        started.set()
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled_work.append(True)
-            raise
-        return "never"
-
-    async def caller() -> tuple[str | None, int]:
-        result = await race_client(work(), gone, leftover=lambda _: None)
-        task = asyncio.current_task()
-        assert task is not None
-        return result, task.cancelling()
-
-    running = asyncio.ensure_future(caller())
-    await started.wait()
-    gone.set_result(None)
-    assert await running == (None, 0)
-    assert cancelled_work == [True]
 
 
 async def test_race_client_on_a_future_already_set_hands_the_result_back() -> None:
