@@ -12,6 +12,11 @@ measured the same way. The report gives each round, each tree's median, and B/A.
     git archive HEAD | tar -x -C /tmp/tree-a
     python bench/connect_ab.py --a /tmp/tree-a --b . --sessions 500 --rounds 8
 
+``--a nginx`` (or ``--b nginx``) puts Debian's nginx on that side, configured as
+``bench/relay.py`` runs it: with ``--stream-windows`` this gives Headroom's CPU per chunk
+as a ratio to nginx's measured in the same windows, on the same machine at the same time,
+rather than one relay after the other.
+
 The machine is shared: read the per-round ratios and their spread, not one number.
 """
 
@@ -39,18 +44,21 @@ from harness import (  # type: ignore[import-not-found,unused-ignore]
     headroom_config,
     raise_fd_limit,
     sample,
+    start_relay,
     start_upstreams,
     wait_port,
 )
 
 GC_TRACE = Path(__file__).resolve().parent / "gc_trace.py"
+#: ``--a``/``--b`` value for nginx instead of a Headroom tree.
+NGINX = "nginx"
 
 
 @dataclass
 class Side:
     name: str
     tree: Path
-    pid: int = 0
+    pids: list[int] = field(default_factory=list)  # the relay's processes (nginx: two)
     clients: list[Worker] = field(default_factory=list)
     gc_log: Path | None = None
     setup_ms: list[float] = field(default_factory=list)
@@ -59,6 +67,10 @@ class Side:
 
 
 async def _start(procs: Processes, side: Side, run_dir: Path, upstream_port: int, cap: int) -> str:
+    if str(side.tree) == NGINX:
+        relay = await start_relay(procs, NGINX, run_dir / side.name, upstream_port)
+        side.pids = relay.pids()
+        return relay.url
     port = free_port()
     conf = run_dir / f"{side.name}.yaml"
     conf.write_text(headroom_config(port, upstream_port, cap, "vllm-omni-speech-ws"))
@@ -75,13 +87,13 @@ async def _start(procs: Processes, side: Side, run_dir: Path, upstream_port: int
         )  # fmt: skip
     procs.add(proc)
     await wait_port(port, 30.0, proc)
-    side.pid = proc.pid
+    side.pids = [proc.pid]
     return f"ws://127.0.0.1:{port}{ROUTE_PATH}"
 
 
 async def _round(side: Side, n: int, concurrency: int, settle: float) -> None:
     shares = _shares(n, side)
-    before = sample([side.pid])
+    before = sample(side.pids)
     started_ns = time.monotonic_ns()
     replies = await asyncio.gather(
         *(w.call("connect", "connected", 60.0, n=k, concurrency=concurrency)
@@ -91,11 +103,11 @@ async def _round(side: Side, n: int, concurrency: int, settle: float) -> None:
     if ok != n:
         raise RuntimeError(f"{side.name}: {ok} of {n} connected: {[r['failed'] for r in replies]}")
     await asyncio.sleep(settle)
-    connected = sample([side.pid])
+    connected = sample(side.pids)
     side.windows.append((started_ns, time.monotonic_ns()))
     await asyncio.gather(*(w.call("close", "closed", 60.0) for w in side.clients))
     await asyncio.sleep(settle)
-    closed = sample([side.pid])
+    closed = sample(side.pids)
     side.setup_ms.append((connected.cpu_ns - before.cpu_ns) / 1e6 / n)
     side.close_ms.append((closed.cpu_ns - connected.cpu_ns) / 1e6 / n)
 
@@ -107,12 +119,13 @@ async def run(args: argparse.Namespace) -> int:
     sides = [Side("A", Path(args.a)), Side("B", Path(args.b))]
     if args.gc_trace:
         for side in sides:
-            side.gc_log = run_dir / f"{side.name}-gc.log"
+            if str(side.tree) != NGINX:
+                side.gc_log = run_dir / f"{side.name}-gc.log"
     try:
         _, up_port = await start_upstreams(procs, 1, 40.0, 9600)
         for side in sides:
             url = await _start(procs, side, run_dir, up_port, args.sessions + 16)
-            print(f"{side.name} pid {side.pid}", file=sys.stderr, flush=True)
+            print(f"{side.name} pids {side.pids}", file=sys.stderr, flush=True)
             for i in range(args.client_procs):
                 w, _ = await Worker.start(
                     procs, f"{side.name}-clients{i}", "clients", "--url", url, "--timeout-s", "30"
@@ -173,9 +186,9 @@ async def _stream(sides: list[Side], args: argparse.Namespace, run_dir: Path) ->
     workers = [w for side in sides for w in side.clients]
     for k in range(args.stream_windows):
         await asyncio.gather(*(w.call("mark", "marked", 10.0) for w in workers))
-        before = {side.name: sample([side.pid]) for side in sides}
+        before = {side.name: sample(side.pids) for side in sides}
         await asyncio.sleep(args.window)
-        after = {side.name: sample([side.pid]) for side in sides}
+        after = {side.name: sample(side.pids) for side in sides}
         for side in sides:
             stops = await asyncio.gather(
                 *(w.call("stop", "stopped", 30.0, out=str(run_dir / f"{side.name}{i}"))
@@ -219,8 +232,8 @@ def _gc_summary(side: Side, sessions: int) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--a", required=True, help="source tree A (holds proxy/)")
-    p.add_argument("--b", required=True, help="source tree B")
+    p.add_argument("--a", required=True, help="source tree A (holds proxy/), or nginx")
+    p.add_argument("--b", required=True, help="source tree B, or nginx")
     p.add_argument("--sessions", type=int, default=500)
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--client-procs", type=int, default=2)
