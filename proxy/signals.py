@@ -42,14 +42,6 @@ _ZERO = -(10**9)  # bucket key of values <= 0 (reported as 0.0); sorts first
 _log, _ceil = math.log, math.ceil
 
 
-def _bucket(value: float) -> int:
-    """The bucket key of ``value``."""
-    if not value > 0.0:  # zero, negative, NaN
-        return _ZERO
-    # min(max(value, _MIN), _MAX), without the two builtin calls
-    return _ceil(_log(_MIN if value < _MIN else _MAX if value > _MAX else value) * _INV_LOG_GAMMA)
-
-
 def _value(key: int) -> float:
     return 0.0 if key == _ZERO else 2.0 * GAMMA**key / (GAMMA + 1.0)
 
@@ -69,7 +61,15 @@ class LogHistogram:
         self.count = 0
 
     def add(self, value: float) -> None:
-        key = _bucket(value)
+        # The bucket key, computed here rather than in a function of its own: every
+        # audio chunk makes two to four of these insertions (replica signals, and a
+        # long session's sketches).
+        if value > 0.0:  # min(max(value, _MIN), _MAX), without the two builtin calls
+            key = _ceil(
+                _log(_MIN if value < _MIN else _MAX if value > _MAX else value) * _INV_LOG_GAMMA
+            )
+        else:  # zero, negative, NaN
+            key = _ZERO
         buckets = self.buckets
         buckets[key] = buckets.get(key, 0) + 1
         self.count += 1

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.signals import GAMMA, LogHistogram, QuantileSketch, ReplicaSignals, _bucket
+from proxy.signals import GAMMA, LogHistogram, QuantileSketch, ReplicaSignals
 
 ERROR = (GAMMA - 1) / (GAMMA + 1) + 1e-9
 
@@ -178,7 +178,7 @@ def test_window_matches_a_brute_force_reference(
 
 
 def reference_key(value: float) -> int:
-    """The key as ``_bucket`` first computed it (builtin min/max)."""
+    """The bucket key as first computed (builtin min/max)."""
     if not value > 0.0:
         return -(10**9)
     return math.ceil(math.log(min(max(value, 1e-6), 1e6)) * (1.0 / math.log(GAMMA)))
@@ -197,7 +197,6 @@ def test_every_path_files_a_value_under_the_same_key(values: list[float]) -> Non
     for v in values:
         key = reference_key(v)
         expected[key] = expected.get(key, 0) + 1
-        assert _bucket(v) == key
     hist = LogHistogram()
     signals = ReplicaSignals(min_samples=1)
     for v in values:
