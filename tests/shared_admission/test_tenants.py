@@ -57,6 +57,13 @@ class Queue:
         await eventually(lambda: len(self.order) == served + 1, "next waiter admitted")
         return self.tasks[self.order[-1]].result()
 
+    async def serve_all(self, lease: Lease, backend: Backend, hold_s: float = 0.0) -> None:
+        """``lease``, then each lease it goes to, ends after ``hold_s`` until every waiter
+        has been admitted; the last one is released."""
+        for _ in range(len(self.tasks) - len(self.order)):
+            lease = await self.serve(lease, backend, hold_s)
+        lease.release()
+
 
 async def refused(gate: Any, tenant: TenantSpec | None) -> Refused:
     """The refusal of a newcomer that finds no place (it must not be queued)."""
@@ -72,11 +79,8 @@ async def test_a_higher_class_is_served_first(backend: Backend) -> None:
     await q.add("team", TEAM)
     await q.add("none", None)
     await q.add("gold", GOLD)
-    lease = holder
-    for _ in range(3):
-        lease = await q.serve(lease, backend)
+    await q.serve_all(holder, backend)
     assert q.order == ["gold", "team", "none"]
-    lease.release()
 
 
 async def test_weights_share_slot_seconds_and_each_key_stays_fifo(backend: Backend) -> None:
@@ -88,10 +92,7 @@ async def test_weights_share_slot_seconds_and_each_key_stays_fifo(backend: Backe
     for i in range(4):
         await q.add(f"a{i}", A)
         await q.add(f"b{i}", B)
-    lease = holder
-    for _ in range(8):
-        lease = await q.serve(lease, backend, hold_s=10.0)
-    lease.release()
+    await q.serve_all(holder, backend, hold_s=10.0)
     # a0 first (a tie, it came first), then b three times for a's once while both wait
     assert q.order == ["a0", "b0", "b1", "b2", "a1", "b3", "a2", "a3"]
 
@@ -111,11 +112,8 @@ async def test_max_queued_refuses_tenant_limit_and_a_full_queue_queue_full(
     await q.add("plain", PLAIN)  # another key still queues
     refusal = await refused(gate, A)
     assert refusal.reason == "queue_full"
-    lease = holder
-    for _ in range(3):
-        lease = await q.serve(lease, backend)
+    await q.serve_all(holder, backend)
     assert q.order == ["team0", "team1", "plain"]
-    lease.release()
 
 
 async def test_a_reserve_keeps_slots_for_a_higher_class(backend: Backend) -> None:
@@ -172,11 +170,8 @@ async def test_keys_without_the_fields_share_one_fifo_as_before(backend: Backend
     await q.add("none0", None)
     await q.add("plain1", PLAIN)
     await q.add("none1", None)
-    lease = holder
-    for _ in range(4):
-        lease = await q.serve(lease, backend)
+    await q.serve_all(holder, backend)
     assert q.order == ["plain0", "none0", "plain1", "none1"]
-    lease.release()
 
 
 async def test_tenant_series_count_decisions_and_session_seconds(backend: Backend) -> None:

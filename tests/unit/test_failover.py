@@ -78,34 +78,6 @@ async def test_open_tcp_connects_and_names_a_refusal() -> None:
     assert str(info.value)
 
 
-async def test_open_tcp_deadline_runs_on_the_injected_clock() -> None:
-    """A connect still pending when the clock reaches the deadline is Unreachable, with
-    a message that names the timeout (the address resolution is held open here)."""
-    clock = FakeClock()
-    loop = asyncio.get_running_loop()
-    resolving = asyncio.Event()
-    never: asyncio.Future[None] = loop.create_future()
-
-    async def slow_getaddrinfo(*_args: object, **_kwargs: object) -> list[object]:
-        resolving.set()
-        await never
-        return []
-
-    original = loop.getaddrinfo
-    loop.getaddrinfo = slow_getaddrinfo  # type: ignore[method-assign,assignment]
-    try:
-        attempt = asyncio.ensure_future(open_tcp("gpu.invalid", 80, clock=clock, timeout=5))
-        await resolving.wait()
-        clock.advance(4.9)
-        await asyncio.sleep(0)
-        assert not attempt.done()
-        clock.advance(0.1)
-        with pytest.raises(Unreachable, match=r"within 5 s \(TimeoutError\)"):
-            await attempt
-    finally:
-        loop.getaddrinfo = original  # type: ignore[method-assign]
-
-
 class _Connected(asyncio.Protocol):
     def __init__(self) -> None:
         self.transport: asyncio.BaseTransport | None = None
@@ -131,7 +103,11 @@ async def test_open_tcp_transport_connects_and_names_a_refusal() -> None:
     assert str(info.value)
 
 
-async def test_open_tcp_transport_deadline_runs_on_the_injected_clock() -> None:
+@pytest.mark.parametrize("opener", ["open_tcp", "open_tcp_transport"])
+async def test_the_connect_deadline_runs_on_the_injected_clock(opener: str) -> None:
+    """A connect still pending when the clock reaches the deadline is Unreachable, with
+    a message that names the timeout (the address resolution is held open here); the
+    same for both ways of connecting."""
     clock = FakeClock()
     loop = asyncio.get_running_loop()
     resolving = asyncio.Event()
@@ -145,8 +121,10 @@ async def test_open_tcp_transport_deadline_runs_on_the_injected_clock() -> None:
     original = loop.getaddrinfo
     loop.getaddrinfo = slow_getaddrinfo  # type: ignore[method-assign,assignment]
     try:
-        attempt = asyncio.ensure_future(
-            open_tcp_transport("gpu.invalid", 80, _Connected, clock=clock, timeout=5)
+        attempt: asyncio.Future[object] = asyncio.ensure_future(
+            open_tcp("gpu.invalid", 80, clock=clock, timeout=5)
+            if opener == "open_tcp"
+            else open_tcp_transport("gpu.invalid", 80, _Connected, clock=clock, timeout=5)
         )
         await resolving.wait()
         clock.advance(4.9)
