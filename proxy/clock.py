@@ -146,15 +146,14 @@ class clock_timeout:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        assert self._handle is not None and self._task is not None
-        self._handle.cancel()
-        self._handle = None
+        task, handle = self._task, self._handle
+        assert task is not None and handle is not None
+        handle.cancel()
+        self._task = self._handle = None
         if (
             exc_type is not None
             and issubclass(exc_type, asyncio.CancelledError)
             and self._fired
-            and self._task.uncancel() == 0
+            and task.uncancel() == 0
         ):
-            self._task = None
             raise TimeoutError from None
-        self._task = None

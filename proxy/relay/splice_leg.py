@@ -27,7 +27,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from proxy.relay.core import Side
-from proxy.relay.wsframes import BINARY, CLOSE, TEXT, apply_mask
+from proxy.relay.wsframes import CLOSE, TEXT, apply_mask
 
 if TYPE_CHECKING:
     from proxy.relay.core import LegStatus
@@ -188,8 +188,8 @@ class Leg(asyncio.Protocol):
     def _flush(self, data: bytes, start: int, end: int) -> None:
         """Forward ``data[start:end]``, then any injected frames (and a deferred close)."""
         peer = self.peer
-        if start < end and not peer.closed:  # peer.write, inlined: once per read
-            peer.transport.write(data if start == 0 and end == len(data) else data[start:end])
+        if start < end:
+            peer.write(data if start == 0 and end == len(data) else data[start:end])
         if self.pending:
             for pending in self.pending:
                 if pending is None:
@@ -353,9 +353,6 @@ class Leg(asyncio.Protocol):
             self.parts = None
         if fin:
             core = self.core
-            if self.msg_op == BINARY:  # core.message's own dispatch, one call fewer
-                core.binary(self.st, payload, now, self.msg_size)
-            else:
-                core.message(self.st, self.msg_op, payload, now, self.msg_size)
+            core.message(self.st, self.msg_op, payload, now, self.msg_size)
             if core.actions:
                 self.session.run()

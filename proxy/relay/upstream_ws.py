@@ -1,7 +1,7 @@
 """A lean WebSocket client handshake for the upstream leg of a spliced session.
 
 Over one TCP connection opened by the caller (a plain ``ws://`` one by the event loop,
-:func:`proxy.relay.failover.open_tcp_transport`, with :data:`HandshakeProtocol` on it;
+:func:`proxy.relay.failover.open_tcp_transport`, with :class:`HandshakeProtocol` on it;
 a ``wss://`` one from :func:`proxy.relay.failover.open_tcp`, TLS started here), one
 pre-rendered ``GET`` with the upgrade headers, and a check of the ``101`` answer:
 ``Upgrade``/``Connection``, ``Sec-WebSocket-Accept``, a subprotocol among those
@@ -75,7 +75,7 @@ class UpstreamSocket:
     transport: asyncio.Transport
     subprotocol: str | None
     #: Reads the response; None once handed over (:meth:`hand_over`).
-    handshake: _Handshake | None
+    handshake: HandshakeProtocol | None
     loop: asyncio.AbstractEventLoop
 
     def hand_over(self) -> tuple[bytes, bool]:
@@ -92,8 +92,9 @@ class UpstreamSocket:
         self.transport.abort()
 
 
-class _Handshake(asyncio.Protocol):
-    """Reads the response head; pauses reading once it is complete."""
+class HandshakeProtocol(asyncio.Protocol):
+    """Reads the response head; pauses reading once it is complete. What :func:`upgrade`
+    expects on a transport the caller connected itself."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.transport: asyncio.Transport | None = None
@@ -204,7 +205,7 @@ async def open_upstream(
     uri = upstream_uri(url)
     loop = asyncio.get_running_loop()
     transport, protocol = await loop.create_connection(
-        lambda: _Handshake(loop),
+        lambda: HandshakeProtocol(loop),
         sock=sock,
         ssl=_tls_context() if uri.secure else None,
         server_hostname=uri.host if uri.secure else None,
@@ -214,21 +215,17 @@ async def open_upstream(
     )
 
 
-#: The protocol :func:`upgrade` expects on a transport the caller connected itself.
-HandshakeProtocol = _Handshake
-
-
 async def upgrade(
     url: str,
     transport: asyncio.Transport,
-    protocol: _Handshake,
+    protocol: HandshakeProtocol,
     *,
     headers: list[tuple[str, str]],
     subprotocols: list[str],
     user_agent: str | None,
 ) -> UpstreamSocket:
     """The handshake over ``transport``, connected to the URL's host with a
-    :data:`HandshakeProtocol` from the start (plain TCP: :func:`open_upstream` starts
+    :class:`HandshakeProtocol` from the start (plain TCP: :func:`open_upstream` starts
     TLS). The caller bounds the time; ``transport`` is aborted on any failure. Raises
     OSError, :class:`UpstreamStatus` or another ``InvalidHandshake``."""
     uri = upstream_uri(url)

@@ -502,8 +502,10 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         sends (a stray send fails rather than writing into the relayed stream). Drop
         what would otherwise live as long as the session: websockets' protocol (about
         1.9 KB), the ASGI receive queue (3.3 KB) and the write-flow event (0.9 KB),
-        some 20 objects the garbage collector would walk on every pass."""
+        some 20 objects the garbage collector would walk on every pass; and the request
+        kept for websockets' parser, which will not read it now."""
         del self.conn, self.queue, self.writable
+        self._request = None
 
     def released(self) -> None:
         """The taken-over connection is closed: uvicorn stops tracking it."""

@@ -274,13 +274,7 @@ class _WebSocket:
         headers = [(k, v) for k, v in headers if k != "user-agent"]
         subprotocols = self.offered
 
-        async def handshake(
-            url: str, sock: socket.socket | tuple[asyncio.Transport, HandshakeProtocol]
-        ) -> Upstream:
-            if isinstance(sock, tuple):
-                return await upgrade(
-                    url, *sock, headers=headers, subprotocols=subprotocols, user_agent=user_agent
-                )
+        async def handshake(url: str, sock: socket.socket) -> Upstream:
             if lean:
                 return await open_upstream(
                     url, sock, headers=headers, subprotocols=subprotocols, user_agent=user_agent
@@ -310,24 +304,29 @@ class _WebSocket:
             replica = lease.replica
             url = services.ws_url(lease.pool, replica) + target
             uri = upstream_uri(url)  # parsed once per distinct URL
-            sock: socket.socket | tuple[asyncio.Transport, HandshakeProtocol]
+            opened: Awaitable[Upstream]  # the handshake, over the connection made
             try:
                 if lean and not uri.secure:  # the loop connects (no socket of ours)
                     loop = asyncio.get_running_loop()
-                    sock = await open_tcp_transport(
+                    transport, protocol = await open_tcp_transport(
                         uri.host, uri.port, lambda: HandshakeProtocol(loop), clock=services.clock,
                         timeout=limits.upstream_connect_timeout_s, loop=loop,
+                    )  # fmt: skip
+                    opened = upgrade(
+                        url, transport, protocol,
+                        headers=headers, subprotocols=subprotocols, user_agent=user_agent,
                     )  # fmt: skip
                 else:
                     sock = await open_tcp(
                         uri.host, uri.port, clock=services.clock,
                         timeout=limits.upstream_connect_timeout_s,
                     )  # fmt: skip
+                    opened = handshake(url, sock)
             except Unreachable as exc:
                 reason = f"cannot reach upstream {replica}: {exc}"
                 raise AttemptFailed(reason, kind="connect", eject=True) from exc
             try:
-                return await handshake(url, sock)
+                return await opened
             except (InvalidStatus, UpstreamStatus) as exc:
                 status = (
                     exc.status if isinstance(exc, UpstreamStatus) else exc.response.status_code
