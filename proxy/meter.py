@@ -234,12 +234,15 @@ class PrometheusReplicaSink:
 
 @dataclass
 class RecordingReplicaSink:
-    """A :class:`ReplicaSink` that keeps every observation, for tests and the simulator."""
+    """A :class:`ReplicaSink` that keeps every observation, for tests, the simulator and
+    the probe. ``underrun_at`` pairs each stall with the arrival time of the chunk that
+    ended it (the meter reports a chunk before the underrun it ends)."""
 
     chunks: list[tuple[float, float, float | None, float | None]] = field(default_factory=list)
     ttfa: list[float] = field(default_factory=list)
     openings: list[float] = field(default_factory=list)
     stalls: list[float] = field(default_factory=list)
+    underrun_at: list[tuple[float, float]] = field(default_factory=list)
     first_chunk_stalls: list[float] = field(default_factory=list)
     first_seams: list[tuple[float, bool]] = field(default_factory=list)
     finalizes: list[float] = field(default_factory=list)
@@ -256,6 +259,7 @@ class RecordingReplicaSink:
 
     def underrun(self, stall_s: float) -> None:
         self.stalls.append(stall_s)
+        self.underrun_at.append((self.chunks[-1][0] if self.chunks else 0.0, stall_s))
 
     def first_chunk_underrun(self) -> None:
         self.first_chunk_stalls.append(self.stalls[-1] if self.stalls else 0.0)
@@ -282,7 +286,7 @@ class RecordingReplicaSink:
         """What :class:`PrometheusReplicaSink` adds to the stream-active counter: the gaps
         of audio chunks, and the openings."""
         gaps = [g for _, _, g, r in self.chunks if g is not None and r is not None]
-        return sum(gaps) + sum(self.openings)
+        return sum(gaps, 0.0) + sum(self.openings, 0.0)
 
 
 class SessionMeter:

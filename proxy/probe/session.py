@@ -10,7 +10,7 @@ are how a session ends early (:mod:`proxy.probe.clients` raises them).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -90,29 +90,13 @@ def endpoint_url(target: str, protocol: str) -> str:
     return urlunsplit((scheme, parts.netloc, path, parts.query, ""))
 
 
-@dataclass
-class _TraceSink(RecordingReplicaSink):
-    """Records like :class:`RecordingReplicaSink`, plus when each underrun happened."""
-
-    underrun_at: list[tuple[float, float]] = field(default_factory=list)
-    last_at: float = 0.0
-
-    def chunk(self, now: float, audio_s: float, gap: float | None, ratio: float | None) -> None:
-        super().chunk(now, audio_s, gap, ratio)
-        self.last_at = now
-
-    def underrun(self, stall_s: float) -> None:
-        super().underrun(stall_s)
-        self.underrun_at.append((self.last_at, stall_s))
-
-
 class SessionRecorder:
     """A session's meter (started now) and the trace it becomes on :meth:`close`."""
 
     def __init__(self, clock: Callable[[], float], prebuffer_s: float = 0.2) -> None:
         self.clock = clock
         self.started_at = clock()
-        self.sink = _TraceSink()
+        self.sink = RecordingReplicaSink()
         self.meter = SessionMeter(self.started_at, self.sink, prebuffer_s)
         self.audio_sent_s = 0.0
         self.trace: SessionTrace | None = None

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import os
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from proxy.relay.core import (
     CLOSE_TIMEOUT_S,
@@ -56,23 +56,30 @@ __all__ = ["CLOSE_TIMEOUT_S", "Splice", "close_frame", "frame"]
 log = logging.getLogger("headroom.relay.ws")
 
 
+class _Swept(Protocol):
+    """What the keepalive sweep calls on a session (:class:`Splice`)."""
+
+    def keepalive(self, now: float) -> None: ...
+
+    def fail(self) -> None: ...
+
+
 class _Keepalive:
     """Pings for every spliced session on one event loop: one sweep a second instead
     of a timer per session and leg."""
 
-    PERIOD_S = 1.0
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, period_s: float = 1.0) -> None:
         self.loop = loop
-        self.sessions: set[Splice] = set()
+        self.period_s = period_s
+        self.sessions: set[_Swept] = set()
         self._handle: asyncio.TimerHandle | None = None
 
-    def add(self, session: Splice) -> None:
+    def add(self, session: _Swept) -> None:
         self.sessions.add(session)
         if self._handle is None:
-            self._handle = self.loop.call_later(self.PERIOD_S, self._sweep)
+            self._handle = self.loop.call_later(self.period_s, self._sweep)
 
-    def discard(self, session: Splice) -> None:
+    def discard(self, session: _Swept) -> None:
         self.sessions.discard(session)
 
     def _sweep(self) -> None:
@@ -85,7 +92,7 @@ class _Keepalive:
                 log.exception("keepalive sweep failed for %r", session)
                 session.fail()
         if self.sessions:
-            self._handle = self.loop.call_later(self.PERIOD_S, self._sweep)
+            self._handle = self.loop.call_later(self.period_s, self._sweep)
 
 
 _keepalives: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Keepalive] = (
@@ -311,7 +318,8 @@ class Splice:
         client, upstream = self.client, self.upstream
         if client.gone and upstream.gone and self.done.done():
             for leg in (client, upstream):
-                leg.session = leg.peer = None  # type: ignore[assignment]
+                if hasattr(leg, "peer"):  # not untied yet (this can run twice)
+                    del leg.session, leg.peer
 
     # -- the timer -----------------------------------------------------------------------
 

@@ -43,7 +43,7 @@ RESERVED_OPCODES = 0b1111_1000_1111_1000
 #: Indexed by a frame's first byte: 1 if it sets a reserved bit or a reserved opcode
 #: (one lookup on the hot path instead of three tests).
 _BAD_FIRST_BYTE = bytes(
-    1 if b & 0x70 or RESERVED_OPCODES >> (b & 0x0F) & 1 else 0 for b in range(256)
+    [1 if b & 0x70 or RESERVED_OPCODES >> (b & 0x0F) & 1 else 0 for b in range(256)]
 )
 
 
@@ -99,6 +99,9 @@ class Leg(asyncio.Protocol):
         "transport",
         "walking",
     )  # fmt: skip
+    # the session unties a finished leg with ``del`` (mypyc, proxy/speedups.py: a compiled
+    # class's attributes may be deleted only if they are listed here)
+    __deletable__ = ("peer", "session")
 
     def __init__(self, session: Splice, st: LegStatus) -> None:
         self.session = session

@@ -97,7 +97,9 @@ def selectors(expr: str) -> list[tuple[str, str]]:
 # --- what proxy.metrics exports -----
 
 
-def _metrics() -> Metrics:
+def _metrics() -> tuple[Metrics, list[object]]:
+    """A gateway's metrics with every family given a sample, and the metric objects of
+    the families registered beside its own (shared admission, reservations)."""
     metrics = Metrics()
     gauges = ReplicaGauges(
         pool="p", replica="r", active=1, slots=2, healthy=True, guarded=False,
@@ -117,10 +119,9 @@ def _metrics() -> Metrics:
     shared.held.labels("p", "r", "pool").set(1)
     shared.queue_depth.labels("p", "pool").set(0)
     shared.lease_loss_closes.labels("p")
-    metrics.shared_admission = shared  # type: ignore[attr-defined]
     # Gang reservations (issue 19): counters on the gateway's registry.
-    metrics.reservations = ReservationMetrics(metrics.registry)  # type: ignore[attr-defined]
-    return metrics
+    reservations = ReservationMetrics(metrics.registry)
+    return metrics, [*vars(shared).values(), *vars(reservations).values()]
 
 
 def exported_series() -> dict[str, set[str]]:
@@ -130,11 +131,11 @@ def exported_series() -> dict[str, set[str]]:
     ``_total`` (client_python's family name drops the suffix). ``_created`` is left out:
     nothing should query it.
     """
-    metrics = _metrics()
+    metrics, others = _metrics()
     labels: dict[str, tuple[str, ...]] = {}
-    shared = vars(metrics.shared_admission)  # type: ignore[attr-defined]
-    reservations = vars(metrics.reservations)  # type: ignore[attr-defined]
-    for attr in [*vars(metrics).values(), *shared.values(), *reservations.values()]:
+    # dir(), not vars(): Metrics may be compiled (proxy/speedups.py), with no __dict__
+    own = [getattr(metrics, name) for name in dir(metrics) if not name.startswith("__")]
+    for attr in [*own, *others]:
         if isinstance(attr, Counter | Histogram):
             labels[attr._name] = tuple(attr._labelnames)  # no public accessor
     series: dict[str, set[str]] = {}

@@ -600,8 +600,7 @@ async def test_keepalive_pings_silent_legs_and_drops_dead_ones() -> None:
 
 async def test_one_keepalive_sweeper_serves_every_session_on_the_loop() -> None:
     loop = asyncio.get_running_loop()
-    sweeper = _Keepalive(loop)
-    sweeper.PERIOD_S = 0.001  # type: ignore[misc]
+    sweeper = _Keepalive(loop, period_s=0.001)
     seen: list[float] = []
     swept = asyncio.Event()
 
@@ -609,10 +608,13 @@ async def test_one_keepalive_sweeper_serves_every_session_on_the_loop() -> None:
         def keepalive(self, now: float) -> None:
             seen.append(now)
             if len(seen) == 3:
-                sweeper.discard(self)  # type: ignore[arg-type]
+                sweeper.discard(self)
                 swept.set()
 
-    sweeper.add(Session())  # type: ignore[arg-type]
+        def fail(self) -> None:
+            raise AssertionError("the sweep failed a session")
+
+    sweeper.add(Session())
     await asyncio.wait_for(swept.wait(), 10)
     assert seen == sorted(seen)
     await asyncio.sleep(0.01)
