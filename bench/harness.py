@@ -542,6 +542,20 @@ def source_revision() -> str | None:
     return head + ("+dirty" if dirty else "")
 
 
+def headroom_build() -> str | None:
+    """Whether the Headroom the bench starts runs its per-chunk modules compiled
+    (proxy/speedups.py), asked of the same interpreter and module path (``-P``: no
+    current directory, as the ``headroom`` script runs)."""
+    code = "from proxy.speedups import build_status; print(build_status().describe())"
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(
+            [sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=30
+        )
+        if out.returncode == 0:
+            return out.stdout.strip()
+    return None
+
+
 def machine_facts() -> dict[str, Any]:
     model = "unknown"
     with contextlib.suppress(OSError):
@@ -558,6 +572,7 @@ def machine_facts() -> dict[str, Any]:
             nginx = match.group(1) if match else None
     return {
         "headroom_revision": source_revision(),
+        "headroom_build": headroom_build(),
         "nproc": os.cpu_count(),
         "cpu_model": model,
         "kernel": platform.release(),

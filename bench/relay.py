@@ -454,6 +454,9 @@ def markdown(result: dict[str, Any]) -> str:
     if result["targets"]["saturated_cells"]:
         lines += ["", "Headroom fell behind (memory not judged): "
                   + ", ".join(result["targets"]["saturated_cells"])]  # fmt: skip
+    build = result["machine"].get("headroom_build")
+    if build:
+        lines += ["", f"Headroom build: {build} (proxy/speedups.py)"]
     return "\n".join(lines)
 
 

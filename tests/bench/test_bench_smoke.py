@@ -53,6 +53,8 @@ def test_relay_quick_writes_wellformed_json(tmp_path: Path) -> None:
     result = _run("relay.py", tmp_path / "relay.json", "--targets", "direct,headroom")
     assert result["benchmark"] == "relay"
     assert {"nproc", "cpu_model", "kernel", "python", "uvicorn"} <= result["machine"].keys()
+    # compiled or not, the figures say which build they measured
+    assert "per-chunk modules" in result["machine"]["headroom_build"]
     cells = {c["target"]: c for c in result["cells"]}
     assert set(cells) == {"direct", "headroom"}
     for cell in cells.values():
