@@ -30,6 +30,7 @@ from proxy.relay.uvicorn_http import head_limited
 from proxy.runtime import Runtime
 from proxy.serving import EmbeddedServer, bind_socket, make_config
 from proxy.settings import LimitsSettings, Settings, load_settings, reload_problems
+from proxy.speedups import build_status
 
 __all__ = ["Gateway", "uvicorn_options"]
 
@@ -91,6 +92,19 @@ def _listen(what: str, host: str, port: int) -> socket.socket:
         return bind_socket(host, port)
     except OSError as exc:
         raise ListenError(what, host, port, exc) from None
+
+
+def _log_build() -> None:
+    """Whether the per-chunk modules run compiled (proxy.speedups); a stale compiled
+    module (older than its source: Python still imports it) is a warning."""
+    status = build_status()
+    log.info("%s", status.describe())
+    if status.stale:
+        log.warning(
+            "compiled modules older than their source (Python still imports them): %s; "
+            "rebuild them or remove them (docs/performance.md)",
+            ", ".join(status.stale),
+        )
 
 
 class Gateway:
@@ -158,6 +172,7 @@ class Gateway:
             admin = self._serve_admin(self.admin_server, self._admin_sock)
             admin_task = asyncio.ensure_future(admin)
         freeze = asyncio.ensure_future(self._freeze_when_started())
+        _log_build()
         try:
             await self.server.serve(sockets=[self._sock])
         finally:

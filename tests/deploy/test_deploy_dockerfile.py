@@ -53,6 +53,23 @@ def test_multi_stage_build_on_python_3_11_slim() -> None:
     assert "pip wheel" in build_steps
 
 
+def test_the_image_ships_the_per_chunk_modules_compiled_unless_asked_not_to() -> None:
+    """HEADROOM_MYPYC=1 by default: the builder compiles with mypyc (needs mypy and a C
+    compiler, hence no build isolation), and the runtime stage fails the build unless
+    every per-chunk module is compiled (proxy/speedups.py)."""
+    instructions = dockerfile_instructions(DOCKERFILE)
+    for stage in (0, max(i.stage for i in instructions)):
+        args = [i.args for i in instructions if i.stage == stage and i.keyword == "ARG"]
+        assert "HEADROOM_MYPYC=1" in args, stage
+    build = " ".join(i.args for i in instructions if i.stage == 0 and i.keyword == "RUN")
+    assert "gcc" in build and "mypy" in build
+    assert 'HEADROOM_MYPYC="$HEADROOM_MYPYC"' in build and "--no-build-isolation" in build
+    copied = [s for i in instructions if i.keyword == "COPY" for s in copy_sources(i)]
+    assert "setup.py" in copied
+    runtime = " ".join(i.args for i in _final_stage() if i.keyword == "RUN")
+    assert "python -m proxy.speedups --require-compiled" in runtime
+
+
 def test_runtime_stage_installs_only_wheels() -> None:
     runtime = _final_stage()
     assert not [i for i in runtime if i.keyword in {"COPY", "ADD"} and copy_sources(i)], (

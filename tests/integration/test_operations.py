@@ -22,6 +22,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from proxy.errors import ConfigError, ListenError
 from proxy.gateway import Gateway
 from proxy.settings import load_settings, settings_from_mapping
+from proxy.speedups import build_status
 from tests.integration.test_ws_relay import hello, upstream, wait_until
 
 __all__ = ["upstream"]
@@ -232,6 +233,9 @@ async def test_start_and_stop_lines_appear_once(upstream: Any, tmp_path: Path) -
     ]
     left = [type(f).__name__ for f in logging.getLogger("uvicorn.error").filters]
     assert "_AdminLifecycleFilter" not in left  # removed when serving ends
+    # which build of the per-chunk modules runs (proxy/speedups.py), once
+    build = [line for line in handler.lines if line.startswith("per-chunk modules ")]
+    assert build == [build_status().describe()]
 
 
 async def test_engine_metrics_are_scraped_and_re_exported(start_proxy: Any) -> None:
