@@ -241,7 +241,6 @@ class RecordingReplicaSink:
     chunks: list[tuple[float, float, float | None, float | None]] = field(default_factory=list)
     ttfa: list[float] = field(default_factory=list)
     openings: list[float] = field(default_factory=list)
-    stalls: list[float] = field(default_factory=list)
     underrun_at: list[tuple[float, float]] = field(default_factory=list)
     first_chunk_stalls: list[float] = field(default_factory=list)
     first_seams: list[tuple[float, bool]] = field(default_factory=list)
@@ -258,11 +257,10 @@ class RecordingReplicaSink:
         self.openings.append(wait_s)
 
     def underrun(self, stall_s: float) -> None:
-        self.stalls.append(stall_s)
         self.underrun_at.append((self.chunks[-1][0] if self.chunks else 0.0, stall_s))
 
     def first_chunk_underrun(self) -> None:
-        self.first_chunk_stalls.append(self.stalls[-1] if self.stalls else 0.0)
+        self.first_chunk_stalls.append(self.underrun_at[-1][1] if self.underrun_at else 0.0)
 
     def first_seam(self, now: float, stalled: bool) -> None:
         self.first_seams.append((now, stalled))
@@ -272,6 +270,11 @@ class RecordingReplicaSink:
 
     def stream_end(self, summary: SessionSummary) -> None:
         self.summaries.append(summary)
+
+    @property
+    def stalls(self) -> list[float]:
+        """The stall of each underrun, in order."""
+        return [stall for _, stall in self.underrun_at]
 
     @property
     def gaps(self) -> list[float]:
