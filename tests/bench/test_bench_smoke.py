@@ -75,6 +75,13 @@ def test_relay_quick_writes_wellformed_json(tmp_path: Path) -> None:
     ):
         assert _finite(headroom[key]), key
     assert cells["direct"]["relay_cpu_us_per_chunk"] is None  # no relay process
+    # --quick measures two connect bursts; the set-up figure is their median
+    bursts = headroom["setup_cpu_ms_per_session_bursts"]
+    assert len(bursts) == len(headroom["connect_seconds_bursts"]) == 2
+    assert all(_finite(x) and x > 0 for x in bursts)
+    assert headroom["setup_cpu_ms_per_session"] == pytest.approx(sum(bursts) / 2, abs=2e-3)
+    assert cells["direct"]["setup_cpu_ms_per_session_bursts"] == []
+    assert result["config"]["setup_bursts"] == 2
     assert result["ratios"] == []  # no nginx in this run
     assert set(result["targets"]) == {
         "saturated_cells",
