@@ -5,16 +5,21 @@ injected timer (no real time passes: the test fires the deadline itself)."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
+import httptools
 import pytest
 import uvicorn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from proxy.relay import uvicorn_http
-from proxy.relay.uvicorn_http import HeadLimitedProtocol, head_limited
+from proxy.relay.uvicorn_http import HeadLimitedProtocol, head_limited, lean_upgrade_head
 from proxy.settings import LimitsSettings
 
 
@@ -47,6 +52,9 @@ class Transport(asyncio.Transport):
     def pause_reading(self) -> None: ...
 
     def resume_reading(self) -> None: ...
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self.protocol = protocol
 
 
 class Timers:
@@ -195,3 +203,235 @@ async def test_should_upgrade_is_asked_of_each_requests_own_headers() -> None:
     assert not protocol._should_upgrade()
     protocol.headers = [(b"connection", b"keep-alive, Upgrade"), (b"upgrade", b"WebSocket")]
     assert protocol._should_upgrade()
+
+
+# -- WebSocket upgrade heads read without uvicorn's parser --------------------------------
+
+#: What real clients send (python-websockets 13+, Chrome, curl-style lower case).
+_REAL_HEADS = [
+    b"GET /v1/audio/speech/stream HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nUpgrade: websocket\r\n"
+    b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Extensions: permessage-deflate; "
+    b"client_max_window_bits\r\nUser-Agent: Python/3.11 websockets/15.0.1\r\n\r\n",
+    b"GET /chat?room=a%20b&x=1 HTTP/1.1\r\nHost: example.com\r\nConnection: Upgrade\r\n"
+    b"Pragma: no-cache\r\nCache-Control: no-cache\r\nUser-Agent: Mozilla/5.0 (X11; Linux "
+    b"x86_64) AppleWebKit/537.36 (KHTML, like Gecko) Chrome/131.0.0.0 Safari/537.36\r\n"
+    b"Upgrade: websocket\r\nOrigin: https://example.com\r\nSec-WebSocket-Version: 13\r\n"
+    b"Accept-Encoding: gzip, deflate, br, zstd\r\nAccept-Language: en-US,en;q=0.9\r\n"
+    b"Sec-WebSocket-Key: x3JJHMbDL1EzLkh9GBhXDw==\r\nSec-WebSocket-Protocol: a, b\r\n\r\n",
+    b"GET / HTTP/1.1\r\nhost: x\r\nupgrade: WebSocket\r\nconnection: keep-alive, upgrade\r\n"
+    b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n",
+]
+
+
+class _Parsed:
+    """httptools' view of a head, as uvicorn's callbacks collect it."""
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.complete = False
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.complete = True
+
+
+def _httptools(head: bytes) -> tuple[_Parsed, httptools.HttpRequestParser, bool]:
+    parsed = _Parsed()
+    parser = httptools.HttpRequestParser(parsed)
+    parser.set_dangerous_leniencies(lenient_data_after_close=True)
+    try:
+        parser.feed_data(head)
+    except httptools.HttpParserUpgrade:
+        return parsed, parser, True
+    return parsed, parser, False
+
+
+def _uvicorn_upgrades(headers: list[tuple[bytes, bytes]]) -> bool:
+    """uvicorn's own rule (HttpToolsProtocol._get_upgrade / _should_upgrade)."""
+    connection: list[bytes] = []
+    upgrade = None
+    for name, value in headers:
+        if name == b"connection":
+            connection = [t.lower().strip() for t in value.split(b",")]
+        if name == b"upgrade":
+            upgrade = value.lower()
+    return b"upgrade" in connection and upgrade == b"websocket"
+
+
+@pytest.mark.parametrize("head", _REAL_HEADS)
+def test_real_clients_upgrade_heads_are_read_lean_as_httptools_reads_them(head: bytes) -> None:
+    lean = lean_upgrade_head(head, 100)
+    assert lean is not None
+    parsed, parser, upgraded = _httptools(head)
+    assert upgraded and parsed.complete and parser.get_method() == b"GET"
+    assert lean == (parsed.url, parsed.headers)
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # not an upgrade
+        b"POST / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+        b"GET / HTTP/1.0\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+        b"GET / HTTP/1.1\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n",
+        b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: keep-alive\r\n\r\n",
+        # uvicorn reads the last Connection header only
+        b"GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nConnection: close\r\n\r\n",
+        b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nContent-Length: 3\r\n\r\n",
+        b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\nearly",  # more after
+        b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n",  # not complete
+        b"GET / HTTP/1.1\nUpgrade: websocket\nConnection: Upgrade\n\n",  # bare LF
+        b"GET / HTTP/1.1\r\nUpgrade:websocket\r\nConnection: Upgrade\r\n\r\n",  # no space
+        b"GET / HTTP/1.1\r\nUpgrade: websocket \r\nConnection: Upgrade\r\n\r\n",  # trailing
+        b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nX: a\r\n b\r\n\r\n",
+        b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nX: \xff\r\n\r\n",
+        b"GET http://x/ HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
+    ],
+)
+def test_anything_else_is_left_to_uvicorns_parser(head: bytes) -> None:
+    assert lean_upgrade_head(head, 100) is None
+
+
+def test_a_head_over_the_line_limit_is_left_to_uvicorns_parser() -> None:
+    head = _REAL_HEADS[2]
+    assert lean_upgrade_head(head, 5) is not None
+    assert lean_upgrade_head(head, 4) is None  # the normal path answers 431
+
+
+_PRINTABLE = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
+_ANY_BYTE = st.characters(min_codepoint=0, max_codepoint=255)
+_TOKEN = st.one_of(
+    st.sampled_from(["Host", "upgrade", "CONNECTION", "Sec-WebSocket-Key", "X-A", "x_b",
+                     "Content-Length", "Transfer-Encoding", "!#$%&'*+.^_`|~"]),
+    st.text(_PRINTABLE, min_size=0, max_size=6),
+    st.text(_ANY_BYTE, max_size=4),
+)  # fmt: skip
+_VALUE = st.one_of(
+    st.sampled_from(["websocket", "WebSocket", "Upgrade", "keep-alive, Upgrade", "upgrade,",
+                     "13", "chunked", "h2c", "websocket, h2c", ""]),
+    st.text(_PRINTABLE, max_size=16),
+    st.text(_ANY_BYTE, max_size=8),
+)  # fmt: skip
+_LINE = st.tuples(
+    _TOKEN,
+    st.sampled_from([": "] * 6 + [":", ":  ", " : ", ":\t"]),
+    _VALUE,
+    st.sampled_from(["\r\n"] * 6 + ["\n", "\r"]),
+).map("".join)
+_TARGET = st.one_of(
+    st.sampled_from(["/", "/ws", "/a?b=c&d=%20", "/a#f", "*", "http://h/p", "", "/a b"]),
+    st.text(_PRINTABLE, max_size=12).map(lambda t: "/" + t),
+    st.text(_ANY_BYTE, max_size=6).map(lambda t: "/" + t),
+)
+
+
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    method=st.sampled_from(["GET"] * 8 + ["get", "POST", "GET "]),
+    target=_TARGET,
+    version=st.sampled_from([" HTTP/1.1"] * 8 + [" HTTP/1.0", " HTTP/2", "HTTP/1.1"]),
+    upgrade=st.sampled_from(["Upgrade: websocket\r\n"] * 8 + ["", "Upgrade: h2c\r\n"]),
+    connection=st.sampled_from(["Connection: Upgrade\r\n"] * 8 + ["", "Connection: x\r\n"]),
+    lines=st.lists(_LINE, max_size=5),
+    order=st.randoms(use_true_random=False),
+    end=st.sampled_from(["\r\n"] * 8 + ["", "\n", "\r\nX"]),
+)
+def test_what_the_lean_reading_accepts_httptools_reads_the_same_and_uvicorn_upgrades(
+    method: str,
+    target: str,
+    version: str,
+    upgrade: str,
+    connection: str,
+    lines: list[str],
+    order: Any,
+    end: str,
+) -> None:
+    """Generated heads, mostly upgrades with odd lines mixed in: whatever the lean
+    reading takes, httptools parses to the same target and headers, as a GET/1.1
+    upgrade that uvicorn hands to its WebSocket protocol."""
+    lines = [*lines, upgrade, connection]
+    order.shuffle(lines)
+    head = f"{method} {target}{version}\r\n{''.join(lines)}{end}".encode("latin-1")
+    lean = lean_upgrade_head(head, 100)
+    if lean is None:
+        return
+    parsed, parser, upgraded = _httptools(head)
+    assert upgraded and parsed.complete, head
+    assert parser.get_method() == b"GET" and parser.get_http_version() == "1.1", head
+    assert lean == (parsed.url, parsed.headers), head
+    assert _uvicorn_upgrades(parsed.headers), head
+
+
+class _Splice:
+    """A stand-in for the splice's WebSocket protocol: records the hand-over."""
+
+    taken: list[tuple[str, bytes, list[tuple[bytes, bytes]]]] = []
+
+    def __init__(self, **_: Any) -> None: ...
+
+    def upgrade_parsed(
+        self, transport: Any, http: Any, method: str, target: bytes, headers: Any
+    ) -> None:
+        self.taken.append((method, target, headers))
+
+
+@pytest.mark.parametrize("head", _REAL_HEADS)
+async def test_an_upgrade_in_one_read_is_handed_over_as_uvicorns_parser_would(head: bytes) -> None:
+    """In one read the lean reading takes it (uvicorn builds no HTTP scope); split over
+    two reads uvicorn's parser does; the splice gets the same either way."""
+    handed = []
+    for pieces in ([head], [head[:10], head[10:]]):
+        _Splice.taken = []
+        protocol, transport, timers = _open(LimitsSettings())
+        protocol.ws_protocol_class = _Splice  # type: ignore[assignment]
+        for piece in pieces:
+            protocol.data_received(piece)
+        assert isinstance(getattr(transport, "protocol", None), _Splice)
+        assert timers.armed() == []  # the head deadline is disarmed
+        assert protocol not in protocol.connections
+        assert (protocol.scope is None) == (len(pieces) == 1)
+        handed.append(_Splice.taken)
+    assert handed[0] == handed[1] and len(handed[0]) == 1
+
+
+async def test_limits_hold_for_an_upgrade_in_one_read() -> None:
+    head = _REAL_HEADS[1]
+    protocol, transport, _ = _open(LimitsSettings(max_headers=4))
+    protocol.ws_protocol_class = _Splice  # type: ignore[assignment]
+    protocol.data_received(head)
+    assert transport.out.startswith(b"HTTP/1.1 431 ") and b"more than 4 header" in transport.out
+    protocol, transport, _ = _open(LimitsSettings())
+    protocol.ws_protocol_class = _Splice  # type: ignore[assignment]
+    protocol._max_head_bytes = len(head) - 1
+    protocol.data_received(head)
+    assert transport.out.startswith(b"HTTP/1.1 431 ")
+
+
+@pytest.mark.parametrize("pieces", [1, 2])
+async def test_the_http_protocol_is_freed_at_the_upgrade_without_the_garbage_collector(
+    pieces: int,
+) -> None:
+    """Once the splice has the connection, nothing refers to the HTTP protocol: it goes
+    with its last reference, not in a later collection (the parser's callbacks made it
+    a cycle)."""
+    head = _REAL_HEADS[0]
+    protocol, transport, timers = _open(LimitsSettings())
+    protocol.ws_protocol_class = _Splice  # type: ignore[assignment]
+    gone = weakref.ref(protocol)
+    gc.disable()
+    try:
+        for piece in [head] if pieces == 1 else [head[:10], head[10:]]:
+            protocol.data_received(piece)
+        assert isinstance(getattr(transport, "protocol", None), _Splice)
+        timers.pending.clear()  # the cancelled head deadline (the loop drops it)
+        del protocol
+        assert gone() is None
+    finally:
+        gc.enable()
