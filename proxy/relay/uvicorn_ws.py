@@ -130,6 +130,13 @@ def _client_frame(message: Mapping[str, Any]) -> bytes:
     return frame(BINARY, message.get("bytes") or b"", masked=True)
 
 
+#: The request headers the handshake checks read (the others go to the app as they are).
+_HANDSHAKE_FIELDS = frozenset(
+    (b"sec-websocket-key", b"sec-websocket-version", b"upgrade", b"connection",
+     b"sec-websocket-protocol")
+)  # fmt: skip
+
+
 class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
     """uvicorn's ``websockets-sansio`` protocol with the ``headroom.splice`` extension."""
 
@@ -300,23 +307,25 @@ class HeadroomWebSocketProtocol(WebSocketsSansIOProtocol):
         headers: list[tuple[bytes, bytes]] = []
         for line in lines[1:]:
             name, sep, value = line.partition(b": ")
-            if not sep or name != name.lower():
+            if not sep or not name or b":" in name or name != name.lower():
                 return False
             headers.append((name, value))
         return self._lean_request(request_line[1], headers)
 
     def _lean_request(self, target: bytes, headers: list[tuple[bytes, bytes]]) -> bool:
         """The RFC 6455 4.2.1 checks of a GET request's target and headers (names lower
-        case), then the scope and the ASGI task; False (nothing done) if one fails."""
+        case, non-empty, without a colon: as an HTTP parser gives them), then the scope
+        and the ASGI task; False (nothing done) if one fails."""
         if not target.isascii() or not target.startswith(b"/"):
             return False
         key: bytes | None = None
         version: bytes | None = None
         upgrade = connection = False
         protocols: list[str] = []
+        handshake = _HANDSHAKE_FIELDS
         for name, value in headers:
-            if not name or b":" in name:
-                return False
+            if name not in handshake:
+                continue
             if name == b"sec-websocket-key":
                 if key is not None:
                     return False
