@@ -435,3 +435,87 @@ async def test_the_http_protocol_is_freed_at_the_upgrade_without_the_garbage_col
         assert gone() is None
     finally:
         gc.enable()
+
+
+# -- connection_made ----------------------------------------------------------------------
+
+
+def test_a_uvicorn_whose_connection_made_sets_more_fails_at_import(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """HeadLimitedProtocol.connection_made is uvicorn's rewritten: a uvicorn whose own
+    sets something more is refused at start-up, naming it."""
+
+    def connection_made(self: Any, transport: Any) -> None:
+        self.transport = transport
+        self.stream_id = 0
+
+    monkeypatch.setattr(HttpToolsProtocol, "connection_made", connection_made)
+    with pytest.raises(ImportError, match="stream_id"):
+        uvicorn_http._check_uvicorn()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_connection_made_finds_the_addresses_uvicorns_finds(host: str, loop_kind: str) -> None:
+    """On a real connection, on either event loop: the same server, client and scheme
+    as uvicorn's own connection_made, without asking for a socket object."""
+    if loop_kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        loop = uvloop.new_event_loop()
+    else:
+        loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(_addresses_match(host))
+    finally:
+        loop.close()
+
+
+async def _addresses_match(host: str) -> None:
+    config = uvicorn.Config(app=_app, log_level="critical", lifespan="off")
+    config.load()
+    loop = asyncio.get_running_loop()
+    made: asyncio.Future[tuple[Any, Any]] = loop.create_future()
+    asked: list[str] = []
+
+    class Asked:
+        """The transport, recording what is asked of it (uvloop's cannot be patched)."""
+
+        def __init__(self, transport: asyncio.Transport) -> None:
+            self.transport = transport
+
+        def get_extra_info(self, name: str, default: Any = None) -> Any:
+            asked.append(name)
+            return self.transport.get_extra_info(name, default)
+
+        def is_closing(self) -> bool:
+            return self.transport.is_closing()
+
+    class Watched(HeadLimitedProtocol):
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            try:
+                super().connection_made(Asked(transport))  # type: ignore[arg-type]
+                stock = HttpToolsProtocol(config=config, server_state=ServerState(), app_state={})
+                stock.connection_made(transport)
+                made.set_result((self, stock))
+            except BaseException as exc:  # the event loop would only log it
+                made.set_exception(exc)
+            self.transport = transport
+
+    try:
+        server = await loop.create_server(
+            lambda: Watched(config=config, server_state=ServerState(), app_state={}), host, 0
+        )
+    except OSError:
+        pytest.skip(f"no {host} here")  # no IPv6 on this machine
+    port = server.sockets[0].getsockname()[1]
+    try:
+        _, writer = await asyncio.open_connection(host, port)
+        ours, stock = await asyncio.wait_for(made, 30)
+        assert (ours.server, ours.client, ours.scheme) == (stock.server, stock.client, stock.scheme)
+        assert ours.server == (host, port) and ours.client is not None
+        assert "socket" not in asked
+        writer.close()
+        ours.transport.close()
+    finally:
+        server.close()
