@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -164,3 +165,34 @@ def test_admission_redis_bench_quick(tmp_path: Path) -> None:
     for row in rows:
         assert row["sessions"] > 0 and row["acquire_p50_us"] > 0
         assert math.isfinite(row["gateway_cpu_us_per_session"])
+
+
+def test_setup_instructions_reads_the_dumps_total_and_cleans_up(tmp_path: Path) -> None:
+    bench = _load("setup_instructions")
+    out = tmp_path / "callgrind.out"
+    out.write_text("# callgrind format\nsummary: 0\n")  # the file written at exit
+    (tmp_path / "callgrind.out.1").write_text("events: Ir\nsummary: 0\ntotals: 123456\n")
+    assert bench._counted(out, tmp_path / "log") == 123456
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(RuntimeError, match="no dump"):
+        bench._counted(out, tmp_path / "log")
+
+
+def test_setup_instructions_counts_a_session_under_callgrind(tmp_path: Path) -> None:
+    if shutil.which("valgrind") is None:  # .ci/run installs it
+        message = "valgrind is not installed (Debian: apt-get install valgrind)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}; CI must provide it")
+        pytest.skip(message)
+    out = tmp_path / "ir.json"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "setup_instructions.py"), "--sessions", "10",
+         "--tree", str(BENCH.parent), "--json", str(out)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (result,) = json.loads(out.read_text())
+    assert result["sessions"] == 10
+    # a session's set-up is hundreds of thousands of instructions, not a handful
+    assert 50_000 < result["instructions_per_session"] < 50_000_000
+    assert "instructions per session" in proc.stdout

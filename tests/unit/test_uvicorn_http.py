@@ -21,6 +21,7 @@ from uvicorn.server import ServerState
 from proxy.relay import uvicorn_http
 from proxy.relay.uvicorn_http import HeadLimitedProtocol, head_limited, lean_upgrade_head
 from proxy.settings import LimitsSettings
+from tests.hypothesis_profiles import examples
 
 
 class Transport(asyncio.Transport):
@@ -332,7 +333,7 @@ _TARGET = st.one_of(
 )
 
 
-@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(2000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     method=st.sampled_from(["GET"] * 8 + ["get", "POST", "GET "]),
     target=_TARGET,
