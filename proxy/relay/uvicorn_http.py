@@ -137,7 +137,6 @@ def _peer_address(info: Any) -> tuple[str, int] | None:
     return (str(info[0]), int(info[1])) if isinstance(info, tuple) else None
 
 
-
 #: A WebSocket upgrade head in its plainest form: ``GET <origin-form target> HTTP/1.1``,
 #: then header lines ``Name: value`` (a token, one space, a value of printable ASCII with
 #: no space at either end), then the blank line, and nothing after it.
@@ -297,7 +296,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         """uvicorn's ``connection_made`` (:func:`_check_uvicorn` checks that this sets
         everything it sets), but the addresses come from the transport: uvicorn asks it
         for a socket object, a Python socket made per connection and three system calls
-        more (set-up 3.2 % fewer instructions, docs/performance.md)."""
+        more (set-up 2.9 % fewer instructions, docs/performance.md)."""
         self.connections.add(self)
         self.transport = transport
         self.flow = FlowControl(transport)
