@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from proxy import __version__
+from proxy.console import say
 from proxy.errors import ConfigError, ListenError
 from proxy.eventloop import run_async
 
@@ -91,23 +92,22 @@ def _load(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> 
 
 def _serve(args: argparse.Namespace) -> int:
     if args.workers < 1:
-        print("headroom: --workers must be at least 1", file=sys.stderr)
+        say("headroom: --workers must be at least 1")
         return 2
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = _load(args, overrides)
     from proxy.admission.redis_backend import redis_available
 
     if settings.admission.backend == "redis" and not redis_available():
-        print(
+        say(
             "headroom: admission.backend is redis but the 'redis' package is not installed: "
-            "pip install 'headroom-proxy[redis]' (or set admission.backend: memory)",
-            file=sys.stderr,
+            "pip install 'headroom-proxy[redis]' (or set admission.backend: memory)"
         )
         return 2
     if args.workers > 1 and settings.admission.backend != "redis":
         from proxy.workers import memory_refusal
 
-        print(memory_refusal(args.workers), file=sys.stderr)
+        say(memory_refusal(args.workers))
         return 2
     from proxy.gateway import Gateway
     from proxy.logs import configure_logging
@@ -118,11 +118,11 @@ def _serve(args: argparse.Namespace) -> int:
         from proxy.workers import supervise
 
         for warning in settings.warnings():
-            print(f"headroom: warning: {warning}", file=sys.stderr)
+            say(f"headroom: warning: {warning}")
         return supervise(settings, args.workers, args)
     if args.worker_fds is None:
         for warning in settings.warnings():  # a worker's supervisor has printed them
-            print(f"headroom: warning: {warning}", file=sys.stderr)
+            say(f"headroom: warning: {warning}")
 
     async def run() -> None:
         gateway: Gateway
@@ -132,10 +132,7 @@ def _serve(args: argparse.Namespace) -> int:
             gateway = make_worker(settings, args.worker_fds, args.worker_index, config_path)
         else:
             gateway = Gateway(settings, config_path=config_path)
-        print(
-            f"headroom: serving on http://{settings.listen.host}:{gateway.port}",
-            file=sys.stderr,
-        )
+        say(f"headroom: serving on http://{settings.listen.host}:{gateway.port}")
         await gateway.serve()
 
     run_async(run())
@@ -158,7 +155,7 @@ def _check(args: argparse.Namespace) -> int:
             print(f"{finding.level}: {finding}")
     errors = [finding for finding in findings if finding.level == "error"]
     for finding in errors:
-        print(f"headroom check: refused: {finding}", file=sys.stderr)
+        say(f"headroom check: refused: {finding}")
     return 2 if errors else 0
 
 
@@ -183,10 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_demo(args)
     except ConfigError as err:
-        print(f"headroom: {err}", file=sys.stderr)
+        say(f"headroom: {err}")
         return 2
     except ListenError as err:  # a busy or unavailable port: one line, no traceback
-        print(f"headroom: {err}", file=sys.stderr)
+        say(f"headroom: {err}")
         return 1
     except KeyboardInterrupt:
         return 130
