@@ -19,9 +19,11 @@ Signals go to the supervisor (PID 1 in a container) and reach every worker:
   supervisor (SIGUSR2) to drain every worker.
 
 If the supervisor itself dies (SIGKILL), each worker sees its lifeline pipe close and drains.
-A worker that exits while the others are not draining makes the supervisor drain the rest
-and exit 1 (the container's restart policy starts a fresh set), so a pod never keeps
-serving with fewer workers than it was given.
+A worker that fails (exits non-zero) while the others are not draining makes the
+supervisor drain the rest and exit 1 (the container's restart policy starts a fresh set),
+so a pod never keeps serving with fewer workers than it was given. A worker exits 0 only
+after draining, and its drain has already asked the supervisor to drain the others: that
+exit is taken as the request, even when the signal is seen after it.
 
 ``/metrics`` is per worker: a scrape of the listen port sees whichever worker accepted
 it (its own sessions, counters since its start). Pool-wide figures (every worker, every
@@ -41,6 +43,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from proxy.console import say
 from proxy.errors import ConfigError
 from proxy.gateway import Gateway, _listen
 from proxy.runtime import Runtime
@@ -239,11 +242,15 @@ class Supervisor:
                     if i in codes or process.poll() is None:
                         continue
                     codes[i] = process.returncode
-                    if not self._draining:
-                        print(
+                    if not self._draining and process.returncode == 0:
+                        # A worker exits 0 only once drained, and every drain first asks
+                        # us to drain the others (DRAIN_ALL): a signal the loop may not
+                        # have handled yet when the exit is seen. The exit is the request.
+                        self.on_drain_all()
+                    elif not self._draining:
+                        say(
                             f"headroom: worker {i} (pid {process.pid}) exited with "
-                            f"{process.returncode}; draining the others",
-                            file=sys.stderr,
+                            f"{process.returncode}; draining the others"
                         )
                         self._draining = True
                         self._send(signal.SIGTERM)
@@ -280,15 +287,13 @@ def supervise(settings: Settings, workers: int, args: Any) -> int:
     async def run() -> None:
         nonlocal code
         supervisor.start(fds)
-        print(
+        say(
             f"headroom: serving on http://{settings.listen.host}:{port} with {workers} "
-            f"workers (pids {' '.join(str(p.pid) for p in supervisor.processes)})",
-            file=sys.stderr,
+            f"workers (pids {' '.join(str(p.pid) for p in supervisor.processes)})"
         )
         if admin is not None:
             host, admin_port = admin.getsockname()[:2]
-            print(f"headroom: admin listener on http://{host}:{admin_port} (worker 0)",
-                  file=sys.stderr)  # fmt: skip
+            say(f"headroom: admin listener on http://{host}:{admin_port} (worker 0)")
         code = await supervisor.run()
 
     try:

@@ -236,7 +236,9 @@ async def test_the_admin_listener_reloads_and_drains_every_worker(
             served.wait_for(r"configuration reloaded", 2)
             assert (await client.post(admin + "/admin/drain")).status_code == 202
         served.wait_for(r"draining: \d+ active sessions", 2)
-        assert await asyncio.to_thread(served.process.wait, 60) == 0
+        code = await asyncio.to_thread(served.process.wait, 60)
+        served.stop()  # the rest of stderr
+        assert code == 0, "".join(served.lines)
     finally:
         served.stop()
 
