@@ -22,10 +22,17 @@ import asyncio
 import importlib
 import inspect
 import logging
+from collections.abc import Callable
 from functools import cache
 from types import ModuleType
 
-__all__ = ["FALLBACK_PROTOCOL", "assigned_attributes", "splice_problems", "websocket_protocol"]
+__all__ = [
+    "FALLBACK_PROTOCOL",
+    "assigned_attributes",
+    "assigned_in",
+    "splice_problems",
+    "websocket_protocol",
+]
 
 log = logging.getLogger("headroom.gateway")
 
@@ -53,6 +60,13 @@ def _self_names(tree: ast.AST) -> tuple[set[str], set[str]]:
     return used, assigned
 
 
+def assigned_in(source_of: type | Callable[..., object]) -> set[str]:
+    """The names a class or function assigns as ``self.X``, read from its source. Raises
+    OSError or TypeError when the source cannot be read."""
+    source = inspect.cleandoc("\n" + inspect.getsource(source_of))
+    return _self_names(ast.parse(source))[1]
+
+
 def _class_node(module_source: str, name: str) -> ast.ClassDef:
     for node in ast.walk(ast.parse(module_source)):
         if isinstance(node, ast.ClassDef) and node.name == name:
@@ -69,11 +83,9 @@ def assigned_attributes(parent: type) -> tuple[set[str], list[str]]:
         if cls is object or cls.__module__.startswith("asyncio"):
             continue
         try:
-            source = inspect.getsource(cls)
+            assigned |= assigned_in(cls)
         except (OSError, TypeError) as exc:
             problems.append(f"cannot read the source of {cls.__module__}.{cls.__qualname__}: {exc}")
-            continue
-        assigned |= _self_names(ast.parse(inspect.cleandoc("\n" + source)))[1]
     return assigned, problems
 
 
@@ -107,10 +119,9 @@ def splice_problems(module: ModuleType | str = _SPLICE_MODULE) -> list[str]:
     copy = next((n for n in ours.body if getattr(n, "name", "") == _UVICORN_INIT), None)
     if copy is not None:
         try:
-            source = inspect.getsource(parent.__init__)
+            theirs = assigned_in(parent.__init__)
         except (OSError, TypeError) as exc:
             return [f"cannot read the source of {where}.__init__: {exc}"]
-        theirs = _self_names(ast.parse(inspect.cleandoc("\n" + source)))[1]
         unset = sorted(theirs - _self_names(copy)[1] - methods)
         problems += [
             f"{where}.__init__ sets {name!r}, which {_UVICORN_INIT} does not" for name in unset

@@ -48,9 +48,7 @@ checks both against the installed uvicorn (pyproject pins the versions tested).
 
 from __future__ import annotations
 
-import ast
 import asyncio
-import inspect
 import logging
 import re
 from collections.abc import Callable
@@ -61,7 +59,7 @@ from uvicorn.logging import TRACE_LOG_LEVEL
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from proxy.relay.uvicorn_fence import assigned_attributes
+from proxy.relay.uvicorn_fence import assigned_attributes, assigned_in
 from proxy.settings import LimitsSettings
 
 __all__ = ["LINGER_S", "HeadLimitedProtocol", "head_limited", "lean_upgrade_head"]
@@ -90,17 +88,6 @@ _REQUEST_ATTRIBUTES = ("url",)
 _REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 
 
-def _assigned_in(function: Callable[..., Any]) -> set[str]:
-    """The names ``function`` assigns as ``self.X`` (from its source)."""
-    source = inspect.cleandoc("\n" + inspect.getsource(function))
-    return {
-        node.attr
-        for node in ast.walk(ast.parse(source))
-        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-        and isinstance(node.value, ast.Name) and node.value.id == "self"
-    }  # fmt: skip
-
-
 def _check_uvicorn() -> None:
     """At import (so at start-up, never on a connection): every method and attribute this
     module uses is in uvicorn's protocol (attributes: assigned in its source, read by
@@ -112,9 +99,13 @@ def _check_uvicorn() -> None:
     ]
     # HeadLimitedProtocol.connection_made is uvicorn's, rewritten: it must set all that
     # uvicorn's sets.
-    theirs = _assigned_in(HttpToolsProtocol.connection_made)
-    ours = _assigned_in(HeadLimitedProtocol.connection_made)
-    missing += [f"{name} (set by connection_made)" for name in sorted(theirs - ours)]
+    try:
+        theirs = assigned_in(HttpToolsProtocol.connection_made)
+    except (OSError, TypeError) as exc:
+        missing.append(f"a readable connection_made ({exc})")
+    else:
+        ours = assigned_in(HeadLimitedProtocol.connection_made)
+        missing += [f"{name} (set by connection_made)" for name in sorted(theirs - ours)]
     if missing:
         raise ImportError(
             f"uvicorn {uvicorn.__version__}: HttpToolsProtocol has no {', '.join(missing)}; "
