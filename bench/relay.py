@@ -211,10 +211,12 @@ async def _connect_burst(
     target: str,
     cell_dir: Path,
     waiting: _QueueFeedback | None,
-) -> tuple[ProcSample, ProcSample, float, int, dict[str, int]]:
+    failed: dict[str, int],
+) -> tuple[ProcSample, ProcSample, float, int]:
     """One burst of connects (``shares[i]`` from client process ``i``), and for
     ``headroom-qf`` the admission of the waiters, then a settle: the relay's samples
-    before and after, the connects' wall time, how many connected and the failures."""
+    before and after, the connects' wall time and how many connected. Failures are
+    counted into ``failed``."""
     before = sample(pids)
     started = time.monotonic()
     replies = await asyncio.gather(
@@ -223,7 +225,6 @@ async def _connect_burst(
     )  # fmt: skip
     seconds = time.monotonic() - started
     connected = sum(int(r["ok"]) for r in replies)
-    failed: dict[str, int] = {}
     for r in replies:
         for k, v in r["failed"].items():
             failed[k] = failed.get(k, 0) + int(v)
@@ -232,7 +233,7 @@ async def _connect_burst(
     if waiting is not None:  # connected = accepted to wait; now admit them all
         await waiting.admit_all(cell_dir / "headroom.yaml", connected, timeout_s)
     await asyncio.sleep(args.settle)
-    return before, sample(pids), seconds, connected, failed
+    return before, sample(pids), seconds, connected
 
 
 async def _measure(
@@ -259,8 +260,9 @@ async def _measure(
     await clients[0].call("close", "closed", 30.0)
     await asyncio.sleep(args.prime)
 
-    idle, after_connect, connect_s, connected, failed = await _connect_burst(
-        args, clients, shares, pids, connect_timeout, target, cell_dir, waiting
+    failed: dict[str, int] = {}
+    idle, after_connect, connect_s, connected = await _connect_burst(
+        args, clients, shares, pids, connect_timeout, target, cell_dir, waiting, failed
     )
 
     await asyncio.gather(*(w.call("start", "started", 10.0) for w in clients))
@@ -291,13 +293,11 @@ async def _measure(
         await asyncio.sleep(args.settle)
         if waiting is not None:
             await waiting.reset(cell_dir / "headroom.yaml")
-        before, after, seconds, ok, more_failed = await _connect_burst(
-            args, clients, shares, pids, connect_timeout, target, cell_dir, waiting
+        before, after, seconds, ok = await _connect_burst(
+            args, clients, shares, pids, connect_timeout, target, cell_dir, waiting, failed
         )
         setup_ms.append((after.cpu_ns - before.cpu_ns) / 1e6 / ok)
         burst_s.append(seconds)
-        for k, v in more_failed.items():
-            failed[k] = failed.get(k, 0) + v
         await asyncio.gather(*(w.call("close", "closed", 60.0) for w in clients))
 
     lat = read_samples([cell_dir / f"c{i}.lat" for i in range(len(clients))])
