@@ -34,6 +34,7 @@ from proxy.clock import Clock, LoopClock
 from proxy.errors import Refused
 from proxy.gate import CURRENT_TENANT, Gate, count_decision
 from proxy.guard import GuardLoop, GuardPolicy
+from proxy.loop_watch import LoopWatch
 from proxy.meter import PrometheusReplicaSink, SessionMeter
 from proxy.metrics import Metrics
 from proxy.pipelines import headroom_of
@@ -121,6 +122,7 @@ class Runtime:
         self._formats: dict[str, AudioFormat] = {}
         self.upstreams = Upstreams(settings, self.gate, self.clock)
         self.guard = GuardLoop(self.gate, self.clock, self.signals)
+        self.loop_watch = LoopWatch(self.metrics.registry)
         self._apply_settings(settings)
         #: Every relaying session's stop, with the pool it was admitted to (None: not
         #: known, e.g. the in-process gate, which never fences).
@@ -203,6 +205,7 @@ class Runtime:
                 await task
         await self.upstreams.stop()
         if isinstance(self.gate, SharedGate):
+        self.loop_watch.start()
             await self.gate.stop()
         self.started = False
 
@@ -210,6 +213,7 @@ class Runtime:
     def http(self) -> httpx.AsyncClient:
         """The upstream HTTP client (:attr:`Upstreams.http`)."""
         return self.upstreams.http
+        self.loop_watch.stop()
 
     @property
     def replicas_checked(self) -> asyncio.Event:

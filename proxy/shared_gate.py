@@ -56,6 +56,7 @@ from proxy.admission import (
     Reserve,
     TenantSpec,
 )
+from proxy.admission.lease_keeper import LeaseKeeper
 from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission, ReplicaView
 from proxy.admission.retry_after import (
     SessionLengths,
@@ -259,6 +260,7 @@ class SharedGate:
         lease_ttl_s: float = 10.0,
         on_backend_loss: Literal["close", "keep"] = "close",
         seed: int = 0,
+        keeper: LeaseKeeper | None = None,
     ) -> None:
         if not 0 < renew_interval_s < lease_ttl_s - fence_margin_s:
             raise ValueError("need 0 < renew_interval_s < lease_ttl_s - fence_margin_s")
@@ -269,6 +271,8 @@ class SharedGate:
         self.fence_margin_s = fence_margin_s
         self.lease_ttl_s = lease_ttl_s
         self.on_backend_loss = on_backend_loss
+        #: Renews the leases from a thread of its own while the event loop is late.
+        self.keeper = keeper
         self._pools: dict[str, _Pool] = {}
         self._reserves: dict[str, tuple[Reserve, ...]] = {}
         self._healthy_listeners: list[Callable[[str, str, bool], None]] = []
@@ -311,9 +315,13 @@ class SharedGate:
         self._loops.append(asyncio.ensure_future(self._renew_loop()))
         for name in self._pools:
             self._loops.append(asyncio.ensure_future(self._wake_loop(name)))
+        if self.keeper is not None:
+            self.keeper.start()
 
     async def stop(self) -> None:
         self._closing = True
+        if self.keeper is not None:
+            await asyncio.to_thread(self.keeper.stop)
         # Cancel the loops until they have ended, not once: on Python 3.11 a cancel
         # that lands just as a Redis command has been sent is lost (redis-py sends
         # through asyncio.wait_for, which then returns normally: CPython gh-86296), and
@@ -474,6 +482,8 @@ class SharedGate:
         now = self.clock.now()
         lease = SharedLease(self, p.name, lease_id, replica, now - arrived, now, tenant)
         p.leases[lease_id] = lease
+        if self.keeper is not None:
+            self.keeper.hold(p.name, lease_id)
         if p.last_renewed is None:  # the grant itself proves the lease until now + TTL
             p.last_renewed = arrived
             self._arm_fence(p)
@@ -483,6 +493,8 @@ class SharedGate:
     def _release(self, lease: SharedLease) -> None:
         p = self._pools[lease.pool]
         p.leases.pop(lease.lease_id, None)
+        if self.keeper is not None:
+            self.keeper.drop(lease.pool, lease.lease_id)
         now = self.clock.now()
         duration = max(0.0, now - lease.admitted_at)
         p.session_estimate_s += _EWMA_ALPHA * (duration - p.session_estimate_s)
@@ -735,6 +747,9 @@ class SharedGate:
             log.warning("pool %s: admission store lost its data (new generation); "
                         "re-asserted %d leases", name, len(leases) - len(result.lost))  # fmt: skip
         p.generation = result.generation
+        if self.keeper is not None:
+            self.keeper.set_generation(name, result.generation)
+            self.keeper.ticked(name)
         p.held = result.held
         p.queue_depth = result.queue_depth
         if self._metrics is not None:
@@ -773,9 +788,22 @@ class SharedGate:
 
     def _on_fence_deadline(self, p: _Pool) -> None:
         p.fence_timer = None
+        kept = self._kept_at(p)
+        if kept is not None and (p.last_renewed is None or kept > p.last_renewed):
+            # The keeper proved the leases while the loop was late: not a loss.
+            p.last_renewed = kept
+            self._arm_fence(p)
+            return
         if any(not lease.fenced for lease in p.leases.values()):
             self._fence(p, "leases not renewed within lease_ttl_s - fence_margin_s")
         p.last_renewed = None  # until a renewal succeeds again
+
+    def _kept_at(self, p: _Pool) -> float | None:
+        """When, on this gate's clock, the keeper last proved every lease of ``p``."""
+        if self.keeper is None:
+            return None
+        age = self.keeper.kept_age(p.name)
+        return None if age is None else self.clock.now() - age
 
     def _fence(self, p: _Pool, why: str) -> None:
         """Once per set of lost leases: the listeners end every session of the pool
@@ -1191,6 +1219,12 @@ def build_shared_gate(settings: Settings, clock: Clock, metrics: Metrics | None)
         fence_margin_s=r.fence_margin_s,
         lease_ttl_s=r.lease_ttl_s,
         on_backend_loss=settings.admission.on_backend_loss,
+        keeper=_keeper(backend, r.renew_interval_s),
     )
     gate.set_recheck_interval(settings.health.recheck_interval_s)
     return gate
+
+
+def _keeper(backend: RedisAdmission, interval_s: float) -> LeaseKeeper:
+    renewer = backend.lease_renewer()
+    return LeaseKeeper(renewer.keep, interval_s=interval_s, close=renewer.close)

@@ -46,6 +46,7 @@ from proxy.admission.tenants import ANONYMOUS, Reserve, TenantSpec
 __all__ = [
     "Acquired",
     "BackendUnavailable",
+    "LeaseRenewer",
     "RedisAdmission",
     "ReplicaView",
     "TickResult",
@@ -413,6 +414,24 @@ class RedisAdmission:
             out.append((waiter, replica))
         return out
 
+    def lease_renewer(self) -> LeaseRenewer:
+        """A blocking client of its own running ``keep.lua``, for the lease keeper's
+        thread (:mod:`proxy.admission.lease_keeper`): it shares nothing with this
+        object's asyncio clients, so it works while the event loop is blocked."""
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        client: Any = redis.Redis.from_url(
+            self._url,
+            socket_timeout=self.timeout_s,
+            socket_connect_timeout=self.timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            health_check_interval=30,
+        )
+        script = client.register_script(_load("common") + "\n" + _load("keep"))
+        return LeaseRenewer(client, script, self.keys, self.ttl_ms, self._clock_ms)
+
     async def ping(self) -> None:
         try:
             try:
@@ -431,3 +450,51 @@ class RedisAdmission:
 
     def __repr__(self) -> str:
         return f"<RedisAdmission gateway={self.gateway_id} prefix={self.key_prefix!r}>"
+
+
+class LeaseRenewer:
+    """``keep.lua`` over a blocking Redis connection: extends leases this gateway still
+    holds, from a thread that does not need the event loop. Made by
+    :meth:`RedisAdmission.lease_renewer`; one thread uses it at a time."""
+
+    def __init__(
+        self,
+        client: Any,
+        script: Any,
+        keys: Callable[[str], list[str]],
+        ttl_ms: int,
+        clock_ms: Callable[[], int] | None = None,
+    ) -> None:
+        self._client = client
+        self._keys = keys
+        self._ttl_ms = ttl_ms
+        self._clock_ms = clock_ms
+        self._script = script
+        from redis import exceptions
+
+        self._errors: tuple[type[BaseException], ...] = (
+            exceptions.RedisError, OSError, TimeoutError
+        )
+        self._connection_errors: tuple[type[BaseException], ...] = (exceptions.ConnectionError,)
+
+    def keep(self, pool: str, generation: str, lease_ids: Sequence[str]) -> tuple[str, ...] | None:
+        """Extend ``lease_ids`` of ``pool`` by one lease TTL where Redis still holds them
+        unexpired. Returns the ids it did not find (expired or gone), or None when the
+        data generation is not ``generation`` (nothing was extended). Raises
+        :class:`BackendUnavailable` when Redis cannot be reached in time."""
+        clock = "" if self._clock_ms is None else self._clock_ms()
+        args: list[str | int] = [self._ttl_ms, generation, clock, *lease_ids]
+        keys = self._keys(pool)
+        try:
+            try:
+                reply = self._script(keys=keys, args=args)
+            except self._connection_errors:  # a pooled connection the server dropped
+                reply = self._script(keys=keys, args=args)
+        except self._errors as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        if _text(reply[0]) != "ok":
+            return None
+        return tuple(_text(x) for x in reply[1])
+
+    def close(self) -> None:
+        self._client.close()

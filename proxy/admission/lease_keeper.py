@@ -1,0 +1,177 @@
+"""The lease keeper: this process's leases renewed from a thread of its own.
+
+A gateway's leases must outlive any stall of its event loop -- a large input parsed on
+the loop, a long garbage-collector pass, a starved CPU. While the process is alive and
+reaches Redis, its leases stay held, so no other gateway can reuse a slot whose stream
+is still running here; and the gateway does not end its own sessions (the fence of
+:class:`proxy.shared_gate.SharedGate`) only because its loop ran late. A process that
+is gone or cut off from Redis stops renewing, and its leases lapse within one TTL.
+
+:class:`LeaseKeeper` runs ``keep.lua`` (:class:`~proxy.admission.redis_backend.LeaseRenewer`)
+every ``interval_s`` for each pool in which this process holds leases, over a blocking
+connection of its own. The gate tells it of every grant and release (:meth:`hold`,
+:meth:`drop`, under a lock), so it renews only what this process still holds; it never
+grants, re-asserts or revives a lease. A renewal that found every lease it sent still
+held proves them until the time it was sent plus one TTL; the gate's fence deadline
+takes the later of its own tick and that proof (:meth:`kept_age`). Anything else -- a
+lease found gone, a new data generation, Redis unreachable -- proves nothing and is
+left to the gate's tick, which decides between re-asserting and fencing.
+
+What the keeper cannot do is close connections: if the loop is stalled *and* Redis is
+out of reach for longer than ``lease_ttl_s``, the leases lapse while this process's
+upstream streams still run, exactly as for a process paused by SIGSTOP
+(docs/shared-admission.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from proxy.admission.redis_backend import BackendUnavailable
+
+__all__ = ["KeepFunction", "LeaseKeeper"]
+
+log = logging.getLogger("headroom.lease_keeper")
+
+#: ``(pool, generation, lease ids) -> ids not found`` (None: another data generation).
+#: Raises :class:`BackendUnavailable` when Redis cannot be reached.
+KeepFunction = Callable[[str, str, Sequence[str]], "tuple[str, ...] | None"]
+
+
+class LeaseKeeper:
+    """Renews the leases the gate holds, on a daemon thread started by :meth:`start`.
+
+    ``monotonic`` is the thread's clock (tests pass a fake one and call
+    :meth:`keep_once` instead of starting the thread). Thread-safe: :meth:`hold`,
+    :meth:`drop`, :meth:`set_generation` and :meth:`kept_age` are called from the event
+    loop while the thread renews."""
+
+    def __init__(
+        self,
+        keep: KeepFunction,
+        *,
+        interval_s: float,
+        close: Callable[[], None] | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError("interval_s must be > 0")
+        self._keep = keep
+        self._close = close
+        self.interval_s = interval_s
+        self._monotonic = monotonic
+        self._lock = threading.Lock()
+        #: pool -> the lease ids this process holds there (a dict keeps grant order).
+        self._held: dict[str, dict[str, None]] = {}
+        self._generation: dict[str, str] = {}
+        #: pool -> when (``monotonic``) the last renewal that proved every lease was sent.
+        self._kept: dict[str, float] = {}
+        #: pool -> when the gate's own tick last renewed it: while the loop keeps up,
+        #: the keeper leaves the pool to it.
+        self._ticked: dict[str, float] = {}
+        self._stopping = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.renewals = 0
+        self.failures = 0
+
+    # -- the gate's side (event loop) -------------------------------------------------
+
+    def hold(self, pool: str, lease_id: str) -> None:
+        with self._lock:
+            self._held.setdefault(pool, {})[lease_id] = None
+
+    def drop(self, pool: str, lease_id: str) -> None:
+        with self._lock:
+            held = self._held.get(pool)
+            if held is not None:
+                held.pop(lease_id, None)
+
+    def set_generation(self, pool: str, generation: str) -> None:
+        """The data generation the gate's last tick saw for ``pool``: the keeper extends
+        leases only within it."""
+        with self._lock:
+            self._generation[pool] = generation
+
+    def ticked(self, pool: str) -> None:
+        """The gate's tick renewed ``pool`` just now: the keeper skips it until the
+        tick is late."""
+        now = self._monotonic()
+        with self._lock:
+            self._ticked[pool] = now
+
+    def kept_age(self, pool: str) -> float | None:
+        """Seconds since the last renewal of ``pool`` that proved every lease held then
+        was sent, or None if there has been none. The caller maps it onto its own
+        clock (``now - age``): the two clocks need not share an origin."""
+        with self._lock:
+            kept = self._kept.get(pool)
+        return None if kept is None else max(0.0, self._monotonic() - kept)
+
+    def holding(self, pool: str) -> int:
+        with self._lock:
+            return len(self._held.get(pool, ()))
+
+    # -- the thread's side --------------------------------------------------------------
+
+    def keep_once(self) -> None:
+        """One renewal of every pool this process holds leases in."""
+        now = self._monotonic()
+        late = now - self.interval_s * 0.75
+        with self._lock:
+            work = [
+                (pool, self._generation.get(pool, ""), tuple(ids))
+                for pool, ids in self._held.items()
+                if ids and self._ticked.get(pool, late) <= late
+            ]
+        for pool, generation, ids in work:
+            if not generation:
+                continue  # the gate's first tick has not run: nothing to prove against
+            sent = self._monotonic()
+            try:
+                missing = self._keep(pool, generation, ids)
+            except BackendUnavailable as exc:
+                self.failures += 1
+                log.debug("lease keeper: renewal of pool %s failed: %s", pool, exc)
+                continue
+            if missing is None:
+                continue  # a new data generation: the gate's tick re-asserts
+            self.renewals += 1
+            with self._lock:
+                held = self._held.get(pool, {})
+                # A lease released while the call was in flight is not a lost one.
+                if not any(lease_id in held for lease_id in missing):
+                    self._kept[pool] = max(self._kept.get(pool, sent), sent)
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="headroom-lease-keeper",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stopping.wait(self.interval_s):
+            try:
+                self.keep_once()
+            except Exception:  # the thread must outlive any one failure
+                log.exception("lease keeper: renewal failed")
+
+    def stop(self) -> None:
+        """Stop the thread (waits for a renewal in flight, bounded by the client's
+        timeout) and close the connection. Blocking: call it off the event loop."""
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._close is not None:
+            self._close()
+            self._close = None
+
+    def __repr__(self) -> str:
+        with self._lock:
+            held = {pool: len(ids) for pool, ids in self._held.items() if ids}
+        running = self._thread is not None
+        return f"<LeaseKeeper running={running} held={held} renewals={self.renewals}>"
