@@ -66,8 +66,7 @@ class LoopWatch:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: asyncio.TimerHandle | None = None
         #: When the loop-side callback last ran and when it is next due (``monotonic``).
-        self._beat = 0.0
-        self._due = 0.0
+        self._beat = self._due = monotonic()
         self._stalled_since: float | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None

@@ -146,7 +146,12 @@ class Runtime:
         self.guard.configure(guard_policy(settings.guard), settings.guard.mode, configured)
         self._routes = {r.path: r for r in settings.routes}
         self._formats = {
-            r.path: AudioFormat(r.audio.sample_rate, r.audio.channels, r.audio.sample_width)
+            r.path: AudioFormat(
+                r.audio.sample_rate,
+                r.audio.channels,
+                r.audio.sample_width,
+                tokens_per_second=r.tokens_per_audio_second,
+            )
             for r in settings.routes
         }
 

@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from proxy.errors import FallbackHint
+from proxy.protocols.base import MAX_TOKENS_PER_SECOND
 from proxy.protocols.table import (
     PROTOCOL_TABLE,
     Protocol,
@@ -332,8 +333,10 @@ class RouteSettings(_Frozen):
 
     ``refusal: close`` (accept, send one error event, close 1013) and ``queue_feedback``
     need a WebSocket protocol; ``inner_protocol`` is required for, and only for, a
-    protocol that carries another (``sagemaker-bidi``); ``upstream_path`` relays to a
-    different upstream path. What each protocol is: :mod:`proxy.protocols.table`.
+    protocol that carries another (``sagemaker-bidi``); ``tokens_per_audio_second`` is
+    required for, and only for, a protocol that counts generated tokens as audio
+    (``openai-completions-tokens``); ``upstream_path`` relays to a different upstream
+    path. What each protocol is: :mod:`proxy.protocols.table`.
     """
 
     path: UrlPath
@@ -350,6 +353,7 @@ class RouteSettings(_Frozen):
         return PROTOCOL_TABLE[self.protocol].transport == "ws"
 
     @property
+    tokens_per_audio_second: float | None = Field(None, gt=0, le=MAX_TOKENS_PER_SECOND)
     def stream_protocol(self) -> str:
         """The protocol whose events carry the audio: ``inner_protocol`` when set."""
         return self.inner_protocol or self.protocol
@@ -388,6 +392,15 @@ class RouteSettings(_Frozen):
 
 class ApiKeySettings(_Frozen):
     """One tenant's key, stored as its SHA-256. ``pools`` empty = every pool;
+        counts = [n for n, spec in PROTOCOL_TABLE.items() if spec.counts_tokens]
+        if PROTOCOL_TABLE[self.protocol].counts_tokens:
+            if self.tokens_per_audio_second is None:
+                why = (f"required for {self.protocol}: how many generated tokens make one "
+                       "second of audio (Orpheus's: docs/protocols.md)")  # fmt: skip
+                problems.append((("tokens_per_audio_second",), why))
+        elif self.tokens_per_audio_second is not None:
+            why = f"only valid with protocol {' or '.join(counts)}"
+            problems.append((("tokens_per_audio_second",), why))
     ``max_sessions`` caps the tenant's concurrent sessions (429 ``tenant_limit``).
 
     Scheduling (issue 18, README "Tenants and priorities"): ``priority`` is the key's
