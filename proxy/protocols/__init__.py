@@ -18,6 +18,7 @@ protocol                       transport  module
 ``passthrough-ws``             WS         :mod:`.passthrough` (frame gaps only)
 ``openai-speech-http``         HTTP       :mod:`.http` (SSE base64, raw PCM, WAV)
 ``openai-transcription-sse``   HTTP       :mod:`.http` (text events, ``[DONE]``)
+``openai-completions-tokens``  HTTP       :mod:`.tokens` (completion tokens as audio)
 ``passthrough-http``           HTTP       :mod:`.passthrough` (chunk gaps only)
 =============================  =========  ==================================================
 

@@ -16,22 +16,35 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-__all__ = ["AudioFormat", "HttpAdapter", "MeterSink", "WsAdapter", "header"]
+__all__ = [
+    "MAX_TOKENS_PER_SECOND",
+    "AudioFormat",
+    "HttpAdapter",
+    "MeterSink",
+    "WsAdapter",
+    "header",
+]
 
 
 #: Plausible PCM formats. A format a client declares (request ``sample_rate``, a realtime
 #: ``session.update``) outside these is ignored, so no client can make the meter report
 #: impossible audio and trip the guard for every session on its replica.
 _BOUNDS = (("sample_rate", 8000, 384000), ("channels", 1, 8), ("sample_width", 1, 4))
+#: The most tokens a token stream may count for one second of audio.
+MAX_TOKENS_PER_SECOND = 10000.0
 
 
 @dataclass(frozen=True, slots=True)
 class AudioFormat:
-    """Uncompressed interleaved PCM: ``sample_rate`` Hz, ``channels``, ``sample_width`` bytes."""
+    """Uncompressed interleaved PCM: ``sample_rate`` Hz, ``channels``, ``sample_width`` bytes.
+
+    ``tokens_per_second`` is for a token stream (``openai-completions-tokens``): how many
+    generated tokens make one second of audio; None for every other protocol."""
 
     sample_rate: int = 24000
     channels: int = 1
     sample_width: int = 2
+    tokens_per_second: float | None = None
 
     def __post_init__(self) -> None:
         for name, low, high in _BOUNDS:
@@ -40,6 +53,14 @@ class AudioFormat:
                 raise ValueError(
                     f"AudioFormat.{name} must be an int in [{low}, {high}], got {value!r}"
                 )
+        rate = self.tokens_per_second
+        if rate is not None and (
+            type(rate) not in (int, float) or not 0 < rate <= MAX_TOKENS_PER_SECOND
+        ):
+            raise ValueError(
+                f"AudioFormat.tokens_per_second must be a number in (0, "
+                f"{MAX_TOKENS_PER_SECOND}], got {rate!r}"
+            )
 
     @classmethod
     def plausible(

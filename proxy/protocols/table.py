@@ -20,6 +20,7 @@ from proxy.protocols.http import SpeechHttpAdapter, TranscriptionSseAdapter
 from proxy.protocols.passthrough import PassthroughHttpAdapter, PassthroughWsAdapter
 from proxy.protocols.realtime import RealtimeAdapter
 from proxy.protocols.speech_ws import OmniSpeechWsAdapter
+from proxy.protocols.tokens import TokenStreamAdapter
 
 __all__ = [
     "HTTP_PROTOCOLS",
@@ -41,6 +42,7 @@ Protocol = Literal[
     "vllm-omni-speech-ws",
     "openai-speech-http",
     "openai-transcription-sse",
+    "openai-completions-tokens",
     "sagemaker-bidi",
     "passthrough-ws",
     "passthrough-http",
@@ -99,6 +101,9 @@ class ProtocolSpec:
       route's ``inner_protocol``, required) and is metered and shaped as that one;
       ``default_inner`` is metered without one (the adapter factory's fallback).
     * ``error_shape``: the JSON error event a ``refusal: close`` route sends.
+    * ``counts_tokens``: the stream's audio is generated tokens, each a fixed share of a
+      second: the route's ``tokens_per_audio_second`` (required for, and only for, such a
+      protocol).
     """
 
     name: Protocol
@@ -108,6 +113,7 @@ class ProtocolSpec:
     error_shape: ErrorShape = generic_error
     carries_inner: bool = False
     default_inner: Protocol | None = None
+    counts_tokens: bool = False
 
     @property
     def carriable(self) -> bool:
@@ -143,6 +149,9 @@ _SPECS = (
     ),
     ProtocolSpec("openai-speech-http", "http", http_adapter=SpeechHttpAdapter),
     ProtocolSpec("openai-transcription-sse", "http", http_adapter=TranscriptionSseAdapter),
+    ProtocolSpec(
+        "openai-completions-tokens", "http", http_adapter=TokenStreamAdapter, counts_tokens=True
+    ),
     ProtocolSpec("sagemaker-bidi", "ws", carries_inner=True, default_inner="passthrough-ws"),
     ProtocolSpec("passthrough-ws", "ws", ws_adapter=_passthrough_ws),
     ProtocolSpec("passthrough-http", "http", http_adapter=_passthrough_http),

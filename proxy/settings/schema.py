@@ -346,6 +346,7 @@ class RouteSettings(_Frozen):
     inner_protocol: Protocol | None = None
     queue_feedback: bool = False
     audio: AudioSettings = AudioSettings()
+    tokens_per_audio_second: float | None = Field(None, gt=0, le=MAX_TOKENS_PER_SECOND)
     upstream_path: UrlPath | None = None
 
     @property
@@ -353,7 +354,6 @@ class RouteSettings(_Frozen):
         return PROTOCOL_TABLE[self.protocol].transport == "ws"
 
     @property
-    tokens_per_audio_second: float | None = Field(None, gt=0, le=MAX_TOKENS_PER_SECOND)
     def stream_protocol(self) -> str:
         """The protocol whose events carry the audio: ``inner_protocol`` when set."""
         return self.inner_protocol or self.protocol
@@ -385,13 +385,6 @@ class RouteSettings(_Frozen):
         elif carried is not None and not carried.carriable:
             why = f"must be one of: {inner} (got {self.inner_protocol!r})"
             problems.append((("inner_protocol",), why))
-        if problems:
-            raise Problems(problems)
-        return self
-
-
-class ApiKeySettings(_Frozen):
-    """One tenant's key, stored as its SHA-256. ``pools`` empty = every pool;
         counts = [n for n, spec in PROTOCOL_TABLE.items() if spec.counts_tokens]
         if PROTOCOL_TABLE[self.protocol].counts_tokens:
             if self.tokens_per_audio_second is None:
@@ -401,6 +394,13 @@ class ApiKeySettings(_Frozen):
         elif self.tokens_per_audio_second is not None:
             why = f"only valid with protocol {' or '.join(counts)}"
             problems.append((("tokens_per_audio_second",), why))
+        if problems:
+            raise Problems(problems)
+        return self
+
+
+class ApiKeySettings(_Frozen):
+    """One tenant's key, stored as its SHA-256. ``pools`` empty = every pool;
     ``max_sessions`` caps the tenant's concurrent sessions (429 ``tenant_limit``).
 
     Scheduling (issue 18, README "Tenants and priorities"): ``priority`` is the key's

@@ -74,11 +74,15 @@ def test_every_configured_protocol_has_a_complete_entry(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(PROTOCOLS))
 def test_a_route_follows_its_entry(name: str) -> None:
     spec = PROTOCOL_TABLE[name]
-    inner = {"inner_protocol": spec.default_inner} if spec.carries_inner else {}
-    route = RouteSettings(path="/x", pool="p", protocol=name, **inner)  # type: ignore[arg-type]
+    inner: dict[str, Any] = {"inner_protocol": spec.default_inner} if spec.carries_inner else {}
+    if spec.counts_tokens:
+        inner["tokens_per_audio_second"] = 84
+    route = RouteSettings(path="/x", pool="p", protocol=name, **inner)
     assert route.is_websocket == (spec.transport == "ws")
     if spec.transport == "http":
-        problems = dict(route_problems(protocol=name, refusal="close", queue_feedback=True))
+        problems = dict(
+            route_problems(protocol=name, refusal="close", queue_feedback=True, **inner)
+        )
         assert problems["routes[0].refusal"].startswith("'close' needs a WebSocket protocol")
         assert problems["routes[0].queue_feedback"].startswith("needs a WebSocket protocol")
 
@@ -108,6 +112,30 @@ def test_inner_protocol_rules_come_from_the_table() -> None:
     assert route_problems(protocol="vllm-realtime", inner_protocol="passthrough-ws") == [
         ("routes[0].inner_protocol", "only valid with protocol sagemaker-bidi")
     ]
+
+
+def test_tokens_per_audio_second_is_required_for_and_only_for_token_protocols() -> None:
+    counters = [n for n, s in PROTOCOL_TABLE.items() if s.counts_tokens]
+    assert counters == ["openai-completions-tokens"]
+    assert route_problems(protocol="openai-completions-tokens") == [
+        (
+            "routes[0].tokens_per_audio_second",
+            "required for openai-completions-tokens: how many generated tokens make one "
+            "second of audio (Orpheus's: docs/protocols.md)",
+        )
+    ]
+    assert route_problems(protocol="openai-speech-http", tokens_per_audio_second=84) == [
+        ("routes[0].tokens_per_audio_second", "only valid with protocol openai-completions-tokens")
+    ]
+    for bad in (0, -1, 10001, "many", float("nan"), float("inf")):
+        [(where, _why)] = route_problems(
+            protocol="openai-completions-tokens", tokens_per_audio_second=bad
+        )
+        assert where == "routes[0].tokens_per_audio_second"
+    route = RouteSettings(
+        path="/x", pool="p", protocol="openai-completions-tokens", tokens_per_audio_second=12.5
+    )
+    assert route.tokens_per_audio_second == 12.5
 
 
 def refused() -> CapacityRefused:
