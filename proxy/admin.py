@@ -7,6 +7,10 @@
   does); an invalid file is refused with 400 and the problems, the old one stays.
 * ``POST /admin/drain``  -- start a graceful drain (as SIGTERM does).
 
+Every request is checked before its body is read: the key from the head (401), then
+the body, under ``limits.max_control_body_bytes`` and ``limits.handshake_timeout_s``
+(413, 408; no endpoint here takes one).
+
 Bound anywhere but loopback, it requires ``Authorization: Bearer <key>`` whose SHA-256
 is ``admin.api_key_sha256`` (the settings refuse a non-loopback admin without one, and a
 reload may change that key but not remove it while the socket stays bound off loopback:
@@ -18,24 +22,34 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
 from proxy.errors import ConfigError
 from proxy.pipelines import headroom_of
+from proxy.relay.http_body import control_body, replay
 from proxy.runtime import Runtime
 
 __all__ = ["create_admin_app"]
 
 
-def _authorized(request: Request, sha256_hex: str | None) -> bool:
+Scope = dict[str, Any]
+ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
+
+_UNAUTHORIZED = json.dumps(
+    {"error": {"type": "unauthorized", "message": "admin key required"}}
+).encode()
+
+
+def _authorized(scope: Scope, sha256_hex: str | None) -> bool:
     if sha256_hex is None:
         return True
-    header = request.headers.get("authorization", "")
-    scheme, _, key = header.partition(" ")
+    header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+    scheme, _, key = header.decode("latin-1").partition(" ")
     if scheme.lower() != "bearer" or not key:
         return False
     digest = hashlib.sha256(key.strip().encode()).hexdigest()
@@ -46,20 +60,11 @@ def create_admin_app(
     runtime: Runtime,
     reload: Callable[[], list[str]],
     drain: Callable[[], Awaitable[None] | Any],
-) -> FastAPI:
+) -> ASGIApp:
     """``reload`` re-reads and applies the configuration (raising ConfigError);
-    ``drain`` starts a graceful drain."""
+    ``drain`` starts a graceful drain. The key and the body are checked before the
+    endpoints' app sees a request (:func:`_bounded`)."""
     app = FastAPI(title="Headroom admin", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.middleware("http")
-    async def require_key(request: Request, call_next: Any) -> Any:
-        if not _authorized(request, runtime.settings.admin.api_key_sha256):
-            return JSONResponse(
-                {"error": {"type": "unauthorized", "message": "admin key required"}},
-                status_code=401,
-                headers={"WWW-Authenticate": 'Bearer realm="headroom-admin"'},
-            )
-        return await call_next(request)
 
     @app.get("/admin/status")
     async def status() -> dict[str, Any]:
@@ -88,7 +93,7 @@ def create_admin_app(
     @app.post("/admin/reload")
     async def do_reload() -> JSONResponse:
         try:
-            changes = reload()
+            answer = await reload()
         except ConfigError as err:
             return JSONResponse(
                 {"reloaded": False,
@@ -102,4 +107,27 @@ def create_admin_app(
         drain()
         return {"draining": True, "active": runtime.gate.active}
 
-    return app
+    return _bounded(runtime, app)
+
+
+def _bounded(runtime: Runtime, app: ASGIApp) -> ASGIApp:
+    """``app`` behind the key check (from the request head) and the control-plane body
+    bounds, in that order."""
+
+    async def admin(scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        if not _authorized(scope, runtime.settings.admin.api_key_sha256):
+            await send({"type": "http.response.start", "status": 401, "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(_UNAUTHORIZED)).encode()),
+                (b"www-authenticate", b'Bearer realm="headroom-admin"'),
+            ]})  # fmt: skip
+            await send({"type": "http.response.body", "body": _UNAUTHORIZED})
+            return
+        body = await control_body(receive, send, runtime.settings.limits, runtime.clock)
+        if body is not None:
+            await app(scope, replay(body, receive), send)
+
+    return admin

@@ -26,10 +26,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy import __version__
-from proxy.errors import HeadroomError, PolicyViolation, Refused
+from proxy.auth import identify
+from proxy.errors import HeadroomError, PolicyViolation, Refused, Unauthorized
 from proxy.logs import install_denial_filter
 from proxy.refusal import http_error
 from proxy.relay.http import install_abort_filter, relay_http
+from proxy.relay.http_body import control_body, refuse, replay
 from proxy.relay.ws import relay_websocket
 from proxy.reservations import ReservationUnknown, key_of, parse_request
 from proxy.runtime import Runtime
@@ -39,6 +41,8 @@ __all__ = ["HeadroomApp", "create_app"]
 log = logging.getLogger("headroom.app")
 
 Scope = dict[str, Any]
+
+RESERVATIONS_PATH = "/v1/headroom/reservations"
 
 
 def _ops_app(rt: Runtime) -> FastAPI:
@@ -84,11 +88,13 @@ def _ops_app(rt: Runtime) -> FastAPI:
         """Gang admission: one slot in every named pool, or one refusal."""
         store = rt.reservations
         try:
+            # the body is whole and within limits.max_control_body_bytes here
+            # (HeadroomApp._control); nesting too deep for the parser is malformed too
             try:
                 doc = json.loads(await request.body() or b"null")
-            except ValueError:
+            except (ValueError, RecursionError):
                 doc = None
-            pools, hold_s = parse_request(doc, rt.gate.pools())
+            pools, hold_s = parse_request(doc, rt.gate.pools(), rt.settings.reservations)
             key = key_of(rt.settings.auth, dict(request.scope), pools)
         except PolicyViolation as err:
             store.count_invalid()
@@ -109,15 +115,18 @@ def _ops_app(rt: Runtime) -> FastAPI:
         """Release a reservation's unclaimed slots (claimed ones end with their
         connections)."""
         store = rt.reservations
-        reservation = store.get(token)
         try:
-            pools = list(reservation.pools) if reservation else rt.gate.pools()[:1]
-            key = key_of(rt.settings.auth, dict(request.scope), pools)
+            # Only the key that reserved may release: any other gets the 404 of an
+            # unknown token (never a 403 that would tell the token exists).
+            key = identify(rt.settings.auth, dict(request.scope))
         except PolicyViolation as err:
             return error_response(err)
-        released = store.release(token, key)
+        try:
+            released = await store.release(token, key)
+        except Refused as refusal:
+            return error_response(refusal)
         if released is None:
-            unknown = ReservationUnknown("no such reservation on this gateway")
+            unknown = ReservationUnknown("no such reservation (or not this key's)")
             body = http_error(unknown)[2]
             return Response(body, status_code=404, media_type="application/json")
         return JSONResponse({"token": token, "released": released})
@@ -152,7 +161,7 @@ class HeadroomApp:
             if route is not None and not route.is_websocket:
                 await relay_http(self.runtime, route, scope, receive, send)
             else:
-                await self._ops(scope, receive, send)
+                await self._control(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
 

@@ -24,7 +24,7 @@ from urllib.parse import parse_qsl
 from proxy.errors import Forbidden, TenantLimitRefused, Unauthorized
 from proxy.settings import ApiKeySettings, AuthSettings
 
-__all__ = ["KeyRedactionFilter", "TenantQuotas", "authenticate", "presented_key"]
+__all__ = ["KeyRedactionFilter", "TenantQuotas", "authenticate", "identify", "presented_key"]
 
 _API_KEY_RE = re.compile(r"(api_key=)[^&\s\"']*")
 
@@ -44,11 +44,9 @@ def presented_key(scope: dict[str, Any]) -> str | None:
     return None
 
 
-def authenticate(
-    auth: AuthSettings | None, scope: dict[str, Any], pool: str
-) -> ApiKeySettings | None:
-    """The caller's key settings (None when auth is off); raises Unauthorized (401) or
-    Forbidden (403)."""
+def identify(auth: AuthSettings | None, scope: dict[str, Any]) -> ApiKeySettings | None:
+    """The caller's key settings (None when auth is off), from the request head alone:
+    what runs before any body is read. Raises Unauthorized (401)."""
     if auth is None:
         return None
     key = presented_key(scope)
@@ -57,6 +55,17 @@ def authenticate(
     found = auth.key_for(hashlib.sha256(key.encode()).hexdigest())
     if found is None:
         raise Unauthorized("the API key is not valid")
+    return found
+
+
+def authenticate(
+    auth: AuthSettings | None, scope: dict[str, Any], pool: str
+) -> ApiKeySettings | None:
+    """The caller's key settings (None when auth is off); raises Unauthorized (401) or
+    Forbidden (403)."""
+    found = identify(auth, scope)
+    if found is None:
+        return None
     if not found.allows(pool):
         raise Forbidden(f"this API key may not use pool {pool!r}")
     return found
@@ -68,13 +77,17 @@ class TenantQuotas:
     def __init__(self) -> None:
         self._active: dict[str, int] = {}
 
-    def reserve(self, key: ApiKeySettings | None, pool: str, retry_after_s: float) -> str | None:
+    def reserve(
+        self, key: ApiKeySettings | None, pool: str, retry_after_s: float, *, enforce: bool = True
+    ) -> str | None:
         """Take one session of ``key``'s quota; returns a token for :meth:`release`
-        (None when there is nothing to count). Raises TenantLimitRefused."""
+        (None when there is nothing to count). Raises TenantLimitRefused.
+        ``enforce=False``: count without the check (a session taking over a count held
+        for it, a claimed gang reservation's slot)."""
         if key is None:
             return None
         active = self._active.get(key.name, 0)
-        if key.max_sessions is not None and active >= key.max_sessions:
+        if enforce and key.max_sessions is not None and active >= key.max_sessions:
             raise TenantLimitRefused("tenant_limit", retry_after_s=retry_after_s, pool=pool)
         self._active[key.name] = active + 1
         return key.name

@@ -25,8 +25,8 @@ import logging
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
-from proxy.clock import clock_timeout
 from proxy.errors import HeadroomError, MessageTooLarge, RequestTimeout
+from proxy.relay.http_body import ClientGone, read_body
 from proxy.relay.http_exchange import HttpExchange, send_error
 from proxy.relay.lifecycle import Declined, run_session
 
@@ -65,26 +65,6 @@ def install_abort_filter() -> None:
     logger = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, _AbortNoiseFilter) for f in logger.filters):
         logger.addFilter(_AbortNoiseFilter())
-
-
-class _ClientGone(Exception):
-    pass
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes:
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise _ClientGone
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise MessageTooLarge(f"request body over {limit} bytes")
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
 
 
 async def relay_http(
@@ -127,16 +107,15 @@ class _Request:
         (a slowloris gets 408)."""
         limits = self.services.settings.limits
         try:
-            async with clock_timeout(self.services.clock, limits.handshake_timeout_s):
-                self.body = await _read_body(self.receive, limits.max_http_body_bytes)
+            self.body = await read_body(
+                self.receive, limit=limits.max_http_body_bytes, clock=self.services.clock,
+                timeout_s=limits.handshake_timeout_s,
+            )  # fmt: skip
         except MessageTooLarge as err:
             raise Declined("rejected_too_large", err) from None
-        except TimeoutError:
-            timeout = RequestTimeout(
-                f"request body not received within {limits.handshake_timeout_s:g} s"
-            )
-            raise Declined("rejected_timeout", timeout) from None
-        except _ClientGone:
+        except RequestTimeout as err:
+            raise Declined("rejected_timeout", err) from None
+        except ClientGone:
             raise Declined("abandoned") from None
         record.bytes_up = len(self.body)
 

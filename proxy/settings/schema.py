@@ -147,6 +147,10 @@ class LimitsSettings(_Frozen):
 
     max_message_bytes: int = Field(4 * 1024 * 1024, ge=1024)
     max_http_body_bytes: int = Field(25 * 1024 * 1024, ge=1024)
+    # A control-plane request body (gang reservations, the admin listener, anything on
+    # the client listener that is not a relay route): small enough that parsing it as
+    # JSON on the event loop costs nothing a client could notice.
+    max_control_body_bytes: int = Field(16 * 1024, ge=1024, le=1024 * 1024)
     # A request head (HTTP request or WebSocket upgrade) over either limit gets 431 before
     # anything else runs (auth, admission, upstream). 32 KiB holds the biggest real heads
     # (JWT bearers, SigV4 headers; nginx's default also tops out at 32 KiB) while 1,000
