@@ -93,7 +93,7 @@ def create_admin_app(
     @app.post("/admin/reload")
     async def do_reload() -> JSONResponse:
         try:
-            answer = await reload()
+            changes = reload()
         except ConfigError as err:
             return JSONResponse(
                 {"reloaded": False,

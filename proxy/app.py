@@ -94,7 +94,7 @@ def _ops_app(rt: Runtime) -> FastAPI:
                 doc = json.loads(await request.body() or b"null")
             except (ValueError, RecursionError):
                 doc = None
-            pools, hold_s = parse_request(doc, rt.gate.pools(), rt.settings.reservations)
+            pools, hold_s = parse_request(doc, rt.gate.pools())
             key = key_of(rt.settings.auth, dict(request.scope), pools)
         except PolicyViolation as err:
             store.count_invalid()
@@ -115,18 +115,15 @@ def _ops_app(rt: Runtime) -> FastAPI:
         """Release a reservation's unclaimed slots (claimed ones end with their
         connections)."""
         store = rt.reservations
+        reservation = store.get(token)
         try:
-            # Only the key that reserved may release: any other gets the 404 of an
-            # unknown token (never a 403 that would tell the token exists).
-            key = identify(rt.settings.auth, dict(request.scope))
+            pools = list(reservation.pools) if reservation else rt.gate.pools()[:1]
+            key = key_of(rt.settings.auth, dict(request.scope), pools)
         except PolicyViolation as err:
             return error_response(err)
-        try:
-            released = await store.release(token, key)
-        except Refused as refusal:
-            return error_response(refusal)
+        released = store.release(token, key)
         if released is None:
-            unknown = ReservationUnknown("no such reservation (or not this key's)")
+            unknown = ReservationUnknown("no such reservation on this gateway")
             body = http_error(unknown)[2]
             return Response(body, status_code=404, media_type="application/json")
         return JSONResponse({"token": token, "released": released})
@@ -164,6 +161,22 @@ class HeadroomApp:
                 await self._control(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+
+    async def _control(self, scope: Scope, receive: Any, send: Any) -> None:
+        """Every HTTP request that is not a relay: on the reservation endpoints the key
+        is checked from the head first (401 before a byte of body is read); then the
+        body is read whole under the control-plane bounds (413, 408); only then does
+        the operations app see it."""
+        rt = self.runtime
+        if scope["path"].startswith(RESERVATIONS_PATH):
+            try:
+                identify(rt.settings.auth, scope)
+            except Unauthorized as err:
+                await refuse(send, err)
+                return
+        body = await control_body(receive, send, rt.settings.limits, rt.clock)
+        if body is not None:
+            await self._ops(scope, replay(body, receive), send)
 
     async def _deny_ws(self, scope: Scope, receive: Any, send: Any) -> None:
         await receive()  # websocket.connect
