@@ -30,6 +30,7 @@ from proxy.probe.runner import ProbeError, ProbeResult, ProbeSettings, run_probe
 from proxy.probe.session import PROTOCOL_KINDS, ClientOptions, endpoint_url
 from proxy.probe.traces import RecordedLevel, write_traces
 from proxy.probe.workload import open_workload
+from proxy.protocols.base import MAX_TOKENS_PER_SECOND
 from proxy.serving import signal_handlers
 
 __all__ = ["add_arguments", "main", "parse_levels", "run", "settings_from_args"]
@@ -89,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--voice", help="voice for every TTS request (overrides the workload)")
     a("--sample-rate", type=int, default=24000, metavar="HZ",
       help="PCM rate when the stream does not say (24000)")  # fmt: skip
+    a("--tokens-per-audio-second", type=float, metavar="N",
+      help="openai-completions-tokens: generated tokens per second of audio (required "
+           "there; Orpheus: 82)")  # fmt: skip
     a("--stream-format", choices=("audio", "sse"), default="audio",
       help="openai-speech-http: raw PCM or SSE (default audio)")  # fmt: skip
     a("--asr-pace", type=float, default=0.0, metavar="X",
@@ -128,6 +132,13 @@ def settings_from_args(args: argparse.Namespace) -> ProbeSettings:
         raise ValueError("--max-stall-share, --ttfa-limit and --repeat must be >= 0")
     if args.asr_pace < 0 or args.hold <= 0 or args.warmup < 0 or args.time_limit <= 0:
         raise ValueError("--hold and --time-limit must be > 0, --warmup and --asr-pace >= 0")
+    tokens = args.tokens_per_audio_second
+    if (args.protocol == "openai-completions-tokens") != (tokens is not None):
+        raise ValueError(
+            "--tokens-per-audio-second is required for, and only for, openai-completions-tokens"
+        )
+    if tokens is not None and not 0 < tokens <= MAX_TOKENS_PER_SECOND:
+        raise ValueError(f"--tokens-per-audio-second must be in (0, {MAX_TOKENS_PER_SECOND:g}]")
     client = ClientOptions(
         url=endpoint_url(args.target, args.protocol),
         protocol=args.protocol,
@@ -138,6 +149,7 @@ def settings_from_args(args: argparse.Namespace) -> ProbeSettings:
         stream_format=args.stream_format,
         asr_pace=args.asr_pace,
         prebuffer_s=args.prebuffer,
+        tokens_per_audio_second=tokens,
     )
     seed = args.seed if args.seed is not None else (workload.seed or 0)
     return ProbeSettings(

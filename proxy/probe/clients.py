@@ -13,6 +13,8 @@ turns the meter's observations into an :class:`~proxy.probe.analysis.SessionTrac
                                 ``asr_pace`` x realtime), ``commit``, ``commit final``; reads
                                 to ``transcription.done``
 ``openai-transcription-sse``    POST multipart WAV upload with ``stream=true``; reads to ``[DONE]``
+``openai-completions-tokens``   POST a streaming completion; reads to ``[DONE]``
+                                (:mod:`proxy.probe.completions`)
 ==============================  ==============================================================
 
 Outcomes: a 503/429 response or handshake, or a WebSocket closed with 1013, raises
@@ -38,6 +40,7 @@ import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
+from proxy.probe.completions import run_completion
 from proxy.probe.session import ClientOptions, Refusal, SessionFailed, SessionRecorder
 from proxy.probe.workload import ASR_SAMPLE_RATE, AudioRequest, Request, SpeechRequest
 from proxy.protocols import AudioFormat, http_adapter, ws_adapter
@@ -359,6 +362,8 @@ async def run_session(
         await _realtime(opts, request, rec)
     elif opts.protocol == "openai-transcription-sse" and isinstance(request, AudioRequest):
         await _transcription(opts, http, request, rec)
+    elif opts.protocol == "openai-completions-tokens" and isinstance(request, SpeechRequest):
+        await run_completion(opts, http, request, rec)
     else:
         kind = "tts" if isinstance(request, SpeechRequest) else "asr"
         raise ValueError(f"a {kind} request cannot be sent over {opts.protocol}")

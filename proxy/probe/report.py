@@ -160,6 +160,7 @@ def result_json(result: ProbeResult) -> dict[str, Any]:
             "prebuffer_s": s.client.prebuffer_s,
             "stream_format": s.client.stream_format,
             "asr_pace": s.client.asr_pace,
+            "tokens_per_audio_second": s.client.tokens_per_audio_second,
             "max_stall_share": s.max_stall_share,
             "ttfa_limit_s": s.ttfa_limit_s,
             "repeats": s.repeats,

@@ -36,6 +36,7 @@ PATHS = {
     "openai-speech-http": "/v1/audio/speech",
     "vllm-realtime": "/v1/realtime",
     "openai-transcription-sse": "/v1/audio/transcriptions",
+    "openai-completions-tokens": "/v1/completions",
 }
 #: What each supported protocol carries: tts (audio out) or asr (transcript out).
 PROTOCOL_KINDS = {
@@ -43,6 +44,7 @@ PROTOCOL_KINDS = {
     "openai-speech-http": "tts",
     "vllm-realtime": "asr",
     "openai-transcription-sse": "asr",
+    "openai-completions-tokens": "tts",
 }
 
 
@@ -72,6 +74,8 @@ class ClientOptions:
     stream_format: str = "audio"
     asr_pace: float = 0.0
     prebuffer_s: float = 0.2
+    #: ``openai-completions-tokens``: generated tokens per second of audio.
+    tokens_per_audio_second: float | None = None
     open_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
 

@@ -5,6 +5,7 @@
 ``WS /v1/audio/speech/stream``               vLLM-Omni streaming speech
 ``WS /v1/realtime``                          vLLM realtime ASR (omni audio-out on TTS)
 ``POST /v1/audio/transcriptions``            vLLM transcription (multipart; SSE)
+``POST /v1/completions``, ``/v1/chat/...``    TTS codec tokens as text (Orpheus on vLLM)
 ``GET /ping``                                SageMaker health check
 ``WS /invocations-bidirectional-stream``     SageMaker bidirectional streaming
 ``GET /metrics``                             vLLM metric names
@@ -34,6 +35,7 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from proxy.sim.common import ChannelClosed, WsChannel, error_response, unavailable_response
+from proxy.sim.completions import create_completion
 from proxy.sim.realtime import realtime
 from proxy.sim.speech_http import create_speech
 from proxy.sim.speech_ws import speech_stream
@@ -89,6 +91,12 @@ def build_app(gpu: SimGpu) -> Starlette:
 
     async def transcriptions(request: Request) -> Response:
         return await create_transcription(gpu, request)
+
+    async def completions(request: Request) -> Response:
+        return await create_completion(gpu, request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await create_completion(gpu, request, chat=True)
 
     async def speech_ws(websocket: WebSocket) -> None:
         await _serve_ws(gpu, websocket, speech_stream)
@@ -169,6 +177,8 @@ def build_app(gpu: SimGpu) -> Starlette:
         WebSocketRoute("/v1/audio/speech/stream", speech_ws),
         WebSocketRoute("/v1/realtime", realtime_ws),
         Route("/v1/audio/transcriptions", transcriptions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/ping", ping, methods=["GET"]),
         WebSocketRoute("/invocations-bidirectional-stream", sagemaker_ws),
         Route("/metrics", metrics, methods=["GET"]),
