@@ -8,8 +8,9 @@ Headroom and once straight to the engine, side by side.
 
 It starts ``headroom sim`` (one simulated GPU) and ``headroom serve`` as separate
 processes, caps Headroom at a ceiling -- ``--cap-from`` the JSON of a ``headroom probe``
-run against the same simulated engine (the ceiling the probe measures), ``--cap N``, or
-by default the simulator's own model (``headroom sim --describe``) -- with the guard on
+run against the same simulated engine (the low end of the ``ceiling_range`` the probe
+measured), ``--cap N``, or by default the simulator's own model (``headroom sim
+--describe``'s ``recommended_cap``: the low end of the ceiling over seeds) -- with the guard on
 (enforce) and no queue, then offers ``load x ceiling`` closed-loop users for ``warmup +
 hold`` seconds to each target with ``headroom probe``'s client and metering (a refused
 user retries after ``min(Retry-After, 1 s)``, so the offered load stays at ``load x
@@ -308,12 +309,20 @@ def _cap(args: argparse.Namespace, preset: Preset) -> tuple[int, str]:
         return int(args.cap), "--cap"
     if args.cap_from:
         probe = json.loads(Path(args.cap_from).read_text())
-        ceiling = int(probe["ceiling"])
-        if ceiling < 1:
-            raise SystemExit(f"{args.cap_from}: the probe's ceiling is {ceiling}: no cap")
-        return ceiling, f"headroom probe ({args.cap_from})"
+        low = int((probe.get("ceiling_range") or [probe["ceiling"]])[0])
+        if low < 1:
+            raise SystemExit(f"{args.cap_from}: the probe's ceiling is {low}: no cap")
+        return low, f"headroom probe ({args.cap_from}), the low end of its ceiling_range"
     target: Preset | str = preset if args.codec_chunk_ramp else preset.name
-    return int(describe(target)["ceiling"]), "headroom sim --describe"
+    info = describe(target)
+    low, high = info["ceiling_range"]
+    if int(info["recommended_cap"]) < 1:
+        raise SystemExit(f"{preset.name}: no level keeps the rules on every seed: no cap")
+    seeds = ", ".join(info["ceiling_by_seed"])
+    return int(info["recommended_cap"]), (
+        f"headroom sim --describe's recommended_cap: every seed passes there; ceiling "
+        f"{low}-{high} over seeds {seeds}"
+    )
 
 
 async def run_overload(args: argparse.Namespace) -> dict[str, Any]:
@@ -406,7 +415,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="h100-orpheus-3b")
     parser.add_argument("--load", type=float, default=3.0, help="offered load x ceiling")
-    parser.add_argument("--cap", type=int, help="Headroom's cap (default: the ceiling)")
+    parser.add_argument(
+        "--cap", type=int,
+        help="Headroom's cap (default: describe's recommended_cap, the low end of the ceiling "
+        "over seeds)",
+    )  # fmt: skip
     parser.add_argument("--cap-from", metavar="PROBE_JSON",
                         help="cap at the ceiling of this headroom probe --json result")  # fmt: skip
     parser.add_argument("--codec-chunk-ramp", metavar="LIST",

@@ -5,12 +5,14 @@ until Ctrl-C (or ``--exit-after``).
 
 The ceiling is ``describe()``'s: the largest load at which the worst 1 % of chunks
 arrive at least 1.2x faster than realtime, no listener with a 0.2 s prebuffer stalls
-and TTFA p99 stays within 1 s. vLLM-Omni's default Qwen3-TTS chunking (a first chunk of
-2-16 frames by load, then 25-frame chunks) stalls such a listener at the first seam even
-alone (ceiling 0), so on presets with that schedule the demo runs the engine with
-vLLM-Omni's documented ``codec_chunk_ramp`` example, ``[4, 4, 8, 16, 25]``, and says so
-(``--codec-chunk-ramp default`` keeps the engine's default, and the banner then says
-what the listeners would need)."""
+and TTFA p99 stays within 1 s. It moves with the seed (the step-time jitter and the
+utterance lengths), so the cap is the low end of its range over several seeds
+(``recommended_cap``), and the banner gives the range and says so. vLLM-Omni's default
+Qwen3-TTS chunking (a first chunk of 2-16 frames by load, then 25-frame chunks) stalls
+such a listener at the first seam even alone (ceiling 0), so on presets with that schedule
+the demo runs the engine with vLLM-Omni's documented ``codec_chunk_ramp`` example,
+``[4, 4, 8, 16, 25]``, and says so (``--codec-chunk-ramp default`` keeps the engine's
+default, and the banner then says what the listeners would need)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Any, TextIO
 
 from proxy.settings import Settings, settings_from_mapping
 
-__all__ = ["DEMO_RAMP", "add_arguments", "demo_preset", "demo_settings", "run"]
+__all__ = ["DEMO_RAMP", "add_arguments", "demo_cap", "demo_preset", "demo_settings", "run"]
 
 #: The demo's ``codec_chunk_ramp`` on presets whose first chunk depends on the load
 #: (vLLM-Omni Qwen3-TTS): the example of vLLM-Omni's own documentation.
@@ -37,7 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="gateway address")
     parser.add_argument("--port", type=int, default=8080, help="gateway port (0: any free)")
     parser.add_argument("--sim-port", type=int, default=0, help="first simulator port (0: free)")
-    parser.add_argument("--cap", type=int, help="sessions per GPU (default: the preset ceiling)")
+    parser.add_argument(
+        "--cap", type=int,
+        help="sessions per GPU (default: the low end of the preset's ceiling over seeds)",
+    )  # fmt: skip
     parser.add_argument("--queue-depth", type=int, default=8, help="queue depth per pool")
     parser.add_argument("--queue-wait", type=float, default=10.0, help="max queue wait, s")
     parser.add_argument("--exit-after", type=float, metavar="S", help="stop after S seconds")
@@ -132,17 +137,30 @@ def demo_settings(
     return settings_from_mapping(data, env={}, source="headroom demo")
 
 
+def demo_cap(args: argparse.Namespace, info: dict[str, Any]) -> int:
+    """Sessions per GPU: ``--cap``, else ``describe()``'s ``recommended_cap`` (the low
+    end of the ceiling over seeds), at least 1 so the demo serves at all."""
+    return int(args.cap or max(1, int(info["recommended_cap"])))
+
+
 def _ceiling_lines(info: dict[str, Any], cap: int, capped_by_user: bool) -> list[str]:
-    """What the ceiling is, what limited it, and the rules it keeps (``describe()``'s)."""
+    """What the ceiling is over seeds, what limited it, and the rules it keeps
+    (``describe()``'s)."""
     rules = info["ceiling_rules"]
     ceiling = int(info["ceiling"])
+    low, high = (int(v) for v in info["ceiling_range"])
+    seeds = ", ".join(info["ceiling_by_seed"])
     broke = ", ".join(info["limited_by"]) or "nothing (search limit)"
     kept = (
         f"worst-1% delivery >= {rules['threshold']:g}x realtime, no stall for a listener "
         f"with a {rules['prebuffer_s']:g} s prebuffer, TTFA p99 <= {rules['ttfa_p99_s']:g} s"
     )
-    if ceiling > 0:
-        lines = [f"  ceiling        : {ceiling} sessions/GPU ({ceiling + 1} broke: {broke})"]
+    if high > 0:
+        span = f"{low}" if low == high else f"{low}-{high}"
+        lines = [
+            f"  ceiling        : {span} sessions/GPU over seeds {seeds} ({ceiling} at seed "
+            f"{info['seed']}: {ceiling + 1} broke: {broke})"
+        ]
     else:
         lines = [f"  ceiling        : 0 sessions/GPU (one session already breaks: {broke})"]
         need = info.get("min_prebuffer_s")
@@ -154,10 +172,10 @@ def _ceiling_lines(info: dict[str, Any], cap: int, capped_by_user: bool) -> list
     lines.append(f"  ceiling rules  : {kept}")
     if capped_by_user:
         why = "(--cap)"
-    elif ceiling == 0:
-        why = "(no level keeps the rules; 1 so the demo serves at all: expect stalls)"
+    elif low == 0:
+        why = "(no level keeps the rules on every seed; 1 so the demo serves at all: expect stalls)"
     else:
-        why = "(the ceiling)"
+        why = "(the largest level at or below the range's low end that every seed passes)"
     lines.append(f"  cap per GPU    : {cap} {why}")
     return lines
 
@@ -192,17 +210,21 @@ def _banner(
     if "/v1/audio/speech" in paths:
         lines += [
             "",
-            "Stream speech through the gateway into a WAV file:",
-            f"  curl -sN {gateway_url}/v1/audio/speech -H 'Content-Type: application/json' "
+            "Stream speech through the gateway into a WAV file (a refusal exits 22 and "
+            "prints its JSON):",
+            f"  curl -sSN --fail-with-body {gateway_url}/v1/audio/speech "
+            f"-H 'Content-Type: application/json' "
             f'-d \'{{"model": "{preset.model}", "input": "Hello from Headroom. Every '
             f'listener keeps realtime.", "voice": "default", "response_format": '
-            f'"wav", "stream": true, "stream_format": "audio"}}\' -o hello.wav',
+            f'"wav", "stream": true, "stream_format": "audio"}}\' -o hello.wav '
+            "|| cat hello.wav",
         ]
     if "/v1/audio/transcriptions" in paths:
         lines += [
             "",
             "Transcribe a WAV file (PCM16) through the gateway, streamed as it is decoded:",
-            f"  curl -sN {gateway_url}/v1/audio/transcriptions -F file=@speech.wav "
+            f"  curl -sSN --fail-with-body {gateway_url}/v1/audio/transcriptions "
+            "-F file=@speech.wav "
             f"-F model={preset.model} -F stream=true",
         ]
     lines += ["", "Ctrl-C to stop."]
@@ -216,7 +238,7 @@ async def _run(args: argparse.Namespace, out: TextIO) -> None:
 
     preset, chunking = demo_preset(args)
     info = describe(preset)
-    cap = args.cap or max(1, int(info["ceiling"]))
+    cap = demo_cap(args, info)
     async with running_cluster(preset, gpus=args.gpus, host="127.0.0.1", port=args.sim_port) as c:
         settings = demo_settings(
             preset, c.urls, cap, host=args.host, port=args.port,

@@ -20,7 +20,7 @@ import yaml
 from yaml.constructor import ConstructorError
 from yaml.nodes import MappingNode, Node
 
-__all__ = ["DuplicateKeyError", "StrictLoader", "key_path", "load"]
+__all__ = ["DuplicateKeyError", "StrictLoader", "compose", "key_path", "load"]
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 
@@ -60,9 +60,28 @@ class StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def load(text: str) -> Any:
-    """Parse one YAML document like ``yaml.safe_load``, refusing repeated keys."""
-    return yaml.load(text, Loader=StrictLoader)  # StrictLoader is a SafeLoader
+def load(text: str, name: str | None = None) -> Any:
+    """Parse one YAML document like ``yaml.safe_load``, refusing repeated keys. ``name``
+    (a file name) is what error marks say the text came from, instead of PyYAML's
+    ``"<unicode string>"``."""
+    loader = StrictLoader(text)  # a SafeLoader
+    if name is not None:
+        loader.name = name
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+def compose(text: str, name: str | None = None) -> Node | None:
+    """``yaml.compose`` with the safe loader, error marks naming ``name`` (see :func:`load`)."""
+    loader = yaml.SafeLoader(text)
+    if name is not None:
+        loader.name = name
+    try:
+        return loader.get_single_node()
+    finally:
+        loader.dispose()
 
 
 def key_path(text: str, index: int) -> tuple[str | int, ...] | None:

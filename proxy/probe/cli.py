@@ -22,10 +22,16 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from proxy.probe.config_edit import ConfigEditError, set_max_sessions, write_max_sessions
+from proxy.probe.config_edit import (
+    ConfigEditError,
+    replica_url,
+    set_max_sessions,
+    write_max_sessions,
+)
 from proxy.probe.plot import PlotUnavailable, require_matplotlib, write_plot
 from proxy.probe.progress import TerminalProgress
 from proxy.probe.report import config_snippet, csv_text, format_summary, format_table, result_json
+from proxy.probe.report import replica_url as probed_url
 from proxy.probe.runner import ProbeError, ProbeResult, ProbeSettings, run_probe
 from proxy.probe.session import PROTOCOL_KINDS, ClientOptions, endpoint_url
 from proxy.probe.traces import RecordedLevel, write_traces
@@ -232,7 +238,8 @@ def _outputs(result: ProbeResult, args: argparse.Namespace, out: TextIO) -> int:
                 print(f"headroom probe: cannot write {path}: {exc}", file=sys.stderr)
                 status = 1
     if args.write_config:
-        ceiling = result.summary.ceiling
+        # The low end of the range seen: a level counts only when every trial of it passed.
+        ceiling = result.summary.range[0]
         if result.stopped or not result.summary.bounded or ceiling < 1:
             print(
                 f"headroom probe: not updating {args.write_config}: the ceiling was not "
@@ -242,8 +249,14 @@ def _outputs(result: ProbeResult, args: argparse.Namespace, out: TextIO) -> int:
             return 1
         try:
             old = write_max_sessions(args.write_config, pool, replica, ceiling)
-            change = f"{pool}/{replica} max_sessions {old} -> {ceiling}"
+            low, high = result.summary.range
+            seen = f"{low}" if low == high else f"{low}-{high}"
+            change = (
+                f"{pool}/{replica} max_sessions {old} -> {ceiling} (the low end of the "
+                f"ceiling range seen, {seen})"
+            )
             print(f"{args.write_config}: {change}", file=out)
+            _warn_other_url(args, result.settings.client.url)
         except ConfigEditError as exc:
             print(f"headroom probe: {args.write_config}: {exc}", file=sys.stderr)
             status = 1
@@ -261,7 +274,28 @@ def _preflight_outputs(args: argparse.Namespace) -> None:
             text = Path(args.write_config).read_text(encoding="utf-8")
         except OSError as exc:
             raise ValueError(f"cannot read {args.write_config}: {exc}") from None
-        set_max_sessions(text, args.pool, args.replica, 1)
+        set_max_sessions(text, args.pool, args.replica, 1, source=args.write_config)
+        _warn_other_url(args, endpoint_url(args.target, args.protocol), text)
+
+
+def _warn_other_url(args: argparse.Namespace, target: str, text: str | None = None) -> None:
+    """``--write-config`` sets ``max_sessions`` only: say so when the file's replica
+    points at another engine than the one measured (its cap would be this one's)."""
+    try:
+        if text is None:
+            text = Path(args.write_config).read_text(encoding="utf-8")
+        configured = replica_url(text, args.pool, args.replica, args.write_config)
+    except (OSError, ConfigEditError):
+        return
+    measured = probed_url(target)
+    if configured is None or configured.rstrip("/") != measured:
+        print(
+            f"headroom probe: warning: {args.write_config} points {args.pool}/{args.replica} "
+            f"at {configured or 'no url'}, but this run measures {measured}; --write-config "
+            "sets max_sessions only, so set that replica's url to the engine measured (or "
+            "probe the engine it points at)",
+            file=sys.stderr,
+        )
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:

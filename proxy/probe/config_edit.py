@@ -17,7 +17,7 @@ from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
 from proxy import strict_yaml
 
-__all__ = ["ConfigEditError", "set_max_sessions", "write_max_sessions"]
+__all__ = ["ConfigEditError", "replica_url", "set_max_sessions", "write_max_sessions"]
 
 
 class ConfigEditError(ValueError):
@@ -47,18 +47,32 @@ def _named(seq: Node | None, name: str, what: str, where: str) -> MappingNode:
     )
 
 
-def set_max_sessions(text: str, pool: str, replica: str, value: int) -> tuple[str, str]:
-    """``(new text, old value)`` with ``pools[pool].replicas[replica].max_sessions`` set."""
+def _replica_node(text: str, pool: str, replica: str, source: str | None) -> MappingNode:
+    where = source or "configuration"
+    try:
+        root = strict_yaml.compose(text, name=source)
+    except yaml.YAMLError as exc:
+        raise ConfigEditError(f"{where}: invalid YAML: {exc}") from None
+    if root is None:
+        raise ConfigEditError(f"{where}: the file is empty")
+    pool_node = _named(_get(root, "pools"), pool, "pools", where)
+    return _named(_get(pool_node, "replicas"), replica, "replicas", f"pool {pool!r}")
+
+
+def replica_url(text: str, pool: str, replica: str, source: str | None = None) -> str | None:
+    """The ``url`` the file gives ``pools[pool].replicas[replica]`` (None: none given)."""
+    url = _get(_replica_node(text, pool, replica, source), "url")
+    return str(url.value) if isinstance(url, ScalarNode) else None
+
+
+def set_max_sessions(
+    text: str, pool: str, replica: str, value: int, source: str | None = None
+) -> tuple[str, str]:
+    """``(new text, old value)`` with ``pools[pool].replicas[replica].max_sessions`` set;
+    ``source`` (the file name) is named in errors."""
     if value < 1:
         raise ConfigEditError(f"max_sessions must be >= 1, not {value}: nothing to write")
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError as exc:
-        raise ConfigEditError(f"invalid YAML: {exc}") from None
-    if root is None:
-        raise ConfigEditError("the file is empty")
-    pool_node = _named(_get(root, "pools"), pool, "pools", "configuration")
-    rep = _named(_get(pool_node, "replicas"), replica, "replicas", f"pool {pool!r}")
+    rep = _replica_node(text, pool, replica, source)
     old = _get(rep, "max_sessions")
     if not isinstance(old, ScalarNode):
         raise ConfigEditError(
@@ -67,7 +81,7 @@ def set_max_sessions(text: str, pool: str, replica: str, value: int) -> tuple[st
     start, end = old.start_mark.index, old.end_mark.index
     new = text[:start] + str(value) + text[end:]
     try:
-        check = strict_yaml.load(new)
+        check = strict_yaml.load(new, name=source)
     except strict_yaml.DuplicateKeyError as exc:
         raise ConfigEditError(f"invalid configuration: {exc}") from None
     for p in check["pools"]:
@@ -85,7 +99,7 @@ def write_max_sessions(path: str | Path, pool: str, replica: str, value: int) ->
         text = target.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigEditError(f"cannot read {target}: {exc}") from None
-    new, old = set_max_sessions(text, pool, replica, value)
+    new, old = set_max_sessions(text, pool, replica, value, source=str(target))
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:

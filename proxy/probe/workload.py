@@ -268,7 +268,7 @@ def _parse(text: str, source: str) -> tuple[dict[str, Any], list[Any]]:
                     raise WorkloadError(f"{source}:{n}: invalid JSON ({exc.msg})") from None
         return {}, items
     try:
-        doc = strict_yaml.load(text)
+        doc = strict_yaml.load(text, name=source)
     except yaml.YAMLError as exc:
         raise WorkloadError(f"{source}: invalid YAML: {exc}") from None
     if isinstance(doc, list):

@@ -14,6 +14,12 @@ previous one and is not counted. Ratios from the warm-up period are discarded.
 The *ceiling* is the largest concurrency whose worst-1% (1st percentile) delivery
 ratio stays at or above ``threshold`` (1.2), found by ramping 1, 2, 4, 8, ... and
 bisecting the first failing bracket, as ``headroom probe`` does against a real GPU.
+
+One seed's ceiling is one draw of the step-time jitter and the utterance lengths; the
+*recommended cap* is the largest level at or below the low end of the ceiling over
+:data:`RANGE_SEEDS` (and the seed asked for) that every one of those seeds passes, so a
+cap that Headroom recommends keeps the rules on every draw measured, not only on the
+lucky one.
 """
 
 from __future__ import annotations
@@ -31,8 +37,10 @@ from proxy.sim.engine import Emission, Engine
 from proxy.sim.presets import Preset, get_preset
 
 __all__ = [
+    "RANGE_SEEDS",
     "LoadResult",
     "Rules",
+    "ceiling_range",
     "describe",
     "find_ceiling",
     "min_prebuffer",
@@ -318,6 +326,53 @@ def min_prebuffer(
     return round(high * step_s, 3)
 
 
+#: The seeds ``describe()``'s ``ceiling_range`` (and so the recommended cap) covers.
+RANGE_SEEDS = (0, 1, 2, 3, 4)
+
+
+@lru_cache(maxsize=256)
+def _ceiling(preset: Preset, seed: int) -> tuple[int, tuple[LoadResult, ...]]:
+    ceiling, runs = find_ceiling(preset, seed=seed, rules=Rules())
+    return ceiling, tuple(runs)
+
+
+def ceiling_range(preset: str | Preset, seeds: tuple[int, ...] = RANGE_SEEDS) -> dict[str, Any]:
+    """The ceiling (every rule of :class:`Rules`) of each seed in ``seeds`` and the cap
+    to recommend: ``{"seeds", "ceilings", "low", "high", "cap", "failing"}``.
+
+    A seed's ceiling is found by bisection, which never measures most levels below it,
+    and the worst 1 % is not monotonic in the load (each level is its own draw). So the
+    cap is the largest level at or below the low end that every seed passes when
+    measured there; ``failing`` maps each level above the cap that was checked to the
+    seeds that broke a rule at it."""
+    target = get_preset(preset) if isinstance(preset, str) else preset
+    if not seeds:
+        raise ValueError("ceiling_range needs at least one seed")
+    rules = Rules()
+    ceilings = [_ceiling(target, seed)[0] for seed in seeds]
+    cap = min(ceilings)
+    failing: dict[int, list[int]] = {}
+    while cap > 0:
+        broke = [s for s in seeds if rules.failed(_load(target, cap, s, rules.prebuffer_s))]
+        if not broke:
+            break
+        failing[cap] = broke
+        cap -= 1
+    return {"seeds": list(seeds), "ceilings": ceilings, "low": min(ceilings),
+            "high": max(ceilings), "cap": cap, "failing": failing}  # fmt: skip
+
+
+@lru_cache(maxsize=256)
+def _load(preset: Preset, concurrency: int, seed: int, prebuffer_s: float) -> LoadResult:
+    return run_load(preset, concurrency, seed=seed, prebuffer_s=prebuffer_s)
+
+
+def _seed_text(seeds: list[int]) -> str:
+    if seeds == list(range(seeds[0], seeds[-1] + 1)) and len(seeds) > 2:
+        return f"seeds {seeds[0]}-{seeds[-1]}"
+    return "seeds " + ", ".join(map(str, seeds))
+
+
 @lru_cache(maxsize=64)
 def _describe(name: str, seed: int) -> tuple[tuple[str, Any], ...]:
     return _measure(get_preset(name), seed)
@@ -327,10 +382,31 @@ def _measure(preset: Preset, seed: int) -> tuple[tuple[str, Any], ...]:
     engine = preset.engine
     rtf, ttfa = single_stream(preset, seed=seed)
     rules = Rules()
-    ceiling, runs = find_ceiling(preset, seed=seed, rules=rules)
-    # Past max_num_seqs the engine queues newcomers instead of slowing running streams,
-    # so the steady ratio alone may never fail: measure it to twice the batch limit and
-    # call it unbounded (None) if it still passes there.
+    ceiling, ramp = _ceiling(preset, seed)
+    runs = list(ramp)
+    spread = ceiling_range(preset, tuple(sorted({*RANGE_SEEDS, seed})))
+    cap, low, high = spread["cap"], spread["low"], spread["high"]
+    over = _seed_text(spread["seeds"])
+    span = str(low) if low == high else f"{low}-{high}"
+    if cap <= 0:
+        cap_note = f"no level keeps the rules on every one of {over}: no cap keeps them"
+    elif cap == low:
+        cap_note = (
+            f"the low end of the ceiling over {over} ({span}), and every seed passes at "
+            f"{cap}: each seed is one draw of the step-time jitter and the utterance "
+            "lengths, and the cap must keep the rules on every draw measured"
+        )
+    else:
+        broke = "; ".join(
+            f"at {n}: seed{'s' if len(b) > 1 else ''} {', '.join(map(str, b))}"
+            for n, b in sorted(spread["failing"].items(), reverse=True)
+        )
+        cap_note = (
+            f"the largest level at or below the low end of the ceiling over {over} ({span}) "
+            f"that every seed passes ({broke} broke a rule): each seed is one draw of the "
+            "step-time jitter and the utterance lengths, and the cap must keep the rules on "
+            "every draw measured"
+        )
     steady_limit = min(1024, 2 * engine.max_num_seqs)
     steady: int | None
     steady, _ = find_ceiling(preset, seed=seed, limit=steady_limit)
@@ -369,6 +445,10 @@ def _measure(preset: Preset, seed: int) -> tuple[tuple[str, Any], ...]:
         "ttfa_s": round(ttfa, 4),
         "knee_batch": engine.knee_batch(300),
         "ceiling": ceiling,
+        "ceiling_range": [low, high],
+        "ceiling_by_seed": dict(zip(map(str, spread["seeds"]), spread["ceilings"], strict=True)),
+        "recommended_cap": cap,
+        "recommended_cap_note": cap_note,
         "ceiling_threshold": THRESHOLD,
         "ceiling_rules": asdict(rules),
         "limited_by": rules.failed(failing) if failing is not None else [],
@@ -396,9 +476,12 @@ def _measure(preset: Preset, seed: int) -> tuple[tuple[str, Any], ...]:
 
 
 def describe(preset: str | Preset, seed: int = 0) -> dict[str, Any]:
-    """The preset's figures and its measured ``single_stream_rtf`` and ``ceiling``
-    (memoised per ``(name, seed)``; a :class:`Preset` value, e.g. one with another chunk
-    schedule, is measured every time)."""
+    """The preset's figures and its measured ``single_stream_rtf`` and ``ceiling`` (of
+    ``seed``), the ceiling over :data:`RANGE_SEEDS` (``ceiling_range``,
+    ``ceiling_by_seed``) and the cap to set, its low end (``recommended_cap``, with
+    ``recommended_cap_note`` saying why). Memoised per ``(name, seed)``; a
+    :class:`Preset` value, e.g. one with another chunk schedule, is measured every time
+    except for its ceilings, which are memoised per ``(preset, seed)``."""
     if isinstance(preset, str):
         return copy.deepcopy(dict(_describe(preset, seed)))
     return dict(_measure(preset, seed))
@@ -410,7 +493,7 @@ RAMP_VARIANTS = (
     ("l40s-qwen3tts-1.7b", (4, 4, 8, 16, 25)),
     ("h200-qwen3tts-1.7b", (4, 4, 8, 16, 25)),
 )
-SEEDS = (0, 1, 2, 3, 4)
+SEEDS = RANGE_SEEDS
 BEGIN, END = "<!-- ceilings:begin -->", "<!-- ceilings:end -->"
 
 
@@ -444,6 +527,7 @@ def ceiling_rows(seeds: tuple[int, ...] = SEEDS) -> list[dict[str, Any]]:
                 "max_num_seqs": first["max_num_seqs"],
                 "seeds": list(seeds),
                 "ceilings": [run["ceiling"] for run in runs],
+                "recommended_cap": first["recommended_cap"],
                 "limited_by": limits,
                 "steady_only": [run["ceiling_steady_only"] for run in runs],
                 "min_prebuffer_s": [run["min_prebuffer_s"] for run in runs],
@@ -459,9 +543,9 @@ def ceiling_table(seeds: tuple[int, ...] = SEEDS) -> str:
         f"Seeds {', '.join(map(str, seeds))}; `python -m proxy.sim.capacity` prints this "
         "table (`--write docs/sim.md` replaces it here).",
         "",
-        "| preset | chunks | max_num_seqs | **ceiling** (seed 0) | range | limited by "
-        "(seeds) | steady ratio alone | prebuffer 1 stream needs |",
-        "|---|---|---|---|---|---|---|---|",
+        "| preset | chunks | max_num_seqs | ceiling (seed 0) | range | **recommended cap** | "
+        "limited by (seeds) | steady ratio alone | prebuffer 1 stream needs |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in ceiling_rows(seeds):
         limits = ", ".join(f"{rule} {k}/{n}" for rule, k in row["limited_by"].items())
@@ -476,7 +560,8 @@ def ceiling_table(seeds: tuple[int, ...] = SEEDS) -> str:
         buffer_text = _span(buffers, " s") if buffers else "-"
         out.append(
             f"| `{row['preset']}` | {row['chunks']} | {row['max_num_seqs']} | "
-            f"**{row['ceilings'][0]}** | {_span(row['ceilings'])} | {limits} | "
+            f"{row['ceilings'][0]} | {_span(row['ceilings'])} | **{row['recommended_cap']}** | "
+            f"{limits} | "
             f"{steady_text} | {buffer_text} |"
         )
     return "\n".join(out)

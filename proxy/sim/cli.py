@@ -94,18 +94,35 @@ def _print_presets(args: argparse.Namespace, out: TextIO) -> None:
         print(f"{name:28s} {p.kind:4s} {p.gpu.name:9s} {p.description}{default}", file=out)
 
 
+def _described(key: str, info: dict[str, object]) -> object:
+    """``info[key]`` as ``--describe`` prints it: the ceiling labelled with its seed,
+    the range with its seeds, the recommended cap with why it is that number."""
+    value = info[key]
+    if key == "ceiling":
+        return f"{value} (seed {info['seed']}; one draw of the jitter, not the cap to set)"
+    if key == "ceiling_range" and isinstance(value, list):
+        seeds = info.get("ceiling_by_seed")
+        span = str(value[0]) if value[0] == value[1] else f"{value[0]}-{value[1]}"
+        pairs = seeds.items() if isinstance(seeds, dict) else []
+        by_seed = ", ".join(f"{s}: {c}" for s, c in pairs)
+        return f"{span} (by seed {by_seed})"
+    if key == "recommended_cap":
+        return f"{value}  <- set max_sessions to this: {info.get('recommended_cap_note', '')}"
+    return value
+
+
 def _print_description(info: dict[str, object], args: argparse.Namespace, out: TextIO) -> None:
     if args.json:
         print(json.dumps(info, indent=2), file=out)
         return
     keys = ("preset", "model", "gpu", "token_rate_hz", "chunk_schedule", "max_num_seqs",
             "single_stream_rtf", "single_stream_delivery_ratio", "ttfa_s", "knee_batch",
-            "ceiling", "limited_by", "ceiling_steady_only", "ceiling_steady_only_note",
-            "min_prebuffer_s", "ceiling_at_min_prebuffer", "ceiling_mean_model",
-            "expected_ceiling")  # fmt: skip
+            "recommended_cap", "ceiling", "ceiling_range", "limited_by", "ceiling_steady_only",
+            "ceiling_steady_only_note", "min_prebuffer_s", "ceiling_at_min_prebuffer",
+            "ceiling_mean_model", "expected_ceiling")  # fmt: skip
     for key in keys:
         if info.get(key) not in (None, ""):
-            print(f"{key:30s} {info[key]}", file=out)
+            print(f"{key:30s} {_described(key, info)}", file=out)
     print(
         "ramp (concurrency: worst-1% / median delivery ratio, mean step ms, share of "
         "streams stalling, TTFA p99)",

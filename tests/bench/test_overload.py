@@ -45,11 +45,23 @@ def test_a_workers_traces_survive_the_trip_between_processes() -> None:
 
 def test_the_cap_comes_from_the_probe_when_asked(tmp_path: Path) -> None:
     probe = tmp_path / "probe.json"
-    probe.write_text(json.dumps({"ceiling": 6, "limited_by": ["stalls"]}))
+    probe.write_text(json.dumps({"ceiling": 6, "ceiling_range": [5, 6], "limited_by": ["stalls"]}))
     preset = get_preset("l40s-qwen3tts-1.7b")
     args = build_parser().parse_args(["--cap-from", str(probe)])
-    assert _cap(args, preset) == (6, f"headroom probe ({probe})")
+    # The low end of the probe's range (6 passed once and failed once), not its ceiling.
+    assert _cap(args, preset) == (5, f"headroom probe ({probe}), the low end of its ceiling_range")
     assert _cap(build_parser().parse_args(["--cap", "3"]), preset) == (3, "--cap")
     probe.write_text(json.dumps({"ceiling": 0}))
     with pytest.raises(SystemExit, match="ceiling is 0"):
         _cap(args, preset)
+
+
+def test_the_default_cap_is_the_low_end_of_the_ceiling_over_seeds() -> None:
+    from proxy.sim.capacity import describe
+
+    preset = get_preset("l40s-qwen3tts-1.7b").with_schedule(ramp=(4, 4, 8, 16, 25))
+    args = build_parser().parse_args(["--codec-chunk-ramp", "4,4,8,16,25"])
+    cap, source = _cap(args, preset)
+    info = describe(preset)
+    assert cap == info["recommended_cap"] <= min(info["ceiling_by_seed"].values())
+    assert "over seeds 0, 1, 2, 3, 4" in source

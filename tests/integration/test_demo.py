@@ -13,7 +13,15 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from proxy.demo import DEMO_RAMP, _banner, _run, add_arguments, demo_preset, demo_settings
+from proxy.demo import (
+    DEMO_RAMP,
+    _banner,
+    _run,
+    add_arguments,
+    demo_cap,
+    demo_preset,
+    demo_settings,
+)
 from proxy.sim.capacity import describe
 from proxy.sim.presets import PRESETS, get_preset
 from tests.integration.test_ws_relay import wait_until
@@ -31,7 +39,8 @@ def test_banner_lists_every_route_of_the_demo_settings(name: str) -> None:
         queue_wait=10,
     )  # fmt: skip
     info = {
-        "ceiling": 4, "limited_by": ["steady"], "chunk_schedule": "28, then 7",
+        "ceiling": 4, "limited_by": ["steady"], "chunk_schedule": "28, then 7", "seed": 0,
+        "ceiling_range": [4, 5], "ceiling_by_seed": {"0": 4, "1": 5}, "recommended_cap": 4,
         "ceiling_rules": {"threshold": 1.2, "prebuffer_s": 0.2, "ttfa_p99_s": 1.0},
     }  # fmt: skip
     banner = _banner(preset, info, 4, settings, "http://127.0.0.1:8080", ["http://127.0.0.1:1"])
@@ -47,7 +56,13 @@ def test_banner_lists_every_route_of_the_demo_settings(name: str) -> None:
     assert listed == expected
     if preset.kind == "asr":
         assert "http://127.0.0.1:8080/v1/audio/transcriptions" in banner
-        assert "curl -sN http://127.0.0.1:8080/v1/audio/transcriptions -F file=@" in banner
+        assert (
+            "curl -sSN --fail-with-body http://127.0.0.1:8080/v1/audio/transcriptions "
+            "-F file=@" in banner
+        )
+    else:  # a refusal must not end up in hello.wav with exit status 0
+        assert "curl -sSN --fail-with-body http://127.0.0.1:8080/v1/audio/speech" in banner
+        assert "-o hello.wav || cat hello.wav" in banner
 
 
 def _demo_banner(*argv: str) -> str:
@@ -56,7 +71,7 @@ def _demo_banner(*argv: str) -> str:
     args = parser.parse_args(list(argv))
     preset, chunking = demo_preset(args)
     info = describe(preset)
-    cap = args.cap or max(1, info["ceiling"])
+    cap = demo_cap(args, info)
     settings = demo_settings(
         preset, ["http://127.0.0.1:1"], cap, host="127.0.0.1", port=8080, queue_depth=8,
         queue_wait=10,
@@ -74,13 +89,21 @@ def test_the_default_demo_runs_a_chunk_ramp_the_engine_offers_and_says_so() -> N
     add_arguments(parser)
     preset, _ = demo_preset(parser.parse_args([]))
     assert preset.schedule.initial == DEMO_RAMP and not preset.schedule.load_first
-    ceiling = describe(preset)["ceiling"]
-    assert ceiling >= 2
+    info = describe(preset)
+    ceiling, (low, high) = info["ceiling"], info["ceiling_range"]
+    assert 2 <= info["recommended_cap"] <= low <= ceiling <= high
+    assert low == min(info["ceiling_by_seed"].values())
     banner = _demo_banner()
     assert "codec_chunk_ramp 4,4,8,16,25, the demo's choice" in banner
-    assert f"ceiling        : {ceiling} sessions/GPU ({ceiling + 1} broke: stalls)" in banner
+    span = f"{low}" if low == high else f"{low}-{high}"
+    assert (
+        f"ceiling        : {span} sessions/GPU over seeds 0, 1, 2, 3, 4 ({ceiling} at seed "
+        f"0: {ceiling + 1} broke: stalls)" in banner
+    )
     assert "no stall for a listener with a 0.2 s prebuffer" in banner
-    assert f"cap per GPU    : {ceiling} (the ceiling)" in banner
+    # The cap is at most the low end of the range, not seed 0's ceiling.
+    cap = info["recommended_cap"]
+    assert f"cap per GPU    : {cap} (the largest level at or below the range's low end" in banner
 
 
 def test_the_engine_default_chunking_shows_ceiling_0_and_the_buffer_listeners_need() -> None:
@@ -89,7 +112,7 @@ def test_the_engine_default_chunking_shows_ceiling_0_and_the_buffer_listeners_ne
     assert "load 2/4/8/16, then 25 tokens per chunk (the engine's default)" in banner
     assert "ceiling        : 0 sessions/GPU (one session already breaks: stalls)" in banner
     assert f"listeners need : >= {need:g} s of prebuffer" in banner
-    assert "cap per GPU    : 1 (no level keeps the rules" in banner
+    assert "cap per GPU    : 1 (no level keeps the rules on every seed" in banner
     capped = _demo_banner("--codec-chunk-ramp", "default", "--cap", "3")
     assert "cap per GPU    : 3 (--cap)" in capped
 

@@ -154,6 +154,37 @@ def test_write_config_in_flow_style_and_errors() -> None:
         set_max_sessions("pools: [{name: p, replicas: [{name: r}]}]", "p", "r", 3)
 
 
+def test_write_config_errors_name_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "headroom.yaml"
+    path.write_text("pools:\n  - name: tts\n    replicas: [\n")
+    with pytest.raises(ConfigEditError) as caught:
+        write_max_sessions(path, "tts", "gpu0", 3)
+    assert f'in "{path}", line 4' in str(caught.value)
+    assert "<unicode string>" not in str(caught.value)
+    path.write_text("pools: [{name: tts, replicas: [{name: gpu0, max_sessions: 2}]}]\n")
+    with pytest.raises(ConfigEditError, match=f"{path}: no pool named 'asr'"):
+        write_max_sessions(path, "asr", "gpu0", 3)
+
+
+def test_write_config_warns_before_the_run_when_the_replica_points_elsewhere(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A copied example still points gpu0 at the old engine; the probe measures another
+    # one (here: a closed port, so the run ends at its pre-flight with status 1).
+    path = tmp_path / "headroom.yaml"
+    shutil.copy(ROOT / "config" / "single-gpu.yaml", path)
+    configured = yaml.safe_load(path.read_text())["pools"][0]["replicas"][0]["url"]
+    base = ["--protocol", "vllm-omni-speech-ws", "--quiet", "--write-config", str(path),
+            "--pool", "tts-main", "--replica", "gpu0"]  # fmt: skip
+    assert main(["--target", "http://127.0.0.1:9", *base]) == 1
+    err = capsys.readouterr().err
+    assert f"points tts-main/gpu0 at {configured}, but this run measures http://127.0.0.1:9" in err
+    assert "--write-config sets max_sessions only" in err
+    path.write_text(path.read_text().replace(configured, "http://127.0.0.1:9"))
+    assert main(["--target", "http://127.0.0.1:9", *base]) == 1  # the same engine
+    assert "points tts-main/gpu0" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("suffix", [".png", ".svg"])
 def test_plot_is_written(tmp_path: Path, suffix: str) -> None:
     pytest.importorskip("matplotlib")

@@ -94,6 +94,13 @@ def test_errors_say_where_and_why(text: str, source: str, message: str, tmp_path
         load_workload(text, source, tmp_path)
 
 
+def test_a_yaml_error_names_the_file_not_a_unicode_string(tmp_path: Path) -> None:
+    with pytest.raises(WorkloadError) as caught:
+        load_workload("kind: tts\nrequests: [\n", "traffic/w.yaml", tmp_path)
+    assert 'in "traffic/w.yaml", line 3' in str(caught.value)
+    assert "<unicode string>" not in str(caught.value)
+
+
 def test_asr_audio_is_mixed_down_resampled_and_looped(tmp_path: Path) -> None:
     # 0.5 s of stereo 48 kHz: left 1000, right 3000 -> mono 2000 at 16 kHz.
     (tmp_path / "s.wav").write_bytes(wav_bytes([1000, 3000] * 24000, 48000, channels=2))

@@ -53,9 +53,13 @@ def test_describe_json() -> None:
     ramped = json.loads(out.getvalue())
     assert ramped["chunk_schedule"] == "4, 4, 8, 16, 25, then 25"
     assert ramped["ceiling"] >= 4
+    assert ramped["recommended_cap"] <= ramped["ceiling_range"][0] <= ramped["ceiling"]
     out = io.StringIO()
     assert cli.run(parse("--describe", "l40s-qwen3tts-1.7b"), out) == 0
     assert "limited_by" in out.getvalue()
+    # The text output labels which number is the cap and which is one seed's ceiling.
+    assert "recommended_cap                0  <- set max_sessions to this" in out.getvalue()
+    assert "ceiling                        0 (seed 0; one draw" in out.getvalue()
     assert cli.run(parse("--describe", "l40s-qwen3tts-1.7b", "--codec-chunk-ramp", "4,x")) == 2
 
 
