@@ -29,7 +29,14 @@ configuration reload applies to the next request.
 Header lines are counted while the head is read, and so are the trailer lines of a
 chunked body (httptools reports both through ``on_header``): head and trailers together
 get ``limits.max_headers`` lines; a request that exceeds it after its head has been read
-has its connection closed. Trailer *bytes* are not bounded here (see issue 14).
+has its connection closed.
+
+Trailers (the fields after a chunked body's last chunk) are dropped: they are not
+headers (RFC 9110, 6.5.1), so they never join the request's headers, the relay never
+sends them upstream, and nothing else reads them. Their bytes are bounded all the same,
+since httptools keeps a field's value until its line ends: a request whose trailers
+pass ``limits.max_head_bytes`` (counted from the bytes read once the last chunk has
+begun, less its body, so within one socket read) has its connection closed.
 
 A WebSocket upgrade that arrives whole in one read, in the plain form every client sends
 (:func:`lean_upgrade_head`), is handed to the WebSocket protocol without going through
@@ -71,7 +78,7 @@ LINGER_S = 2.0
 
 #: What this module relies on in uvicorn's protocol: methods it overrides or calls ...
 _METHODS = (
-    "connection_made", "connection_lost", "data_received", "on_header",
+    "connection_made", "connection_lost", "data_received", "on_header", "on_body",
     "on_headers_complete", "on_message_complete", "on_response_complete",
     "handle_websocket_upgrade", "send_400_response", "_should_upgrade",
     "_unset_keepalive_if_required",
@@ -202,6 +209,12 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         #: up to four times per request, each a walk over the headers.
         self._upgrade_for: list[tuple[bytes, bytes]] | None = None
         self._upgrade = False
+        #: Body bytes httptools has handed over (a feed's body is told from its other bytes).
+        self._body_bytes = 0
+        #: A chunk has begun and none of its body came yet: the last chunk, if the next
+        #: bytes are not body -- everything read until then is trailers.
+        self._maybe_trailers = False
+        self._trailer_bytes = 0
         self._start_head()
 
     # -- the head's life ----------------------------------------------------------------
@@ -215,6 +228,8 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._head_tail = b""
         self._header_count = 0
+        self._maybe_trailers = False
+        self._trailer_bytes = 0
 
     def _await_head(self) -> None:
         """Arm the head deadline if the connection now waits for a request: no response
@@ -322,6 +337,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
             if head is not None and hasattr(self.ws_protocol_class, "upgrade_parsed"):
                 self._upgrade_to("GET", *head)
                 return
+        past_head = 0  # how much of data is past the head: body, framing, trailers
         if self._head_open:
             end = self._head_end(data)
             size = self._head_bytes + (len(data) if end < 0 else end)
@@ -330,14 +346,38 @@ class HeadLimitedProtocol(HttpToolsProtocol):
                 return
             self._head_bytes = size
             self._head_tail = data[-3:] if len(data) >= 3 else (self._head_tail + data)[-3:]
+            if end >= 0:
+                past_head = len(data) - end
+        else:
+            past_head = len(data)
+        body_before = self._body_bytes
         super().data_received(data)
+        if self._maybe_trailers and past_head:
+            self._trailer_bytes += past_head - (self._body_bytes - body_before)
+            if self._trailer_bytes > self._max_head_bytes:
+                self._refuse(431, f"request trailers over {self._max_head_bytes} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_count += 1
         if self._header_count > self._max_headers:
             self._too_many = True
             raise _TooManyHeaders  # httptools stops; uvicorn calls send_400_response
-        super().on_header(name, value)
+        if self._head_open:
+            super().on_header(name, value)
+        # else: a trailer field, dropped (the module docstring)
+
+    def on_chunk_header(self) -> None:
+        self._maybe_trailers = True
+
+    def on_chunk_complete(self) -> None:
+        self._maybe_trailers = False
+        self._trailer_bytes = 0
+
+    def on_body(self, body: bytes) -> None:
+        self._maybe_trailers = False
+        self._trailer_bytes = 0
+        self._body_bytes += len(body)
+        super().on_body(body)
 
     def send_400_response(self, msg: str) -> None:
         if self._too_many:
