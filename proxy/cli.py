@@ -32,6 +32,12 @@ def _add_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", "-c", metavar="FILE", help="YAML configuration (default: $HEADROOM_CONFIG)"
     )
+    parser.add_argument(
+        "--env-file",
+        metavar="FILE",
+        help="a .env file of HEADROOM_* settings, below secret files and the environment "
+        "(same as HEADROOM_ENV_FILE=FILE)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,7 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> Any:
     from proxy.settings import load_settings
+    from proxy.settings_env import ENV_FILE_VAR
 
+    if args.env_file:
+        # In the environment, so a reload and the --workers processes read it too.
+        os.environ[ENV_FILE_VAR] = args.env_file
     settings = load_settings(args.config)
     if overrides:
         listen = settings.listen.model_copy(update=overrides)

@@ -19,10 +19,12 @@ Environment rules operators rely on:
   ``0`` or a voice named ``on`` stays a string.
 * A key repeated inside a value (``{"port": 1, "port": 2}``) is an error, as in the file.
 * Shorter paths apply first: replace a whole list, then adjust one element of it.
-* The environment wins over the file.
-* ``HEADROOM_CONFIG`` names the file; it is not a setting. Another variable whose first
-  segment is not a setting is an error when it looks like one (it is nested, or it is a
-  close misspelling, reported with "did you mean"); otherwise it is ignored, because other
+* The environment wins over the file (and over the secret files and the ``.env`` file,
+  which :mod:`proxy.settings.sources` applies with these same rules).
+* ``HEADROOM_CONFIG`` names the file, ``HEADROOM_SECRETS_DIR`` and ``HEADROOM_ENV_FILE``
+  the other sources; they are not settings. Another variable whose first segment is not
+  a setting is an error when it looks like one (it is nested, or it is a close
+  misspelling, reported with "did you mean"); otherwise it is ignored, because other
   tools share the prefix (the test suite's ``HEADROOM_SLOW``).
 
 The overlay (:func:`apply_env`) is applied to the file's raw data before validation, by
@@ -48,6 +50,9 @@ from proxy.errors import ConfigError
 
 __all__ = [
     "CONFIG_VAR",
+    "ENV_FILE_VAR",
+    "LOCATORS",
+    "SECRETS_DIR_VAR",
     "Loc",
     "Problems",
     "annotation_at",
@@ -59,6 +64,12 @@ __all__ = [
 
 #: The variable naming the configuration file (``headroom serve`` without ``--config``).
 CONFIG_VAR = "HEADROOM_CONFIG"
+#: The variables naming the secrets directory and the ``.env`` file
+#: (:mod:`proxy.settings.sources`).
+SECRETS_DIR_VAR = "HEADROOM_SECRETS_DIR"
+ENV_FILE_VAR = "HEADROOM_ENV_FILE"
+#: Variables that say where the settings are; they are not settings themselves.
+LOCATORS = frozenset({CONFIG_VAR, SECRETS_DIR_VAR, ENV_FILE_VAR})
 
 #: A location inside the settings: field names and list indices.
 Loc = tuple[str | int, ...]
@@ -225,7 +236,7 @@ def apply_env(
     overrides: list[tuple[Loc, str, str]] = []
     fields = list(root.model_fields)
     for name, raw in env.items():
-        if not name.upper().startswith(prefix.upper()) or name.upper() == CONFIG_VAR:
+        if not name.upper().startswith(prefix.upper()) or name.upper() in LOCATORS:
             continue
         segs = name[len(prefix) :].lower().split(delimiter)
         if segs[0] not in fields:

@@ -6,7 +6,8 @@ and whether a new configuration may replace the running one live.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +17,10 @@ from pydantic import ValidationError
 from proxy import strict_yaml
 from proxy.errors import ConfigError
 from proxy.settings.schema import Settings, _is_loopback
+from proxy.settings.sources import Layer, layers_for
 from proxy.settings_env import (
     CONFIG_VAR,
+    Loc,
     apply_env,
     did_you_mean,
     explain,
@@ -34,8 +37,11 @@ def settings_from_mapping(
     *,
     env: Mapping[str, str] | None = None,
     source: str | None = None,
+    layers: Sequence[Layer] = (),
 ) -> Settings:
-    """Validate ``data`` (the shape of the YAML file) with ``env`` applied over it.
+    """Validate ``data`` (the shape of the YAML file) with ``layers`` (the ``.env`` file
+    and the secret files, lowest first: :mod:`proxy.settings.sources`) and then ``env``
+    applied over it.
 
     ``env`` defaults to ``os.environ``; pass ``{}`` to ignore the environment. ``source``
     names where ``data`` came from in error messages. Raises :class:`ConfigError` only.
@@ -52,15 +58,33 @@ def settings_from_mapping(
         if not isinstance(key, str) or key not in fields
     ]
     known = {key: value for key, value in data.items() if isinstance(key, str) and key in fields}
-    try:
-        merged, origins = apply_env(os.environ if env is None else env, known, Settings)
-    except ConfigError as exc:  # an environment variable that cannot be applied
-        problems += exc.problems
-    else:
+    environ = os.environ if env is None else env
+    merged: dict[str, Any] = known
+    origins: dict[Loc, str] = {}
+    unshown: dict[str, str] = {}  # a hidden source's description of an entry -> its text
+    applied = True
+    for layer in (*layers, Layer(environ, str, hidden=False)):
+        try:
+            merged, set_here = apply_env(layer.entries, merged, Settings)
+        except ConfigError as exc:  # an entry that cannot be applied
+            problems += [(layer.describe(name), why) for name, why in exc.problems]
+            applied = False
+            continue
+        # what this source set replaces whatever a lower one set at or below that path
+        origins = {
+            loc: name
+            for loc, name in origins.items()
+            if not any(loc[: len(path)] == path for path in set_here)
+        }
+        for path, name in set_here.items():
+            origins[path] = layer.describe(name)
+            if layer.hidden:
+                unshown[layer.describe(name)] = layer.entries[name].strip()
+    if applied:
         try:
             settings = Settings.model_validate(merged)
         except ValidationError as exc:
-            problems += explain(exc.errors(), Settings, origins)
+            problems += _hide_values(explain(exc.errors(), Settings, origins), unshown)
     if len(problems) > _MAX_PROBLEMS:
         hidden = len(problems) - _MAX_PROBLEMS
         problems = [*problems[:_MAX_PROBLEMS], ("...", f"{hidden} more problems not shown")]
@@ -69,10 +93,37 @@ def settings_from_mapping(
     return settings
 
 
+_NOT_SHOWN = "<not shown>"
+_SHORTEST_HIDDEN = 4
+
+
+def _hide_values(
+    problems: list[tuple[str, str]], hidden: Mapping[str, str]
+) -> list[tuple[str, str]]:
+    """The problems with the values that came from a secret file or the ``.env`` file
+    taken out of the reasons (``hidden``: an entry's description -> its text). A problem
+    at a place such an entry set shows no input; elsewhere (a check across sections
+    quoting a name) the text is replaced wherever it appears quoted, or bare when it is
+    long enough not to be mistaken for a word or number of the message."""
+    out = []
+    for path, reason in problems:
+        cut = reason.rfind(" (set by ")
+        body, setter = (reason[:cut], reason[cut:]) if cut >= 0 else (reason, "")
+        if any(setter == f" (set by {described})" for described in hidden):
+            body = re.sub(r" \(got .*\)$", f" (got {_NOT_SHOWN})", body)
+        for text in hidden.values():
+            body = body.replace(repr(text), _NOT_SHOWN)
+            if len(text) >= _SHORTEST_HIDDEN:
+                body = body.replace(text, _NOT_SHOWN)
+        out.append((path, body + setter))
+    return out
+
+
 def load_settings(
     path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None
 ) -> Settings:
-    """Load the YAML file at ``path`` (default: ``$HEADROOM_CONFIG``), then apply ``env``.
+    """Load the YAML file at ``path`` (default: ``$HEADROOM_CONFIG``), then apply the
+    ``.env`` file, the secret files and ``env`` over it (:mod:`proxy.settings.sources`).
 
     ``env`` defaults to ``os.environ``. Raises :class:`ConfigError` only.
     """
@@ -96,7 +147,8 @@ def load_settings(
         raise ConfigError(
             [(_FILE, f"cannot read {source}: {exc.strerror or exc}")], source
         ) from None
-    return settings_from_mapping(_parse_yaml(text, source), env=environ, source=source)
+    data = _parse_yaml(text, source)
+    return settings_from_mapping(data, env=environ, source=source, layers=layers_for(environ))
 
 
 def _parse_yaml(text: str, source: str) -> Any:
