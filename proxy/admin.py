@@ -86,9 +86,12 @@ def create_admin_app(
                 "headroom": left.get(name),
             }  # fmt: skip
         ready, why = runtime.ready()
+        upstream, upstream_why = runtime.upstream_ready()
         pipelines = {p.name: p.as_json() for p in headroom.pipelines}
-        return {"ready": ready, "reason": why, "draining": runtime.gate.draining, "pools": pools,
-                "pipelines": pipelines}  # fmt: skip
+        return {"ready": ready, "reason": why, "draining": runtime.gate.draining,
+                "readiness": runtime.settings.readiness,
+                "upstream": {"ready": upstream, "reason": upstream_why},
+                "pools": pools, "pipelines": pipelines}  # fmt: skip
 
     @app.post("/admin/reload")
     async def do_reload() -> JSONResponse:

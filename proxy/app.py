@@ -61,10 +61,13 @@ def _ops_app(rt: Runtime) -> FastAPI:
     @ops.get("/readyz")
     async def readyz() -> JSONResponse:
         ready, why = rt.ready()
+        upstream, upstream_why = rt.upstream_ready()
         return JSONResponse(
-            {"ready": ready, "reason": why, "active": rt.gate.active, "queued": rt.gate.queued},
+            {"ready": ready, "reason": why, "active": rt.gate.active, "queued": rt.gate.queued,
+             "readiness": rt.settings.readiness,
+             "upstream": {"ready": upstream, "reason": upstream_why}},
             status_code=200 if ready else 503,
-        )
+        )  # fmt: skip
 
     @ops.get("/ping")
     async def ping() -> JSONResponse:

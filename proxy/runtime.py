@@ -194,6 +194,7 @@ class Runtime:
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
+        self.loop_watch.start()
         if isinstance(self.gate, SharedGate):
             await self.gate.start()
         await self.upstreams.start()
@@ -201,6 +202,7 @@ class Runtime:
         self.guard.start()
 
     async def stop(self) -> None:
+        self.loop_watch.stop()
         self.guard.stop()
         tasks = list(self._tasks)
         for task in tasks:
@@ -210,7 +212,6 @@ class Runtime:
                 await task
         await self.upstreams.stop()
         if isinstance(self.gate, SharedGate):
-        self.loop_watch.start()
             await self.gate.stop()
         self.started = False
 
@@ -218,7 +219,6 @@ class Runtime:
     def http(self) -> httpx.AsyncClient:
         """The upstream HTTP client (:attr:`Upstreams.http`)."""
         return self.upstreams.http
-        self.loop_watch.stop()
 
     @property
     def replicas_checked(self) -> asyncio.Event:
@@ -328,12 +328,29 @@ class Runtime:
         self.metrics.upstream_errors.labels(pool, replica, kind).inc()
 
     def ready(self) -> tuple[bool, str]:
+        """``/readyz``: whether this gateway should receive sessions, and why. With
+        ``readiness: self`` only this process counts (listening, configuration loaded,
+        not draining); with ``upstream`` (the default) so does :meth:`upstream_ready`."""
         if self.gate.draining:
             return False, "draining"
         if not self.started:
             return False, "starting"
-        if isinstance(self.gate, SharedGate) and not self.gate.available:
-            return False, "admission backend unavailable"
+        ok, why = self.upstream_ready()
+        if self.settings.readiness == "self":
+            return True, "ready" if ok else f"ready; upstream: {why}"
+        return ok, why
+
+    def upstream_ready(self) -> tuple[bool, str]:
+        """Whether the admission backend and at least one replica can take a session."""
+        if isinstance(self.gate, SharedGate):
+            if not self.gate.available:
+                return False, "admission backend unavailable"
+            blocked = self.gate.grants_blocked_s()
+            if blocked > 0:
+                return False, (
+                    f"admission grants blocked for {blocked:.1f} s more: the admission "
+                    "store lost its data and gateways are re-asserting their sessions"
+                )
         if not self.replicas_checked.is_set():
             return False, "checking replicas"
         healthy = sum(s.healthy_replicas for s in self.gate.statistics().values())

@@ -146,6 +146,8 @@ class _Pool:
     draining: bool = False
     generation: str = ""
     last_renewed: float | None = None
+    #: Until when (this gateway's clock) Redis blocks grants: a new generation.
+    blocked_until: float = 0.0
     fence_timer: TimerHandle | None = None
     leases: dict[str, SharedLease] = field(default_factory=dict)
     waiters: dict[str, _Waiter] = field(default_factory=dict)
@@ -434,6 +436,7 @@ class SharedGate:
         p.waiters.pop(waiter_id, None)
         self._drop_tenant(waiter_id)
         if kind == "blocked":  # Redis lost its data: survivors are re-asserting
+            p.blocked_until = max(p.blocked_until, self.clock.now() + int(value) / 1000)
             raise self._refuse(p, "backend_unavailable", int(value) / 1000, tenant)
         # Retry-After from where this key's session would have stood in the queue.
         raise self._refuse(p, str(value), self._estimate(p, got.position), tenant)
@@ -714,6 +717,12 @@ class SharedGate:
         lease.replica = replica
         return True
 
+    def grants_blocked_s(self) -> float:
+        """Seconds until Redis grants slots again after it lost its data (a new
+        generation, while surviving gateways re-assert their leases); 0 when not blocked."""
+        now = self.clock.now()
+        return max([0.0, *(p.blocked_until - now for p in self._pools.values())])
+
     # -- background: renewals, fencing, wake-ups ------------------------------------
 
     async def _renew_loop(self) -> None:
@@ -747,6 +756,7 @@ class SharedGate:
             log.warning("pool %s: admission store lost its data (new generation); "
                         "re-asserted %d leases", name, len(leases) - len(result.lost))  # fmt: skip
         p.generation = result.generation
+        p.blocked_until = self.clock.now() + result.blocked_s if result.blocked_s else 0.0
         if self.keeper is not None:
             self.keeper.set_generation(name, result.generation)
             self.keeper.ticked(name)

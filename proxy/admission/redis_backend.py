@@ -111,6 +111,8 @@ class TickResult:
     #: Sessions held per replica, counted over every gateway.
     held: dict[str, int]
     queue_depth: int
+    #: How long grants stay blocked (a new generation: Redis lost its data), seconds.
+    blocked_s: float = 0.0
 
 
 def _load(name: str) -> str:
@@ -390,6 +392,7 @@ class RedisAdmission:
             waiters=tuple(int(x) for x in reply[2]),
             held=held,
             queue_depth=int(reply[4]),
+            blocked_s=int(reply[5]) / 1000,
         )
 
     async def wakeups(self, pool: str, block_s: float) -> list[tuple[str, str]]:

@@ -34,6 +34,7 @@ from proxy.protocols.table import (
     Protocol,
     inner_protocols,
 )
+from proxy.settings.observability import MetricsSettings, Readiness, TracingSettings
 from proxy.settings.references import (
     _gpu_problems,
     _pipeline_problems,
@@ -626,6 +627,9 @@ class Settings(BaseModel):
     gpus: tuple[GpuSettings, ...] = ()  # co-location, read by `headroom check` (issue 19)
     # stages whose headroom is compared, limiting stage reported (issue 19)
     pipelines: tuple[PipelineSettings, ...] = ()
+    readiness: Readiness = "upstream"
+    tracing: TracingSettings = TracingSettings()
+    metrics: MetricsSettings = MetricsSettings()
     # The file says ``auth: {enabled: false}`` (``auth`` is then None); see auth_disabled.
     _auth_disabled: bool = PrivateAttr(False)
 

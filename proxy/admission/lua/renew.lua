@@ -75,4 +75,4 @@ if #queued > 0 then
   end
 end
 local held = redis.call('HGETALL', K_HELD)
-return {gen, lost, states, held, redis.call('ZCARD', K_QUEUE)}
+return {gen, lost, states, held, redis.call('ZCARD', K_QUEUE), math.max(0, blocked_until - now)}
