@@ -4,6 +4,7 @@
 
     headroom serve --config FILE     run the gateway (or HEADROOM_CONFIG=FILE headroom serve)
     headroom check --config FILE     validate a configuration and print a summary
+    headroom healthcheck             exit 0 if the configured listener's /healthz is 2xx
     headroom sim ...                 serve simulated GPUs (see headroom sim --help)
     headroom probe ...               find a GPU's ceiling (see headroom probe --help)
     headroom demo                    the simulator + the gateway in front of it, one command
@@ -66,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     check = sub.add_parser("check", help="validate a configuration and print a summary")
     _add_config(check)
+
+    from proxy.healthcheck import add_arguments as add_healthcheck_arguments
+
+    healthcheck = sub.add_parser(
+        "healthcheck", help="exit 0 if the configured listener's /healthz answers 2xx"
+    )
+    add_healthcheck_arguments(healthcheck)
 
     from proxy.sim.cli import add_arguments as add_sim_arguments
 
@@ -155,6 +163,14 @@ def _check(args: argparse.Namespace) -> int:
 
     settings = _load(args)
     print(summary(settings))
+    from proxy.admission.redis_backend import redis_available
+
+    if settings.admission.backend == "redis" and not redis_available():
+        say(
+            "headroom check: refused: admission.backend is redis but the 'redis' package is "
+            "not installed: pip install 'headroom-proxy[redis]'"
+        )
+        return 2
     gpu_lines, findings = check_gpus(settings)  # co-location (issue 19)
     for line in gpu_lines:
         print(line)
@@ -177,6 +193,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _serve(args)
         if args.command == "check":
             return _check(args)
+        if args.command == "healthcheck":
+            from proxy.healthcheck import run as run_healthcheck
+
+            return run_healthcheck(args)
         if args.command == "sim":
             from proxy.sim.cli import run as run_sim
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from proxy.settings.schema import Settings
+
+__all__ = ["admission_line", "summary"]
 
 
 def summary(settings: Settings) -> str:
@@ -12,6 +16,7 @@ def summary(settings: Settings) -> str:
     lines = [
         f"listen  {settings.listen.host}:{settings.listen.port}",
         f"admin   {admin.host}:{admin.port}{keyed}" if admin.enabled else "admin   off",
+        admission_line(settings),
         f"pools   {len(settings.pools)}, {settings.total_slots} slots in all",
     ]
     for pool in settings.pools:
@@ -47,3 +52,23 @@ def summary(settings: Settings) -> str:
     off = "off (auth.enabled: false)" if settings.auth_disabled else "off (no API keys)"
     lines.append(f"auth    {len(keys)} key(s): {names}" if keys else f"auth    {off}")
     return "\n".join(lines)
+
+
+def admission_line(settings: Settings) -> str:
+    """Where the caps live: this process, or the Redis every gateway shares (its address
+    without the credentials the URL may carry)."""
+    admission = settings.admission
+    if admission.backend != "redis":
+        return "admission memory (caps in this process: one gateway per set of GPUs)"
+    redis = admission.redis
+    parts = urlsplit(redis.url)
+    where = parts.hostname or ""
+    if parts.port is not None:
+        where += f":{parts.port}"
+    if parts.username or parts.password:
+        where = "***@" + where
+    return (
+        f"admission redis {parts.scheme}://{where}{parts.path} (caps shared by every gateway "
+        f"on it; lease {redis.lease_ttl_s:g} s, renew {redis.renew_interval_s:g} s, fence "
+        f"{redis.fence_margin_s:g} s; on backend loss: {admission.on_backend_loss})"
+    )
