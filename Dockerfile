@@ -14,33 +14,30 @@
 # The same image runs the simulator: `docker run headroom sim --preset l40s-qwen3tts-1.7b
 # --gpus 2 --host 0.0.0.0 --port 8000` (one port per simulated GPU: 8000, 8001).
 #
-# One process per set of caps: never run several Headroom processes (or replicas) against
-# the same GPUs; each would admit up to the full cap.
+# Caps: with admission.backend: memory (the default) a process owns its GPUs' caps, so run
+# one container per set of GPUs. With admission.backend: redis, any number of containers
+# (and `serve --workers N` in each) share the caps and the queue through Redis
+# (docs/shared-admission.md; docker-compose.yml runs two gateways that way).
+#
+# The build steps are deploy/docker/build.sh: CI runs the same script outside Docker, with
+# this file's build arguments and environment, and serves a session from its wheels.
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
 # --- builder: the project's wheel plus wheels of its dependencies --------------------------
 FROM ${PYTHON_IMAGE} AS builder
-# 1: the per-chunk modules compiled to C extensions with mypyc (proxy/speedups.py,
-# docs/performance.md: about 12 % less CPU per relayed chunk); 0: a pure-Python wheel.
+# 1: the per-chunk modules compiled to C extensions with mypyc (proxy/speedups.py; what it
+# saves per relayed chunk is in docs/performance.md); 0: a pure-Python wheel.
 ARG HEADROOM_MYPYC=1
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY proxy ./proxy
-# mypyc type-checks what it compiles against the installed dependencies (hence the
-# project installed first, and --no-build-isolation), and needs mypy and a C compiler.
-RUN if [ "$HEADROOM_MYPYC" = "1" ]; then \
-        apt-get update \
-        && apt-get install -y --no-install-recommends gcc libc6-dev \
-        && rm -rf /var/lib/apt/lists/* \
-        && pip install 'mypy>=1.10' types-PyYAML '.[redis]'; \
-    fi \
- && pip install 'setuptools>=68' wheel
-# The redis extra: admission.backend: redis (several gateways sharing caps).
-RUN HEADROOM_MYPYC="$HEADROOM_MYPYC" \
-    pip wheel --no-build-isolation --wheel-dir /wheels '.[redis]'
+COPY deploy/docker/build.sh ./deploy/docker/build.sh
+# /wheels: the project's wheel (compiled or not, as HEADROOM_MYPYC says) and its
+# dependencies', redis extra included; build.sh installs a compiler when it needs one.
+RUN sh deploy/docker/build.sh wheels /wheels
 
 # --- runtime: only the wheels installed, no source tree, no build tools --------------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -55,12 +52,12 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     HEADROOM_CONFIG=/etc/headroom/config.yaml
 
 ARG HEADROOM_MYPYC=1
-# The wheels are bind-mounted from the builder, so they never land in a layer. A build
-# that asked for the compiled modules fails here if it did not get them.
+# The wheels and the script are bind-mounted from the builder, so they never land in a
+# layer. A build that asked for the compiled modules fails here if it did not get them.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-index --find-links=/wheels 'headroom-proxy[redis]' \
- && if [ "$HEADROOM_MYPYC" = "1" ]; then python -m proxy.speedups --require-compiled; fi \
- && groupadd --system --gid 10001 headroom \
+    --mount=type=bind,from=builder,source=/src/deploy/docker/build.sh,target=/tmp/build.sh \
+    sh /tmp/build.sh install /wheels
+RUN groupadd --system --gid 10001 headroom \
  && useradd --system --uid 10001 --gid headroom --no-create-home \
         --home-dir /nonexistent --shell /usr/sbin/nologin headroom \
  && mkdir -p /etc/headroom
@@ -76,9 +73,11 @@ EXPOSE 8080
 STOPSIGNAL SIGTERM
 
 # Liveness only (/healthz): an upstream outage must not make Docker restart the proxy.
-# python:slim has no curl; urlopen raises (exit 1) on a refused connection or non-2xx.
+# `headroom healthcheck` reads the configuration as `serve` does (HEADROOM_CONFIG, then the
+# HEADROOM_* environment), so it asks the port the gateway listens on; it exits 1 on a
+# refused connection, a timeout or a non-2xx answer.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('HEADROOM_LISTEN__PORT', '8080') + '/healthz', timeout=2)"]
+    CMD ["headroom", "healthcheck"]
 
 ENTRYPOINT ["headroom"]
 CMD ["serve", "--config", "/etc/headroom/config.yaml"]
