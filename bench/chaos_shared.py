@@ -497,18 +497,21 @@ def gateway_settings(cfg: SharedChaosConfig, port: int, redis_url: str,
 class GatewayProcess:
     """``headroom serve`` in a child process (its pid names its leases in Redis)."""
 
-    def __init__(self, index: int, config_path: Path, log_path: Path, port: int) -> None:
+    def __init__(self, index: int, config_path: Path, log_path: Path, port: int,
+                 args: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.index = index
         self.config_path = config_path
         self.log_path = log_path
         self.port = port
+        self.args = args  # more `headroom serve` arguments (e.g. --workers 2)
         self.proc: subprocess.Popen[bytes] | None = None
         self.pids: list[int] = []
 
     async def start(self, timeout: float = 60.0) -> None:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(  # noqa: ASYNC220 -- returns at once
-                [sys.executable, "-m", "proxy.cli", "serve", "--config", str(self.config_path)],
+                [sys.executable, "-m", "proxy.cli", "serve", "--config", str(self.config_path),
+                 *self.args],
                 stdout=log, stderr=log, cwd=ROOT, start_new_session=True,
             )  # fmt: skip
         self.pids.append(self.proc.pid)

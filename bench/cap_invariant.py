@@ -1,0 +1,591 @@
+"""Randomized cap-invariant run: two gateways on one Redis -- one of them ``headroom serve
+--workers 2`` -- in front of simulated GPUs, driven by a seeded generator through
+arbitrary interleavings of sessions, gang reservations claimed on either gateway, live
+reloads that lower and raise the caps, event-loop stalls, Redis restarts and gateway
+kills, while the simulated engine counts its concurrent upstream sessions exactly
+(docs/reliability.md, "The cap-invariant run").
+
+    python bench/cap_invariant.py --duration 60                 # a short run
+    python bench/cap_invariant.py --duration 600 --seed 7 --json ci.json --markdown ci.md
+
+Everything listens on 127.0.0.1 ports chosen by the OS; every process is started by the
+run and stopped at its end, and the run stops by itself after ``--duration`` seconds
+plus a bounded settle. The exit status is 0 only if the invariants held:
+
+* **no admission over the cap in force**: every session that reaches a GPU finds at
+  most the cap in force there (the simulator logs every upstream session's start and
+  end; a reload's new cap is in force once every gateway has answered it, the higher of
+  the two before; a start is judged against the highest cap in force during the
+  ``upstream_connect_timeout_s`` before it, the time an admitted session may take to
+  reach the engine);
+* **never over the highest cap**: no sample and no stream opened above it;
+* **no slot leaked**: after the clients stop, Redis holds no lease, owner or waiter, and
+  the engine no session or stream;
+* **a stalled loop fences nothing**: no gateway ends its sessions for lost leases while
+  one of its event loops is stalled (for ``2 x lease_ttl_s``) or just after.
+
+Faults and operations, one at a time at seeded random intervals: ``kill9`` (SIGKILL a
+gateway -- for the workers gateway the supervisor and its workers, like a pod kill --
+then start it again on the same ports), ``redis_restart`` (SIGKILL redis-server, start
+it again empty), ``stall`` (block one gateway process's event loop -- one worker of the
+workers gateway -- for ``2 x lease_ttl_s``: the run starts gateways with a
+``sitecustomize`` whose SIGUSR1 handler sleeps on the main thread), ``reload`` (write
+new caps, each GPU's drawn from 1 to ``--cap``, into both gateways' files and
+``POST /admin/reload`` to each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import calendar
+import contextlib
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SELF = Path(__file__).resolve()
+ROOT = SELF.parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import chaos_shared as cs  # noqa: E402
+
+KINDS = ("kill9", "redis_restart", "stall", "reload")
+RESERVATIONS = "/v1/headroom/reservations"
+
+STALL_HOOK = '''\
+import os
+import signal
+import time
+
+_STALL_S = os.environ.get("HEADROOM_BENCH_STALL_S")
+if _STALL_S:
+    def _stall(signum, frame):
+        time.sleep(float(_STALL_S))
+
+    signal.signal(signal.SIGUSR1, _stall)
+'''
+
+
+@dataclass(slots=True)
+class InvariantConfig:
+    duration_s: float = 600.0
+    gpus: int = 2
+    cap: int = 3
+    clients: int = 0  # 0: 3 x gpus x cap
+    preset: str = "l4-cosyvoice2-0.5b"
+    lease_ttl_s: float = 4.0
+    renew_interval_s: float = 1.0
+    fence_margin_s: float = 1.0
+    reserve_share: float = 0.3
+    long_share: float = 0.25
+    long_repeat: int = 8  # a long session's text: the chaos run's short text this many times
+    queue_depth: int = 8
+    queue_wait_s: float = 4.0
+    first_op_s: float = 6.0
+    op_gap_s: tuple[float, float] = (4.0, 12.0)
+    kinds: tuple[str, ...] = KINDS
+    seed: int = 0
+    settle_s: float = 30.0
+    workdir: str | None = None
+
+    @property
+    def offered(self) -> int:
+        return self.clients or 3 * self.gpus * self.cap
+
+    @property
+    def stall_s(self) -> float:
+        return 2 * self.lease_ttl_s
+
+    def chaos(self) -> cs.SharedChaosConfig:
+        """The chaos run's configuration its building blocks read."""
+        return cs.SharedChaosConfig(
+            duration_s=self.duration_s, gateways=2, gpus=self.gpus, cap=self.cap,
+            preset=self.preset, lease_ttl_s=self.lease_ttl_s,
+            renew_interval_s=self.renew_interval_s, fence_margin_s=self.fence_margin_s,
+            queue_depth=self.queue_depth, queue_wait_s=self.queue_wait_s, seed=self.seed,
+        )  # fmt: skip
+
+
+def gateway_config(cfg: InvariantConfig, port: int, admin_port: int, redis_url: str,
+                   gpu_urls: list[str], caps: list[int]) -> dict[str, Any]:  # fmt: skip
+    data = cs.gateway_settings(cfg.chaos(), port, redis_url, gpu_urls)
+    data["admin"] = {"enabled": True, "host": "127.0.0.1", "port": admin_port}
+    # A stalled loop must be measured against the fence alone, not the idle timeout.
+    data["limits"]["idle_timeout_s"] = cfg.stall_s + 10
+    data["limits"]["max_session_s"] = 60
+    for replica, cap in zip(data["pools"][0]["replicas"], caps, strict=True):
+        replica["max_sessions"] = cap
+    return data
+
+
+@dataclass
+class Gateway:
+    process: cs.GatewayProcess
+    admin_port: int
+    config_path: Path
+    workers: int
+
+    def pids(self) -> list[int]:
+        """The process whose loop serves sessions: the gateway, or each worker."""
+        pid = self.process.pid
+        if self.workers == 1:
+            return [pid]
+        with contextlib.suppress(OSError):
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            return [int(c) for c in children]
+        return []
+
+
+@dataclass
+class CapChange:
+    sent: float
+    answered: float
+    before: list[int]
+    after: list[int]
+    applied: bool
+    answers: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class State:
+    cfg: InvariantConfig
+    rng: random.Random
+    gateways: list[Gateway]
+    caps: list[int]
+    changes: list[CapChange] = field(default_factory=list)
+    ops: list[dict[str, Any]] = field(default_factory=list)
+    sessions: list[cs.Session] = field(default_factory=list)
+    reservations: Counter[str] = field(default_factory=Counter)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    t0: float = 0.0
+
+
+# -- clients ---------------------------------------------------------------------------------
+
+
+async def _reserve(state: State, gw: int) -> tuple[str | None, str]:
+    import httpx
+
+    url = f"{state.gateways[gw].process.url}{RESERVATIONS}"
+    try:
+        async with httpx.AsyncClient(timeout=5.0) as http:
+            r = await http.post(url, json={"pools": [cs.POOL], "hold_s": 5})
+    except httpx.HTTPError as exc:
+        return None, f"reserve_failed:{type(exc).__name__}"
+    if r.status_code == 201:
+        return str(r.json()["token"]), "reserved"
+    return None, f"reserve_refused:{r.status_code}:{r.headers.get('x-headroom-reason', '')}"
+
+
+async def _session(state: State, client: int, n: int) -> cs.Session:
+    import websockets
+    from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
+
+    cfg, rng = state.cfg, state.rng
+    gw = rng.randrange(len(state.gateways))
+    s = cs.Session(f"{client}-{n}", gw, time.monotonic(), long=rng.random() < cfg.long_share)
+    headers: dict[str, str] = {}
+    if rng.random() < cfg.reserve_share:
+        token, outcome = await _reserve(state, rng.randrange(len(state.gateways)))
+        state.reservations[outcome] += 1
+        if token is None:
+            s.outcome, s.ended = outcome, time.monotonic()
+            return s
+        headers["X-Headroom-Reservation"] = token
+    url = f"ws://127.0.0.1:{state.gateways[gw].process.port}{cs.SPEECH_WS}?cid={s.cid}"
+    try:
+        async with asyncio.timeout(cfg.queue_wait_s + cfg.stall_s + 40):
+            try:
+                ws = await websockets.connect(url, additional_headers=headers,
+                                              open_timeout=cfg.queue_wait_s + cfg.stall_s + 15,
+                                              close_timeout=2, max_size=2**24)  # fmt: skip
+            except InvalidStatus as exc:
+                reason = exc.response.headers.get("x-headroom-reason", "")
+                s.outcome = f"refused:{exc.response.status_code}:{reason}"
+                return s
+            except (InvalidMessage, OSError):
+                s.outcome = "connect_failed"
+                return s
+            s.opened = time.monotonic()
+            try:
+                await ws.send(json.dumps({"type": "session.config", "response_format": "pcm",
+                                          "stream_audio": True}))  # fmt: skip
+                text = " ".join([cs.TEXT] * cfg.long_repeat) if s.long else cs.TEXT
+                await ws.send(json.dumps({"type": "input.text", "text": text}))
+                await ws.send(json.dumps({"type": "input.done"}))
+                while True:
+                    msg = await ws.recv()
+                    if isinstance(msg, str):
+                        kind = json.loads(msg).get("type")
+                        if kind in ("session.done", "error"):
+                            s.outcome = "ok" if kind == "session.done" else "upstream_error"
+                            break
+            except ConnectionClosed as exc:
+                s.outcome = f"closed:{exc.rcvd.code if exc.rcvd is not None else 1006}"
+            finally:
+                await ws.close()
+    except TimeoutError:
+        s.outcome = s.outcome or "hung"
+    except Exception as exc:
+        s.outcome = f"client_error:{type(exc).__name__}"
+    finally:
+        s.ended = time.monotonic()
+    return s
+
+
+async def _client(state: State, client: int) -> None:
+    await asyncio.sleep(state.rng.uniform(0, 1.0))
+    n = 0
+    while not state.stop.is_set():
+        s = await _session(state, client, n)
+        state.sessions.append(s)
+        n += 1
+        if s.outcome != "ok":
+            await asyncio.sleep(state.rng.uniform(0.2, 0.6))
+
+
+# -- operations ------------------------------------------------------------------------------
+
+
+async def _reload(state: State, urls: list[str], redis_url: str) -> dict[str, Any]:
+    import httpx
+
+    before = list(state.caps)
+    after = [state.rng.randint(1, state.cfg.cap) for _ in before]
+    sent = time.monotonic()
+    for g in state.gateways:
+        data = gateway_config(state.cfg, g.process.port, g.admin_port, redis_url, urls, after)
+        g.config_path.write_text(json.dumps(data) + "\n")
+    answers: list[Any] = []
+    applied = True
+    async with httpx.AsyncClient(timeout=20.0) as http:
+        for g in state.gateways:
+            try:
+                r = await http.post(f"http://127.0.0.1:{g.admin_port}/admin/reload")
+                answers.append({"status": r.status_code, "body": r.json()})
+                applied = applied and r.status_code == 200
+            except (httpx.HTTPError, ValueError) as exc:
+                answers.append({"error": f"{type(exc).__name__}: {exc}"})
+                applied = False
+    state.changes.append(CapChange(sent, time.monotonic(), before, after, applied, answers))
+    state.caps = after
+    return {"caps": after, "applied": applied}
+
+
+async def _kill9(state: State, g: Gateway) -> dict[str, Any]:
+    pids = [g.process.pid, *([] if g.workers == 1 else g.pids())]
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    await asyncio.get_running_loop().run_in_executor(None, g.process.reap)
+    await asyncio.sleep(state.cfg.lease_ttl_s + state.cfg.renew_interval_s)
+    await g.process.start()
+    return {"pids": len(pids)}
+
+
+async def _ops(state: State, redis: cs.RedisProcess, urls: list[str]) -> None:
+    cfg, rng = state.cfg, state.rng
+    at = cfg.first_op_s
+    while True:
+        kind = rng.choice(cfg.kinds)
+        bound = cfg.lease_ttl_s * 3 + cfg.stall_s + 10
+        if at + bound > cfg.duration_s:
+            return
+        await asyncio.sleep(max(0.0, state.t0 + at - time.monotonic()))
+        target = rng.randrange(len(state.gateways))
+        g = state.gateways[target]
+        op: dict[str, Any] = {"kind": kind, "at": time.monotonic()}
+        if kind == "kill9":
+            op["gateway"] = target
+            op.update(await _kill9(state, g))
+        elif kind == "redis_restart":
+            redis.kill()
+            await asyncio.sleep(0.5)
+            await redis.start()
+        elif kind == "stall":
+            pids = g.pids()
+            pid = rng.choice(pids) if pids else g.process.pid
+            op.update(gateway=target, pid=pid)
+            os.kill(pid, signal.SIGUSR1)
+            await asyncio.sleep(cfg.stall_s + cfg.lease_ttl_s)
+        else:
+            op.update(await _reload(state, urls, redis.url))
+        op["until"] = time.monotonic()
+        state.ops.append(op)
+        at = op["until"] - state.t0 + rng.uniform(*cfg.op_gap_s)
+
+
+# -- analysis --------------------------------------------------------------------------------
+
+
+def caps_in_force(changes: list[CapChange], initial: list[int], gpu: int,
+                  since: float, until: float) -> int:  # fmt: skip
+    """The highest cap of ``gpu`` that some gateway may have admitted under at any time
+    in [since, until]: a reload's old and new caps are both in force from when it was
+    sent until every gateway answered it (and after, if one did not apply it)."""
+    highest = 0
+    current = initial[gpu]
+    start = float("-inf")
+    for c in changes:
+        # [start, c.sent]: current alone; [c.sent, c.answered]: both.
+        if start <= until and c.sent >= since:
+            highest = max(highest, current)
+        if c.sent <= until and c.answered >= since:
+            highest = max(highest, current, c.before[gpu], c.after[gpu])
+        current = c.after[gpu] if c.applied else max(c.before[gpu], c.after[gpu])
+        start = c.answered
+    if start <= until:
+        highest = max(highest, current)
+    return highest
+
+
+def starts_over_cap(events: list[list[list[Any]]], changes: list[CapChange], initial: list[int],
+                    grace_s: float) -> list[dict[str, Any]]:  # fmt: skip
+    """Every upstream session start that found more sessions on its GPU than any cap in
+    force during the ``grace_s`` before it."""
+    over = []
+    for gpu, seq in enumerate(events):
+        active = 0
+        for t, d, cid in sorted(seq, key=lambda e: (e[0], -e[1])):
+            active += d
+            if d == 1:
+                cap = caps_in_force(changes, initial, gpu, t - grace_s, t)
+                if active > cap:
+                    over.append({"t": t, "gpu": gpu, "sessions": active, "cap": cap, "cid": cid})
+    return over
+
+
+def fences(workdir: Path) -> list[tuple[int, float]]:
+    """(gateway, wall time) of every "closing this gateway's ... sessions" log line (the
+    fence, docs/shared-admission.md)."""
+    out = []
+    for path in sorted(workdir.glob("gateway*.log")):
+        index = int(path.stem.removeprefix("gateway"))
+        for line in path.read_text(errors="replace").splitlines():
+            if "closing this gateway's" in line and line.startswith("{"):
+                with contextlib.suppress(ValueError, KeyError):
+                    ts = json.loads(line)["ts"]  # 2026-12-02T17:10:50.123Z
+                    whole = calendar.timegm(time.strptime(ts[:19], "%Y-%m-%dT%H:%M:%S"))
+                    out.append((index, whole + int(ts[20:23]) / 1000))
+    return out
+
+
+async def run(cfg: InvariantConfig) -> dict[str, Any]:
+    workdir = Path(cfg.workdir or tempfile.mkdtemp(prefix="headroom-cap-invariant-"))
+    workdir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 -- once, at start-up
+    hook = workdir / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(STALL_HOOK)
+    os.environ["HEADROOM_BENCH_STALL_S"] = str(cfg.stall_s)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(hook), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    load_before = os.getloadavg()
+    redis = cs.RedisProcess(workdir / "redis.log")
+    sim = cs.SimProcess(cfg.chaos(), workdir / "sim.log")
+    state: State | None = None
+    tasks: list[asyncio.Task[Any]] = []
+    try:
+        await redis.start()
+        await sim.start()
+        caps = [cfg.cap] * cfg.gpus
+        gateways = []
+        for i, workers in enumerate((1, 2)):
+            port, admin = cs._free_port(), cs._free_port()
+            path = workdir / f"gateway{i}.yaml"
+            data = gateway_config(cfg, port, admin, redis.url, sim.urls, caps)
+            path.write_text(json.dumps(data) + "\n")
+            args = () if workers == 1 else ("--workers", str(workers))
+            gateways.append(Gateway(cs.GatewayProcess(i, path, workdir / f"gateway{i}.log", port,
+                                                      args), admin, path, workers))  # fmt: skip
+        await asyncio.gather(*(g.process.start() for g in gateways))
+        await asyncio.sleep(cfg.lease_ttl_s + 0.2)  # a new Redis blocks grants for one TTL
+        state = State(cfg, random.Random(cfg.seed), gateways, caps)
+        redis_state: dict[str, Any] = {"samples": 0, "errors": 0, "over_cap": 0,
+                                       "negative": 0, "max_held": {}, "max_queue": 0}  # fmt: skip
+        chaos_run = cs._Run(cfg.chaos(), [g.process.port for g in gateways], state.rng)
+        state.t0 = chaos_run.t0 = time.monotonic()
+        wall0 = time.time()
+        tasks.append(asyncio.ensure_future(cs._redis_sampler(chaos_run, redis.url, redis_state)))
+        ops = asyncio.ensure_future(_ops(state, redis, sim.urls))
+        tasks.append(ops)
+        clients = [asyncio.ensure_future(_client(state, i)) for i in range(cfg.offered)]
+        await asyncio.sleep(max(0.0, state.t0 + cfg.duration_s - time.monotonic()))
+        state.stop.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ops, cfg.lease_ttl_s * 3 + cfg.stall_s + 30)
+        _, pending = await asyncio.wait(clients, timeout=cfg.settle_s)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        stopped = time.monotonic()
+        await asyncio.sleep(cfg.lease_ttl_s + 2 * cfg.renew_interval_s + cfg.queue_wait_s)
+        leaks = await _leaks(redis.url)
+        sim_report = await sim.report()
+        for task in tasks:
+            task.cancel()
+        exit_codes = [await g.process.stop() for g in gateways]
+        return report(cfg, state, sim_report, redis_state, leaks, exit_codes, load_before,
+                      stopped, wall0, workdir)  # fmt: skip
+    finally:
+        for task in tasks:
+            task.cancel()
+        if state is not None:
+            for g in state.gateways:
+                with contextlib.suppress(Exception):
+                    await g.process.stop()
+        with contextlib.suppress(Exception):
+            await sim.stop()
+        redis.kill()
+
+
+async def _leaks(url: str) -> dict[str, Any]:
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(url, socket_timeout=2)
+    try:
+        held = {cs._text(k): int(v) for k, v in (await client.hgetall(cs._keys("held"))).items()}
+        return {
+            "redis_leases": await client.zcard(cs._keys("leases")),
+            "redis_owner": await client.hlen(cs._keys("owner")),
+            "redis_held": held,
+            "redis_queue": await client.zcard(cs._keys("queue")),
+        }
+    finally:
+        await client.aclose()
+
+
+def report(cfg: InvariantConfig, state: State, sim: dict[str, Any], redis_state: dict[str, Any],
+           leaks: dict[str, Any], exit_codes: list[int | None],
+           load_before: tuple[float, float, float], stopped: float, wall0: float,
+           workdir: Path) -> dict[str, Any]:  # fmt: skip
+    grace = float(cs.gateway_settings(cfg.chaos(), 0, "", [])["limits"]
+                  ["upstream_connect_timeout_s"]) + 0.5  # fmt: skip
+    initial = [cfg.cap] * cfg.gpus
+    over = starts_over_cap(sim["events"], state.changes, initial, grace)
+    stalls = [op for op in state.ops if op["kind"] == "stall"]
+    fenced = [(gw, t - wall0 + state.t0) for gw, t in fences(workdir)]
+    # A fence from the stall's start until one TTL after the loop ran again (plus a
+    # second for the clocks) counts against the stall.
+    stall_fences = [
+        (gw, t) for gw, t in fenced for op in stalls
+        if gw == op["gateway"] and op["at"] - 1 <= t <= op["until"] + cfg.lease_ttl_s + 1
+    ]  # fmt: skip
+    outcomes = Counter(s.outcome for s in state.sessions)
+    leaked = (leaks["redis_leases"] + leaks["redis_owner"] + leaks["redis_queue"]
+              + sum(max(0, v) for v in leaks["redis_held"].values())
+              + sum(sim["active_sessions"]) + sum(sim["open_streams"]))  # fmt: skip
+    invariants = {
+        "no_admission_over_cap_in_force": not over,
+        "never_over_highest_cap": sim["over_cap_streams"] == 0 and sim["audit"]["over_cap"] == 0
+        and sim["over_cap_sessions"] == 0 and redis_state["over_cap"] == 0,
+        "no_leaked_slot": leaked == 0 and redis_state["negative"] == 0,
+        "stalls_fence_nothing": not stall_fences,
+        "no_client_error": not any(o.startswith("client_error") for o in outcomes),
+    }
+    return {
+        "config": {**asdict(cfg), "offered": cfg.offered, "stall_s": cfg.stall_s},
+        "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
+                    "loadavg_after": os.getloadavg()},
+        "workdir": str(workdir),
+        "ran_s": round(stopped - state.t0, 1),
+        "ops": Counter(op["kind"] for op in state.ops),
+        "reloads": [{"at_s": round(c.sent - state.t0, 2), "before": c.before, "after": c.after,
+                     "applied": c.applied, "took_s": round(c.answered - c.sent, 3)}
+                    for c in state.changes],
+        "sessions": {"total": len(state.sessions), "by_outcome": dict(outcomes.most_common()),
+                     "ok_length_s": {k: _lengths(state.sessions, k == "long")
+                                     for k in ("short", "long")},
+                     "reservations": dict(state.reservations)},
+        "engine": {"samples": sim["samples"], "streams_opened": sim["audit"]["opened"],
+                   "max_streams": sim["max_streams"], "max_sessions": sim["max_sessions"],
+                   "over_highest_cap_samples": sim["over_cap_streams"]},
+        "starts_over_cap_in_force": over[:50],
+        "redis": {k: redis_state[k] for k in ("samples", "over_cap", "negative", "max_held")},
+        "leaks": {**leaks, "sim_sessions": sim["active_sessions"],
+                  "sim_streams": sim["open_streams"], "total": leaked},
+        "fences": {"total": len(fenced), "during_stalls": len(stall_fences)},
+        "gateway_exit_codes": exit_codes,
+        "logs": cs.read_logs(workdir),
+        "invariants": invariants,
+        "passed": all(invariants.values()),
+    }
+
+
+def _lengths(sessions: list[cs.Session], long: bool) -> dict[str, Any]:
+    v = [s.ended - s.opened for s in sessions
+         if s.outcome == "ok" and s.opened is not None and s.long == long]  # fmt: skip
+    return {"n": len(v), "p50": cs._pct(v, 0.5), "max": max(v) if v else None}
+
+
+def format_report(r: dict[str, Any]) -> str:
+    c = r["config"]
+    lines = [
+        f"# Cap-invariant run: seed {c['seed']}, {r['ran_s']} s, 2 gateways (one with "
+        f"--workers 2), {c['gpus']} GPUs x cap 1..{c['cap']}, {c['offered']} clients",
+        "",
+        f"load average before/after: {r['machine']['loadavg_before'][0]:.2f} / "
+        f"{r['machine']['loadavg_after'][0]:.2f}",
+        f"operations: {dict(r['ops'])}",
+        f"sessions: {r['sessions']['total']} {r['sessions']['by_outcome']}",
+        f"reservations: {r['sessions']['reservations']}",
+        f"engine: {r['engine']['streams_opened']} streams opened, "
+        f"{r['engine']['samples']} samples, max streams {r['engine']['max_streams']}",
+        f"starts over the cap in force: {len(r['starts_over_cap_in_force'])}; "
+        f"samples over the highest cap: {r['engine']['over_highest_cap_samples']}",
+        f"leaked slots: {r['leaks']['total']}; fences: {r['fences']['total']} "
+        f"({r['fences']['during_stalls']} during stalls)",
+        "",
+        "| invariant | held |",
+        "|---|---|",
+        *[f"| {k} | {'yes' if v else '**NO**'} |" for k, v in r["invariants"].items()],
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = InvariantConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of load")
+    p.add_argument("--gpus", type=int, default=d.gpus)
+    p.add_argument("--cap", type=int, default=d.cap, help="the highest max_sessions per GPU")
+    p.add_argument("--clients", type=int, default=0, help="closed loops (0: 3 x gpus x cap)")
+    p.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s)
+    p.add_argument("--long-share", type=float, default=d.long_share,
+                   help="share of sessions sending the long text")
+    p.add_argument("--long-repeat", type=int, default=d.long_repeat)
+    p.add_argument("--kinds", default=",".join(KINDS), help=f"operations, from {KINDS}")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--settle", type=float, default=d.settle_s)
+    p.add_argument("--workdir", help="keep configurations and logs here")
+    p.add_argument("--json", help="write the full report here")
+    p.add_argument("--markdown", help="write the summary here")
+    a = p.parse_args(argv)
+    kinds = tuple(k for k in a.kinds.split(",") if k)
+    if not kinds or any(k not in KINDS for k in kinds):
+        p.error(f"--kinds: choose from {', '.join(KINDS)}")
+    cfg = InvariantConfig(duration_s=a.duration, gpus=a.gpus, cap=a.cap, clients=a.clients,
+                          lease_ttl_s=a.lease_ttl, long_share=a.long_share,
+                          long_repeat=a.long_repeat, kinds=kinds, seed=a.seed, settle_s=a.settle,
+                          workdir=a.workdir)  # fmt: skip
+    result = asyncio.run(run(cfg))
+    text = format_report(result)
+    print(text)
+    if a.json:
+        Path(a.json).write_text(json.dumps(result, indent=2, default=str))
+    if a.markdown:
+        Path(a.markdown).write_text(text)
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
