@@ -97,7 +97,7 @@ def _ops_app(rt: Runtime) -> FastAPI:
                 doc = json.loads(await request.body() or b"null")
             except (ValueError, RecursionError):
                 doc = None
-            pools, hold_s = parse_request(doc, rt.gate.pools())
+            pools, hold_s = parse_request(doc, rt.gate.pools(), rt.settings.reservations)
             key = key_of(rt.settings.auth, dict(request.scope), pools)
         except PolicyViolation as err:
             store.count_invalid()
@@ -118,15 +118,18 @@ def _ops_app(rt: Runtime) -> FastAPI:
         """Release a reservation's unclaimed slots (claimed ones end with their
         connections)."""
         store = rt.reservations
-        reservation = store.get(token)
         try:
-            pools = list(reservation.pools) if reservation else rt.gate.pools()[:1]
-            key = key_of(rt.settings.auth, dict(request.scope), pools)
+            # Only the key that reserved may release: any other gets the 404 of an
+            # unknown token (never a 403 that would tell the token exists).
+            key = identify(rt.settings.auth, dict(request.scope))
         except PolicyViolation as err:
             return error_response(err)
-        released = store.release(token, key)
+        try:
+            released = await store.release(token, key)
+        except Refused as refusal:
+            return error_response(refusal)
         if released is None:
-            unknown = ReservationUnknown("no such reservation on this gateway")
+            unknown = ReservationUnknown("no such reservation (or not this key's)")
             body = http_error(unknown)[2]
             return Response(body, status_code=404, media_type="application/json")
         return JSONResponse({"token": token, "released": released})

@@ -21,12 +21,20 @@ takes one slot in each named pool, or none (docs/voice-agents.md):
   pool in it, or that slot is already in use).
 * **Expiry and release.** Slots not claimed within ``hold_s`` (the injected clock) are
   released; ``DELETE /v1/headroom/reservations/{token}`` releases the unclaimed rest at
-  once. A gateway shutting down releases every unclaimed slot.
-* **Backends.** Works on the in-process gate and on the shared (Redis) gate. On Redis a
-  reserved slot is a lease of the gateway that issued the token, renewed by it; the
-  token is valid on that gateway only (clients must reach the same gateway: sticky
-  routing). If that gateway loses its leases on a pool (fence), every reservation holding
-  an unclaimed slot there is dropped whole.
+  once. Only the key that reserved may release: any other key hears 404, exactly as
+  for a token never issued.
+* **Every rule of a session.** A reserved slot is taken as a session of the key's class
+  would be (the reserves kept for higher classes hold) and counts against the key's
+  ``max_sessions`` from the reservation until its session ends; a claim takes over
+  that count instead of adding one. ``hold_s`` is bounded (``reservations.max_hold_s``)
+  and so are the reservations with unclaimed slots one key holds at once
+  (``reservations.max_per_key``; past it 429 ``tenant_limit``).
+* **Backends.** In process (``backend: memory``) everything is this gateway's, and a
+  gateway shutting down releases every unclaimed slot. On Redis a reservation lives in
+  Redis and any gateway or worker can claim it
+  (:mod:`proxy.admission.shared_reservations`).
+
+A token is a bearer secret: it is never logged, and Redis stores only its SHA-256.
 """
 
 from __future__ import annotations
@@ -36,21 +44,21 @@ import contextlib
 import logging
 import secrets
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter
 
-from proxy.auth import authenticate
+from proxy.admission import TenantSpec
+from proxy.auth import TenantQuotas, authenticate
 from proxy.clock import Clock, TimerHandle
-from proxy.errors import PolicyViolation, Refused, refusal_for
+from proxy.errors import PolicyViolation, Refused, TenantLimitRefused, refusal_for
 from proxy.gate import Gate, Lease, Waiting, count_decision
-from proxy.settings import AuthSettings
+from proxy.settings import ApiKeySettings, AuthSettings, ReservationSettings
 from proxy.shared_gate import ADMITTED_POOL, SharedGate
 
 __all__ = [
-    "MAX_HOLD_S",
     "MAX_POOLS",
     "QUERY_PARAMETER",
     "RESERVATION_HEADER",
@@ -68,12 +76,10 @@ log = logging.getLogger("headroom.reservations")
 
 RESERVATION_HEADER = b"x-headroom-reservation"
 QUERY_PARAMETER = "headroom_reservation"
-#: The longest ``hold_s`` a client may ask for (slots held unused cost capacity).
-MAX_HOLD_S = 60.0
-DEFAULT_HOLD_S = 5.0
 MAX_POOLS = 8
 #: Ended tokens remembered (to say "expired" rather than "unknown").
 _TOMBSTONES = 10_000
+_DEFAULTS = ReservationSettings()
 
 
 class BadReservation(PolicyViolation):
@@ -152,69 +158,127 @@ class Reservation:
     key: str | None
     pools: tuple[str, ...]
     expires_at: float
-    #: Unclaimed slots, by pool.
+    #: Unclaimed slots, by pool (in process; on Redis they are in Redis).
     unused: dict[str, Lease] = field(default_factory=dict)
+    #: The key's quota count each unclaimed slot holds (in process), by pool.
+    quota: dict[str, str | None] = field(default_factory=dict)
     timer: TimerHandle | None = None
 
 
-class Reservations:
-    """Every live reservation of one gateway."""
+def _tenant(key: ApiKeySettings | None) -> TenantSpec | None:
+    return TenantSpec(key.name, key.priority, key.weight, key.max_queued) if key else None
 
-    def __init__(self, gate: Gate | SharedGate, clock: Clock, registry: CollectorRegistry | None):
+
+class Reservations:
+    """Every live reservation of one gateway. ``quotas``: the gateway's per-key session
+    counts (in process; reserved slots count there until claimed); ``limits``: the
+    ``reservations`` settings in force (read at each reservation: live on reload)."""
+
+    def __init__(
+        self,
+        gate: Gate | SharedGate,
+        clock: Clock,
+        registry: CollectorRegistry | None,
+        *,
+        quotas: TenantQuotas | None = None,
+        limits: Callable[[], ReservationSettings] | None = None,
+    ) -> None:
         self.gate = gate
         self.clock = clock
         self.metrics = ReservationMetrics(registry) if registry is not None else None
+        self.quotas = quotas
+        self.limits = limits or (lambda: _DEFAULTS)
         self._live: dict[str, Reservation] = {}
-        self._ended: OrderedDict[str, str] = OrderedDict()
+        #: token -> (why it ended, its key)
+        self._ended: OrderedDict[str, tuple[str, str | None]] = OrderedDict()
+        self._shared: Any = None
         if isinstance(gate, SharedGate):
-            gate.on_fence(self._on_fence)
+            from proxy.admission.shared_reservations import SharedReservations
+
+            self._shared = SharedReservations(gate, clock, self._slot)
 
     # -- reserve ------------------------------------------------------------------
 
     async def reserve(
-        self, pools: Sequence[str], hold_s: float, key: str | None = None
+        self, pools: Sequence[str], hold_s: float, key: ApiKeySettings | None = None
     ) -> Reservation:
         """Take one slot in every pool, or none: raises the refusing stage's
-        :class:`Refused` (its ``pool`` names the stage). ``key``: the API key name the
-        token is bound to (claims and DELETE must present the same key)."""
+        :class:`Refused` (its ``pool`` names the stage). ``key``: the API key the token
+        is bound to (claims and DELETE must present the same key); its class and
+        ``max_sessions`` apply to the slots."""
         order = sorted(pools)
-        taken: dict[str, Lease] = {}
-        try:
-            for pool in order:
-                taken[pool] = await self._take(pool)
-        except BaseException as exc:
-            for lease in taken.values():
-                lease.release()
-            if isinstance(exc, Refused):
-                self._count("refused")
-                if self.metrics is not None:
-                    self.metrics.refusals.labels(exc.pool, exc.reason).inc()
-            raise
-        token = secrets.token_urlsafe(24)
+        name = key.name if key is not None else None
+        limits = self.limits()
         now = self.clock.now()
-        reservation = Reservation(token, key, tuple(order), now + hold_s, taken)
-        reservation.timer = self.clock.call_at(now + hold_s, lambda: self._expire(token))
-        self._live[token] = reservation
+        try:
+            if self._shared is not None:
+                token = secrets.token_urlsafe(24)
+                await self._shared.reserve(
+                    token, order, hold_s, key, _tenant(key), limits.max_per_key
+                )
+                reservation = Reservation(token, name, tuple(order), now + hold_s)
+            else:
+                reservation = await self._reserve_here(order, hold_s, key, limits)
+        except Refused as exc:
+            self._count("refused")
+            if self.metrics is not None:
+                self.metrics.refusals.labels(exc.pool, exc.reason).inc()
+            raise
         self._count("granted")
         return reservation
 
-    async def _take(self, pool: str) -> Lease:
-        """One slot of ``pool`` now, never a place in its queue."""
+    async def _reserve_here(
+        self, order: list[str], hold_s: float, key: ApiKeySettings | None,
+        limits: ReservationSettings,
+    ) -> Reservation:  # fmt: skip
+        name = key.name if key is not None else None
+        live = sum(1 for r in self._live.values() if r.key == name)
+        if live >= limits.max_per_key:
+            raise TenantLimitRefused(
+                "tenant_limit", retry_after_s=hold_s, pool=order[0],
+                message=f"this API key holds {live} reservations with unclaimed slots "
+                "(reservations.max_per_key); claim or release one first.",
+            )  # fmt: skip
+        quota: dict[str, str | None] = {}
+        taken: dict[str, Lease] = {}
+        try:
+            for pool in order:
+                if self.quotas is not None:
+                    quota[pool] = self.quotas.reserve(key, pool, hold_s)
+            for pool in order:
+                taken[pool] = await self._take(pool, _tenant(key))
+        except BaseException:
+            for lease in taken.values():
+                lease.release()
+            for token in quota.values():
+                self._quota_release(token)
+            raise
+        token = secrets.token_urlsafe(24)
+        now = self.clock.now()
+        reservation = Reservation(token, name, tuple(order), now + hold_s, taken, quota)
+        reservation.timer = self.clock.call_at(now + hold_s, lambda: self._expire(token))
+        self._live[token] = reservation
+        return reservation
+
+    async def _take(self, pool: str, tenant: TenantSpec | None = None) -> Lease:
+        """One slot of ``pool`` now, never a place in its queue: the decision for a
+        plain session of ``tenant``'s class (reserves, no barging past its class)."""
         gate = self.gate
         if isinstance(gate, SharedGate):
-            entry = await gate.admit(pool, queue=False)
+            entry = await gate.admit(pool, queue=False, tenant=tenant)
             assert isinstance(entry, Lease)
             return entry
         core = gate.core(pool)
         stats = core.statistics()
+        full_queue = core.queue.enabled and core.queue_depth >= core.queue.max_depth
         if (
             not stats.draining
             and stats.healthy_replicas > 0
-            and (core.queue_depth > 0 or core.free_slots() == 0)
+            and (full_queue or core.free_slots() == 0)
         ):
             raise self._full(gate, pool)
-        entry = gate.enter(pool)  # admits at once, or refuses (draining, no replica)
-        if isinstance(entry, Waiting):  # kept out by a reserve above this caller's class
+        entry = gate.enter(pool, tenant=tenant)  # admits at once, or refuses
+        if isinstance(entry, Waiting):  # kept out by a waiter or a reserve above its class
             await _back_out(entry)
             raise self._full(gate, pool)
         return entry
@@ -229,45 +293,73 @@ class Reservations:
 
     # -- claim, release, expiry -------------------------------------------------------
 
-    def claim(self, token: str, pool: str, key: str | None) -> Lease:
+    async def claim(self, token: str, pool: str, key: ApiKeySettings | None) -> Lease:
         """The reserved slot of ``pool`` for a stage connection, which then owns it
         (releases it when it ends). Raises a :class:`ReservationRefused`."""
+        if self._shared is not None:
+            from proxy.admission.shared_reservations import Unclaimable
+
+            try:
+                lease: Lease = await self._shared.claim(token, pool, key, _tenant(key))
+            except Unclaimable as err:
+                raise self._unclaimable(err.code, err.detail, pool) from None
+            return lease
+        name = key.name if key is not None else None
         reservation = self._live.get(token)
-        if reservation is None or reservation.key != key:
+        if reservation is None or reservation.key != name:
             ended = self._ended.get(token) if reservation is None else None
-            if ended is not None:
-                raise self._refuse(ReservationExpired(
-                    f"reservation {ended}: reserve again"))  # fmt: skip
-            raise self._refuse(ReservationUnknown(
-                "no such reservation on this gateway (a reservation is held by the "
-                "gateway that issued it; reach it again, or reserve again)"))  # fmt: skip
-        lease = reservation.unused.pop(pool, None)
-        if lease is None:
+            if ended is not None and ended[1] == name:
+                raise self._unclaimable("expired", ended[0], pool)
+            raise self._unclaimable("unknown", "", pool)
+        taken = reservation.unused.pop(pool, None)
+        if taken is None:
             what = "already in use" if pool in reservation.pools else "not reserved"
-            raise self._refuse(ReservationPool(
-                f"this reservation's slot for pool {pool!r} is {what}"))  # fmt: skip
+            raise self._unclaimable("pool", what, pool)
+        # The stage connection's own count (taken unenforced) replaces the slot's.
+        self._quota_release(reservation.quota.pop(pool, None))
         self._slot(pool, "used")
-        if isinstance(self.gate, SharedGate):
-            ADMITTED_POOL.set(pool)
+        ADMITTED_POOL.set(pool)
         if not reservation.unused:
             self._end(reservation, "fully used")
-        return lease
+        return taken
 
-    def release(self, token: str, key: str | None) -> list[str] | None:
+    def _unclaimable(self, code: str, detail: str, pool: str) -> ReservationRefused:
+        err: ReservationRefused
+        if code == "unknown":
+            err = ReservationUnknown(
+                "no such reservation (or not this key's): reserve again")  # fmt: skip
+        elif code == "expired":
+            err = ReservationExpired(f"reservation {detail}: reserve again")
+        else:
+            err = ReservationPool(f"this reservation's slot for pool {pool!r} is {detail}")
+        if self.metrics is not None:
+            self.metrics.claims_refused.labels(err.code).inc()
+        return err
+
+    async def release(self, token: str, key: ApiKeySettings | None) -> list[str] | None:
         """Release the unclaimed slots (DELETE): the pools released, [] if the
-        reservation had already ended, None if unknown (or another key's)."""
+        reservation had already ended, None if unknown or another key's (the same
+        answer: a key learns nothing about tokens that are not its own)."""
+        if self._shared is not None:
+            released: list[str] | None = await self._shared.release(token, key)
+            return released
+        name = key.name if key is not None else None
         reservation = self._live.get(token)
-        if reservation is None or reservation.key != key:
-            return [] if reservation is None and token in self._ended else None
-        released = self._drop(reservation, "released", "released")
-        return released
+        if reservation is None or reservation.key != name:
+            ended = self._ended.get(token) if reservation is None else None
+            return [] if ended is not None and ended[1] == name else None
+        return self._drop(reservation, "released", "released")
 
     def close(self) -> None:
-        """Gateway shutdown: release every unclaimed slot."""
+        """Gateway shutdown: release every unclaimed slot held here (on Redis the
+        reservations stay claimable on the other gateways until their deadline)."""
+        if self._shared is not None:
+            self._shared.close()
         for reservation in list(self._live.values()):
             self._drop(reservation, "closed", "released at shutdown")
 
     def get(self, token: str) -> Reservation | None:
+        """A live in-process reservation (None on Redis: they live there)."""
         return self._live.get(token)
 
     @property
@@ -281,17 +373,15 @@ class Reservations:
             pools = self._drop(reservation, "expired_unused", "expired after its hold_s")
             log.info("reservation expired with unused slots in %s", ", ".join(pools))
 
-    def _on_fence(self, pool: str, why: str) -> None:
-        for reservation in list(self._live.values()):
-            if pool in reservation.unused:
-                self._drop(reservation, "lost", f"lost with the leases of pool {pool}")
-
     def _drop(self, reservation: Reservation, outcome: str, why: str) -> list[str]:
         pools = sorted(reservation.unused)
         for pool, lease in list(reservation.unused.items()):
             lease.release()
             self._slot(pool, outcome)
         reservation.unused.clear()
+        for token in reservation.quota.values():
+            self._quota_release(token)
+        reservation.quota.clear()
         self._end(reservation, why)
         return pools
 
@@ -300,14 +390,13 @@ class Reservations:
             reservation.timer.cancel()
             reservation.timer = None
         self._live.pop(reservation.token, None)
-        self._ended[reservation.token] = why
+        self._ended[reservation.token] = (why, reservation.key)
         while len(self._ended) > _TOMBSTONES:
             self._ended.popitem(last=False)
 
-    def _refuse(self, err: ReservationRefused) -> ReservationRefused:
-        if self.metrics is not None:
-            self.metrics.claims_refused.labels(err.code).inc()
-        return err
+    def _quota_release(self, token: str | None) -> None:
+        if self.quotas is not None:
+            self.quotas.release(token)
 
     def _count(self, outcome: str) -> None:
         if self.metrics is not None:
@@ -335,7 +424,9 @@ async def _back_out(waiting: Waiting) -> None:
             task.result()
 
 
-def parse_request(body: Any, known: Sequence[str]) -> tuple[list[str], float]:
+def parse_request(
+    body: Any, known: Sequence[str], limits: ReservationSettings = _DEFAULTS
+) -> tuple[list[str], float]:
     """(pools, hold_s) of a reservation request body; raises :class:`BadReservation`."""
     if not isinstance(body, dict):
         raise BadReservation('the body must be a JSON object: {"pools": [...], "hold_s": 5}')
@@ -352,16 +443,18 @@ def parse_request(body: Any, known: Sequence[str]) -> tuple[list[str], float]:
     missing = [p for p in pools if p not in known]
     if missing:
         raise BadReservation(f"no pool named {', '.join(map(repr, missing))}")
-    hold = body.get("hold_s", DEFAULT_HOLD_S)
-    if isinstance(hold, bool) or not isinstance(hold, int | float) or not 0 < hold <= MAX_HOLD_S:
-        raise BadReservation(f'"hold_s" must be a number of seconds in (0, {MAX_HOLD_S:g}]')
+    hold = body.get("hold_s", limits.default_hold_s)
+    top = limits.max_hold_s
+    if isinstance(hold, bool) or not isinstance(hold, int | float) or not 0 < hold <= top:
+        raise BadReservation(f'"hold_s" must be a number of seconds in (0, {top:g}]')
     return list(pools), float(hold)
 
 
-def key_of(auth: AuthSettings | None, scope: dict[str, Any], pools: Sequence[str]) -> str | None:
-    """The caller's key name, checked for every pool (raises Unauthorized/Forbidden)."""
-    name: str | None = None
+def key_of(
+    auth: AuthSettings | None, scope: dict[str, Any], pools: Sequence[str]
+) -> ApiKeySettings | None:
+    """The caller's key, checked for every pool (raises Unauthorized/Forbidden)."""
+    key: ApiKeySettings | None = None
     for pool in pools:
         key = authenticate(auth, scope, pool)
-        name = key.name if key is not None else None
-    return name
+    return key

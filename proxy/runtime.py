@@ -39,7 +39,7 @@ from proxy.meter import PrometheusReplicaSink, SessionMeter
 from proxy.metrics import Metrics
 from proxy.pipelines import headroom_of
 from proxy.protocols import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
-from proxy.reservations import Reservations
+from proxy.reservations import Reservations, presented_token
 from proxy.settings import ApiKeySettings, GuardSettings, PoolSettings, RouteSettings, Settings
 from proxy.shared_gate import ADMITTED_POOL, TENANT_QUOTA, SharedGate, build_shared_gate
 from proxy.signals import ReplicaSignals
@@ -293,7 +293,10 @@ class Runtime:
         retry = min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, estimate))
         tenant = tenant_spec(key)
         try:
-            token = self.tenants.reserve(key, pool, retry)
+            # A stage connection claiming a reserved slot takes over the count the slot
+            # holds (its reservation was checked against max_sessions).
+            claims = presented_token(scope) is not None
+            token = self.tenants.reserve(key, pool, retry, enforce=not claims)
         except Refused:
             count_decision(self.metrics, pool, "rejected_tenant_limit", tenant)
             raise
@@ -313,7 +316,10 @@ class Runtime:
         """This gateway's gang reservations (:mod:`proxy.reservations`), made on first
         use (their metric families then follow the others in the exposition)."""
         if self._reservations is None:
-            self._reservations = Reservations(self.gate, self.clock, self.metrics.registry)
+            self._reservations = Reservations(
+                self.gate, self.clock, self.metrics.registry, quotas=self.tenants,
+                limits=lambda: self.settings.reservations,
+            )  # fmt: skip
         return self._reservations
 
     def key_allows(self, scope: dict[str, Any], pool: str) -> bool:

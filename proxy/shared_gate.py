@@ -695,6 +695,90 @@ class SharedGate:
             self._set_available(False)
             log.warning("renewal of tenant quotas failed: %s", exc)
 
+    # -- gang reservations (proxy/admission/shared_reservations.py) --------------------
+
+    def new_id(self) -> str:
+        """A fresh lease id of this gateway (``<gateway>:<n>``)."""
+        self._next += 1
+        return f"{self.backend.gateway_id}:{self._next}"
+
+    async def hold(
+        self, pool: str, lease_id: str, hold_s: float, tenant: TenantSpec | None
+    ) -> str:
+        """One slot of ``pool`` for a gang reservation, now or never, held ``hold_s`` in
+        Redis without renewal (hold.lua): the decision :meth:`admit` with
+        ``queue=False`` makes for a session of ``tenant``'s class. Returns the replica;
+        raises :class:`~proxy.errors.Refused`."""
+        p = self._pool(pool)
+        now = self.clock.now()
+        if self.draining or p.draining:
+            raise self._refuse(p, "draining", 1, tenant)
+        view = p.view()
+        if not view:
+            raise self._refuse(p, "no_healthy_replica", self._no_replica_wait(p, now), tenant)
+        try:
+            got = await self.backend.hold(pool, lease_id, hold_s, view, tenant)
+        except BackendUnavailable as exc:
+            self._set_available(False)
+            log.warning("refusing a reservation on %s: admission store unreachable (%s)",
+                        pool, exc)  # fmt: skip
+            raise self._refuse(p, "backend_unavailable", 1, tenant) from None
+        self._set_available(True)
+        if got.kind == "admit":
+            return str(got.value)
+        if got.kind == "blocked":
+            raise self._refuse(p, "backend_unavailable", int(got.value) / 1000, tenant)
+        raise self._refuse(p, str(got.value), self._estimate(p, got.position), tenant)
+
+    async def adopt(
+        self, pool: str, lease_id: str, tenant: TenantSpec | None, quota: str | None
+    ) -> SharedLease | None:
+        """A reserved slot a stage connection claimed here: confirmed in Redis (leave.lua
+        extends a granted lease by one TTL and never grants anything), it becomes one of
+        this gateway's leases, renewed and fenced like its sessions' and released when
+        the session ends. ``quota``: the key whose ``max_sessions`` counts it (renewed
+        with this gateway's tenant reservations, dropped with the lease). None if the
+        lease lapsed; raises ``backend_unavailable``. Cancellation-safe."""
+        p = self._pool(pool)
+        since = self.clock.now()
+        if quota is not None:
+            self._tenants[lease_id] = quota
+        call = asyncio.ensure_future(self.backend.leave(pool, lease_id, p.view()))
+        try:
+            kind, replica = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            self._spawn(self._give_back(pool, lease_id, call))
+            raise
+        except BackendUnavailable as exc:
+            self._set_available(False)
+            self._drop_tenant(lease_id)
+            self._spawn(self._release_remote(pool, lease_id))
+            log.warning("refusing a reserved session on %s: admission store unreachable "
+                        "(%s)", pool, exc)  # fmt: skip
+            raise self._refuse(p, "backend_unavailable", 1, tenant) from None
+        self._set_available(True)
+        if kind != "granted" or replica is None:
+            self._drop_tenant(lease_id)
+            return None
+        ADMITTED_POOL.set(pool)
+        return self._lease(p, lease_id, replica, since, tenant)
+
+    def background(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run ``work`` as one of the gate's background tasks (:meth:`quiesce` waits
+        for it; :meth:`stop` gives it a last chance to land)."""
+        self._spawn(work)
+
+    def release_held(self, pool: str, lease_id: str) -> None:
+        """Give back a reserved slot no session took, in the background (retried like a
+        session's release; otherwise it lapses at the reservation's deadline)."""
+        if pool in self._pools:
+            self._spawn(self._release_remote(pool, lease_id))
+
+    def release_quota(self, quota: str, lease_id: str) -> None:
+        """Stop counting ``lease_id`` in key ``quota``'s sessions (in the background)."""
+        self._tenants[lease_id] = quota
+        self._drop_tenant(lease_id)
+
     # -- failover before the first byte ----------------------------------------------
 
     async def _fail_over(

@@ -53,7 +53,7 @@ __all__ = [
     "redis_available",
 ]
 
-_SCRIPTS = ("acquire", "release", "leave", "renew", "relocate")
+_SCRIPTS = ("acquire", "release", "leave", "renew", "relocate", "hold")
 _KEYS = (
     "leases", "owner", "held", "queue", "beats", "gen", "seq", "flags", "tw", "lanes", "run",
     "shed",
@@ -198,6 +198,9 @@ class RedisAdmission:
         }
         # Not a pool script: its keys are the tenants' (no prelude).
         self._tenants = self._client.register_script(_load("tenants"))
+        # Gang reservations: the tenants' hash tag too (a reservation counts in its
+        # key's quota).
+        self._reservations = self._client.register_script(_load("reservations"))
         from redis import exceptions
 
         self._errors: tuple[type[BaseException], ...] = (
@@ -300,6 +303,50 @@ class RedisAdmission:
             return int(await self._client.zcount(key, f"({now_ms}", "+inf"))
         except self._errors as exc:
             raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    # -- gang reservations (reservations.lua, hold.lua) ---------------------------------
+
+    def reservation_keys(self, digest: str, key: str) -> list[str]:
+        """The keys of reservations.lua: the reservation (by the token's digest), the
+        key's live reservations, the key's quota set."""
+        tag = f"{self.key_prefix}{{tenants}}:"
+        return [f"{tag}r:{digest}", f"{tag}live:{key}", self.tenant_key(key)]
+
+    async def reservation(self, digest: str, key: str, args: Sequence[str | int]) -> list[Any]:
+        """One operation of reservations.lua (``args`` from its op on); the reply with
+        its strings decoded."""
+        if self._closed:
+            raise BackendUnavailable("admission store client closed")
+        keys = self.reservation_keys(digest, key)
+        call = self._reservations
+        try:
+            try:
+                reply = await call(keys=keys, args=list(args))
+            except self._connection_errors:
+                reply = await call(keys=keys, args=list(args))
+        except self._errors as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        if not isinstance(reply, list):
+            return [reply]
+        return [x if isinstance(x, int) else _text(x) for x in reply]
+
+    async def hold(
+        self,
+        pool: str,
+        lease_id: str,
+        hold_s: float,
+        view: Sequence[ReplicaView],
+        tenant: TenantSpec | None = None,
+    ) -> Acquired:
+        """A slot for a gang reservation now or never, held ``hold_s`` without renewal
+        (hold.lua). ``admit`` (the replica), ``reject`` (the reason) or ``blocked``."""
+        args: list[str | int] = [lease_id, self.ttl_ms, round(hold_s * 1000), self.prefix(pool)]
+        args += [*self._context(pool), *_tenant_args(tenant or ANONYMOUS)]
+        reply = await self._run("hold", pool, [*args, *_view_args(view)])
+        kind = _text(reply[0])
+        value = reply[1]
+        position = int(reply[2]) if len(reply) > 2 else 1
+        return Acquired(kind, value if isinstance(value, int) else _text(value), position)
 
     async def acquire(
         self, pool: str, lease_id: str, view: Sequence[ReplicaView], max_depth: int

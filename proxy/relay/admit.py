@@ -74,7 +74,7 @@ async def enter(
     token = presented_token(scope)
     if token is not None:
         key = authenticate(services.settings.auth, scope, route.pool)
-        claimed = services.reservations.claim(token, route.pool, key.name if key else None)
+        claimed = await services.reservations.claim(token, route.pool, key)
         return claimed, None
     gate = services.gate
     try:

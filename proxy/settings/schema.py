@@ -512,6 +512,25 @@ class AdmissionSettings(_Frozen):
     on_backend_loss: Literal["close", "keep"] = "close"
 
 
+class ReservationSettings(_Frozen):
+    """Gang reservations (docs/voice-agents.md): how long a client may hold slots
+    unused (``max_hold_s``; ``default_hold_s`` when the request names none) and how many
+    reservations with unclaimed slots one API key may hold at once (``max_per_key``;
+    past it, 429 ``tenant_limit``). Reserved slots also count against the key's
+    ``max_sessions``. Live on reload (new reservations)."""
+
+    max_hold_s: Annotated[float, Field(gt=0, le=600)] = 60.0
+    default_hold_s: PositiveSeconds = 5.0
+    max_per_key: Annotated[int, Field(ge=1, le=10_000)] = 32
+
+    @model_validator(mode="after")
+    def _default_within_max(self) -> ReservationSettings:
+        if self.default_hold_s > self.max_hold_s:
+            why = f"must be <= max_hold_s ({self.max_hold_s:g})"
+            raise Problems([(("default_hold_s",), why)])
+        return self
+
+
 # -- co-location: replicas sharing one GPU (issue 19) ----------------------------------
 # Optional. Read only by ``headroom check`` (proxy.colocation): the gateway routes the same
 # with or without it. Cross-references (replicas exist, each on one GPU) are checked in
@@ -621,6 +640,7 @@ class Settings(BaseModel):
     guard: GuardSettings = GuardSettings()
     health: HealthSettings = HealthSettings()
     admission: AdmissionSettings = AdmissionSettings()
+    reservations: ReservationSettings = ReservationSettings()
     pools: tuple[PoolSettings, ...] = Field(min_length=1)
     routes: tuple[RouteSettings, ...] = Field(min_length=1)
     auth: AuthSettings | None = None

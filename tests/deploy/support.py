@@ -31,11 +31,11 @@ CONFIG_PATH = "/etc/headroom/config.yaml"
 PROXY_PORT, PROMETHEUS_PORT, GRAFANA_PORT = 8080, 9090, 3000
 
 
-def require_tool(name: str) -> str:
+def require_tool(name: str, install: str = "Debian: apt-get install prometheus") -> str:
     """The tool's path. Missing: a failure under CI (which installs it), a skip elsewhere."""
     path = shutil.which(name)
     if path is None:
-        message = f"{name} is not installed (Debian: apt-get install prometheus)"
+        message = f"{name} is not installed ({install})"
         if os.environ.get("CI"):
             pytest.fail(f"{message}; CI must provide it")
         pytest.skip(message)
@@ -140,6 +140,10 @@ def exported_series() -> dict[str, set[str]]:
             labels[attr._name] = tuple(attr._labelnames)  # no public accessor
     series: dict[str, set[str]] = {}
     for family in metrics.registry.collect():
+        if not family.name.startswith("headroom_"):  # process_*, python_*: as sampled
+            for sample in family.samples:
+                series.setdefault(sample.name, set()).update(sample.labels)
+            continue
         if family.type == "histogram":
             names = set(labels[family.name])
             series[family.name + "_bucket"] = names | {"le"}

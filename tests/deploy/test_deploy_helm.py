@@ -1,10 +1,10 @@
-"""The Helm chart. Without a helm binary (CI has none) the templates are checked statically;
-with one on PATH they are also rendered and the output checked like the plain manifests."""
+"""The Helm chart: its templates checked statically, and rendered by helm (CI installs it with
+deploy/tools/install-k8s-tools.sh; elsewhere the rendered tests skip without it). The
+rendered objects are validated against the Kubernetes schema in test_deploy_k8s_schema.py."""
 
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -12,7 +12,14 @@ from typing import Any
 import pytest
 import yaml
 
-from .support import CHART, CONFIG_PATH, PROXY_PORT, helm_values_config, load_yaml
+from .support import (
+    CHART,
+    CONFIG_PATH,
+    PROXY_PORT,
+    helm_values_config,
+    load_yaml,
+    require_tool,
+)
 
 TEMPLATES = sorted((CHART / "templates").glob("*"))
 _ACTION = re.compile(r"{{-?(.*?)-?}}", re.S)
@@ -121,35 +128,52 @@ def test_configmap_renders_config_with_pools_and_routes_via_toyaml() -> None:
     )
 
 
-# --- rendered, when helm is available --------------------------------------------------------
+# --- rendered by helm ---------------------------------------------------------------------
 
-HELM = shutil.which("helm")
-needs_helm = pytest.mark.skipif(HELM is None, reason="helm is not installed (static checks ran)")
+MONITORING = ("--api-versions", "monitoring.coreos.com/v1")
+
+
+def helm() -> str:
+    return require_tool("helm", "deploy/tools/install-k8s-tools.sh")
 
 
 def _render(*args: str) -> subprocess.CompletedProcess[str]:
-    assert HELM is not None
     return subprocess.run(
-        [HELM, "template", "gw", str(CHART), *args], capture_output=True, text=True, timeout=60
+        [helm(), "template", "gw", str(CHART), *args], capture_output=True, text=True, timeout=60
     )
 
 
-@needs_helm
+def render_docs(*args: str) -> dict[str, dict[str, Any]]:
+    """``kind/name`` -> object of the chart rendered with ``args``."""
+    result = _render(*args)
+    assert result.returncode == 0, result.stderr
+    return {
+        d["kind"] + "/" + d["metadata"]["name"]: d for d in yaml.safe_load_all(result.stdout) if d
+    }
+
+
+def test_the_installed_helm_is_the_pinned_one() -> None:
+    """deploy/tools/install-k8s-tools.sh pins the release the chart is tested with."""
+    version = subprocess.run(
+        [helm(), "version", "--short"], capture_output=True, text=True, timeout=60
+    ).stdout
+    assert re.match(r"v[34]\.", version), version
+
+
 def test_helm_lint() -> None:
-    assert HELM is not None
-    result = subprocess.run([HELM, "lint", str(CHART)], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stdout + result.stderr
+    for args in ([], ["--set", "admission.backend=redis"], ["--set", "httpRoute.enabled=true",
+                 "--set", "httpRoute.parentRefs[0].name=gw"]):  # fmt: skip
+        result = subprocess.run(
+            [helm(), "lint", "--strict", str(CHART), *args],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
 
 
-@needs_helm
 def test_helm_render_matches_the_gateway_contract() -> None:
     from proxy.settings import settings_from_mapping
 
-    result = _render("--set", "grafanaDashboard.enabled=true")
-    assert result.returncode == 0, result.stderr
-    docs = {
-        d["kind"] + "/" + d["metadata"]["name"]: d for d in yaml.safe_load_all(result.stdout) if d
-    }
+    docs = render_docs("--set", "grafanaDashboard.enabled=true", *MONITORING)
     kinds = {key.split("/")[0] for key in docs}
     assert kinds == {
         "ConfigMap", "Deployment", "Service", "PodDisruptionBudget", "PodMonitor",
@@ -172,7 +196,6 @@ def test_helm_render_matches_the_gateway_contract() -> None:
     assert rule["spec"]["groups"] == sorted(rule_groups(), key=lambda g: g["name"])
 
 
-@needs_helm
 def test_helm_refuses_more_than_one_replica() -> None:
     result = _render("--set", "replicaCount=2")
     assert result.returncode != 0
@@ -182,15 +205,10 @@ def test_helm_refuses_more_than_one_replica() -> None:
     assert "admission.workers must be 1" in result.stderr
 
 
-@needs_helm
 def test_helm_render_with_redis_runs_two_rolling_gateways_and_a_redis() -> None:
     from proxy.settings import settings_from_mapping
 
-    result = _render("--set", "admission.backend=redis")
-    assert result.returncode == 0, result.stderr
-    docs = {
-        d["kind"] + "/" + d["metadata"]["name"]: d for d in yaml.safe_load_all(result.stdout) if d
-    }
+    docs = render_docs("--set", "admission.backend=redis")
     deployment = docs["Deployment/gw-headroom"]
     assert deployment["spec"]["replicas"] == 2
     assert deployment["spec"]["strategy"]["type"] == "RollingUpdate"
@@ -207,6 +225,94 @@ def test_helm_render_with_redis_runs_two_rolling_gateways_and_a_redis() -> None:
     )
     assert external.returncode == 0, external.stderr
     assert "gw-headroom-redis" not in external.stdout
+
+
+def _values_file(tmp_path: Path, values: dict[str, Any]) -> str:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return str(path)
+
+
+def test_operator_objects_render_only_where_the_cluster_serves_their_api() -> None:
+    """Without the Prometheus Operator's CRDs an install must not fail on PodMonitor and
+    PrometheusRule: they are left out unless monitoring.coreos.com/v1 is served."""
+    operator = {"PodMonitor/gw-headroom", "PrometheusRule/gw-headroom"}
+    assert not operator & render_docs().keys()
+    assert operator <= render_docs(*MONITORING).keys()
+    off = ("--set", "podMonitor.enabled=false", "--set", "prometheusRule.enabled=false")
+    assert not operator & render_docs(*MONITORING, *off).keys()
+    notes = subprocess.run(
+        [helm(), "install", "--dry-run=client", "gw", str(CHART)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert notes.returncode == 0, notes.stderr
+    assert "No PodMonitor or PrometheusRule" in notes.stdout
+
+
+def test_env_env_from_and_extra_volumes_reach_the_gateway_container(tmp_path: Path) -> None:
+    values = {
+        "env": [{"name": "HEADROOM_LOG_LEVEL", "value": "debug"}],
+        "envFrom": [{"secretRef": {"name": "headroom-env"}}],
+        "extraVolumes": [{"name": "ca", "secret": {"secretName": "redis-ca"}}],
+        "extraVolumeMounts": [{"name": "ca", "mountPath": "/etc/headroom-ca", "readOnly": True}],
+    }
+    docs = render_docs("-f", _values_file(tmp_path, values), "--set", "admission.backend=redis",
+                       "--set", "admission.redis.urlSecret.name=redis-url")  # fmt: skip
+    pod = docs["Deployment/gw-headroom"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert [e["name"] for e in container["env"]] == [
+        "HEADROOM_CONFIG", "HEADROOM_ADMISSION__REDIS__URL", "HEADROOM_LOG_LEVEL",
+    ]  # fmt: skip
+    assert container["envFrom"] == values["envFrom"]
+    assert container["volumeMounts"][-1] == values["extraVolumeMounts"][0]
+    assert [v["name"] for v in container["volumeMounts"]] == ["config", "tmp", "ca"]
+    assert pod["volumes"][-1] == values["extraVolumes"][0]
+    plain = render_docs()["Deployment/gw-headroom"]["spec"]["template"]["spec"]
+    assert "envFrom" not in plain["containers"][0]
+    assert [v["name"] for v in plain["volumes"]] == ["config", "tmp"]
+
+
+def test_a_config_change_rolls_the_pods_unless_live_reload_is_chosen() -> None:
+    def annotations(*args: str) -> dict[str, str]:
+        template = render_docs(*args)["Deployment/gw-headroom"]["spec"]["template"]
+        found: dict[str, str] = template["metadata"].get("annotations") or {}
+        return found
+
+    default = annotations()["checksum/config"]
+    changed = annotations("--set", "config.drain_timeout_s=20")["checksum/config"]
+    assert default != changed
+    assert annotations("--set", "rollOnConfigChange=false") == {}
+    kept = annotations("--set", "rollOnConfigChange=false", "--set", "podAnnotations.team=tts")
+    assert kept == {"team": "tts"}
+
+
+def test_the_http_route_sends_the_route_paths_to_the_service(tmp_path: Path) -> None:
+    assert not any(key.startswith("HTTPRoute/") for key in render_docs())
+    values = {
+        "httpRoute": {
+            "enabled": True,
+            "parentRefs": [{"name": "inference-gateway", "namespace": "gateway-system"}],
+            "hostnames": ["tts.example.com"],
+        }
+    }
+    docs = render_docs("-f", _values_file(tmp_path, values))
+    route = docs["HTTPRoute/gw-headroom"]
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    spec = route["spec"]
+    assert spec["parentRefs"] == values["httpRoute"]["parentRefs"]
+    assert spec["hostnames"] == ["tts.example.com"]
+    service = docs["Service/gw-headroom"]
+    paths = []
+    for rule in spec["rules"]:
+        assert rule["backendRefs"] == [
+            {"name": service["metadata"]["name"], "port": service["spec"]["ports"][0]["port"]}
+        ]
+        assert rule["timeouts"] == {"request": "0s"}
+        paths += [m["path"] for m in rule["matches"]]
+    assert paths == [{"type": "Exact", "value": r["path"]} for r in helm_values_config()["routes"]]
+    refused = _render("--set", "httpRoute.enabled=true")
+    assert refused.returncode != 0
+    assert "httpRoute.parentRefs: name the Gateway" in refused.stderr
 
 
 def test_deployment_template_probes_mount_and_strategy() -> None:

@@ -17,6 +17,15 @@ local op = ARGV[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
+-- The set lives until its last reservation expires (a gang reservation's slots may be
+-- held longer than one lease TTL: reservations.lua), never shorter.
+local function expire_with_last(key)
+  local last = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  if #last == 2 then
+    redis.call('PEXPIREAT', key, math.max(tonumber(last[2]), now + 1))
+  end
+end
+
 if op == 'reserve' then
   local key, id, max, ttl = KEYS[1], ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
@@ -29,7 +38,7 @@ if op == 'reserve' then
     active = active + 1
   end
   redis.call('ZADD', key, now + ttl, id)
-  redis.call('PEXPIRE', key, ttl)
+  expire_with_last(key)
   return {'ok', active}
 elseif op == 'release' then
   return redis.call('ZREM', KEYS[1], ARGV[2])
@@ -43,7 +52,7 @@ elseif op == 'renew' then
       -- session is live, and the quota counts live sessions.
       redis.call('ZADD', KEYS[k], now + ttl, ARGV[i])
     end
-    redis.call('PEXPIRE', KEYS[k], ttl)
+    expire_with_last(KEYS[k])
     renewed = renewed + n
     at = at + n + 1
   end
