@@ -6,7 +6,8 @@ hex digests, never in clear. A client presents its key as ``Authorization: Beare
 The check runs before the gate: a missing or wrong key (401) or a key not allowed on
 the route's pool (403) never takes a slot or a queue place. With auth on, the key is
 Headroom's: the ``Authorization`` header and ``api_key`` parameter are not forwarded
-upstream, and :class:`KeyRedactionFilter` keeps ``api_key`` values out of uvicorn's logs.
+upstream, and :class:`KeyRedactionFilter` keeps ``api_key`` values (and reservation
+tokens) out of uvicorn's logs.
 
 A key's ``max_sessions`` caps that tenant's concurrent sessions across pools: past it,
 429 ``tenant_limit`` (other tenants are unaffected). The reservation is taken before
@@ -26,7 +27,11 @@ from proxy.settings import ApiKeySettings, AuthSettings
 
 __all__ = ["KeyRedactionFilter", "TenantQuotas", "authenticate", "identify", "presented_key"]
 
-_API_KEY_RE = re.compile(r"(api_key=)[^&\s\"']*")
+#: Secrets in a request target: the API key, and a gang reservation's token (whoever
+#: holds it can claim the reserved slots), as a query value or in the release path.
+_SECRET_RE = re.compile(
+    r"((?:api_key|headroom_reservation)=|/v1/headroom/reservations/)[^&?#/\s\"']*"
+)
 
 
 def presented_key(scope: dict[str, Any]) -> str | None:
@@ -106,14 +111,16 @@ class TenantQuotas:
 
 
 class KeyRedactionFilter(logging.Filter):
-    """Rewrites ``api_key=...`` to ``api_key=REDACTED`` in any record it sees."""
+    """Rewrites ``api_key=...``, ``headroom_reservation=...`` and the token of
+    ``/v1/headroom/reservations/<token>`` to ``REDACTED`` in any record it sees (uvicorn
+    logs a request's path with its query string)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
             record.args = tuple(
-                _API_KEY_RE.sub(r"\1REDACTED", a) if isinstance(a, str) else a
+                _SECRET_RE.sub(r"\1REDACTED", a) if isinstance(a, str) else a
                 for a in record.args
             )
-        if isinstance(record.msg, str) and "api_key=" in record.msg:
-            record.msg = _API_KEY_RE.sub(r"\1REDACTED", record.msg)
+        if isinstance(record.msg, str) and ("=" in record.msg or "/v1/" in record.msg):
+            record.msg = _SECRET_RE.sub(r"\1REDACTED", record.msg)
         return True

@@ -41,16 +41,19 @@ class DenialNoiseFilter(logging.Filter):
 
 
 def install_denial_filter() -> None:
-    """Attach Headroom's filters to uvicorn's error logger (idempotent): the denial
-    noise filter, and the redaction of ``api_key`` query values (uvicorn logs each
-    WebSocket's path with its query string)."""
+    """Attach Headroom's filters to uvicorn's loggers (idempotent): the denial noise
+    filter, and the redaction of ``api_key`` and ``headroom_reservation`` query values
+    (uvicorn logs each WebSocket's path with its query string, refusals included, and
+    its access log, when turned on, each request's)."""
     from proxy.auth import KeyRedactionFilter
 
     logger = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, DenialNoiseFilter) for f in logger.filters):
         logger.addFilter(DenialNoiseFilter())
-    if not any(isinstance(f, KeyRedactionFilter) for f in logger.filters):
-        logger.addFilter(KeyRedactionFilter())
+    for name in ("uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, KeyRedactionFilter) for f in logger.filters):
+            logger.addFilter(KeyRedactionFilter())
 
 
 class JsonFormatter(logging.Formatter):

@@ -12,28 +12,71 @@ A connection presenting a gang reservation (header ``X-Headroom-Reservation`` or
 parameter ``headroom_reservation``, :mod:`proxy.reservations`) uses its reserved slot of
 the route's pool instead: no queue, no fallback; a token without an unused slot for
 that pool is refused (:class:`~proxy.reservations.ReservationRefused`, 409 / 1008).
+A token presented but not usable as one -- empty or only whitespace, or two that differ
+(header and query parameter, or either given twice) -- is refused as malformed
+(:class:`ReservationMalformed`, 400 / 1008): never taken as "no token" and admitted the
+normal way.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import parse_qsl, urlencode
 
 from proxy.auth import authenticate
-from proxy.errors import Refused
+from proxy.errors import PolicyViolation, Refused
 from proxy.gate import Lease, PositionCallback, Waiting
-from proxy.reservations import presented_token
+from proxy.reservations import QUERY_PARAMETER, RESERVATION_HEADER
 
 if TYPE_CHECKING:
     from proxy.relay.services import RelayServices
     from proxy.settings import RouteSettings
 
-__all__ = ["FALLBACK_RESPONSE_HEADER", "enter", "upstream_query", "wants_fallback"]
+__all__ = [
+    "FALLBACK_RESPONSE_HEADER",
+    "ReservationMalformed",
+    "enter",
+    "reservation_token",
+    "upstream_query",
+    "wants_fallback",
+]
 
 FALLBACK_RESPONSE_HEADER = b"x-headroom-fallback"
 _FALLBACK_HEADER = b"x-headroom-allow-fallback"
 _OWN_QUERY = frozenset({"headroom_fallback", "headroom_reservation"})
 _TRUE = frozenset({"1", "true", "yes", "on"})
+
+
+class ReservationMalformed(PolicyViolation):
+    """A reservation token was presented but cannot be one (400 / 1008)."""
+
+    code: ClassVar[str] = "reservation_malformed"
+
+
+def reservation_token(scope: dict[str, Any]) -> str | None:
+    """The gang reservation token the connection presents (None: it presents none).
+    Every ``X-Headroom-Reservation`` header and ``headroom_reservation`` parameter is
+    read; raises :class:`ReservationMalformed` when one is empty or only whitespace, or
+    when they do not all name the same token."""
+    seen: set[str] = set()
+    for name, value in scope["headers"]:
+        if name.lower() == RESERVATION_HEADER:
+            seen.add(value.decode("latin-1").strip())
+    query: bytes = scope.get("query_string", b"")
+    if QUERY_PARAMETER.encode() in query:
+        for key, value in parse_qsl(query.decode("latin-1"), keep_blank_values=True):
+            if key == QUERY_PARAMETER:
+                seen.add(value.strip())
+    if not seen:
+        return None
+    if "" in seen:
+        raise ReservationMalformed("the reservation token is empty")
+    if len(seen) > 1:
+        raise ReservationMalformed(
+            "two different reservation tokens (X-Headroom-Reservation and "
+            "headroom_reservation must name the same one)"
+        )
+    return seen.pop()
 
 
 def wants_fallback(scope: dict[str, Any]) -> bool:
@@ -71,7 +114,7 @@ async def enter(
     primary refuses. Returns the entry and the fallback pool used (None if primary).
     Raises the primary's :class:`Refused` (naming the fallback) if neither admits.
     With a reservation token: the reserved slot, or raises ReservationRefused."""
-    token = presented_token(scope)
+    token = reservation_token(scope)
     if token is not None:
         key = authenticate(services.settings.auth, scope, route.pool)
         claimed = await services.reservations.claim(token, route.pool, key)
