@@ -24,7 +24,8 @@ plus a bounded settle. The exit status is 0 only if the invariants held:
 * **a stalled loop fences nothing**: no gateway ends its sessions for lost leases while
   one of its event loops is stalled (for ``2 x lease_ttl_s``) or just after.
 
-Faults and operations, one at a time at seeded random intervals: ``kill9`` (SIGKILL a
+Faults and operations, one at a time at seeded random intervals (each kind once in a
+random order first, then any): ``kill9`` (SIGKILL a
 gateway -- for the workers gateway the supervisor and its workers, like a pod kill --
 then start it again on the same ports), ``redis_restart`` (SIGKILL redis-server, start
 it again empty), ``stall`` (block one gateway process's event loop -- one worker of the
@@ -296,8 +297,9 @@ async def _kill9(state: State, g: Gateway) -> dict[str, Any]:
 async def _ops(state: State, redis: cs.RedisProcess, urls: list[str]) -> None:
     cfg, rng = state.cfg, state.rng
     at = cfg.first_op_s
+    first = rng.sample(cfg.kinds, len(cfg.kinds))  # every kind once, then any
     while True:
-        kind = rng.choice(cfg.kinds)
+        kind = first.pop() if first else rng.choice(cfg.kinds)
         bound = cfg.lease_ttl_s * 3 + cfg.stall_s + 10
         if at + bound > cfg.duration_s:
             return
@@ -356,7 +358,7 @@ def starts_over_cap(events: list[list[list[Any]]], changes: list[CapChange], ini
     over = []
     for gpu, seq in enumerate(events):
         active = 0
-        for t, d, cid in sorted(seq, key=lambda e: (e[0], -e[1])):
+        for t, d, cid in sorted(seq, key=lambda e: (e[0], e[1])):  # ends first
             active += d
             if d == 1:
                 cap = caps_in_force(changes, initial, gpu, t - grace_s, t)
@@ -564,6 +566,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="share of sessions sending the long text")
     p.add_argument("--long-repeat", type=int, default=d.long_repeat)
     p.add_argument("--kinds", default=",".join(KINDS), help=f"operations, from {KINDS}")
+    p.add_argument("--op-gap", default=",".join(str(x) for x in d.op_gap_s),
+                   help="seconds between operations, drawn from MIN,MAX")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--settle", type=float, default=d.settle_s)
     p.add_argument("--workdir", help="keep configurations and logs here")
@@ -573,7 +577,12 @@ def main(argv: list[str] | None = None) -> int:
     kinds = tuple(k for k in a.kinds.split(",") if k)
     if not kinds or any(k not in KINDS for k in kinds):
         p.error(f"--kinds: choose from {', '.join(KINDS)}")
-    cfg = InvariantConfig(duration_s=a.duration, gpus=a.gpus, cap=a.cap, clients=a.clients,
+    try:
+        low, high = (float(x) for x in a.op_gap.split(","))
+    except ValueError:
+        p.error("--op-gap: MIN,MAX in seconds")
+    cfg = InvariantConfig(duration_s=a.duration, op_gap_s=(low, high), gpus=a.gpus, cap=a.cap,
+                          clients=a.clients,
                           lease_ttl_s=a.lease_ttl, long_share=a.long_share,
                           long_repeat=a.long_repeat, kinds=kinds, seed=a.seed, settle_s=a.settle,
                           workdir=a.workdir)  # fmt: skip
