@@ -11,6 +11,16 @@ rewrite is off (:func:`proxy.gateway.uvicorn_options`) -- appended exactly once.
 is one of ``forwarded.trusted_proxies`` and sent its own (``http`` or ``https``, e.g.
 a load balancer that terminated TLS): that one is kept. An untrusted peer cannot
 choose it.
+
+The other two ways of naming the client follow the same rules, when the client sent
+them (Headroom does not add them to a request that had none):
+
+* ``Forwarded`` (RFC 7239), like ``X-Forwarded-For``: the client's elements as it sent
+  them (several header lines joined in order), then Headroom's own element for the hop
+  it saw, ``for=<peer>;proto=<scheme>``, appended exactly once;
+* ``X-Real-IP``, like ``X-Forwarded-Proto``: from a trusted proxy, the address it sent
+  (its last line); from any other peer, the peer's own address -- an untrusted client
+  cannot name itself.
 """
 
 from __future__ import annotations
@@ -111,6 +121,8 @@ def forwarded_request_headers(
     out: list[tuple[str, str]] = []
     chain: list[str] = []
     given_proto: str | None = None
+    forwarded: list[str] | None = None  # None: the client sent no Forwarded header
+    real_ip: str | None = None
     for name, value_b in named:
         if name in drop:
             continue
@@ -122,16 +134,42 @@ def forwarded_request_headers(
         if name == "x-forwarded-proto":
             given_proto = value.strip().lower()
             continue
+        if name == "forwarded":
+            if forwarded is None:
+                forwarded = []
+            if value.strip():
+                forwarded.append(value.strip())
+            continue
+        if name == "x-real-ip":
+            real_ip = value.strip()
+            continue
         out.append((name, value))
     if client_host:
         chain.append(client_host)
     if chain:
         out.append(("x-forwarded-for", ", ".join(chain)))
-    proto = "https" if scheme in ("https", "wss") else "http"
-    if given_proto in ("http", "https") and is_trusted(client_host, trusted_proxies):
-        proto = given_proto
+    own_scheme = "https" if scheme in ("https", "wss") else "http"
+    trusted = is_trusted(client_host, trusted_proxies)
+    proto = given_proto if given_proto in ("http", "https") and trusted else own_scheme
     out.append(("x-forwarded-proto", proto))
+    if forwarded is not None:
+        forwarded.append(_forwarded_element(client_host, own_scheme))
+        out.append(("forwarded", ", ".join(forwarded)))
+    if real_ip is not None:
+        out.append(("x-real-ip", real_ip if trusted and real_ip else client_host or ""))
     return out
+
+
+def _forwarded_element(host: str | None, scheme: str) -> str:
+    """RFC 7239's element for the hop Headroom saw: ``for=<peer>;proto=<scheme>`` (an
+    IPv6 address quoted and bracketed, an unknown peer ``unknown``)."""
+    if not host:
+        node = "unknown"
+    elif ":" in host:
+        node = f'"[{host}]"'
+    else:
+        node = host
+    return f"for={node};proto={scheme}"
 
 
 def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:

@@ -184,7 +184,8 @@ def _check_proxy(value: str) -> str:
 class ForwardedSettings(_Frozen):
     """Which peers' forwarding headers Headroom believes. None by default: the TCP peer
     is the client. Headroom always appends the peer to the client's ``X-Forwarded-For``
-    (once); from a trusted peer it also keeps the ``X-Forwarded-Proto`` the peer sent."""
+    and ``Forwarded`` (once); from a trusted peer it also keeps the
+    ``X-Forwarded-Proto`` and ``X-Real-IP`` the peer sent (proxy.relay.headers)."""
 
     trusted_proxies: tuple[Annotated[str, AfterValidator(_check_proxy)], ...] = ()
 
