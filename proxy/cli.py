@@ -108,6 +108,18 @@ def _load(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> 
     return settings
 
 
+_NO_OTEL = (
+    "tracing.enabled is true but OpenTelemetry is not installed: "
+    "pip install 'headroom-proxy[otel]' (or set tracing.enabled: false)"
+)
+
+
+def _otel_available() -> bool:
+    from proxy.tracing import otel_available
+
+    return otel_available()
+
+
 def _serve(args: argparse.Namespace) -> int:
     if args.workers < 1:
         say("headroom: --workers must be at least 1")
@@ -121,6 +133,9 @@ def _serve(args: argparse.Namespace) -> int:
             "headroom: admission.backend is redis but the 'redis' package is not installed: "
             "pip install 'headroom-proxy[redis]' (or set admission.backend: memory)"
         )
+        return 2
+    if settings.tracing.enabled and not _otel_available():
+        say(f"headroom: {_NO_OTEL}")
         return 2
     if args.workers > 1 and settings.admission.backend != "redis":
         from proxy.workers import memory_refusal
@@ -170,6 +185,9 @@ def _check(args: argparse.Namespace) -> int:
             "headroom check: refused: admission.backend is redis but the 'redis' package is "
             "not installed: pip install 'headroom-proxy[redis]'"
         )
+        return 2
+    if settings.tracing.enabled and not _otel_available():
+        say(f"headroom check: refused: {_NO_OTEL}")
         return 2
     gpu_lines, findings = check_gpus(settings)  # co-location (issue 19)
     for line in gpu_lines:

@@ -43,6 +43,7 @@ from proxy.reservations import Reservations, presented_token
 from proxy.settings import ApiKeySettings, GuardSettings, PoolSettings, RouteSettings, Settings
 from proxy.shared_gate import ADMITTED_POOL, TENANT_QUOTA, SharedGate, build_shared_gate
 from proxy.signals import ReplicaSignals
+from proxy.tracing import SessionTracer, make_tracer
 from proxy.upstreams import Upstreams
 
 if TYPE_CHECKING:
@@ -123,6 +124,11 @@ class Runtime:
         self.upstreams = Upstreams(settings, self.gate, self.clock)
         self.guard = GuardLoop(self.gate, self.clock, self.signals)
         self.loop_watch = LoopWatch(self.metrics.registry)
+        #: Session traces (proxy.tracing); None while tracing is off. Read at start-up:
+        #: a reload does not change it.
+        self.tracer: SessionTracer | None = (
+            make_tracer(settings.tracing) if settings.tracing.enabled else None
+        )
         self._apply_settings(settings)
         #: Every relaying session's stop, with the pool it was admitted to (None: not
         #: known, e.g. the in-process gate, which never fences).
@@ -213,6 +219,8 @@ class Runtime:
         await self.upstreams.stop()
         if isinstance(self.gate, SharedGate):
             await self.gate.stop()
+        if self.tracer is not None:  # exports what is buffered: off the event loop
+            await asyncio.to_thread(self.tracer.shutdown)
         self.started = False
 
     @property

@@ -222,18 +222,29 @@ async def run_session(
     record = SessionRecord(
         new_session_id(), route.path, route.pool, transport.kind, clock.now(), decision="admitted"
     )
+    peer = scope.get("client")
+    if peer:
+        record.client = peer[0]
+    # Tracing (proxy.tracing): spans start and end at these step boundaries only.
+    trace = services.tracer.start(scope, record) if services.tracer is not None else None
     lease: Lease | None = None
     upstream: U | None = None
     tenant: str | None = None
     try:
         try:
-            tenant = services.authorize(scope, route.pool)
+            if trace is not None:
+                trace.begin("auth")
+            tenant = record.tenant = services.authorize(scope, route.pool)
             await transport.prepare(record)
+            if trace is not None:
+                trace.end_step()
             entry, fallback_pool = await enter(services, route, scope, transport.on_position)
             if fallback_pool is not None:
                 record.pool = fallback_pool
             if isinstance(entry, Waiting):
                 record.decision = "queued"
+                if trace is not None:
+                    trace.begin("queue_wait")
                 async with transport.queued():
                     lease = await race_client(
                         entry.wait(), transport.until_disconnect(), leftover=_release
@@ -264,6 +275,8 @@ async def run_session(
         record.admitted_at = clock.now()
         record.queue_wait_s = lease.waited_s
         record.replica = lease.replica
+        if trace is not None:
+            trace.begin("upstream_connect")
         try:
             if transport.open_races_client:
                 upstream = await race_client(
@@ -291,6 +304,8 @@ async def run_session(
             record.error = "client went away during the upstream connect"
             record.client_close = 1006
             return record
+        if trace is not None:
+            trace.begin("stream")
         await transport.relay(lease, upstream, fallback_pool, record)
     except asyncio.CancelledError:
         record.error = "cancelled"
@@ -311,5 +326,7 @@ async def run_session(
             lease.release()
         services.release_tenant(tenant)
         record.ended = clock.now()
+        if trace is not None:
+            trace.finish(record)
         record.emit()
     return record

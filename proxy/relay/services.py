@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from proxy.reservations import Reservations
     from proxy.settings import RouteSettings, Settings
     from proxy.shared_gate import SharedGate
+    from proxy.tracing import SessionTracer
 
 __all__ = ["RelayServices", "StopSession"]
 
@@ -84,3 +85,7 @@ class RelayServices(Protocol):
     def unregister_session(self, stop: StopSession) -> None: ...
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None: ...
+
+    # tracing: None while ``tracing.enabled`` is false
+    @property
+    def tracer(self) -> SessionTracer | None: ...

@@ -44,6 +44,12 @@ class SessionRecord:
     frames_down: int = 0
     error: str | None = None
     meter: dict[str, Any] = field(default_factory=dict)
+    #: The API key's name (None: authentication is off, or the key was refused).
+    tenant: str | None = None
+    #: The client's address: the TCP peer.
+    client: str | None = None
+    #: The session's trace (32 hex digits), when tracing is on (:mod:`proxy.tracing`).
+    trace_id: str | None = None
 
     def fields(self) -> dict[str, Any]:
         duration = None
@@ -55,6 +61,8 @@ class SessionRecord:
             "route": self.route,
             "pool": self.pool,
             "transport": self.transport,
+            "tenant": self.tenant,
+            "client": self.client,
             "replica": self.replica,
             "decision": self.decision,
             "queue_wait_s": round(self.queue_wait_s, 4),
@@ -69,6 +77,8 @@ class SessionRecord:
         }
         if self.error:
             out["error"] = self.error
+        if self.trace_id:
+            out["trace_id"] = self.trace_id
         out.update(self.meter)
         return out
 

@@ -62,6 +62,7 @@ class Services:
         self.released_tokens: list[str | None] = []
         self.sessions: list[StopSession] = []
         self.upstream_errors: list[tuple[str, str, str]] = []
+        self.tracer = None  # tracing off (proxy.tracing)
 
     @property
     def route(self) -> RouteSettings:
