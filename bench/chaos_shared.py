@@ -454,6 +454,7 @@ def gateway_settings(cfg: SharedChaosConfig, port: int, redis_url: str,
     return {
         "listen": {"host": "127.0.0.1", "port": port},
         "admin": {"enabled": False},
+        "metrics": {"client_port": True},  # scraped on the client listener
         "log_level": "info",
         "log_format": "json",
         "drain_timeout_s": 5,

@@ -108,6 +108,7 @@ def _config(sim_url: str, preset: Any, cap: int, phase: str, users: dict[str, in
     config: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "admin": {"enabled": False},
+        "metrics": {"client_port": True},  # scraped on the client listener
         "log_level": "warning",
         "log_format": "text",
         "pools": [pool],

@@ -315,6 +315,7 @@ def _config(asr_url: str, tts_url: str, asr_cap: int, tts_cap: int, rate: int) -
     return {
         "listen": {"host": "127.0.0.1", "port": 0},
         "admin": {"enabled": False},
+        "metrics": {"client_port": True},  # scraped on the client listener
         "log_level": "warning",
         "log_format": "text",
         "guard": {"mode": "observe"},

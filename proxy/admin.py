@@ -6,6 +6,8 @@
 * ``POST /admin/reload`` -- re-read the configuration file and apply it live (as SIGHUP
   does); an invalid file is refused with 400 and the problems, the old one stays.
 * ``POST /admin/drain``  -- start a graceful drain (as SIGTERM does).
+* ``GET /metrics``       -- the Prometheus exposition (on the client listener too only
+  with ``metrics: {client_port: true}``: it names tenants and the topology).
 
 Every request is checked before its body is read: the key from the head (401), then
 the body, under ``limits.max_control_body_bytes`` and ``limits.handshake_timeout_s``
@@ -14,8 +16,8 @@ the body, under ``limits.max_control_body_bytes`` and ``limits.handshake_timeout
 Bound anywhere but loopback, it requires ``Authorization: Bearer <key>`` whose SHA-256
 is ``admin.api_key_sha256`` (the settings refuse a non-loopback admin without one, and a
 reload may change that key but not remove it while the socket stays bound off loopback:
-:func:`proxy.settings.reload_problems`). The listener serves only these three endpoints;
-``/metrics`` and the health checks are on the client listener (:mod:`proxy.app`).
+:func:`proxy.settings.reload_problems`); ``/metrics`` is checked like the rest. The
+health checks are on the client listener (:mod:`proxy.app`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.errors import ConfigError
 from proxy.pipelines import headroom_of
@@ -104,6 +107,11 @@ def create_admin_app(
                 status_code=400,
             )  # fmt: skip
         return JSONResponse({"reloaded": True, "changes": changes})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        exposition = generate_latest(runtime.metrics.registry)
+        return Response(exposition, media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/admin/drain", status_code=202)
     async def do_drain() -> dict[str, Any]:

@@ -5,9 +5,11 @@ the rest.
 * An HTTP request on an HTTP route -> :func:`proxy.relay.http.relay_http`.
 * ``POST /v1/headroom/reservations`` and ``DELETE /v1/headroom/reservations/{token}``:
   gang admission across stages (:mod:`proxy.reservations`, docs/voice-agents.md).
-* ``/healthz`` (alive), ``/readyz`` (config loaded, not draining, at least one healthy
-  replica; 503 otherwise), ``/ping`` (the same, for SageMaker's container contract),
-  ``/metrics`` (Prometheus text format), served by a small
+* ``/healthz`` (alive), ``/readyz`` (config loaded, not draining and, with ``readiness:
+  upstream``, the admission backend answering and at least one healthy replica; 503
+  otherwise), ``/ping`` (the same, for SageMaker's container contract), ``/metrics``
+  (Prometheus text format; only with ``metrics: {client_port: true}``, else 404: it is
+  on the admin listener), served by a small
   FastAPI app. Anything else: 404 (a WebSocket is denied with 404). Upstreams come only
   from configuration: no header, path or query can choose a host.
 
@@ -136,6 +138,8 @@ def _ops_app(rt: Runtime) -> FastAPI:
 
     @ops.get("/metrics")
     async def metrics() -> Response:
+        if not rt.settings.metrics.client_port:  # served on the admin listener
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
         return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return ops

@@ -36,11 +36,21 @@ sum without its bucket (never a torn count: ``_count`` is the sum of the buckets
 from __future__ import annotations
 
 import math
+import platform
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -64,6 +74,7 @@ __all__ = [
     "ReplicaGauges",
     "ReplicaSeries",
     "TenantGauges",
+    "build_labels",
     "gap_buckets",
 ]
 
@@ -79,6 +90,19 @@ GAP_BUCKETS: tuple[float, ...] = (
 DELIVERY_RATIO_BUCKETS: tuple[float, ...] = (
     0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.2, 1.3, 1.5, 2.0, 3.0, 5.0, 10.0, 25.0, 100.0,
 )  # fmt: skip
+
+def build_labels() -> tuple[str, str, str]:
+    """``headroom_build_info``'s labels: version, Python version, and ``compiled`` when
+    every per-chunk module runs compiled, ``interpreted`` when none does (``mixed``
+    otherwise: a partial build; :mod:`proxy.speedups`)."""
+    from proxy import __version__
+    from proxy.speedups import build_status
+
+    status = build_status()
+    build = "mixed" if status.compiled and status.interpreted else (
+        "compiled" if status.compiled else "interpreted")  # fmt: skip
+    return __version__, platform.python_version(), build
+
 
 # ``*_created`` series double the scrape size and no dashboard or alert uses them.
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -572,6 +596,18 @@ class Metrics:
         self.tenant_session_seconds = _CollectedCounter(
             *_TENANT_SESSION_SECONDS, _TENANT_LABELS, registry=None
         )
+        # The process: process_* (CPU, memory, file descriptors, start time), python_gc_*
+        # and python_info, on this registry as on prometheus_client's default one.
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
+        PlatformCollector(registry=r)
+        self.build_info = Gauge(
+            "headroom_build_info",
+            "Always 1: the running version, Python, and whether the per-chunk modules run "
+            "compiled (mypyc) or interpreted.",
+            ["version", "python", "build"], registry=r,
+        )  # fmt: skip
+        self.build_info.labels(*build_labels()).set(1)
 
     def child(self, metric: _M, *labels: str) -> _M:
         """``metric.labels(*labels)``, looked up once: every session counts its decision,

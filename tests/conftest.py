@@ -57,6 +57,9 @@ def proxy_settings(
     data: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "admin": {"enabled": False},
+        # With the admin listener off, tests scrape /metrics on the client listener; the
+        # default (admin listener only) is tested in tests/integration/test_metrics_listener.py
+        "metrics": {"client_port": True},
         "pools": [
             {
                 "name": "main",

@@ -189,9 +189,12 @@ async def test_admin_listener_serves_only_admin_endpoints(upstream: Any, tmp_pat
     async with running_gateway(path) as gateway, httpx.AsyncClient() as client:
         admin = f"http://127.0.0.1:{gateway.admin_port}"
         main = f"http://127.0.0.1:{gateway.port}"
-        for endpoint in ("/metrics", "/healthz", "/readyz", "/ping"):
+        for endpoint in ("/healthz", "/readyz", "/ping"):
             assert (await client.get(admin + endpoint)).status_code == 404
             assert (await client.get(main + endpoint)).status_code == 200
+        # /metrics names tenants and the topology: the admin listener's, by default
+        assert (await client.get(admin + "/metrics")).status_code == 200
+        assert (await client.get(main + "/metrics")).status_code == 404
         assert (await client.get(admin + "/admin/status")).status_code == 200
         assert (await client.get(main + "/admin/status")).status_code == 404
 

@@ -1,6 +1,6 @@
 """A pipeline's limiting stage through a real gateway (issue 19): config/voice-agent.yaml
 with its replicas pointed at a real upstream, sessions opened through the client listener,
-the figures read from /metrics and from the admin listener's /admin/status."""
+the figures read from the admin listener's /metrics and /admin/status."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def voice_agent_config(url: str) -> dict[str, Any]:
 
 async def scrape(gateway: Gateway) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     async with httpx.AsyncClient() as client:
-        text = (await client.get(f"http://127.0.0.1:{gateway.port}/metrics")).text
+        text = (await client.get(f"http://127.0.0.1:{gateway.admin_port}/metrics")).text
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)

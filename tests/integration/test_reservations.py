@@ -99,7 +99,7 @@ async def test_a_reservation_admits_asr_over_ws_and_tts_over_http(
         assert missing.status_code == 404
         bad = await reserve(client, gateway, pools=["asr-main", "nope"])
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_reservation"
-        text = (await client.get(f"http://{base}/metrics")).text
+        text = (await client.get(f"http://127.0.0.1:{gateway.admin_port}/metrics")).text
         assert 'headroom_reservations_total{outcome="granted"} 2.0' in text
         assert 'headroom_reservation_refusals_total{pool="tts-main",reason="pool_full"} 1.0' in text
         assert 'headroom_reservation_slots_total{outcome="used",pool="asr-main"} 1.0' in text

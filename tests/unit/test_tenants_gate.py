@@ -155,6 +155,7 @@ def mapping(url: str = "http://127.0.0.1:9", **pool: Any) -> dict[str, Any]:
     return {
         "listen": {"host": "127.0.0.1", "port": 0},
         "admin": {"enabled": False},
+        "metrics": {"client_port": True},  # scraped on the client listener here
         "pools": [
             {"name": "main", "replicas": [{"name": "gpu0", "url": url, "max_sessions": 2}],
              "queue": {"max_depth": 1, "max_wait_s": 30}, **pool},
