@@ -51,11 +51,20 @@ from typing import Any, ClassVar
 from prometheus_client import CollectorRegistry, Counter
 
 from proxy.admission import TenantSpec
-from proxy.auth import TenantQuotas, authenticate
+from proxy.auth import TenantQuotas
 from proxy.clock import Clock, TimerHandle
 from proxy.errors import PolicyViolation, Refused, TenantLimitRefused, refusal_for
 from proxy.gate import Gate, Lease, Waiting, count_decision
-from proxy.settings import ApiKeySettings, AuthSettings, ReservationSettings
+from proxy.reservation_requests import (
+    MAX_POOLS,
+    QUERY_PARAMETER,
+    RESERVATION_HEADER,
+    BadReservation,
+    key_of,
+    parse_request,
+    presented_token,
+)
+from proxy.settings import ApiKeySettings, ReservationSettings
 from proxy.shared_gate import ADMITTED_POOL, SharedGate
 
 __all__ = [
@@ -69,23 +78,16 @@ __all__ = [
     "ReservationRefused",
     "ReservationUnknown",
     "Reservations",
+    "key_of",
+    "parse_request",
     "presented_token",
 ]
 
 log = logging.getLogger("headroom.reservations")
 
-RESERVATION_HEADER = b"x-headroom-reservation"
-QUERY_PARAMETER = "headroom_reservation"
-MAX_POOLS = 8
 #: Ended tokens remembered (to say "expired" rather than "unknown").
 _TOMBSTONES = 10_000
 _DEFAULTS = ReservationSettings()
-
-
-class BadReservation(PolicyViolation):
-    """The reservation request itself is malformed (400)."""
-
-    code: ClassVar[str] = "invalid_reservation"
 
 
 class ReservationRefused(PolicyViolation):
@@ -107,21 +109,6 @@ class ReservationPool(ReservationRefused):
     code: ClassVar[str] = "reservation_pool"
 
 
-def presented_token(scope: dict[str, Any]) -> str | None:
-    """The reservation token of a stage connection (header first, then query)."""
-    for name, value in scope["headers"]:
-        if name.lower() == RESERVATION_HEADER:
-            return value.decode("latin-1").strip() or None
-    query: bytes = scope.get("query_string", b"")
-    if QUERY_PARAMETER.encode() in query:
-        from urllib.parse import parse_qsl
-
-        for key, value in parse_qsl(query.decode("latin-1")):
-            if key == QUERY_PARAMETER:
-                return value.strip() or None
-    return None
-
-
 class ReservationMetrics:
     """The reservation series (README metrics table), on the gateway's registry."""
 
@@ -140,8 +127,9 @@ class ReservationMetrics:
         self.slots = Counter(
             "headroom_reservation_slots_total",
             "Reserved slots by how they left the reservation: used (claimed by a stage "
-            "connection), expired_unused (hold_s passed), released (DELETE), lost "
-            "(admission backend fence), closed (gateway shutdown).",
+            "connection, counted where it connected), expired_unused (hold_s passed), "
+            "released (DELETE), lost (its lease lapsed before the claim), closed "
+            "(gateway shutdown, in process).",
             ["pool", "outcome"], registry=registry,
         )  # fmt: skip
         self.claims_refused = Counter(
@@ -422,39 +410,3 @@ async def _back_out(waiting: Waiting) -> None:
     elif not task.cancelled():
         with contextlib.suppress(BaseException):
             task.result()
-
-
-def parse_request(
-    body: Any, known: Sequence[str], limits: ReservationSettings = _DEFAULTS
-) -> tuple[list[str], float]:
-    """(pools, hold_s) of a reservation request body; raises :class:`BadReservation`."""
-    if not isinstance(body, dict):
-        raise BadReservation('the body must be a JSON object: {"pools": [...], "hold_s": 5}')
-    unknown_fields = set(body) - {"pools", "hold_s"}
-    if unknown_fields:
-        raise BadReservation(f"unknown field(s): {', '.join(sorted(unknown_fields))}")
-    pools = body.get("pools")
-    if not isinstance(pools, list) or not pools or not all(isinstance(p, str) for p in pools):
-        raise BadReservation('"pools" must be a non-empty list of pool names')
-    if len(pools) > MAX_POOLS:
-        raise BadReservation(f'"pools" may name at most {MAX_POOLS} pools')
-    if len(set(pools)) != len(pools):
-        raise BadReservation('"pools" names a pool twice')
-    missing = [p for p in pools if p not in known]
-    if missing:
-        raise BadReservation(f"no pool named {', '.join(map(repr, missing))}")
-    hold = body.get("hold_s", limits.default_hold_s)
-    top = limits.max_hold_s
-    if isinstance(hold, bool) or not isinstance(hold, int | float) or not 0 < hold <= top:
-        raise BadReservation(f'"hold_s" must be a number of seconds in (0, {top:g}]')
-    return list(pools), float(hold)
-
-
-def key_of(
-    auth: AuthSettings | None, scope: dict[str, Any], pools: Sequence[str]
-) -> ApiKeySettings | None:
-    """The caller's key, checked for every pool (raises Unauthorized/Forbidden)."""
-    key: ApiKeySettings | None = None
-    for pool in pools:
-        key = authenticate(auth, scope, pool)
-    return key

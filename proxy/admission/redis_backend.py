@@ -1,6 +1,6 @@
 """Shared admission state in Redis: leases, the cross-gateway FIFO, the data generation.
 
-A thin client over seven atomic Lua scripts (``proxy/admission/lua``), loaded once and
+A thin client over the atomic Lua scripts of ``proxy/admission/lua``, loaded once and
 called by their SHA (redis-py's ``register_script``: EVALSHA, falling back to EVAL
 only when the server lost its script cache). It holds no admission state of its own;
 the asyncio shell :class:`proxy.shared_gate.SharedGate` keeps the gateway's side.

@@ -31,6 +31,7 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from proxy.admission.redis_backend import BackendUnavailable
 from proxy.admission.tenants import TenantSpec
@@ -94,14 +95,15 @@ class SharedReservations:
         ]  # fmt: skip
         for pool in pools:
             args += [pool, ids[pool]]
+        opening = asyncio.ensure_future(gate.backend.reservation(digest, name, args))
         try:
-            opened = await asyncio.shield(gate.backend.reservation(digest, name, args))
+            opened = await asyncio.shield(opening)
         except BackendUnavailable as exc:
             log.warning("refusing a reservation: admission store unreachable (%s)", exc)
             self._abort(digest, name, ids, None)
             raise self._unavailable(pools[0]) from None
         except asyncio.CancelledError:
-            self._abort(digest, name, ids, None)
+            self._abort(digest, name, ids, opening)  # once the open has landed
             raise
         if opened[0] == "live_limit":
             raise TenantLimitRefused(
@@ -127,12 +129,12 @@ class SharedReservations:
         self._issued[digest] = (name, timer)
 
     def _abort(
-        self, digest: str, name: str, ids: dict[str, str], pending: asyncio.Future[str] | None
+        self, digest: str, name: str, ids: dict[str, str], pending: asyncio.Future[Any] | None
     ) -> None:
         self.gate.background(self._give_back(digest, name, ids, pending))
 
     async def _give_back(
-        self, digest: str, name: str, ids: dict[str, str], pending: asyncio.Future[str] | None
+        self, digest: str, name: str, ids: dict[str, str], pending: asyncio.Future[Any] | None
     ) -> None:
         """A reservation that never reached its client: its record, its quota entries
         and every slot it may hold (a slot whose grant is still on its way, once it
@@ -140,7 +142,7 @@ class SharedReservations:
         if pending is not None:
             await asyncio.wait({pending})
             if not pending.cancelled():
-                pending.exception()  # retrieved: its refusal was the caller's answer
+                pending.exception()  # retrieved: the caller has its answer
         try:
             await self.gate.backend.reservation(digest, name, ["abort", digest])
         except BackendUnavailable:

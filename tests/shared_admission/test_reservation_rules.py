@@ -257,3 +257,27 @@ async def test_a_gateway_that_stops_leaves_its_reservations_claimable(
     assert isinstance(b, SharedGate) and b.active == 1
     lease.release()
     await backend.settle()
+
+
+async def test_a_reservation_whose_gateway_is_gone_lapses_at_its_deadline(
+    shared: Backend,
+) -> None:
+    """Nobody renews unclaimed slots: with the issuing gateway gone, Redis gives them
+    back at the reservation's deadline (its own clock), and a late claim is refused."""
+    a, b = await gateways(shared, caps=(1,), depth=0)  # refused at once until then
+    store_a, store_b = stores(shared, [a, b])
+    r = await store_a.reserve(["tts"], 0.2, PLAIN)
+    store_a.close()
+    await a.stop()
+    lease: Lease | None = None
+    for _ in range(400):  # bounded: Redis's clock passes the deadline
+        try:
+            lease = await b.acquire("tts")
+            break
+        except Refused:
+            await asyncio.sleep(0.01)
+    assert lease is not None
+    with pytest.raises(ReservationExpired):
+        await store_b.claim(r.token, "tts", PLAIN)
+    lease.release()
+    await shared.settle()

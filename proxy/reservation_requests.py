@@ -1,0 +1,84 @@
+"""A gang reservation request as the client sends it (:mod:`proxy.reservations`): the
+token a stage connection presents, the body of ``POST /v1/headroom/reservations``, the
+key that makes it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from proxy.auth import authenticate
+from proxy.errors import PolicyViolation
+from proxy.settings import ApiKeySettings, AuthSettings, ReservationSettings
+
+__all__ = [
+    "MAX_POOLS",
+    "QUERY_PARAMETER",
+    "RESERVATION_HEADER",
+    "BadReservation",
+    "key_of",
+    "parse_request",
+    "presented_token",
+]
+
+RESERVATION_HEADER = b"x-headroom-reservation"
+QUERY_PARAMETER = "headroom_reservation"
+MAX_POOLS = 8
+_DEFAULTS = ReservationSettings()
+
+
+class BadReservation(PolicyViolation):
+    """The reservation request itself is malformed (400)."""
+
+    code: ClassVar[str] = "invalid_reservation"
+
+
+def presented_token(scope: dict[str, Any]) -> str | None:
+    """The reservation token of a stage connection (header first, then query)."""
+    for name, value in scope["headers"]:
+        if name.lower() == RESERVATION_HEADER:
+            return value.decode("latin-1").strip() or None
+    query: bytes = scope.get("query_string", b"")
+    if QUERY_PARAMETER.encode() in query:
+        from urllib.parse import parse_qsl
+
+        for key, value in parse_qsl(query.decode("latin-1")):
+            if key == QUERY_PARAMETER:
+                return value.strip() or None
+    return None
+
+
+def parse_request(
+    body: Any, known: Sequence[str], limits: ReservationSettings = _DEFAULTS
+) -> tuple[list[str], float]:
+    """(pools, hold_s) of a reservation request body; raises :class:`BadReservation`."""
+    if not isinstance(body, dict):
+        raise BadReservation('the body must be a JSON object: {"pools": [...], "hold_s": 5}')
+    unknown_fields = set(body) - {"pools", "hold_s"}
+    if unknown_fields:
+        raise BadReservation(f"unknown field(s): {', '.join(sorted(unknown_fields))}")
+    pools = body.get("pools")
+    if not isinstance(pools, list) or not pools or not all(isinstance(p, str) for p in pools):
+        raise BadReservation('"pools" must be a non-empty list of pool names')
+    if len(pools) > MAX_POOLS:
+        raise BadReservation(f'"pools" may name at most {MAX_POOLS} pools')
+    if len(set(pools)) != len(pools):
+        raise BadReservation('"pools" names a pool twice')
+    missing = [p for p in pools if p not in known]
+    if missing:
+        raise BadReservation(f"no pool named {', '.join(map(repr, missing))}")
+    hold = body.get("hold_s", limits.default_hold_s)
+    top = limits.max_hold_s
+    if isinstance(hold, bool) or not isinstance(hold, int | float) or not 0 < hold <= top:
+        raise BadReservation(f'"hold_s" must be a number of seconds in (0, {top:g}]')
+    return list(pools), float(hold)
+
+
+def key_of(
+    auth: AuthSettings | None, scope: dict[str, Any], pools: Sequence[str]
+) -> ApiKeySettings | None:
+    """The caller's key, checked for every pool (raises Unauthorized/Forbidden)."""
+    key: ApiKeySettings | None = None
+    for pool in pools:
+        key = authenticate(auth, scope, pool)
+    return key
