@@ -145,6 +145,7 @@ class ReplicaGauges:
     engine_waiting: float | None = None
     engine_running: float | None = None
     engine_kv_usage: float | None = None
+    engine_unadmitted: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,8 +250,18 @@ class _StateCollector(Collector):
             "The engine's KV-cache usage, 0..1 (vllm:kv_cache_usage_perc).",
             labels=labels,
         )
+        unadmitted = GaugeMetricFamily(
+            "headroom_engine_unadmitted_streams",
+            "Requests in the engine (running + waiting) beyond the sessions Headroom holds "
+            "there (every gateway's on the redis backend), at the last engine scrape: "
+            "traffic that bypassed Headroom. Pools with engine_reconcile take a sustained "
+            "difference off the cap.",
+            labels=labels,
+        )
         for r in self._replicas():
             key = [r.pool, r.replica]
+            if r.engine_unadmitted is not None:
+                unadmitted.add_metric(key, r.engine_unadmitted)
             if r.engine_waiting is not None:
                 waiting.add_metric(key, r.engine_waiting)
             if r.engine_running is not None:
@@ -270,7 +281,7 @@ class _StateCollector(Collector):
         for pool, n in self._queues():
             depth.add_metric([pool], n)
         yield from (active, slots, depth, healthy, guarded, ratio, ratio_alias)
-        yield from (waiting, running, kv)
+        yield from (waiting, running, kv, unadmitted)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

@@ -39,6 +39,7 @@ from proxy.meter import PrometheusReplicaSink, SessionMeter
 from proxy.metrics import Metrics
 from proxy.pipelines import headroom_of
 from proxy.protocols import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
+from proxy.reconcile import EngineReconciler
 from proxy.reservations import Reservations, presented_token
 from proxy.settings import ApiKeySettings, GuardSettings, PoolSettings, RouteSettings, Settings
 from proxy.shared_gate import ADMITTED_POOL, TENANT_QUOTA, SharedGate, build_shared_gate
@@ -122,6 +123,9 @@ class Runtime:
         self._routes: dict[str, RouteSettings] = {}
         self._formats: dict[str, AudioFormat] = {}
         self.upstreams = Upstreams(settings, self.gate, self.clock)
+        #: Streams the engines run that this gateway's pools did not admit (opt-in caps).
+        self.reconcile = EngineReconciler(self.gate, self.clock, settings)
+        self.upstreams.on_scrape(self._on_engine_scrape)
         self.guard = GuardLoop(self.gate, self.clock, self.signals)
         self.loop_watch = LoopWatch(self.metrics.registry)
         #: Session traces (proxy.tracing); None while tracing is off. Read at start-up:
@@ -172,8 +176,10 @@ class Runtime:
         if settings.listen != old.listen or settings.admin != old.admin:
             changes.append("listen/admin address changes need a restart: not applied")
         old_pools = {p.name: p for p in old.pools}
+        self.reconcile.configure(settings)
         for pool in settings.pools:
             replicas, queue = _pool_specs(pool)
+            replicas = self.reconcile.specs(pool.name, replicas)
             if old_pools.get(pool.name) != pool:
                 changes.append(f"pool {pool.name}: " + (
                     "updated" if pool.name in old_pools else "added"))  # fmt: skip
@@ -406,7 +412,15 @@ class Runtime:
         for g in gauges:
             figures = engine.get((g.pool, g.replica))
             if figures is not None:
+                unadmitted = self.reconcile.unadmitted(g.pool, g.replica)
                 g = replace(g, engine_waiting=figures[0], engine_running=figures[1],
-                            engine_kv_usage=figures[2])  # fmt: skip
+                            engine_kv_usage=figures[2], engine_unadmitted=unadmitted)  # fmt: skip
             out.append(g)
         return out
+
+    def _on_engine_scrape(self, pool: str, replica: str, figures: Any) -> None:
+        """An engine scrape: requests in the engine (running + waiting) to reconcile."""
+        self.reconcile.observe(pool, replica, None if figures is None else figures[0] + figures[1])
+
+    def explain_refusal(self, refusal: Refused) -> Refused:
+        return self.reconcile.explain(refusal)

@@ -98,6 +98,8 @@ class Upstreams:
         self._urls: dict[tuple[str, str], tuple[str, str]] = {}
         #: Each replica's latest engine figures (absent: not scraped, or not a vLLM page).
         self.engine: dict[tuple[str, str], EngineFigures] = {}
+        #: Called after each replica's scrape with its figures (None: none this time).
+        self._scrape_listeners: list[Callable[[str, str, EngineFigures | None], None]] = []
         #: Set once the start-up reachability check of every replica has finished.
         self.replicas_checked = asyncio.Event()
         self._client: httpx.AsyncClient | None = None
@@ -124,6 +126,10 @@ class Upstreams:
             self._scraper is None or self._scraper.done()
         ):
             self._scraper = self._spawn(self.scrape_engines())
+
+    def on_scrape(self, listener: Callable[[str, str, EngineFigures | None], None]) -> None:
+        """Call ``listener(pool, replica, figures or None)`` after each replica's scrape."""
+        self._scrape_listeners.append(listener)
 
     def ws_url(self, pool: str, replica: str) -> str:
         return self._urls[(pool, replica)][1]
@@ -273,5 +279,11 @@ class Upstreams:
                     figures = parse_engine_metrics(response.text)
                 except (httpx.HTTPError, ValueError):
                     self.engine.pop((pool.name, r.name), None)
+                    self._scraped(pool.name, r.name, None)
                     continue
                 self.engine[(pool.name, r.name)] = figures
+                self._scraped(pool.name, r.name, figures)
+
+    def _scraped(self, pool: str, replica: str, figures: EngineFigures | None) -> None:
+        for listener in self._scrape_listeners:
+            listener(pool, replica, figures)

@@ -262,7 +262,7 @@ async def run_session(
             return record
         except Refused as refusal:
             record.decision = f"rejected_{refusal.reason}"
-            await transport.refuse(refusal, record)
+            await transport.refuse(services.explain_refusal(refusal), record)
             return record
         except MessageTooLarge as err:  # only a client flooding while queued, here
             record.decision = "abandoned"

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     import httpx
 
     from proxy.clock import Clock
+    from proxy.errors import Refused
     from proxy.gate import Gate
     from proxy.meter import SessionMeter
     from proxy.protocols import HttpAdapter, WsAdapter
@@ -60,6 +61,10 @@ class RelayServices(Protocol):
         """The gateway's gang reservations: a stage connection claims its slot there."""
 
     def key_allows(self, scope: dict[str, Any], pool: str) -> bool: ...
+
+    def explain_refusal(self, refusal: Refused) -> Refused:
+        """The refusal a client gets: its message says so when the pool's caps are
+        lowered for streams the engine runs that Headroom did not admit."""
 
     # upstreams
     def ws_url(self, pool: str, replica: str) -> str: ...

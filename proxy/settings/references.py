@@ -145,3 +145,23 @@ def _port_problems(settings: Settings) -> list[tuple[Loc, str]]:
     if admin.enabled and admin.port and admin.port == listen.port and overlap:
         return [(("admin", "port"), f"clashes with listen.port {listen.port}")]
     return []
+
+
+def _reconcile_problems(settings: Settings) -> list[tuple[Loc, str]]:
+    """``engine_reconcile`` reads the engine's scraped figures: scraping must be on, and
+    a reduction's hold time must outlast the interval between two scrapes."""
+    interval = settings.health.engine_metrics_interval_s
+    problems: list[tuple[Loc, str]] = []
+    for i, pool in enumerate(settings.pools):
+        if not pool.engine_reconcile:
+            continue
+        if interval <= 0:
+            why = "needs the engine's figures: set health.engine_metrics_interval_s above 0"
+            problems.append((("pools", i, "engine_reconcile"), why))
+        elif pool.engine_reconcile_hold_s <= 2 * interval:
+            why = (
+                f"must be more than two engine scrapes (health.engine_metrics_interval_s "
+                f"{interval:g} s), or a reduction lapses between the scrapes that confirm it"
+            )
+            problems.append((("pools", i, "engine_reconcile_hold_s"), why))
+    return problems

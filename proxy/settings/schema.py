@@ -39,6 +39,7 @@ from proxy.settings.references import (
     _gpu_problems,
     _pipeline_problems,
     _port_problems,
+    _reconcile_problems,
     _reference_problems,
 )
 from proxy.settings_env import Loc, Problems, did_you_mean
@@ -287,6 +288,10 @@ class PoolSettings(_Frozen):
     fallback: FallbackSettings | None = None
     session_estimate_s: PositiveSeconds = 20  # seeds Retry-After before any session ended
     reserve: tuple[ReserveSettings, ...] = ()
+    # Streams the engine runs that Headroom did not admit take slots off the caps
+    # (proxy/reconcile.py); needs health.engine_metrics_interval_s > 0.
+    engine_reconcile: bool = False
+    engine_reconcile_hold_s: PositiveSeconds = 30  # a reduction not confirmed lapses
 
     @model_validator(mode="after")
     def _reserve_fits(self) -> PoolSettings:
@@ -679,7 +684,7 @@ class Settings(BaseModel):
             if problems:
                 raise Problems(problems, prior=exc.errors()) from None
             raise
-        problems += _port_problems(settings)
+        problems += _port_problems(settings) + _reconcile_problems(settings)
         if problems:
             raise Problems(problems)
         raw_auth = data.get("auth") if isinstance(data, Mapping) else None

@@ -12,6 +12,7 @@
 ``GET /health``, ``GET /v1/models``          as vLLM
 ``GET|POST|DELETE /sim/faults[?gpu=N]``      read, change, clear the faults
 ``GET /sim/stats``                           engine snapshot (JSON)
+``GET|POST|DELETE /sim/bypass[?gpu=N]``      streams no gateway admitted (``streams``)
 ===========================================  ===========================================
 
 The SageMaker WebSocket runs the endpoint named by ``X-Amzn-SageMaker-Model-
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = ["INVOCATION_PATH_HEADER", "build_app"]
 
 INVOCATION_PATH_HEADER = "x-amzn-sagemaker-model-invocation-path"
+_ADMIN_BODY_LIMIT = 4096  # bytes of an admin request's JSON body
 Handler = Callable[["SimGpu", WsChannel, Mapping[str, Any]], Awaitable[None]]
 _WS_HANDLERS: dict[str, Handler] = {
     "/v1/realtime": realtime,
@@ -166,6 +168,36 @@ def build_app(gpu: SimGpu) -> Starlette:
         await target.set_faults(new)
         return JSONResponse(new.as_json())
 
+    async def bypass(request: Request) -> Response:
+        target = _target(gpu, request)
+        if isinstance(target, JSONResponse):
+            return target
+        if request.method == "DELETE":
+            target.bypass.set_count(0)
+        elif request.method == "POST":
+            body = b""
+            async for part in request.stream():
+                body += part
+                if len(body) > _ADMIN_BODY_LIMIT:
+                    return error_response("The body is too large", 413)
+            try:
+                doc = json.loads(body)
+                if not isinstance(doc, dict) or set(doc) - {"streams", "audio_s"}:
+                    raise ValueError('the body must be {"streams": N[, "audio_s": S]}')
+                streams, audio_s = doc.get("streams"), doc.get("audio_s")
+                if not isinstance(streams, int) or isinstance(streams, bool):
+                    raise ValueError("streams must be an integer")
+                if audio_s is not None and (
+                    not isinstance(audio_s, int | float) or isinstance(audio_s, bool)
+                ):
+                    raise ValueError("audio_s must be a number of seconds")
+                target.bypass.set_count(streams, audio_s)
+            except json.JSONDecodeError:
+                return error_response("Invalid JSON body", 400)
+            except ValueError as exc:
+                return error_response(str(exc), 400)
+        return JSONResponse({"streams": target.bypass.count, "audio_s": target.bypass.audio_s})
+
     async def stats(request: Request) -> Response:
         target = _target(gpu, request)
         if isinstance(target, JSONResponse):
@@ -187,5 +219,6 @@ def build_app(gpu: SimGpu) -> Starlette:
         Route("/version", version, methods=["GET"]),
         Route("/sim/faults", faults, methods=["GET", "POST", "DELETE"]),
         Route("/sim/stats", stats, methods=["GET"]),
+        Route("/sim/bypass", bypass, methods=["GET", "POST", "DELETE"]),
     ]
     return Starlette(routes=routes)

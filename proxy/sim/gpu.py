@@ -22,6 +22,7 @@ from typing import Any
 
 from proxy.serving import EmbeddedServer, make_config
 from proxy.sim.app import build_app
+from proxy.sim.bypass import BypassStreams
 from proxy.sim.engine import Engine
 from proxy.sim.faults import Faults, StreamFaults
 from proxy.sim.metrics import EngineMetrics
@@ -105,6 +106,8 @@ class SimGpu:
         self._sessions = 0
         #: Sibling GPUs of the same cluster, for ``/sim/faults?gpu=N``.
         self.cluster: list[SimGpu] = [self]
+        #: Streams no gateway admitted (``/sim/bypass``).
+        self.bypass = BypassStreams(self)
         self.app = build_app(self)
 
     # -- identity ------------------------------------------------------------------------
@@ -145,6 +148,7 @@ class SimGpu:
         """End every stream, stop every server instance, release the port."""
         if self._refuse_timer is not None:
             self._refuse_timer.cancel()
+        await self.bypass.stop()
         await self.runner.stop()
         for task in list(self._background):
             task.cancel()
@@ -289,5 +293,6 @@ class SimGpu:
             "last_batch": s.last_batch,
             "last_step_ms": round(s.last_step_s * 1e3, 3),
             "open_streams": self.runner.open_streams,
+            "bypass_streams": self.bypass.count,
             "faults": self._faults.as_json(),
         }

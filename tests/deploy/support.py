@@ -104,6 +104,7 @@ def _metrics() -> tuple[Metrics, list[object]]:
     gauges = ReplicaGauges(
         pool="p", replica="r", active=1, slots=2, healthy=True, guarded=False,
         delivery_ratio_worst_1pct=1.5, engine_waiting=0.0, engine_running=1.0, engine_kv_usage=0.5,
+        engine_unadmitted=0,
     )  # fmt: skip
     metrics.bind_state(lambda: [gauges], lambda: [("p", 0)])
     # Headroom left per pool and a pipeline's limiting stage (pipelines: configured).

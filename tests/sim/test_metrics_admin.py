@@ -99,3 +99,31 @@ async def test_cluster_urls_ports_and_engines() -> None:
         async with httpx.AsyncClient(timeout=30) as client:
             for url in cluster.urls:
                 assert (await client.get(url + "/health")).status_code == 200
+
+
+async def test_bypass_streams_run_in_the_engine_until_set_lower(tts: Cluster) -> None:
+    async def in_engine(client: httpx.AsyncClient) -> int:
+        text = (await client.get("/metrics")).text
+        running = metric(text, "vllm:num_requests_running")
+        return round(running + metric(text, "vllm:num_requests_waiting"))
+
+    async with httpx.AsyncClient(base_url=tts.urls[0], timeout=30) as client:
+        assert (await client.get("/sim/bypass")).json()["streams"] == 0
+        answer = (await client.post("/sim/bypass", json={"streams": 3, "audio_s": 300})).json()
+        assert answer == {"streams": 3, "audio_s": 300.0}
+        for _ in range(500):  # the streams enter the engine on its next step
+            if await in_engine(client) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert await in_engine(client) == 3
+        assert (await client.get("/sim/stats")).json()["bypass_streams"] == 3
+        assert (await client.post("/sim/bypass", json={"streams": 1})).json()["streams"] == 1
+        assert await in_engine(client) == 1  # the ended streams left the engine at once
+        for bad in ({"streams": -1}, {"streams": "2"}, {"streams": 1, "audio_s": 0},
+                    {"streams": 1, "other": 1}, [1]):  # fmt: skip
+            response = await client.post("/sim/bypass", json=bad)
+            assert response.status_code == 400, bad
+        too_big = await client.post("/sim/bypass", content=b"{" + b" " * 5000 + b"}")
+        assert too_big.status_code == 413
+        assert (await client.delete("/sim/bypass")).json()["streams"] == 0
+        assert await in_engine(client) == 0
