@@ -6,6 +6,10 @@ session was admitted (a reload reaches every new session). The timers are the re
 core's :class:`~proxy.relay.core.Deadlines`, shared with the WebSocket relays; here,
 activity is the upstream sending something (the status line, a body chunk):
 
+* ``upstream_response_timeout_s``: the upstream's response head (status line and
+  headers) has not come this long after admission, the connect included -- an upstream
+  that accepts the connection and never answers holds the slot this long, not
+  ``idle_timeout_s``;
 * ``idle_timeout_s``: the upstream sent nothing for this long (a blocked send to the
   client does not count);
 * ``max_session_s``: the session has run this long since admission;
@@ -71,7 +75,9 @@ Send = Any
 class Ending:
     """Why an exchange ended before its response was complete."""
 
-    kind: str  # "idle", "max_session", "client_write", "drain", "midstream", "client_left"
+    #: "no_response", "idle", "max_session", "client_write", "drain", "midstream",
+    #: "client_left"
+    kind: str
     reason: str
 
 
@@ -118,6 +124,7 @@ class HttpExchange:
         self.ending: Ending | None = None
         self._task: asyncio.Future[None] | None = None
         self._timer: TimerHandle | None = None
+        self._answer_timer: TimerHandle | None = None
 
     # -- ending it ------------------------------------------------------------------
 
@@ -139,6 +146,12 @@ class HttpExchange:
         due = self.timers.wake_at
         if due != float("inf"):
             self._timer = self.clock.call_at(due, self._tick)
+
+    def _no_answer(self) -> None:
+        self._answer_timer = None
+        if not self.response_started:
+            wait = self.limits.upstream_response_timeout_s
+            self._end(Ending("no_response", f"no response head within {wait:g} s"))
 
     def _tick(self) -> None:
         self._timer = None
@@ -170,12 +183,16 @@ class HttpExchange:
         self.rt.register_session(self.stop)
         self.timers.next_deadline()
         self._arm()
+        answer_by = self.timers.started + self.limits.upstream_response_timeout_s
+        self._answer_timer = self.clock.call_at(answer_by, self._no_answer)
         try:
             await asyncio.wait({task})
         finally:
             self.rt.unregister_session(self.stop)
             if self._timer is not None:
                 self._timer.cancel()
+            if self._answer_timer is not None:
+                self._answer_timer.cancel()
             for t in (task, watcher):
                 if not t.done():
                     t.cancel()
@@ -204,7 +221,7 @@ class HttpExchange:
         if ending.kind == "drain":
             err = refusal_for("draining", retry_after_s=1.0, pool=lease.pool)
         else:
-            if ending.kind == "idle":
+            if ending.kind in ("idle", "no_response"):
                 self.rt.upstream_error(lease.pool, lease.replica, "timeout")
                 record.decision = "upstream_failed"
             err = UpstreamTimeout(

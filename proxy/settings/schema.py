@@ -163,6 +163,9 @@ class LimitsSettings(_Frozen):
     # request body (HTTP) + upstream connect and handshake
     handshake_timeout_s: PositiveSeconds = 10
     upstream_connect_timeout_s: PositiveSeconds = 5
+    # An HTTP upstream must send its response head within this of the session's
+    # admission (connect included), or the session ends with 504 and frees its slot.
+    upstream_response_timeout_s: PositiveSeconds = 30
     idle_timeout_s: Seconds = 60  # no frames either way
     max_session_s: Seconds = 3600
     ping_interval_s: Seconds = 20  # keepalive pings on both legs
