@@ -28,7 +28,8 @@ takes one slot in each named pool, or none (docs/voice-agents.md):
   ``max_sessions`` from the reservation until its session ends; a claim takes over
   that count instead of adding one. ``hold_s`` is bounded (``reservations.max_hold_s``)
   and so are the reservations with unclaimed slots one key holds at once
-  (``reservations.max_per_key``; past it 429 ``tenant_limit``).
+  (``reservations.max_per_key``, with authentication on; past it 429
+  ``tenant_limit``).
 * **Backends.** In process (``backend: memory``) everything is this gateway's, and a
   gateway shutting down releases every unclaimed slot. On Redis a reservation lives in
   Redis and any gateway or worker can claim it
@@ -221,7 +222,7 @@ class Reservations:
     ) -> Reservation:  # fmt: skip
         name = key.name if key is not None else None
         live = sum(1 for r in self._live.values() if r.key == name)
-        if live >= limits.max_per_key:
+        if name is not None and live >= limits.max_per_key:  # (without auth: no keys)
             raise TenantLimitRefused(
                 "tenant_limit", retry_after_s=hold_s, pool=order[0],
                 message=f"this API key holds {live} reservations with unclaimed slots "

@@ -83,14 +83,16 @@ class SharedReservations:
         tenant: TenantSpec | None, max_live: int,
     ) -> None:  # fmt: skip
         """One slot in every pool (in the order given), or raises the refusing stage's
-        :class:`Refused` holding nothing. Cancellation-safe."""
+        :class:`Refused` holding nothing. ``max_live`` bounds ``key``'s reservations with
+        unclaimed slots (without a key, authentication is off: no bound). Cancellation-safe."""
         gate = self.gate
         digest = token_digest(token)
         name = key.name if key is not None else ""
         quota = key.max_sessions if key is not None else None
         ids = {pool: gate.new_id() for pool in pools}
         args: list[str | int] = [
-            "open", digest, name, name if quota is not None else "", quota or 0, max_live,
+            "open", digest, name, name if quota is not None else "", quota or 0,
+            max_live if key is not None else 0,
             round(hold_s * 1000), round(KEEP_S * 1000),
         ]  # fmt: skip
         for pool in pools:

@@ -281,3 +281,15 @@ async def test_a_reservation_whose_gateway_is_gone_lapses_at_its_deadline(
         await store_b.claim(r.token, "tts", PLAIN)
     lease.release()
     await shared.settle()
+
+
+async def test_without_auth_there_is_no_key_to_bound(backend: Backend) -> None:
+    """max_per_key bounds a key's reservations; with authentication off (no key) many
+    concurrent calls each hold one, as before."""
+    limits = ReservationSettings(max_per_key=1)
+    gates = await gateways(backend)
+    here = stores(backend, gates, limits)
+    held = [await here[i % len(here)].reserve(["tts"], 5.0, None) for i in range(3)]
+    for r in held:
+        assert await here[0].release(r.token, None) == ["tts"]
+    await backend.settle()

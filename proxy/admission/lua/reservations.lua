@@ -15,7 +15,7 @@
 --         by the claiming gateway), released or past the deadline.
 --
 -- ARGV[1] = op:
---   'open', digest, key, tenant, max_sessions (0: none), max_live, hold_ms, keep_ms,
+--   'open', digest, key, tenant, max_sessions (0: none), max_live (0: none), hold_ms, keep_ms,
 --           then (pool, lease id) pairs
 --       -> {'ok'} | {'live_limit', live} | {'tenant_limit', slots that fit}
 --   'abort', digest                       -> 1 (the reservation never reached a client)
@@ -69,7 +69,7 @@ if op == 'open' then
   local deadline = now + hold
   redis.call('ZREMRANGEBYSCORE', K_LIVE, '-inf', now)
   local live = redis.call('ZCARD', K_LIVE)
-  if live >= max_live then
+  if max_live > 0 and live >= max_live then
     return {'live_limit', live}
   end
   local n = (#ARGV - 8) / 2
