@@ -26,6 +26,7 @@ import hashlib
 import hmac
 import json
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
@@ -37,7 +38,7 @@ from proxy.pipelines import headroom_of
 from proxy.relay.http_body import control_body, replay
 from proxy.runtime import Runtime
 
-__all__ = ["create_admin_app"]
+__all__ = ["ReloadAnswer", "create_admin_app"]
 
 
 Scope = dict[str, Any]
@@ -59,12 +60,22 @@ def _authorized(scope: Scope, sha256_hex: str | None) -> bool:
     return hmac.compare_digest(digest, sha256_hex)
 
 
+@dataclass(frozen=True)
+class ReloadAnswer:
+    """The answer to ``POST /admin/reload``: its status and JSON body."""
+
+    status: int
+    body: dict[str, Any]
+
+
 def create_admin_app(
     runtime: Runtime,
-    reload: Callable[[], list[str]],
+    reload: Callable[[], Awaitable[ReloadAnswer]],
     drain: Callable[[], Awaitable[None] | Any],
 ) -> ASGIApp:
-    """``reload`` re-reads and applies the configuration (raising ConfigError);
+    """``reload`` re-reads and applies the configuration everywhere it must apply (one
+    gateway, or every worker of ``serve --workers``: :mod:`proxy.worker_control`) and
+    answers; a ConfigError it raises is answered 400 with the problems;
     ``drain`` starts a graceful drain. The key and the body are checked before the
     endpoints' app sees a request (:func:`_bounded`)."""
     app = FastAPI(title="Headroom admin", docs_url=None, redoc_url=None, openapi_url=None)
@@ -99,14 +110,14 @@ def create_admin_app(
     @app.post("/admin/reload")
     async def do_reload() -> JSONResponse:
         try:
-            changes = reload()
+            answer = await reload()
         except ConfigError as err:
             return JSONResponse(
                 {"reloaded": False,
                  "problems": [{"field": f, "reason": r} for f, r in err.problems]},
                 status_code=400,
             )  # fmt: skip
-        return JSONResponse({"reloaded": True, "changes": changes})
+        return JSONResponse(answer.body, status_code=answer.status)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -22,14 +22,21 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from proxy.admin import create_admin_app
+from proxy.admin import ReloadAnswer, create_admin_app
 from proxy.app import create_app
 from proxy.errors import ConfigError, ListenError
 from proxy.relay.uvicorn_fence import websocket_protocol
 from proxy.relay.uvicorn_http import head_limited
 from proxy.runtime import Runtime
 from proxy.serving import EmbeddedServer, bind_socket, make_config
-from proxy.settings import LimitsSettings, Settings, load_settings, reload_problems
+from proxy.settings import (
+    LimitsSettings,
+    Settings,
+    cut_short_problems,
+    read_config_text,
+    reload_problems,
+    settings_from_text,
+)
 from proxy.speedups import build_status
 
 __all__ = ["Gateway", "uvicorn_options"]
@@ -134,7 +141,7 @@ class Gateway:
         self._admin_sock = None
         self.admin_port: int | None = None
         if settings.admin.enabled:
-            admin = create_admin_app(self.runtime, self.reload, self.drain)
+            admin = create_admin_app(self.runtime, self.admin_reload, self.drain)
             admin_config = make_config(
                 admin, log_level=settings.log_level, lifespan="off", http=head_limited(live_limits)
             )
@@ -211,28 +218,49 @@ class Gateway:
 
     def reload(self) -> list[str]:
         """Re-read the configuration file and apply it live. Raises ConfigError (the
-        running configuration stays) if the new one is invalid, or valid but unsafe to
-        apply live (:func:`~proxy.settings.reload_problems`: authentication dropped
-        without ``auth: {enabled: false}``, the admin key removed while the admin
-        listener is bound off loopback). Each outcome is counted in
+        running configuration stays) if the new one is invalid or looks cut short
+        (:func:`~proxy.settings.cut_short_problems`), or valid but unsafe to apply live
+        (:func:`~proxy.settings.reload_problems`: authentication dropped without
+        ``auth: {enabled: false}``, the admin key removed). Each outcome is counted in
         ``headroom_config_reloads_total{result="applied"|"invalid"|"refused"}``."""
+        return self.apply_reload(self._read_and_validate())
+
+    def _read_and_validate(self) -> Settings:
         if self.config_path is None:
             raise ConfigError([("<file>", "this gateway was not started from a file")])
         try:
-            settings = load_settings(self.config_path, env=self._env)
+            text = read_config_text(self.config_path)
         except ConfigError as err:
             self._reloads.labels("invalid").inc()
             log.error("reload refused, keeping the running configuration: %s", err)
             raise
-        old = self.runtime.settings
-        problems = reload_problems(old, settings, admin_bound=self._admin_host())
+        return self.validate_reload(text, self.config_path)
+
+    def validate_reload(self, text: str, source: str) -> Settings:
+        """The configuration in ``text`` (the file ``source``) if it may replace the running
+        one live; otherwise ConfigError, logged and counted, and nothing applied."""
+        try:
+            problems = cut_short_problems(text)
+            if problems:
+                raise ConfigError(problems, source)
+            settings = settings_from_text(text, env=self._env, source=source)
+        except ConfigError as err:
+            self._reloads.labels("invalid").inc()
+            log.error("reload refused, keeping the running configuration: %s", err)
+            raise
+        problems = reload_problems(self.runtime.settings, settings, admin_bound=self._admin_host())
         if problems:
             self._reloads.labels("refused").inc()
-            unsafe = ConfigError(problems, self.config_path)
+            unsafe = ConfigError(problems, source)
             log.error("reload refused as unsafe, keeping the running configuration: %s", unsafe)
             raise unsafe
+        return settings
+
+    def apply_reload(self, settings: Settings) -> list[str]:
+        """Apply a configuration :meth:`validate_reload` accepted; returns the changes."""
+        old = self.runtime.settings
         changes = self.runtime.apply(settings)
-        self.settings = settings
+        self.settings = self.runtime.settings
         self._reloads.labels("applied").inc()
         if old.auth is not None and settings.auth is None:
             log.warning(
@@ -242,6 +270,12 @@ class Gateway:
             )
         log.info("configuration reloaded: %s", "; ".join(changes) or "no changes")
         return changes
+
+    async def admin_reload(self) -> ReloadAnswer:
+        """``POST /admin/reload``: this gateway's reload (ConfigError: refused, 400). The
+        file is read and validated off the event loop, then applied on it."""
+        settings = await asyncio.to_thread(self._read_and_validate)
+        return ReloadAnswer(200, {"reloaded": True, "changes": self.apply_reload(settings)})
 
     def _admin_host(self) -> str | None:
         """The host the admin listener is bound to (None without one)."""

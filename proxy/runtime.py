@@ -170,11 +170,22 @@ class Runtime:
 
         Caps, queue limits, replicas (added or retired), pools, routes, limits, meter and
         guard settings take effect for new sessions at once; running sessions are never
-        cut. ``listen`` and ``admin`` addresses need a restart (reported, not applied)."""
+        cut. ``listen`` and ``admin`` addresses need a restart (reported, not applied: the
+        running ones are kept in :attr:`settings`, so it always says what runs); the admin
+        key applies at once (logged at warning)."""
         old = self.settings
         changes: list[str] = []
-        if settings.listen != old.listen or settings.admin != old.admin:
+        admin = settings.admin.model_copy(
+            update={f: getattr(old.admin, f) for f in ("enabled", "host", "port")}
+        )
+        if settings.listen != old.listen or admin != settings.admin:
             changes.append("listen/admin address changes need a restart: not applied")
+        if admin.api_key_sha256 != old.admin.api_key_sha256:
+            done = "changed" if admin.api_key_sha256 and old.admin.api_key_sha256 else (
+                "set" if admin.api_key_sha256 else "removed")  # fmt: skip
+            changes.append(f"admin key {done}")
+            log.warning("admin key %s by a reload; it applies to the next admin request", done)
+        settings = settings.model_copy(update={"listen": old.listen, "admin": admin})
         old_pools = {p.name: p for p in old.pools}
         self.reconcile.configure(settings)
         for pool in settings.pools:

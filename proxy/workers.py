@@ -13,10 +13,13 @@ runtime and so its own gateway id (``<host>-<pid>-<random>``) in lease and waite
 Signals go to the supervisor (PID 1 in a container) and reach every worker:
 
 * SIGTERM/SIGINT: forwarded to every worker (the first drains, a second closes at once);
-* SIGHUP: forwarded to every worker (each re-reads the file and applies it);
-* the admin listener runs in worker 0 only; its ``POST /admin/reload`` reloads worker 0
-  and then (SIGUSR1 to the supervisor) every other worker; ``POST /admin/drain`` asks the
-  supervisor (SIGUSR2) to drain every worker.
+* SIGHUP: one reload round over every worker's control channel
+  (:mod:`proxy.worker_control`): the supervisor reads the file once, every worker
+  validates that text, and it is applied by all of them or by none;
+* the admin listener runs in worker 0 only (only it inherits the admin socket); its
+  ``POST /admin/reload`` asks the supervisor for the same round and answers with every
+  worker's state; ``POST /admin/drain`` asks the supervisor (SIGUSR2) to drain every
+  worker.
 
 If the supervisor itself dies (SIGKILL), each worker sees its lifeline pipe close and drains.
 A worker that fails (exits non-zero) while the others are not draining makes the
@@ -40,21 +43,21 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from proxy.admin import ReloadAnswer
 from proxy.console import say
-from proxy.errors import ConfigError
 from proxy.gateway import Gateway, _listen
 from proxy.runtime import Runtime
 from proxy.settings import Settings
+from proxy.shared_gate import SharedGate
+from proxy.worker_control import ReloadRounds, WorkerControl
 
 __all__ = ["WorkerGateway", "supervise", "worker_argv"]
 
 log = logging.getLogger("headroom.workers")
 
-#: Sent by worker 0 to the supervisor: the admin listener reloaded; reload the others.
-RELOAD_OTHERS = signal.SIGUSR1
 #: Sent by worker 0 to the supervisor: the admin listener asked for a drain.
 DRAIN_ALL = signal.SIGUSR2
 
@@ -86,7 +89,8 @@ class WorkerGateway(Gateway):
     """A gateway serving on sockets its supervisor bound (``listen``, ``admin`` or None).
 
     Only worker 0 gets the admin socket; its reload and drain reach the other workers
-    through the supervisor."""
+    through the supervisor. Reloads come over the ``control`` socket
+    (:class:`~proxy.worker_control.WorkerControl`)."""
 
     def __init__(
         self,
@@ -95,6 +99,7 @@ class WorkerGateway(Gateway):
         admin: socket.socket | None,
         *,
         index: int,
+        control: socket.socket,
         config_path: str | None = None,
     ) -> None:
         # Gateway binds its own sockets from settings: let it bind throwaway ones on
@@ -119,6 +124,9 @@ class WorkerGateway(Gateway):
             self.admin_port = admin.getsockname()[1] if admin is not None else None
         self._drain_asked = False
         self._parent = os.getppid()
+        gate = self.runtime.gate
+        gateway = gate.backend.gateway_id if isinstance(gate, SharedGate) else str(os.getpid())
+        self.control = WorkerControl(self, control, index, gateway)
         #: The read end of a pipe whose write end only the supervisor holds.
         self.lifeline: int | None = None
 
@@ -126,9 +134,14 @@ class WorkerGateway(Gateway):
         loop = asyncio.get_running_loop()
         if self.lifeline is not None:
             loop.add_reader(self.lifeline, self._on_lifeline)
+        control = asyncio.ensure_future(self.control.run())
         try:
             await super().serve(install_signals=install_signals)
         finally:
+            control.cancel()
+            with contextlib.suppress(BaseException):
+                await control
+            self.control.channel.close()
             if self.lifeline is not None:
                 loop.remove_reader(self.lifeline)
                 os.close(self.lifeline)
@@ -149,17 +162,14 @@ class WorkerGateway(Gateway):
         log.warning("supervisor (pid %d) is gone: draining", self._parent)
         self._on_signal()
 
-    def reload(self) -> list[str]:
-        """A reload asked here (``POST /admin/reload`` on worker 0): apply it, then have
-        the supervisor reload every other worker."""
-        changes = super().reload()
-        os.kill(os.getppid(), RELOAD_OTHERS)
-        return changes
+    async def admin_reload(self) -> ReloadAnswer:
+        """``POST /admin/reload`` (worker 0): one round over every worker, run by the
+        supervisor; its answer lists what every worker now runs."""
+        return await self.control.request_reload()
 
     def _on_sighup(self) -> None:
-        # SIGHUP comes from the supervisor, which sends it to every worker itself.
-        with contextlib.suppress(ConfigError):  # reload() has logged why
-            Gateway.reload(self)
+        # The supervisor never forwards SIGHUP: one sent here goes to the supervisor.
+        self.control.forward_sighup()
 
     def drain(self, timeout_s: float | None = None) -> asyncio.Task[None]:
         if not self._drain_asked:
@@ -170,18 +180,21 @@ class WorkerGateway(Gateway):
         return super().drain(timeout_s)
 
 
-def _inherited(fds: str) -> tuple[int, socket.socket, socket.socket | None]:
-    """``lifeline,listen[,admin]``: the pipe and the sockets the supervisor bound."""
+def _inherited(fds: str) -> tuple[int, socket.socket, socket.socket, socket.socket | None]:
+    """``lifeline,control,listen[,admin]``: the pipe, the control socket and the sockets
+    the supervisor bound."""
     lifeline, *numbers = [int(fd) for fd in fds.split(",") if fd]
     socks = [socket.socket(fileno=fd) for fd in numbers]
     for sock in socks:
         sock.setblocking(False)
-    return lifeline, socks[0], (socks[1] if len(socks) > 1 else None)
+    return lifeline, socks[0], socks[1], (socks[2] if len(socks) > 2 else None)
 
 
 def make_worker(settings: Settings, fds: str, index: int, config_path: str | None) -> WorkerGateway:
-    lifeline, listen, admin = _inherited(fds)
-    gateway = WorkerGateway(settings, listen, admin, index=index, config_path=config_path)
+    lifeline, control, listen, admin = _inherited(fds)
+    gateway = WorkerGateway(
+        settings, listen, admin, index=index, control=control, config_path=config_path
+    )
     gateway.lifeline = lifeline
     return gateway
 
@@ -189,20 +202,51 @@ def make_worker(settings: Settings, fds: str, index: int, config_path: str | Non
 class Supervisor:
     """Starts the workers, forwards signals, and exits when they have all exited."""
 
-    def __init__(self, settings: Settings, workers: int, argv: list[list[str]]) -> None:
+    def __init__(
+        self, settings: Settings, workers: int, argv: Callable[[int, list[int]], list[str]],
+        config_path: str | None,
+    ) -> None:  # fmt: skip
         self.settings = settings
         self.workers = workers
         self._argv = argv
         self.processes: list[subprocess.Popen[bytes]] = []
         self._signals = 0
         self._draining = False
+        self._split = False
+        self._failed = False
+        self.rounds = ReloadRounds(
+            config_path, draining=lambda: self._draining, on_split=self.on_split
+        )
 
-    def start(self, fds: Sequence[int]) -> None:
-        for argv in self._argv:
-            # Their own process group: a Ctrl-C in a terminal (SIGINT to the foreground
-            # group) reaches the supervisor only, which forwards one SIGTERM, so the
-            # workers drain instead of taking it as a second signal.
-            self.processes.append(subprocess.Popen(argv, pass_fds=tuple(fds), process_group=0))
+    def start(self, shared: Sequence[int], admin: int | None) -> None:
+        """Start the workers: each inherits ``shared`` (the lifeline's read end, then the
+        listen socket) and its own control socket; worker 0 also ``admin``."""
+        lifeline, *sockets = shared
+        for i in range(self.workers):
+            ours, theirs = socket.socketpair()
+            fds = [lifeline, theirs.fileno(), *sockets]
+            if i == 0 and admin is not None:
+                fds.append(admin)
+            try:
+                # Their own process group: a Ctrl-C in a terminal (SIGINT to the
+                # foreground group) reaches the supervisor only, which forwards one
+                # SIGTERM, so the workers drain instead of taking it as a second signal.
+                process = subprocess.Popen(self._argv(i, fds), pass_fds=fds, process_group=0)
+            except BaseException:
+                ours.close()
+                raise
+            finally:
+                theirs.close()  # the worker's end: its exit then closes the pair
+            self.processes.append(process)
+            self.rounds.add(i, process.pid, ours)
+
+    def on_split(self, message: str) -> None:
+        """A reload applied by some workers only: never serve on two configurations."""
+        say(f"headroom: {message}")
+        self._split = True
+        if not self._draining:
+            self._draining = True
+            self._send(signal.SIGTERM)
 
     def _send(self, sig: int, skip: int | None = None) -> None:
         for i, process in enumerate(self.processes):
@@ -229,8 +273,7 @@ class Supervisor:
         handlers: dict[int, Any] = {
             signal.SIGTERM: self.on_term,
             signal.SIGINT: self.on_term,
-            signal.SIGHUP: lambda: self._send(signal.SIGHUP),
-            RELOAD_OTHERS: lambda: self._send(signal.SIGHUP, skip=0),
+            signal.SIGHUP: lambda: self.rounds.spawn_reload("SIGHUP to the supervisor"),
             DRAIN_ALL: self.on_drain_all,
         }
         for sig, handler in handlers.items():
@@ -254,13 +297,14 @@ class Supervisor:
                         )
                         self._draining = True
                         self._send(signal.SIGTERM)
-                        codes[-1] = 1  # the supervisor's own verdict
+                        self._failed = True  # the supervisor's own verdict
                 await asyncio.sleep(0.1)
-            failed = codes.pop(-1, 0)
+            failed = 1 if self._failed or self._split else 0
             return max([failed, *(c if c >= 0 else 1 for c in codes.values())])
         finally:
             for sig in handlers:
                 loop.remove_signal_handler(sig)
+            await self.rounds.close()
 
 
 def supervise(settings: Settings, workers: int, args: Any) -> int:
@@ -278,15 +322,17 @@ def supervise(settings: Settings, workers: int, args: Any) -> int:
     # The lifeline: workers inherit the read end; the write end (not inheritable) closes
     # only when this process dies, however it dies.
     lifeline_read, lifeline_write = os.pipe()
-    fds = [lifeline_read, listen.fileno()] + ([admin.fileno()] if admin is not None else [])
     port = listen.getsockname()[1]
-    argv = [worker_argv(args.config, args.host, args.port, i, fds) for i in range(workers)]
-    supervisor = Supervisor(settings, workers, argv)
+    supervisor = Supervisor(
+        settings, workers,
+        lambda i, fds: worker_argv(args.config, args.host, args.port, i, fds),
+        args.config or os.environ.get("HEADROOM_CONFIG"),
+    )  # fmt: skip
     code = 0
 
     async def run() -> None:
         nonlocal code
-        supervisor.start(fds)
+        supervisor.start([lifeline_read, listen.fileno()], admin.fileno() if admin else None)
         say(
             f"headroom: serving on http://{settings.listen.host}:{port} with {workers} "
             f"workers (pids {' '.join(str(p.pid) for p in supervisor.processes)})"

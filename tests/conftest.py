@@ -111,6 +111,7 @@ SLOW = (
     "tests/sim/test_validate.py",  # the capacity model against simulated runs
     "tests/sim/test_colocation.py",  # co-located engines under load
     "tests/shared_admission/test_workers.py",  # gateway worker processes
+    "tests/shared_admission/test_worker_reload.py",  # reloads of gateway worker processes
     # reservations claimed on either of `headroom serve --workers 2`'s workers:
     "tests/shared_admission/test_gateway_reservations.py::test_reserve_then_claim_on_any_worker",
     "tests/shared_admission/test_crash.py",  # gateway processes killed mid-session

@@ -29,7 +29,14 @@ Import from ``proxy.settings``; the names below are its public interface.
 from __future__ import annotations
 
 from proxy.protocols.table import HTTP_PROTOCOLS, WS_PROTOCOLS, Protocol
-from proxy.settings.loading import load_settings, reload_problems, settings_from_mapping
+from proxy.settings.loading import (
+    cut_short_problems,
+    load_settings,
+    read_config_text,
+    reload_problems,
+    settings_from_mapping,
+    settings_from_text,
+)
 from proxy.settings.schema import (
     AdminSettings,
     AdmissionSettings,
@@ -85,9 +92,12 @@ __all__ = [
     "ReserveSettings",
     "RouteSettings",
     "Settings",
+    "cut_short_problems",
     "load_settings",
+    "read_config_text",
     "reload_problems",
     "settings_from_mapping",
+    "settings_from_text",
     "summary",
     "ws_base",
 ]

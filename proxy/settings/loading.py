@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -30,6 +29,8 @@ from proxy.settings_env import (
 _FILE = "<file>"
 _TOP = "<top level>"
 _MAX_PROBLEMS = 50  # an aliased YAML list can multiply one mistake thousands of times
+#: A bound on the file read: a configuration is a few kilobytes.
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
 
 
 def settings_from_mapping(
@@ -135,8 +136,22 @@ def load_settings(
                 [(_FILE, f"no configuration file: pass --config FILE or set {CONFIG_VAR}")]
             )
     source = os.fspath(path)
+    text = read_config_text(source)
+    return settings_from_text(text, env=environ, source=source)
+
+
+def read_config_text(source: str) -> str:
+    """The text of the configuration file ``source``. Raises :class:`ConfigError` only
+    (missing, unreadable, not UTF-8, or larger than any configuration)."""
     try:
-        text = Path(source).read_text(encoding="utf-8")
+        with open(source, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise ConfigError(
+                [(_FILE, f"larger than {MAX_CONFIG_BYTES} bytes: not a configuration file")],
+                source,
+            )
+        return raw.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(
             [(_FILE, f"no such file: {source} (check --config / {CONFIG_VAR})")], source
@@ -147,8 +162,36 @@ def load_settings(
         raise ConfigError(
             [(_FILE, f"cannot read {source}: {exc.strerror or exc}")], source
         ) from None
+
+
+def settings_from_text(
+    text: str, *, env: Mapping[str, str] | None = None, source: str = _FILE
+) -> Settings:
+    """Validate the YAML ``text`` of a configuration file, ``env`` applied over it (as
+    :func:`load_settings`, with the ``.env`` file and secret files ``env`` points at).
+    Raises :class:`ConfigError` only."""
+    environ = os.environ if env is None else env
     data = _parse_yaml(text, source)
     return settings_from_mapping(data, env=environ, source=source, layers=layers_for(environ))
+
+
+def cut_short_problems(text: str) -> list[tuple[str, str]]:
+    """Why ``text`` looks like a file cut short by a partial write (empty when it does
+    not). A file ends with a newline (every editor and YAML writer ends it so); one that
+    ends inside a line -- the usual result of a write stopped at a buffer boundary -- may
+    still parse, with a key list or a key's restrictions silently shortened. A reload
+    refuses it whole."""
+    if text and not text.endswith("\n"):
+        last = text.rsplit("\n", 1)[-1]
+        line = text.count("\n") + 1
+        return [(
+            _FILE,
+            f"does not end with a newline (line {line} stops at {last[-40:]!r}), as a file "
+            "cut short by a partial write does; refused whole, the running configuration "
+            "stays. Write the file to a temporary name and rename it, and end it with a "
+            "newline",
+        )]  # fmt: skip
+    return []
 
 
 def _parse_yaml(text: str, source: str) -> Any:
@@ -187,9 +230,9 @@ def reload_problems(
     * Client authentication may be turned off only explicitly (``auth: {enabled:
       false}``): a file without ``auth`` is what a truncated write looks like.
     * ``admin_bound`` is the host the running admin listener is bound to (None: no admin
-      listener). Addresses change only on restart, so while that host is not loopback the
-      new configuration must keep an admin key: the key in force follows the bound socket,
-      not the file.
+      listener). Addresses change only on restart, and so does dropping the admin key: a
+      reload may change the key (it applies at once) but not remove it while the listener
+      runs, on loopback or not, and the key in force stays until the restart.
     """
     problems: list[tuple[str, str]] = []
     if old.auth is not None and new.auth is None and not new.auth_disabled:
@@ -206,5 +249,11 @@ def reload_problems(
             f"required: the admin listener stays bound to {admin_bound} until a restart, "
             "so a reload cannot remove its key (to drop the key, set admin.host: 127.0.0.1 "
             "and restart)",
+        ))  # fmt: skip
+    elif admin_bound is not None and old.admin.api_key_sha256 and not new.admin.api_key_sha256:
+        problems.append((
+            "admin.api_key_sha256",
+            "removed: the admin listener would answer without a key; refused, the running "
+            "configuration and its admin key stay. Dropping the admin key needs a restart",
         ))  # fmt: skip
     return problems

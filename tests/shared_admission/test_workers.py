@@ -95,8 +95,8 @@ class Served:
                 found = [m for m in map(regex.search, self.lines) if m]
                 if len(found) >= count:
                     return found[:count]
-                if self.process.poll() is not None and self.process.stderr is None:
-                    break
+                if self.process.poll() is not None and not self._reader.is_alive():
+                    break  # exited and all of stderr read: it will not come
                 self._changed.wait(0.5)
         raise AssertionError(f"{pattern!r} x{count} not seen in:\n{''.join(self.lines)}")
 

@@ -1,0 +1,167 @@
+"""Reload rounds over the control channels of ``serve --workers`` (proxy.worker_control),
+with workers in this process: every worker applies a file or none does."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.errors import ConfigError
+from proxy.worker_control import ReloadRounds, WorkerControl
+
+
+class Target:
+    """A worker's gateway: validates by ``refuse`` / applies by ``fail``, and records."""
+
+    def __init__(self, refuse: bool = False, fail: bool = False) -> None:
+        self.refuse, self.fail = refuse, fail
+        self.validated: list[str] = []
+        self.applied: list[Any] = []
+
+    def validate_reload(self, text: str, source: str) -> Any:
+        self.validated.append(text)
+        if self.refuse:
+            raise ConfigError([("pools[0].replicas[0].max_sessions", "must be >= 1")])
+        return ("settings", text)
+
+    def apply_reload(self, settings: Any) -> list[str]:
+        if self.fail:
+            raise RuntimeError("boom")
+        self.applied.append(settings)
+        return ["pool main: updated"]
+
+
+class Set:
+    def __init__(self, rounds: ReloadRounds) -> None:
+        self.rounds = rounds
+        self.controls: list[WorkerControl] = []
+        self.tasks: list[asyncio.Task[None]] = []
+        self.silent: list[socket.socket] = []
+        self.splits: list[str] = []
+
+    def add(self, target: Target | None) -> None:
+        """A worker; ``None``: one whose loop never answers (its end is read by nobody)."""
+        index = len(self.controls) + len(self.silent)
+        ours, theirs = socket.socketpair()
+        self.rounds.add(index, 1000 + index, ours)
+        if target is None:
+            self.silent.append(theirs)
+            return
+        control = WorkerControl(target, theirs, index, f"host-{1000 + index}-abc")
+        self.controls.append(control)
+        self.tasks.append(asyncio.ensure_future(control.run()))
+
+
+@pytest.fixture
+async def workers(tmp_path: Path) -> AsyncIterator[Set]:
+    path = tmp_path / "headroom.yaml"
+    path.write_text("pools: []\n")
+    holder: list[Set] = []
+    rounds = ReloadRounds(
+        str(path), draining=lambda: False, on_split=lambda m: holder[0].splits.append(m),
+        deadline_s=0.5,
+    )  # fmt: skip
+    made = Set(rounds)
+    holder.append(made)
+    yield made
+    await rounds.close()
+    for task in made.tasks:
+        task.cancel()
+    await asyncio.gather(*made.tasks, return_exceptions=True)
+    for control in made.controls:
+        control.channel.close()
+    for sock in made.silent:
+        sock.close()
+
+
+async def test_every_worker_applies_the_same_text_and_the_answer_lists_them(workers: Set) -> None:
+    a, b = Target(), Target()
+    workers.add(a)
+    workers.add(b)
+    answer = await workers.rounds.reload("test")
+    assert answer.status == 200, answer.body
+    assert answer.body["generation"] == 1
+    assert a.applied == b.applied == [("settings", "pools: []\n")]
+    views = answer.body["workers"]
+    seen = [(w["index"], w["applied"], w["generation"]) for w in views]
+    assert seen == [(0, True, 1), (1, True, 1)]
+    assert views[1]["gateway"] == "host-1001-abc"
+    assert {w["config_sha256"] for w in views} == {answer.body["config_sha256"]}
+    assert [c.generation for c in workers.controls] == [1, 1]
+
+
+async def test_a_worker_refusing_the_file_leaves_every_worker_as_it_was(workers: Set) -> None:
+    a, b = Target(), Target(refuse=True)
+    workers.add(a)
+    workers.add(b)
+    answer = await workers.rounds.reload("test")
+    assert answer.status == 503  # not every worker refused: they disagree on the file
+    assert "worker 1 (pid 1001)" in answer.body["error"]["message"]
+    assert a.validated and not a.applied and not b.applied
+    assert [w["applied"] for w in answer.body["workers"]] == [False, False]
+    # the next round starts from the same generation: nothing moved
+    b.refuse = False
+    assert (await workers.rounds.reload("test")).body["generation"] == 1
+
+
+async def test_a_file_every_worker_refuses_is_answered_400_with_its_problems(
+    workers: Set,
+) -> None:
+    workers.add(Target(refuse=True))
+    workers.add(Target(refuse=True))
+    answer = await workers.rounds.reload("test")
+    assert answer.status == 400
+    assert answer.body["problems"] == [
+        {"field": "pools[0].replicas[0].max_sessions", "reason": "must be >= 1"}
+    ]
+
+
+async def test_a_worker_that_does_not_answer_means_nothing_is_applied(workers: Set) -> None:
+    a = Target()
+    workers.add(a)
+    workers.add(None)
+    answer = await workers.rounds.reload("test")
+    assert answer.status == 503
+    assert "worker 1 (pid 1001): did not answer within 0.5 s" in answer.body["error"]["message"]
+    assert a.validated and not a.applied
+    assert workers.controls[0].generation == 0
+
+
+async def test_a_worker_failing_to_apply_what_the_others_applied_ends_the_set(
+    workers: Set,
+) -> None:
+    a, b = Target(), Target(fail=True)
+    workers.add(a)
+    workers.add(b)
+    answer = await workers.rounds.reload("test")
+    assert answer.status == 500
+    assert answer.body["error"]["type"] == "workers_disagree"
+    assert [w["applied"] for w in answer.body["workers"]] == [True, False]
+    assert "applying failed" in answer.body["workers"][1]["reason"]
+    (split,) = workers.splits
+    assert "worker 1 (pid 1001)" in split and "draining every worker" in split
+
+
+async def test_a_worker_asks_and_gets_the_answer_of_the_round(workers: Set) -> None:
+    a, b = Target(), Target()
+    workers.add(a)
+    workers.add(b)
+    answer = await workers.controls[0].request_reload()
+    assert answer.status == 200
+    assert [w["pid"] for w in answer.body["workers"]] == [1000, 1001]
+    assert a.applied and b.applied
+
+
+async def test_a_file_cut_short_reaches_no_worker(workers: Set, tmp_path: Path) -> None:
+    a = Target()
+    workers.add(a)
+    (tmp_path / "headroom.yaml").write_text("pools: []\nroutes: [")
+    answer = await workers.rounds.reload("test")
+    assert answer.status == 400
+    assert "does not end with a newline" in answer.body["problems"][0]["reason"]
+    assert not a.validated
