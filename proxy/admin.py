@@ -4,7 +4,9 @@
   each pool's headroom left and each configured pipeline's limiting stage, with the
   figures behind it (:mod:`proxy.pipelines`).
 * ``POST /admin/reload`` -- re-read the configuration file and apply it live (as SIGHUP
-  does); an invalid file is refused with 400 and the problems, the old one stays.
+  does); an invalid file is refused with 400 and the problems, the old one stays. Under
+  ``serve --workers`` the listener runs in worker 0 and a reload is applied by every
+  worker or none, the answer listing each (:mod:`proxy.worker_control`).
 * ``POST /admin/drain``  -- start a graceful drain (as SIGTERM does).
 * ``GET /metrics``       -- the Prometheus exposition (on the client listener too only
   with ``metrics: {client_port: true}``: it names tenants and the topology).
@@ -15,7 +17,7 @@ the body, under ``limits.max_control_body_bytes`` and ``limits.handshake_timeout
 
 Bound anywhere but loopback, it requires ``Authorization: Bearer <key>`` whose SHA-256
 is ``admin.api_key_sha256`` (the settings refuse a non-loopback admin without one, and a
-reload may change that key but not remove it while the socket stays bound off loopback:
+reload may change that key but not remove it while the listener runs, on loopback too:
 :func:`proxy.settings.reload_problems`); ``/metrics`` is checked like the rest. The
 health checks are on the client listener (:mod:`proxy.app`).
 """
