@@ -58,6 +58,7 @@ from proxy.admission import (
 )
 from proxy.admission.lease_keeper import LeaseKeeper
 from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission, ReplicaView
+from proxy.admission.redis_clients import SentinelNodes
 from proxy.admission.retry_after import (
     SessionLengths,
     SlotForecast,
@@ -1293,6 +1294,8 @@ def build_shared_gate(settings: Settings, clock: Clock, metrics: Metrics | None)
         lease_ttl_s=r.lease_ttl_s,
         heartbeat_ttl_s=r.renew_interval_s * 2.5,
         timeout_s=r.timeout_s,
+        sentinel=None if r.sentinel is None else SentinelNodes.parse(
+            r.sentinel.master, r.sentinel.nodes, r.sentinel.password),
     )
     gate = SharedGate(
         [

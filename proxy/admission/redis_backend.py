@@ -41,6 +41,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from proxy.admission.redis_clients import SentinelNodes, async_client, sync_client
 from proxy.admission.tenants import ANONYMOUS, Reserve, TenantSpec
 
 __all__ = [
@@ -157,9 +158,10 @@ class RedisAdmission:
         timeout_s: float = 1.0,
         gateway_id: str | None = None,
         clock_ms: Callable[[], int] | None = None,
+        sentinel: SentinelNodes | None = None,
     ) -> None:
         try:
-            import redis.asyncio as aioredis
+            import redis.asyncio  # noqa: F401
             from redis.backoff import NoBackoff
             from redis.retry import Retry
         except ImportError as exc:  # pragma: no cover - exercised by the CLI check
@@ -171,6 +173,7 @@ class RedisAdmission:
             raise ValueError("lease_ttl_s, heartbeat_ttl_s and timeout_s must be > 0")
         self.key_prefix = key_prefix
         self._url = url
+        self._sentinel = sentinel
         self.ttl_ms = round(lease_ttl_s * 1000)
         self.beat_ms = round(heartbeat_ttl_s * 1000)
         self.timeout_s = timeout_s
@@ -185,10 +188,11 @@ class RedisAdmission:
             retry=Retry(NoBackoff(), 0),
             health_check_interval=30,
         )
-        self._client: Any = aioredis.from_url(url, socket_timeout=timeout_s, **common)
+        self._client: Any = async_client(url, sentinel, socket_timeout=timeout_s, **common)
         # BLPOP holds its connection while it blocks: a client of its own, whose socket
         # timeout outlasts the longest block.
-        self._blocking: Any = aioredis.from_url(url, socket_timeout=timeout_s + 5.0, **common)
+        self._blocking: Any = async_client(url, sentinel, socket_timeout=timeout_s + 5.0,
+                                           **common)  # fmt: skip
         self._closed = False
         self._clock_ms = clock_ms
         self._schedule: dict[str, tuple[float, tuple[Reserve, ...]]] = {}
@@ -468,12 +472,12 @@ class RedisAdmission:
         """A blocking client of its own running ``keep.lua``, for the lease keeper's
         thread (:mod:`proxy.admission.lease_keeper`): it shares nothing with this
         object's asyncio clients, so it works while the event loop is blocked."""
-        import redis
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
-        client: Any = redis.Redis.from_url(
+        client: Any = sync_client(
             self._url,
+            self._sentinel,
             socket_timeout=self.timeout_s,
             socket_connect_timeout=self.timeout_s,
             retry=Retry(NoBackoff(), 0),

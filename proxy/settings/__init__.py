@@ -60,6 +60,7 @@ from proxy.settings.schema import (
     ReservationSettings,
     ReserveSettings,
     RouteSettings,
+    SentinelSettings,
     Settings,
     ws_base,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "ReservationSettings",
     "ReserveSettings",
     "RouteSettings",
+    "SentinelSettings",
     "Settings",
     "cut_short_problems",
     "load_settings",

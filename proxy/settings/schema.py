@@ -479,9 +479,32 @@ def _check_redis_url(value: str) -> str:
     return value
 
 
+def _check_sentinel_node(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError("must be host:port (e.g. sentinel-0:26379)")
+    return value
+
+
+class SentinelSettings(_Frozen):
+    """Redis Sentinel (docs/shared-admission.md, "Redis Sentinel"): the gateway asks
+    ``nodes`` which server is the primary of ``master`` now, and asks again when a
+    connection fails, so a failover moves it to the promoted replica. The data nodes'
+    password, database and TLS come from ``admission.redis.url`` (its host is not
+    used); ``password`` is the sentinels' own, if they require one."""
+
+    master: Annotated[str, Field(min_length=1, max_length=256, pattern=r"^[^\s]+$")]
+    nodes: Annotated[
+        list[Annotated[str, AfterValidator(_check_sentinel_node)]],
+        Field(min_length=1, max_length=16),
+    ]
+    password: Annotated[str | None, Field(repr=False)] = None
+
+
 class RedisSettings(_Frozen):
     """The shared admission store (``admission.backend: redis``). TLS (``rediss://``)
-    and AUTH (``redis://:password@host``) come with the URL."""
+    and AUTH (``redis://:password@host``) come with the URL; with ``sentinel``, the
+    primary is found through Redis Sentinel."""
 
     url: Annotated[str, AfterValidator(_check_redis_url), Field(repr=False)] = (
         "redis://127.0.0.1:6379/0"
@@ -491,6 +514,7 @@ class RedisSettings(_Frozen):
     renew_interval_s: PositiveSeconds = 2.0
     fence_margin_s: PositiveSeconds = 1.0
     timeout_s: Annotated[float, Field(gt=0, le=30)] = 1.0
+    sentinel: SentinelSettings | None = None
 
     @model_validator(mode="after")
     def _renew_before_fence(self) -> RedisSettings:
@@ -504,6 +528,9 @@ class RedisSettings(_Frozen):
         if self.timeout_s >= self.renew_interval_s:
             why = f"must be below renew_interval_s ({self.renew_interval_s:g})"
             raise Problems([(("timeout_s",), why)])
+        if self.sentinel is not None and self.url.startswith("unix:"):
+            why = "a unix:// socket cannot be used with sentinel: use redis:// or rediss://"
+            raise Problems([(("url",), why)])
         return self
 
 
