@@ -148,6 +148,9 @@ class WorkerControl:
                 settings = await asyncio.to_thread(self.target.validate_reload, text, source)
             except ConfigError as err:
                 reply = {"ok": False, "problems": _problems(err)}
+            except Exception as exc:  # a fault here must not end this channel
+                log.exception("validating generation %d failed", generation)
+                reply = {"ok": False, "reason": f"validating failed: {exc!r}"}
             else:
                 self._prepared = {generation: (settings, digest(text))}
                 reply = {"ok": True}

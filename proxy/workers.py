@@ -28,8 +28,9 @@ so a pod never keeps serving with fewer workers than it was given. A worker exit
 after draining, and its drain has already asked the supervisor to drain the others: that
 exit is taken as the request, even when the signal is seen after it.
 
-``/metrics`` is per worker: a scrape of the listen port sees whichever worker accepted
-it (its own sessions, counters since its start). Pool-wide figures (every worker, every
+``/metrics`` is per worker: the admin listener's is worker 0's; with
+``metrics.client_port`` a scrape of the listen port sees whichever worker accepted it (its
+own sessions, counters since its start). Pool-wide figures (every worker, every
 pod) come from Redis in ``headroom_shared_*{scope="pool"}``; see docs/shared-admission.md.
 """
 

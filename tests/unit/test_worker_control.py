@@ -165,3 +165,19 @@ async def test_a_file_cut_short_reaches_no_worker(workers: Set, tmp_path: Path) 
     assert answer.status == 400
     assert "does not end with a newline" in answer.body["problems"][0]["reason"]
     assert not a.validated
+
+
+async def test_a_fault_while_validating_is_an_answer_and_the_channel_lives_on(
+    workers: Set,
+) -> None:
+    a, b = Target(), Target()
+    workers.add(a)
+    workers.add(b)
+    b.validate_reload = lambda text, source: 1 / 0  # type: ignore[method-assign]
+    answer = await workers.rounds.reload("test")
+    assert answer.status == 503
+    assert "validating failed: ZeroDivisionError" in answer.body["error"]["message"]
+    assert not a.applied
+    del b.validate_reload  # the class's again
+    assert (await workers.rounds.reload("test")).status == 200
+    assert a.applied and b.applied
