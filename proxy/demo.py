@@ -211,13 +211,12 @@ def _banner(
         lines += [
             "",
             "Stream speech through the gateway into a WAV file (a refusal exits 22 and "
-            "prints its JSON):",
+            "leaves its JSON in hello.wav):",
             f"  curl -sSN --fail-with-body {gateway_url}/v1/audio/speech "
             f"-H 'Content-Type: application/json' "
             f'-d \'{{"model": "{preset.model}", "input": "Hello from Headroom. Every '
             f'listener keeps realtime.", "voice": "default", "response_format": '
-            f'"wav", "stream": true, "stream_format": "audio"}}\' -o hello.wav '
-            "|| cat hello.wav",
+            f'"wav", "stream": true, "stream_format": "audio"}}\' -o hello.wav',
         ]
     if "/v1/audio/transcriptions" in paths:
         lines += [

@@ -62,7 +62,7 @@ def test_banner_lists_every_route_of_the_demo_settings(name: str) -> None:
         )
     else:  # a refusal must not end up in hello.wav with exit status 0
         assert "curl -sSN --fail-with-body http://127.0.0.1:8080/v1/audio/speech" in banner
-        assert "-o hello.wav || cat hello.wav" in banner
+        assert banner.count("-o hello.wav") == 1
 
 
 def _demo_banner(*argv: str) -> str:
