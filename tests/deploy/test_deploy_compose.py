@@ -136,3 +136,42 @@ def test_two_gateways_share_caps_through_the_redis_service() -> None:
         for t in sc["targets"]
     }
     assert {"headroom:8080", "headroom-2:8080"} <= targets
+
+
+RAMP = "4,4,8,16,25"
+
+
+def test_the_example_caps_assume_the_chunk_ramp_and_keep_the_simulated_rules() -> None:
+    """The compose simulators run vLLM-Omni's codec_chunk_ramp (without it no cap keeps a
+    0.2 s-prebuffer listener from stalling), and every example config caps the same TTS
+    GPUs at the cap the simulator's model keeps its rules at on every seed; the probe's
+    measurements against it are in deploy/README.md."""
+    from proxy.sim.capacity import describe
+    from proxy.sim.chunks import parse_ramp
+    from proxy.sim.presets import get_preset
+
+    from .support import DEPLOY, configmap_config, helm_values_config
+
+    commands = [s["command"] for s in _sims().values()]
+    assert {_flag(c, "--codec-chunk-ramp") for c in commands} == {RAMP}
+    (preset_name,) = {_flag(c, "--preset") for c in commands}
+    preset = get_preset(preset_name).with_schedule(initial_frames=None, ramp=parse_ramp(RAMP))
+    cap = describe(preset)["recommended_cap"]
+    assert cap >= 1
+    assert describe(preset_name)["recommended_cap"] == 0, "the default chunking keeps none"
+    k8s = DEPLOY / "kubernetes"
+    examples = {
+        "compose": load_yaml(DEPLOY / "compose" / "headroom.yaml"),
+        "gateway": configmap_config(k8s / "gateway" / "configmap.yaml"),
+        "gateway-shared": configmap_config(k8s / "gateway-shared" / "configmap-patch.yaml"),
+        "helm": helm_values_config(),
+    }
+    for where, config in examples.items():
+        (tts,) = [p for p in config["pools"] if p["name"] == "tts-main"]
+        assert {r["max_sessions"] for r in tts["replicas"]} == {cap}, where
+    for path in (DEPLOY / "compose" / "headroom.yaml", k8s / "gateway" / "configmap.yaml",
+                 k8s / "gateway-shared" / "configmap-patch.yaml",
+                 DEPLOY / "helm" / "headroom" / "values.yaml"):  # fmt: skip
+        text = path.read_text()
+        assert "codec_chunk_ramp" in text, path
+        assert "4, 4, 8, 16, 25" in text or RAMP in text, path
