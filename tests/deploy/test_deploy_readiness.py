@@ -112,3 +112,45 @@ async def test_a_sidecar_whose_engine_is_down_is_not_ready(start_proxy: Any) -> 
     answer = await _readyz(proxy.http_url)
     assert answer.status_code == 503
     assert answer.json()["reason"] == "no healthy replica"
+
+
+# --- /metrics where the shipped scrape configurations read it -----------------------------
+
+
+def _scraped_ports() -> dict[str, tuple[str, str]]:
+    """Where each shape's Prometheus scrape reads Headroom: (port, path)."""
+    from .support import load_yaml_docs
+
+    def podmonitor(path: Any) -> tuple[str, str]:
+        (doc,) = [d for d in load_yaml_docs(path) if d["kind"] == "PodMonitor"]
+        (endpoint,) = doc["spec"]["podMetricsEndpoints"]
+        return endpoint["port"], endpoint["path"]
+
+    chart_podmonitor = (DEPLOY / "helm" / "headroom" / "templates" / "podmonitor.yaml").read_text()
+    assert "- port: http\n      path: /metrics" in chart_podmonitor
+    prometheus = load_yaml(DEPLOY / "compose" / "prometheus.yml")
+    (job,) = [j for j in prometheus["scrape_configs"] if j["job_name"] == "headroom"]
+    ports = {t.rsplit(":", 1)[1] for sc in job["static_configs"] for t in sc["targets"]}
+    assert ports == {"8080"}
+    return {
+        "kubernetes/gateway": podmonitor(KUBERNETES / "gateway" / "podmonitor.yaml"),
+        "kubernetes/sidecar": podmonitor(KUBERNETES / "sidecar" / "vllm-with-headroom.yaml"),
+        "helm/headroom": ("http", "/metrics"),
+        "compose": ("http", job.get("metrics_path", "/metrics")),
+    }
+
+
+@pytest.mark.parametrize("where", ["kubernetes/gateway", "kubernetes/sidecar", "helm/headroom",
+                                   "compose"])  # fmt: skip
+async def test_the_scraped_port_serves_metrics(where: str, start_proxy: Any) -> None:
+    """/metrics is on the admin listener unless metrics.client_port: the shapes whose
+    scrape reads the client port must say so, or their dashboards and alerts go empty."""
+    port, path = _scraped_ports()[where]
+    assert port == "http"  # the client listener (the admin one stays on loopback)
+    config = _shipped()[where]
+    assert config["metrics"] == {"client_port": True}, where
+    proxy = await start_proxy(settings_from_mapping(_local(config), env={}))
+    async with httpx.AsyncClient() as client:
+        answer = await client.get(proxy.http_url + path)
+    assert answer.status_code == 200
+    assert "headroom_sessions_active" in answer.text
