@@ -125,7 +125,15 @@ def _serve(args: argparse.Namespace) -> int:
         say("headroom: --workers must be at least 1")
         return 2
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    settings = _load(args, overrides)
+    start = None
+    if args.worker_fds is not None:  # a worker of `serve --workers`: the supervisor's text
+        from proxy.workers import worker_start
+
+        start = worker_start(args.worker_fds, args.config or os.environ.get("HEADROOM_CONFIG"),
+                             overrides)  # fmt: skip
+        settings = start.settings
+    else:
+        settings = _load(args, overrides)
     from proxy.admission.redis_backend import redis_available
 
     if settings.admission.backend == "redis" and not redis_available():
@@ -159,10 +167,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     async def run() -> None:
         gateway: Gateway
-        if args.worker_fds is not None:
+        if start is not None:
             from proxy.workers import make_worker
 
-            gateway = make_worker(settings, args.worker_fds, args.worker_index, config_path)
+            gateway = make_worker(start, args.worker_fds, args.worker_index, config_path)
         else:
             gateway = Gateway(settings, config_path=config_path)
         say(f"headroom: serving on http://{settings.listen.host}:{gateway.port}")

@@ -45,17 +45,26 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from proxy.admin import ReloadAnswer
 from proxy.console import say
+from proxy.errors import ConfigError
 from proxy.gateway import Gateway, _listen
+from proxy.reload_rounds import ReloadRounds
 from proxy.runtime import Runtime
-from proxy.settings import Settings
+from proxy.settings import Settings, read_config_text, settings_from_text
 from proxy.shared_gate import SharedGate
-from proxy.worker_control import ReloadRounds, WorkerControl
+from proxy.worker_control import WorkerControl, digest, read_start, start_frame
 
-__all__ = ["WorkerGateway", "supervise", "worker_argv"]
+__all__ = [
+    "WorkerGateway",
+    "WorkerStart",
+    "make_worker",
+    "supervise",
+    "worker_argv",
+    "worker_start",
+]
 
 log = logging.getLogger("headroom.workers")
 
@@ -191,11 +200,31 @@ def _inherited(fds: str) -> tuple[int, socket.socket, socket.socket, socket.sock
     return lifeline, socks[0], socks[1], (socks[2] if len(socks) > 2 else None)
 
 
-def make_worker(settings: Settings, fds: str, index: int, config_path: str | None) -> WorkerGateway:
+def worker_start(fds: str, config_path: str | None, overrides: dict[str, Any]) -> WorkerStart:
+    """The configuration the supervisor started this worker on (never the file as it is
+    now: it may have changed since the supervisor read it)."""
+    control = int(fds.split(",")[1])
+    with socket.socket(fileno=os.dup(control)) as sock:
+        text = read_start(sock)
+    source = config_path or "<file>"
+    settings = settings_from_text(text, source=source)
+    if overrides:
+        listen = settings.listen.model_copy(update=overrides)
+        settings = settings.model_copy(update={"listen": listen})
+    return WorkerStart(settings, digest(text))
+
+
+class WorkerStart(NamedTuple):
+    settings: Settings
+    config_sha256: str
+
+
+def make_worker(start: WorkerStart, fds: str, index: int, config_path: str | None) -> WorkerGateway:
     lifeline, control, listen, admin = _inherited(fds)
     gateway = WorkerGateway(
-        settings, listen, admin, index=index, control=control, config_path=config_path
+        start.settings, listen, admin, index=index, control=control, config_path=config_path
     )
+    gateway.control.config_sha256 = start.config_sha256
     gateway.lifeline = lifeline
     return gateway
 
@@ -219,9 +248,10 @@ class Supervisor:
             config_path, draining=lambda: self._draining, on_split=self.on_split
         )
 
-    def start(self, shared: Sequence[int], admin: int | None) -> None:
+    def start(self, shared: Sequence[int], admin: int | None, text: str) -> None:
         """Start the workers: each inherits ``shared`` (the lifeline's read end, then the
-        listen socket) and its own control socket; worker 0 also ``admin``."""
+        listen socket) and its own control socket, on which it first reads ``text``, the
+        configuration to start on; worker 0 also inherits ``admin``."""
         lifeline, *sockets = shared
         for i in range(self.workers):
             ours, theirs = socket.socketpair()
@@ -239,7 +269,7 @@ class Supervisor:
             finally:
                 theirs.close()  # the worker's end: its exit then closes the pair
             self.processes.append(process)
-            self.rounds.add(i, process.pid, ours)
+            self.rounds.add(i, process.pid, ours, start_frame(text))
 
     def on_split(self, message: str) -> None:
         """A reload applied by some workers only: never serve on two configurations."""
@@ -312,6 +342,13 @@ def supervise(settings: Settings, workers: int, args: Any) -> int:
     """Bind the sockets, run ``workers`` worker processes, return the exit code."""
     from proxy.eventloop import run_async
 
+    config_path = args.config or os.environ.get("HEADROOM_CONFIG")
+    if config_path is None:
+        raise ConfigError([("<file>", "--workers needs a configuration file")])
+    # Read once for every worker (validated again here: it may have changed since the
+    # settings were loaded), so all of them start on one text.
+    text = read_config_text(config_path)
+    settings_from_text(text, source=config_path)
     listen = _listen("listener", settings.listen.host, settings.listen.port)
     admin = None
     if settings.admin.enabled:
@@ -327,13 +364,14 @@ def supervise(settings: Settings, workers: int, args: Any) -> int:
     supervisor = Supervisor(
         settings, workers,
         lambda i, fds: worker_argv(args.config, args.host, args.port, i, fds),
-        args.config or os.environ.get("HEADROOM_CONFIG"),
+        config_path,
     )  # fmt: skip
     code = 0
 
     async def run() -> None:
         nonlocal code
-        supervisor.start([lifeline_read, listen.fileno()], admin.fileno() if admin else None)
+        admin_fd = admin.fileno() if admin else None
+        supervisor.start([lifeline_read, listen.fileno()], admin_fd, text)
         say(
             f"headroom: serving on http://{settings.listen.host}:{port} with {workers} "
             f"workers (pids {' '.join(str(p.pid) for p in supervisor.processes)})"

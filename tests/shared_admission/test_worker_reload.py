@@ -186,9 +186,22 @@ async def test_sighup_and_a_cut_short_file_go_to_every_worker_or_none(
     await seed_generation(redis.url, pool="main")
     urls = [server.http_url for server, _ in engines]
     config = tmp_path / "shared.yaml"
-    write_config(config, urls, redis.url, cap=3)
+    started = write_config(config, urls, redis.url, cap=3)
     served, _, admin, pids = await _start(config)
     try:
+        # Every worker started on the text the supervisor read (generation 0), and a
+        # file every worker refuses changes nothing.
+        write_config(config, urls, redis.url, cap=0)
+        async with httpx.AsyncClient(timeout=60) as client:
+            refused = await client.post(admin + "/admin/reload")
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["problems"][0]["field"] == "pools[0].replicas[0].max_sessions"
+        workers = refused.json()["workers"]
+        assert sorted(w["pid"] for w in workers) == sorted(pids)
+        sha256 = hashlib.sha256(started.encode()).hexdigest()
+        assert [(w["generation"], w["config_sha256"], w["applied"]) for w in workers] == [
+            (0, sha256, False), (0, sha256, False)]  # fmt: skip
+
         write_config(config, urls, redis.url, cap=2)
         served.process.send_signal(signal.SIGHUP)
         every = rf"on worker 0 \(pid {pids[0]}\), worker 1 \(pid {pids[1]}\)"

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from proxy.errors import ConfigError
-from proxy.worker_control import ReloadRounds, WorkerControl
+from proxy.reload_rounds import ReloadRounds
+from proxy.worker_control import WorkerControl, read_start, start_frame
 
 
 class Target:
@@ -181,3 +182,20 @@ async def test_a_fault_while_validating_is_an_answer_and_the_channel_lives_on(
     del b.validate_reload  # the class's again
     assert (await workers.rounds.reload("test")).status == 200
     assert a.applied and b.applied
+
+
+def test_a_worker_reads_its_start_text_and_nothing_after_it() -> None:
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.sendall(start_frame("pools: []\n") + b'{"op": "prepare"}\n')
+        assert read_start(theirs) == "pools: []\n"
+        assert theirs.recv(100) == b'{"op": "prepare"}\n'  # left for the channel
+
+
+def test_a_start_text_cut_short_is_a_config_error() -> None:
+    ours, theirs = socket.socketpair()
+    with theirs:
+        with ours:
+            ours.sendall(start_frame("pools: []\n")[:-3])
+        with pytest.raises(ConfigError, match="sent no configuration"):
+            read_start(theirs)
