@@ -272,6 +272,33 @@ def test_env_env_from_and_extra_volumes_reach_the_gateway_container(tmp_path: Pa
     assert [v["name"] for v in plain["volumes"]] == ["config", "tmp"]
 
 
+def test_a_secret_mounted_as_the_secrets_directory_sets_settings(tmp_path: Path) -> None:
+    """The values' example: a Secret mounted at /run/secrets is Headroom's secrets
+    directory. Its keys, written as the kubelet writes them, set fields of the rendered
+    configuration (the admin key's hash here) over config.yaml."""
+    from proxy.settings import settings_from_text
+    from proxy.settings.sources import DEFAULT_SECRETS_DIR
+
+    values = {
+        "extraVolumes": [{"name": "headroom-secrets", "secret": {"secretName": "hs"}}],
+        "extraVolumeMounts": [
+            {"name": "headroom-secrets", "mountPath": "/run/secrets", "readOnly": True}
+        ],
+    }
+    docs = render_docs("-f", _values_file(tmp_path, values))
+    (container,) = docs["Deployment/gw-headroom"]["spec"]["template"]["spec"]["containers"]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "headroom-secrets"]
+    assert Path(mount["mountPath"]) == DEFAULT_SECRETS_DIR
+    config = docs["ConfigMap/gw-headroom"]["data"]["config.yaml"]
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    digest = "ab" * 32
+    (secrets / "headroom_admin__api_key_sha256").write_text(digest)
+    settings = settings_from_text(config, env={"HEADROOM_SECRETS_DIR": str(secrets)})
+    assert settings.admin.api_key_sha256 == digest
+    assert settings_from_text(config, env={"HEADROOM_SECRETS_DIR": ""}).admin.api_key_sha256 is None
+
+
 def test_a_config_change_rolls_the_pods_unless_live_reload_is_chosen() -> None:
     def annotations(*args: str) -> dict[str, str]:
         template = render_docs(*args)["Deployment/gw-headroom"]["spec"]["template"]
