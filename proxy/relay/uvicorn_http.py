@@ -41,7 +41,10 @@ begun, less its body, so within one socket read) has its connection closed.
 A WebSocket upgrade that arrives whole in one read, in the plain form every client sends
 (:func:`lean_upgrade_head`), is handed to the WebSocket protocol without going through
 httptools' callbacks and uvicorn's HTTP scope; the limits above apply to it all the
-same, and anything else takes uvicorn's parser as before. At the hand-over this
+same, and anything else takes uvicorn's parser as before. Bytes that come after the
+upgrade head in the same read (a client that sends its first frame without waiting for
+the 101) go to the WebSocket protocol with it, which holds them for the relay: uvicorn's
+own hand-over drops them. At the hand-over this
 protocol drops its parser, so that it is freed at once rather than left to the garbage
 collector. Both are measured in docs/performance.md.
 
@@ -215,6 +218,9 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         #: bytes are not body -- everything read until then is trailers.
         self._maybe_trailers = False
         self._trailer_bytes = 0
+        #: What of the read being parsed follows the head: the WebSocket's first bytes,
+        #: if the head is an upgrade.
+        self._after_head = b""
         self._start_head()
 
     # -- the head's life ----------------------------------------------------------------
@@ -351,7 +357,9 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         else:
             past_head = len(data)
         body_before = self._body_bytes
+        self._after_head = data[len(data) - past_head :] if past_head and self._head_open else b""
         super().data_received(data)
+        self._after_head = b""
         if self._maybe_trailers and past_head:
             self._trailer_bytes += past_head - (self._body_bytes - body_before)
             if self._trailer_bytes > self._max_head_bytes:
@@ -411,17 +419,24 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         return self._upgrade
 
     def handle_websocket_upgrade(self) -> None:
+        early = self._after_head
         if not hasattr(self.ws_protocol_class, "upgrade_parsed"):
             self._head_open = False
             self._cancel_head_timer()
             super().handle_websocket_upgrade()
+            protocol = self.transport.get_protocol()
+            if early and isinstance(protocol, asyncio.Protocol):
+                protocol.data_received(early)
             return
-        self._upgrade_to(self.scope["method"], self.url, self.headers)
+        self._upgrade_to(self.scope["method"], self.url, self.headers, early)
 
-    def _upgrade_to(self, method: str, target: bytes, headers: list[tuple[bytes, bytes]]) -> None:
+    def _upgrade_to(
+        self, method: str, target: bytes, headers: list[tuple[bytes, bytes]], early: bytes = b""
+    ) -> None:
         """uvicorn's hand-over to its WebSocket protocol, but the request goes over as
         parsed (the splice's protocol reads it as it is) rather than re-serialised to be
-        parsed again. ``headers``: names lower-cased, as uvicorn gives them."""
+        parsed again. ``headers``: names lower-cased, as uvicorn gives them; ``early``:
+        what the client sent after the head, handed over too."""
         self._head_open = False
         self._cancel_head_timer()
         self.connections.discard(self)
@@ -434,6 +449,8 @@ class HeadLimitedProtocol(HttpToolsProtocol):
             self.transport, (self.server, self.client, self.scheme), method, target, headers
         )
         self.transport.set_protocol(protocol)
+        if early:
+            protocol.data_received(early)
         # The parser holds this protocol's callbacks, and this protocol the parser: a
         # cycle that left every upgraded connection's HTTP protocol (14 objects) to the
         # garbage collector. Nothing parses here any more; drop the parser and reference

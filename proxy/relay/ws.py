@@ -14,7 +14,9 @@ relaying starts. The trade-off: the handshake is answered before the upstream is
 chosen, so the subprotocol cannot be negotiated with it -- Headroom accepts the
 client's first offered subprotocol, and the upstream is asked for that one only.
 Frames the client sends while waiting are held (bounded by the message size limit and
-16 messages; beyond that, 1008) and relayed first, in order.
+16 messages; beyond that, 1008) and relayed first, in order. So are frames a client
+sends before its handshake is answered (RFC 6455 says to wait; some do not) that
+uvicorn's own WebSocket protocol delivers as messages before the accept.
 
 Close codes for the client: the upstream's own code when it closed cleanly (e.g.
 4001), 1014 when the upstream failed or could not be reached, 1008 for limits, 1013 for
@@ -111,8 +113,8 @@ class _WebSocket:
         self.protocol = route.stream_protocol
         self.accepted = False
         self.offered: list[str] = list(scope.get("subprotocols") or [])
-        #: Frames the client sent after an early accept, relayed first (None: no
-        #: early accept).
+        #: Frames the client sent while it waited (after an early accept, or before
+        #: the accept under uvicorn's own protocol), relayed first (None: none came).
         self.held: list[dict[str, Any]] | None = None
         #: Queue notes not yet sent (queue feedback): made when the session first
         #: waits, dropped once it is admitted (an asyncio.Queue is about 3 KB).
@@ -177,7 +179,9 @@ class _WebSocket:
             message: dict[str, Any] = await self.receive()
             if message["type"] == "websocket.disconnect":
                 return
-            if held is not None and message["type"] == "websocket.receive":
+            if message["type"] == "websocket.receive":
+                if held is None:  # sent before the handshake was answered
+                    held = self.held = []
                 size += len(message.get("bytes") or b"") + len(message.get("text") or "")
                 if size > limit or len(held) >= _MAX_HELD_MESSAGES:
                     raise MessageTooLarge("too much data sent while waiting in the queue")
