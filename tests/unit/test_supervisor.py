@@ -22,7 +22,7 @@ class Worker:
 
 
 def _supervisor(*workers: Worker) -> tuple[Supervisor, list[int]]:
-    supervisor = Supervisor(None, len(workers), [[] for _ in workers])  # type: ignore[arg-type]
+    supervisor = Supervisor(None, len(workers), lambda i, fds: [], None)  # type: ignore[arg-type]
     supervisor.processes = list(workers)  # type: ignore[arg-type]
     sent: list[int] = []
 
@@ -51,3 +51,11 @@ async def test_a_worker_that_fails_drains_the_others_and_the_supervisor_fails(co
     supervisor, sent = _supervisor(Worker(101), Worker(102, returncode=code))
     assert await supervisor.run() == 1
     assert sent == [signal.SIGTERM]
+
+
+async def test_a_reload_applied_by_some_workers_only_drains_all_and_fails() -> None:
+    """The workers would run two configurations (proxy.reload_rounds): never served on."""
+    supervisor, sent = _supervisor(Worker(101), Worker(102))
+    supervisor.on_split("generation 2 was applied by some workers but not by worker 1")
+    assert sent == [signal.SIGTERM]
+    assert await supervisor.run() == 1  # though every worker drained and exited 0
