@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import socket
 from collections.abc import Callable
@@ -35,11 +36,11 @@ class _Worker:
     state: dict[str, Any] = field(default_factory=dict)
     replies: dict[tuple[str, int], asyncio.Future[dict[str, Any]]] = field(default_factory=dict)
 
-    def expect(self, op: str, generation: int) -> asyncio.Future[dict[str, Any]]:
+    def expect(self, op: str, attempt: int) -> asyncio.Future[dict[str, Any]]:
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         if not self.alive:
             future.set_result({"ok": False, "reason": "exited"})
-        self.replies[(op, generation)] = future
+        self.replies[(op, attempt)] = future
         return future
 
     def name(self) -> str:
@@ -59,6 +60,7 @@ class ReloadRounds:
     ) -> None:
         self.config_path = config_path
         self.generation = 0
+        self._attempts = itertools.count(1)
         self._draining = draining
         self._on_split = on_split
         self._deadline_s = deadline_s
@@ -134,16 +136,16 @@ class ReloadRounds:
             return _problems_answer(err.problems)
         if problems := cut_short_problems(text):
             return _problems_answer(problems)
-        generation = self.generation + 1
+        generation, attempt = self.generation + 1, next(self._attempts)
         workers = list(self._workers)
-        prepared = await self._step(workers, "prepare", generation,
+        prepared = await self._step(workers, "prepare", attempt,
                                     text=text, source=self.config_path)  # fmt: skip
         refusals = [(w, r) for w, r in prepared if not r.get("ok")]
         if refusals:
             for w in workers:
-                w.channel.send({"op": "abort", "round": generation})
+                w.channel.send({"op": "abort", "round": attempt})
             return _not_prepared(refusals, [self._view(w) for w in workers])
-        committed = await self._step(workers, "commit", generation)
+        committed = await self._step(workers, "commit", attempt, generation=generation)
         for w, reply in committed:
             if "generation" in reply:
                 w.state = {k: reply.get(k) for k in _STATE}
@@ -164,17 +166,18 @@ class ReloadRounds:
         return ReloadAnswer(200, body)
 
     async def _step(
-        self, workers: list[_Worker], op: str, generation: int, **extra: Any
+        self, workers: list[_Worker], op: str, attempt: int, **extra: Any
     ) -> list[tuple[_Worker, dict[str, Any]]]:
-        """Send ``op`` to every worker and wait for each one's reply, or the deadline."""
+        """Send ``op`` of round ``attempt`` to every worker and wait for each one's reply,
+        or the deadline."""
         reply_op = "prepared" if op == "prepare" else "applied"
-        futures = [w.expect(reply_op, generation) for w in workers]
+        futures = [w.expect(reply_op, attempt) for w in workers]
         for w in workers:
-            w.channel.send({"op": op, "round": generation, **extra})
+            w.channel.send({"op": op, "round": attempt, **extra})
         await asyncio.wait(futures, timeout=self._deadline_s)
         replies = []
         for w, future in zip(workers, futures, strict=True):
-            w.replies.pop((reply_op, generation), None)
+            w.replies.pop((reply_op, attempt), None)
             if future.done():
                 replies.append((w, future.result()))
             else:

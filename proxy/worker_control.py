@@ -190,25 +190,28 @@ class WorkerControl:
                 "generation": self.generation, "config_sha256": self.config_sha256}  # fmt: skip
 
     async def _on(self, message: dict[str, Any]) -> None:
-        op, generation = message.get("op"), message.get("round")
-        if op == "prepare" and isinstance(generation, int):
+        # "round" numbers each attempt (a late reply to an aborted one matches no other);
+        # "generation" numbers what was applied.
+        op, attempt = message.get("op"), message.get("round")
+        if op == "prepare" and isinstance(attempt, int):
             text, source = str(message.get("text", "")), str(message.get("source", ""))
             try:
                 settings = await asyncio.to_thread(self.target.validate_reload, text, source)
             except ConfigError as err:
                 reply = {"ok": False, "problems": _problems(err)}
             except Exception as exc:  # a fault here must not end this channel
-                log.exception("validating generation %d failed", generation)
+                log.exception("validating reload round %d failed", attempt)
                 reply = {"ok": False, "reason": f"validating failed: {exc!r}"}
             else:
-                self._prepared = {generation: (settings, digest(text))}
+                self._prepared = {attempt: (settings, digest(text))}
                 reply = {"ok": True}
-            self.channel.send({"op": "prepared", "round": generation, **reply})
-        elif op == "commit" and isinstance(generation, int):
-            self.channel.send({"op": "applied", "round": generation,
-                               **self._commit(generation)})  # fmt: skip
+            self.channel.send({"op": "prepared", "round": attempt, **reply})
+        elif op == "commit" and isinstance(attempt, int):
+            generation = message.get("generation")
+            reply = self._commit(attempt, generation if isinstance(generation, int) else -1)
+            self.channel.send({"op": "applied", "round": attempt, **reply})
         elif op == "abort":
-            self._prepared.pop(generation if isinstance(generation, int) else -1, None)
+            self._prepared.pop(attempt if isinstance(attempt, int) else -1, None)
         elif op == "answer":
             future = self._requests.pop(int(message.get("request", 0)), None)
             if future is not None and not future.done():
@@ -216,10 +219,10 @@ class WorkerControl:
                 status = int(message.get("status", 500))
                 future.set_result(ReloadAnswer(status, body if isinstance(body, dict) else {}))
 
-    def _commit(self, generation: int) -> dict[str, Any]:
-        prepared = self._prepared.pop(generation, None)
+    def _commit(self, attempt: int, generation: int) -> dict[str, Any]:
+        prepared = self._prepared.pop(attempt, None)
         if prepared is None:
-            return {"ok": False, "reason": f"generation {generation} was not prepared here",
+            return {"ok": False, "reason": f"reload round {attempt} was not prepared here",
                     **self._state()}  # fmt: skip
         settings, sha256 = prepared
         try:

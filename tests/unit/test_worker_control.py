@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -199,3 +200,37 @@ def test_a_start_text_cut_short_is_a_config_error() -> None:
             ours.sendall(start_frame("pools: []\n")[:-3])
         with pytest.raises(ConfigError, match="sent no configuration"):
             read_start(theirs)
+
+
+async def test_a_late_answer_to_an_aborted_round_is_not_taken_for_the_next(
+    workers: Set,
+) -> None:
+    """Worker 1 answers round 1 after its deadline, while round 2 (the same generation,
+    since round 1 applied nothing) waits: that late yes must not count as its answer to
+    round 2, which it refuses."""
+    late = threading.Event()
+    a, b = Target(), Target()
+    answers = a.validate_reload
+
+    def a_validates(text: str, source: str) -> Any:
+        if len(a.validated) == 1:  # round 2 is out: now let worker 1 answer round 1
+            late.set()
+        return answers(text, source)
+
+    def b_validates(text: str, source: str) -> Any:
+        b.validated.append(text)
+        if len(b.validated) == 1:
+            late.wait(30)
+            return ("settings", text)
+        raise ConfigError([("pools", "refused the second time")])
+
+    a.validate_reload = a_validates  # type: ignore[method-assign]
+    b.validate_reload = b_validates  # type: ignore[method-assign]
+    workers.add(a)
+    workers.add(b)
+    first = await workers.rounds.reload("test")
+    assert first.status == 503 and "did not answer" in first.body["error"]["message"]
+    second = await workers.rounds.reload("test")
+    assert second.status == 503, second.body
+    assert "refused the second time" in second.body["error"]["message"]
+    assert not a.applied and not b.applied and not workers.splits
