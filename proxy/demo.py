@@ -120,6 +120,8 @@ def demo_settings(
     data = {
         "listen": {"host": host, "port": port},
         "admin": {"enabled": False},
+        # no admin listener here: /metrics on the demo's one port, as the banner says
+        "metrics": {"client_port": True},
         "log_format": "text",
         "log_level": "warning",
         "pools": [

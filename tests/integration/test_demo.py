@@ -170,3 +170,12 @@ async def test_every_route_the_asr_demo_banner_lists_is_served() -> None:
         demo.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await demo
+
+
+def test_the_demo_serves_metrics_on_its_one_port_as_its_banner_says() -> None:
+    # The demo has no admin listener, so /metrics is on the client listener.
+    settings = demo_settings(
+        get_preset(TTS), ["http://127.0.0.1:1"], 4, host="127.0.0.1", port=8080,
+        queue_depth=8, queue_wait=10,
+    )  # fmt: skip
+    assert not settings.admin.enabled and settings.metrics.client_port
