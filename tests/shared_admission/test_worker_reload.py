@@ -229,3 +229,47 @@ async def test_sighup_and_a_cut_short_file_go_to_every_worker_or_none(
             assert again.json()["generation"] == 3
     finally:
         served.stop()
+
+
+async def test_a_stopped_worker_means_no_worker_applies_the_reload(
+    tmp_path: Path, engines: list[tuple[RunningServer, CountingEngine]], redis: RedisServer
+) -> None:
+    """Worker 1 stopped (SIGSTOP) through a reload's deadline: 503 naming it, and neither
+    worker lowered its caps -- the resumed worker 1 still admits 3+3. The next reload,
+    with both running, reaches both."""
+    await seed_generation(redis.url, pool="main")
+    urls = [server.http_url for server, _ in engines]
+    counters = [engine for _, engine in engines]
+    config = tmp_path / "shared.yaml"
+    write_config(config, urls, redis.url, cap=3)
+    served, url, admin, pids = await _start(config)
+    try:
+        async with httpx.AsyncClient(timeout=60) as client:
+            write_config(config, urls, redis.url, cap=1)
+            os.kill(pids[1], signal.SIGSTOP)
+            try:
+                refused = await client.post(admin + "/admin/reload")
+            finally:
+                os.kill(pids[1], signal.SIGCONT)
+            assert refused.status_code == 503, refused.text
+            error = refused.json()["error"]
+            assert error["type"] == "worker_unavailable"
+            assert f"worker 1 (pid {pids[1]}): did not answer within 10 s" in error["message"]
+            status = (await client.get(admin + "/admin/status")).json()
+            assert [r["cap"] for r in status["pools"]["main"]["replicas"]] == [3, 3]
+            os.kill(pids[0], signal.SIGSTOP)  # only worker 1 accepts sessions
+            try:
+                async with contextlib.AsyncExitStack() as stack:
+                    assert await _sessions_on(client, url, 12, stack) == 6
+                    assert [e.peak for e in counters] == [3, 3]  # the caps it started on
+            finally:
+                os.kill(pids[0], signal.SIGCONT)
+            await _idle(counters, redis.url)
+            reloaded = await client.post(admin + "/admin/reload")
+            assert reloaded.status_code == 200, reloaded.text
+            assert [w["generation"] for w in reloaded.json()["workers"]] == [1, 1]
+    finally:
+        for pid in pids:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGCONT)
+        served.stop()
