@@ -188,15 +188,17 @@ class Gate:
         *,
         on_position: PositionCallback | None = None,
         tenant: TenantSpec | None = None,
+        queue: bool = True,
     ) -> Lease | Waiting:
         """Ask ``pool`` for a slot without suspending: a :class:`Lease` if admitted at
         once, a :class:`Waiting` (already in the queue) to await, or raises
-        :class:`~proxy.errors.Refused`. ``tenant`` defaults to :data:`CURRENT_TENANT`."""
+        :class:`~proxy.errors.Refused`. ``tenant`` defaults to :data:`CURRENT_TENANT`.
+        ``queue=False``: a slot now or a refusal, never a queue place."""
         p = self._pool(pool)
         now = self.clock.now()
         if tenant is None:
             tenant = CURRENT_TENANT.get()
-        decision = p.core.arrive(now, tenant)
+        decision = p.core.arrive(now, tenant, queue=queue)
         if isinstance(decision, Admit):
             self._count(pool, "admitted", tenant)
             return Lease(self, pool, decision, now, tenant)
@@ -222,11 +224,13 @@ class Gate:
         pool: str,
         *,
         on_position: PositionCallback | None = None,
+        queue: bool = True,
         tenant: TenantSpec | None = None,
     ) -> Lease | Waiting:
         """:meth:`enter` for callers that serve either admission backend (the shared
-        one, :class:`proxy.shared_gate.SharedGate`, must await Redis)."""
-        return self.enter(pool, on_position=on_position, tenant=tenant)
+        one, :class:`proxy.shared_gate.SharedGate`, must await Redis), with the same
+        arguments as the shared gate's ``admit``."""
+        return self.enter(pool, on_position=on_position, tenant=tenant, queue=queue)
 
     async def acquire(
         self,

@@ -149,9 +149,12 @@ class PoolCore:
 
     # -- events -----------------------------------------------------------------
 
-    def arrive(self, now: float, tenant: TenantSpec | None = None) -> Decision:
+    def arrive(
+        self, now: float, tenant: TenantSpec | None = None, *, queue: bool = True
+    ) -> Decision:
         """A new session (of ``tenant``; None: no key) asks for a slot: admit, enqueue
-        or reject it."""
+        or reject it. ``queue=False``: a slot now or a refusal, never a queue place
+        (where it would have waited: ``pool_full``, or ``guard``)."""
         spec = tenant or ANONYMOUS
         ticket = self._next_ticket
         self._next_ticket += 1
@@ -165,7 +168,7 @@ class PoolCore:
             replica = self._pick()
             if replica is not None:
                 return self._admit(ticket, spec, replica, now, now)
-        if not self.queue.enabled:
+        if not self.queue.enabled or not queue:
             return self._reject(ticket, self.full_reason(), position=None, now=now, tenant=spec)
         if spec.max_queued is not None and self._waiters.queued_by(spec.name) >= spec.max_queued:
             return self._reject(ticket, "tenant_limit", position=None, now=now, tenant=spec)

@@ -2,11 +2,20 @@
 query parameters.
 
 A client opts in to fallback with the header ``X-Headroom-Allow-Fallback: 1`` or the
-query parameter ``headroom_fallback=1``. When the route's pool refuses it (full, queue
-full, guarded, draining, no healthy replica) and the pool's ``fallback.pool`` can admit
-it, the session goes there instead, and the response carries
-``X-Headroom-Fallback: <pool>`` (for WebSocket routes, on the handshake response).
-Without the opt-in, a refusal still names the fallback in its body.
+query parameter ``headroom_fallback=1``. An opted-in session never waits for a slot the
+fallback pool (its pool's ``fallback.pool``, one the key may use) has free now:
+
+1. the route's pool, if it has a slot now (without a queue place: waiters of its class
+   or above are never overtaken);
+2. else the fallback pool, if it has a slot now;
+3. else the route's pool as for any session (its queue, when it has one);
+4. and if that refuses (queue full, draining, no healthy replica...), the fallback pool,
+   queue included.
+
+The response of a session in the fallback pool carries ``X-Headroom-Fallback: <pool>``
+(for WebSocket routes, on the handshake response). Without the opt-in, a refusal still
+names the fallback in its body. The route's pool counts step 1's answer as a refusal
+when the session goes on, as it counts step 3's.
 
 A connection presenting a gang reservation (header ``X-Headroom-Reservation`` or query
 parameter ``headroom_reservation``, :mod:`proxy.reservations`) uses its reserved slot of
@@ -120,16 +129,34 @@ async def enter(
         claimed = await services.reservations.claim(token, route.pool, key)
         return claimed, None
     gate = services.gate
+    target = _fallback_pool(services, route.pool, scope)
+    if target is not None:  # steps 1 and 2 of the module docstring: a slot now
+        try:
+            return await gate.admit(route.pool, queue=False), None
+        except Refused:
+            pass
+        try:
+            return await gate.admit(target, queue=False), target
+        except Refused:
+            pass
     try:
         return await gate.admit(route.pool, on_position=on_position), None
     except Refused as refusal:
-        hint = refusal.fallback
-        target = hint.pool if hint else None
-        if target is None or target not in gate.pools() or not wants_fallback(scope):
-            raise
-        if not services.key_allows(scope, target):
+        if target is None:
             raise
         try:
             return await gate.admit(target, on_position=on_position), target
         except Refused:
             raise refusal from None
+
+
+def _fallback_pool(services: RelayServices, pool: str, scope: dict[str, Any]) -> str | None:
+    """The pool an opted-in session may fall back to from ``pool`` (configured, and
+    allowed for its key), or None."""
+    if not wants_fallback(scope):
+        return None
+    hint = services.gate.fallback(pool)
+    target = hint.pool if hint else None
+    if target is None or target not in services.gate.pools():
+        return None
+    return target if services.key_allows(scope, target) else None
