@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
+from proxy.errors import ConfigError
+
 from .support import (
     CHART,
     CONFIG_PATH,
@@ -313,6 +315,41 @@ def test_a_config_change_rolls_the_pods_unless_live_reload_is_chosen() -> None:
     assert kept == {"team": "tts"}
 
 
+def test_the_pod_monitor_can_scrape_the_admin_listener_with_a_key() -> None:
+    """podMonitor.port admin: /metrics off the client port, the admin listener bound for
+    Prometheus with the Secret's hash, and the PodMonitor sending the Secret's token."""
+    from proxy.settings import settings_from_mapping
+
+    admin = ("--set", "podMonitor.port=admin", "--set", "podMonitor.adminKeySecret.name=ha")
+    docs = render_docs(*MONITORING, *admin)
+    config = yaml.safe_load(docs["ConfigMap/gw-headroom"]["data"]["config.yaml"])
+    assert config["admin"] == {"host": "0.0.0.0", "port": 9901}
+    assert config["metrics"] == {"client_port": False}
+    (container,) = docs["Deployment/gw-headroom"]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["HEADROOM_ADMIN__API_KEY_SHA256"]["valueFrom"]["secretKeyRef"] == {
+        "name": "ha", "key": "sha256",
+    }  # fmt: skip
+    assert {"name": "admin", "containerPort": 9901, "protocol": "TCP"} in container["ports"]
+    (endpoint,) = docs["PodMonitor/gw-headroom"]["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "admin" and endpoint["path"] == "/metrics"
+    assert endpoint["authorization"] == {
+        "type": "Bearer", "credentials": {"name": "ha", "key": "token"},
+    }  # fmt: skip
+    # The hash the Secret supplies is what lets the admin listener leave loopback.
+    hashed = settings_from_mapping(config, env={"HEADROOM_ADMIN__API_KEY_SHA256": "ab" * 32})
+    assert hashed.admin.host == "0.0.0.0" and not hashed.metrics.client_port
+    with pytest.raises(ConfigError, match="api_key_sha256"):
+        settings_from_mapping(config, env={})
+    default = render_docs(*MONITORING)
+    (endpoint,) = default["PodMonitor/gw-headroom"]["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "http" and "authorization" not in endpoint
+    refused = _render("--set", "podMonitor.port=admin")
+    assert refused.returncode != 0 and "adminKeySecret.name" in refused.stderr
+    no_client = _render("--set", "config.metrics.client_port=false")
+    assert no_client.returncode != 0 and "config.metrics.client_port true" in no_client.stderr
+
+
 def test_the_http_route_sends_the_route_paths_to_the_service(tmp_path: Path) -> None:
     assert not any(key.startswith("HTTPRoute/") for key in render_docs())
     values = {
@@ -367,9 +404,12 @@ _SHARED = 'eq (include "headroom.shared" .) "true"'
 _BUNDLED = 'eq (include "headroom.bundledRedis" .) "true"'
 _WORKERS = "gt (int .Values.admission.workers) 1"
 _SECRET = f"and ({_SHARED}) .Values.admission.redis.urlSecret.name"
-MEMORY = {_SHARED: False, _BUNDLED: False, _WORKERS: False, _SECRET: False}
-REDIS_BUNDLED = {_SHARED: True, _BUNDLED: True, _WORKERS: False, _SECRET: False}
-REDIS_EXTERNAL_WORKERS = {_SHARED: True, _BUNDLED: False, _WORKERS: True, _SECRET: True}
+_ADMIN = 'eq .Values.podMonitor.port "admin"'
+MEMORY = {_SHARED: False, _BUNDLED: False, _WORKERS: False, _SECRET: False, _ADMIN: False}
+REDIS_BUNDLED = {_SHARED: True, _BUNDLED: True, _WORKERS: False, _SECRET: False, _ADMIN: False}
+REDIS_EXTERNAL_WORKERS = {
+    _SHARED: True, _BUNDLED: False, _WORKERS: True, _SECRET: True, _ADMIN: False,
+}  # fmt: skip
 _TOKEN = re.compile(r"{{-?\s*(.*?)\s*-?}}", re.S)
 
 

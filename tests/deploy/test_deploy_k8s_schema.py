@@ -128,6 +128,10 @@ CHART_SHAPES = {
         "--set", "extraVolumeMounts[0].name=ca",
         "--set", "extraVolumeMounts[0].mountPath=/etc/headroom-ca",
     ],
+    "admin-metrics": [
+        *MONITORING, "--set", "podMonitor.port=admin",
+        "--set", "podMonitor.adminKeySecret.name=headroom-admin",
+    ],
     "http-route": [
         "--set", "httpRoute.enabled=true", "--set", "httpRoute.parentRefs[0].name=igw",
         "--set", "httpRoute.hostnames[0]=tts.example.com",

@@ -89,6 +89,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if not .Values.pools }}
 {{- fail "pools: at least one pool with replicas is required" }}
 {{- end }}
+{{- if not (has .Values.podMonitor.port (list "client" "admin")) }}
+{{- fail "podMonitor.port must be client or admin" }}
+{{- end }}
+{{- if and (eq .Values.podMonitor.port "admin") (not .Values.podMonitor.adminKeySecret.name) }}
+{{- fail "podMonitor.port admin needs podMonitor.adminKeySecret.name: a Secret with the admin token and its SHA-256 (values.yaml)" }}
+{{- end }}
+{{- if and .Values.podMonitor.enabled (eq .Values.podMonitor.port "client") (not (dig "metrics" "client_port" false .Values.config)) }}
+{{- fail "podMonitor.port client scrapes /metrics on the client port: set config.metrics.client_port true, or podMonitor.port admin" }}
+{{- end }}
 {{- end }}
 
 {{/* The Headroom configuration file: config with pools, routes and (redis) admission added.
@@ -104,6 +113,12 @@ With urlSecret the URL stays out of the file: HEADROOM_ADMISSION__REDIS__URL car
 {{- $_ := set $redis "url" (printf "redis://%s:6379/0" (include "headroom.redisName" .)) }}
 {{- end }}
 {{- $_ := set $cfg "admission" (dict "backend" "redis" "on_backend_loss" .Values.admission.on_backend_loss "redis" $redis) }}
+{{- end }}
+{{- if eq .Values.podMonitor.port "admin" }}
+{{- /* /metrics on the admin listener only, bound where Prometheus reaches it (its key:
+HEADROOM_ADMIN__API_KEY_SHA256, from podMonitor.adminKeySecret). */}}
+{{- $_ := set $cfg "admin" (set (get $cfg "admin" | default dict) "host" "0.0.0.0") }}
+{{- $_ := set $cfg "metrics" (set (get $cfg "metrics" | default dict) "client_port" false) }}
 {{- end }}
 {{- $_ := set $cfg "pools" .Values.pools }}
 {{- $_ := set $cfg "routes" .Values.routes }}
