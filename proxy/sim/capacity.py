@@ -82,9 +82,14 @@ class LoadResult:
     max_waiting: int  #: most sequences left waiting by a step's admission
     ttfa_p99_s: float = float("nan")
     ttfa_mean_s: float = float("nan")
+    ttfa_p95_s: float = float("nan")
     #: mean over finished requests of (last chunk - submit) / audio seconds
     request_rtf: float = float("nan")
     throughput: float = 0.0  #: audio seconds delivered per wall second (all streams)
+    #: mean and 95th percentile over finished requests of (last chunk - submit), seconds
+    e2e_mean_s: float = float("nan")
+    e2e_p95_s: float = float("nan")
+    requests_per_s: float = 0.0  #: requests finished per wall second after the warm-up
     streams: int = 0  #: streams that started playing after the warm-up
     stalled_streams: int = 0  #: of those, streams whose modelled playback ran dry
     startup_stalls: int = 0  #: streams whose first stall was at their first seam
@@ -138,6 +143,8 @@ def run_load(
     audio_total = wall_total = delivered = 0.0
     ttfas: list[float] = []
     rtfs: list[float] = []
+    e2es: list[float] = []
+    finished = 0
     steps: list[float] = []
     batches: list[int] = []
     counted: list[PlaybackBuffer] = []
@@ -145,7 +152,7 @@ def run_load(
     now = 0.0
 
     def deliver(em: Emission) -> None:
-        nonlocal audio_total, wall_total, delivered
+        nonlocal audio_total, wall_total, delivered, finished
         stream = streams[em.seq_id]
         audio, at = (em.end - em.start) / rate, em.at
         measuring = at >= warmup_s
@@ -169,6 +176,9 @@ def run_load(
             del streams[em.seq_id]
             if stream.counted:
                 rtfs.append((at - stream.submitted_at) / stream.audio_s)
+                e2es.append(at - stream.submitted_at)
+            if warmup_s <= at <= duration_s:
+                finished += 1
             think = rng.uniform(0.0, think_s) if think_s > 0 else 0.0
             heapq.heappush(arrivals, (at + think, stream.client))
 
@@ -200,16 +210,17 @@ def run_load(
             batches.append(step.batch)
         for em in sorted(step.emissions, key=lambda e: e.at):
             deliver(em)
-    if not ratios or not steps:
+    if not steps or not (ratios or e2es):
         raise ValueError("the run measured nothing; lengthen duration_s")
+    nan = float("nan")  # one chunk per request (no async chunk): no ratio to measure
     stalled = sum(1 for p in counted if p.underruns)
     startup = sum(1 for p in counted if p.first_chunk_underruns)
     return LoadResult(
         concurrency=concurrency,
         chunks=len(ratios),
-        worst_1pct=percentile(ratios, 0.01),
-        median_delivery_ratio=statistics.median(ratios),
-        aggregate_delivery_ratio=audio_total / wall_total,
+        worst_1pct=percentile(ratios, 0.01) if ratios else nan,
+        median_delivery_ratio=statistics.median(ratios) if ratios else nan,
+        aggregate_delivery_ratio=audio_total / wall_total if ratios else nan,
         mean_step_ms=1e3 * statistics.fmean(steps),
         p95_step_ms=1e3 * percentile(steps, 0.95),
         mean_batch=statistics.fmean(batches),
@@ -217,8 +228,12 @@ def run_load(
         max_waiting=max_waiting,
         ttfa_p99_s=percentile(ttfas, 0.99) if ttfas else float("nan"),
         ttfa_mean_s=statistics.fmean(ttfas) if ttfas else float("nan"),
+        ttfa_p95_s=percentile(ttfas, 0.95) if ttfas else float("nan"),
         request_rtf=statistics.fmean(rtfs) if rtfs else float("nan"),
         throughput=delivered / max(duration_s - warmup_s, 1e-9),
+        e2e_mean_s=statistics.fmean(e2es) if e2es else float("nan"),
+        e2e_p95_s=percentile(e2es, 0.95) if e2es else float("nan"),
+        requests_per_s=finished / max(duration_s - warmup_s, 1e-9),
         streams=len(counted),
         stalled_streams=stalled,
         startup_stalls=startup,

@@ -63,6 +63,8 @@ class _Side:
     ratios: list[float] = field(default_factory=list)
     ttfas: list[float] = field(default_factory=list)
     rtfs: list[float] = field(default_factory=list)
+    e2es: list[float] = field(default_factory=list)
+    finished: int = 0
     steps: list[float] = field(default_factory=list)
     batches: list[int] = field(default_factory=list)
     counted: list[PlaybackBuffer] = field(default_factory=list)
@@ -96,6 +98,9 @@ class _Side:
             del self.streams[em.seq_id]
             if stream.counted:
                 self.rtfs.append((at - stream.submitted_at) / stream.audio_s)
+                self.e2es.append(at - stream.submitted_at)
+            if self.warmup_s <= at <= self.duration_s:
+                self.finished += 1
             think = self.rng.uniform(0.0, self.think_s) if self.think_s > 0 else 0.0
             heapq.heappush(self.arrivals, (at + think, stream.client))
 
@@ -151,7 +156,8 @@ class _Side:
             raise ValueError("the run measured nothing; lengthen duration_s")
         stalled = sum(1 for p in self.counted if p.underruns)
         startup = sum(1 for p in self.counted if p.first_chunk_underruns)
-        ttfas, rtfs = self.ttfas, self.rtfs
+        ttfas, rtfs, e2es = self.ttfas, self.rtfs, self.e2es
+        measured_s = max(self.duration_s - self.warmup_s, 1e-9)
         return LoadResult(
             concurrency=self.concurrency,
             chunks=len(self.ratios),
@@ -165,8 +171,12 @@ class _Side:
             max_waiting=self.max_waiting,
             ttfa_p99_s=percentile(ttfas, 0.99) if ttfas else float("nan"),
             ttfa_mean_s=statistics.fmean(ttfas) if ttfas else float("nan"),
+            ttfa_p95_s=percentile(ttfas, 0.95) if ttfas else float("nan"),
             request_rtf=statistics.fmean(rtfs) if rtfs else float("nan"),
-            throughput=self.delivered / max(self.duration_s - self.warmup_s, 1e-9),
+            throughput=self.delivered / measured_s,
+            e2e_mean_s=statistics.fmean(e2es) if e2es else float("nan"),
+            e2e_p95_s=percentile(e2es, 0.95) if e2es else float("nan"),
+            requests_per_s=self.finished / measured_s,
             streams=len(self.counted),
             stalled_streams=stalled,
             startup_stalls=startup,

@@ -12,12 +12,15 @@ Step time (docs/sim.md §1)::
     memory  = (weight bytes read per step + KV bytes of the ready sequences) / bandwidth
     compute = batch ** batch_exponent x (1 - vocoder_share) x F_eff / peak FLOPs
     step    = (max(memory, compute) + c0 + c_seq x batch
+               + async chunk's hand-off (h0 + h_seq x batch), or eager launches
                + prefill of newly admitted prompts
                + vocoder_share x F_eff x chunk tokens / peak, per chunk emitted)
               x jitter
 
 Chunks follow each sequence's :class:`~proxy.sim.chunks.ChunkSchedule` (the initial
-sizes are fixed at admission, from the load when the schedule is load-dependent). With
+sizes are fixed at admission, from the load when the schedule is load-dependent); without
+async chunk (``spec.async_chunk`` false) a sequence's output is one chunk, emitted when
+it finishes. With
 a codec stage (``spec.codec``) a chunk the step completes goes to the codec's FIFO
 queue instead of out: the codec decodes up to ``batch`` queued chunks per call (each
 chunk's frames plus its left context) on its own timeline, overlapping later steps,
@@ -334,7 +337,7 @@ class Engine:
                 seq.first_token_at = now  # corrected to the step end below
                 first_tokens.append((seq.seq_id, 0.0))
             done = seq.closed and seq.generated >= seq.limit
-            if seq.generated >= seq.next_emit or done:
+            if done or (spec.async_chunk and seq.generated >= seq.next_emit):
                 made.append((seq, seq.emitted, seq.generated, done))
                 vocoder_tokens += seq.generated - seq.emitted
                 seq.emitted = seq.generated
@@ -345,6 +348,7 @@ class Engine:
         self._kv_tokens += batch
         duration = max(spec.memory_term(kv_per_step), spec.compute_term(batch)) if batch else 0.0
         duration += spec.step_overhead_s + spec.per_seq_overhead_s * batch + prefill_s
+        duration += spec.mode_term(batch)
         duration += vocoder_tokens * spec.vocoder_share * spec.flops_per_token / spec.peak_flops
         duration *= self._jitter(duration)
         end = now + duration

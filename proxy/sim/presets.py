@@ -45,6 +45,11 @@ SESSION_S = 20.0
 #: vLLM-Omni Qwen3-TTS: load-dependent first chunk, then 25 frames (2 s), decoded with
 #: 72 frames of left context (``deploy/qwen3_tts.yaml``).
 QWEN3_TTS_CHUNKS = ChunkSchedule(steady=25, load_first=(2, 4, 8, 16), left_context=72)
+#: vLLM-Omni's async-chunk hand-off on every talker step for Qwen3-TTS: fixed and per
+#: sequence advanced (fitted on the H200 to its RTF with and without async chunk).
+QWEN3_TTS_HANDOFF = (0.0024743, 0.00065746)
+#: The talker step's extra cost without CUDA graphs (the same H200 fit).
+QWEN3_TTS_EAGER_STEP_S = 0.0082723
 #: Voxtral TTS: five 5-frame chunks, then 25-frame ones (left context not published).
 VOXTRAL_TTS_CHUNKS = ChunkSchedule(steady=25, initial=(5, 5, 5, 5, 5))
 #: CosyVoice 2: token_hop_len 25 doubling (stream_scale_factor 2) up to 4 x 25.
@@ -150,14 +155,29 @@ class Preset:
         return replace(self, chunk_schedule=schedule, first_chunk_tokens=schedule.initial[0])
 
     def with_overrides(
-        self, *, max_num_seqs: int | None = None, kv_cache_bytes: float | None = None
+        self,
+        *,
+        max_num_seqs: int | None = None,
+        kv_cache_bytes: float | None = None,
+        async_chunk: bool | None = None,
+        cuda_graph: bool | None = None,
+        codec_batch: int | None = None,
     ) -> Preset:
-        """A copy with vLLM's ``--max-num-seqs`` or the KV cache size changed."""
+        """A copy with vLLM's ``--max-num-seqs``, the KV cache size, vLLM-Omni's async
+        chunk, CUDA graphs (``enforce_eager`` off) or the codec stage's batch changed."""
         engine = self.engine
         if max_num_seqs is not None:
             engine = replace(engine, max_num_seqs=max_num_seqs)
         if kv_cache_bytes is not None:
             engine = replace(engine, kv_budget_bytes=kv_cache_bytes)
+        if async_chunk is not None:
+            engine = replace(engine, async_chunk=async_chunk)
+        if cuda_graph is not None:
+            engine = replace(engine, cuda_graph=cuda_graph)
+        if codec_batch is not None:
+            if engine.codec is None:
+                raise ValueError(f"{self.name} has no codec stage to batch")
+            engine = replace(engine, codec=replace(engine.codec, batch=codec_batch))
         return replace(self, engine=engine)
 
 
@@ -205,12 +225,15 @@ def _preset(
     jitter_p95: float = 1.3,
     fit_c0: bool = True,
     prefill_overhead_s: float = 0.004,
+    handoff: tuple[float, float] = (0.0, 0.0),
+    eager_step_s: float = 0.0,
 ) -> Preset:
     # c0 is fitted so the single-stream step reproduces the published RTF (one step
     # per token); with no published RTF (or ``fit_c0=False``) c0 is used as is.
     per_stream = f_eff / gpu.peak_flops
     memory = weight_bytes / gpu.bandwidth
     at_one = max(memory, (1 - vocoder_share) * per_stream) + vocoder_share * per_stream + c_seq
+    at_one += handoff[0] + handoff[1]
     fitted_c0 = (
         c0 if published_rtf is None or not fit_c0 else published_rtf / token_rate_hz - at_one
     )
@@ -233,6 +256,9 @@ def _preset(
         codec=codec,
         emit_jitter_s=emit_jitter_s,
         jitter_p95=jitter_p95,
+        handoff_s=handoff[0],
+        handoff_per_seq_s=handoff[1],
+        eager_step_s=eager_step_s,
     )
     return Preset(
         name=name,
@@ -303,12 +329,15 @@ PRESETS: dict[str, Preset] = {
             weight_bytes=4.9 * GB,  # talker 2.8 GB + 15 x 0.136 GB predictor [D]
             resident_bytes=4.5 * GB,
             kv_per_token=112 * KIB,  # 28 layers x 8 x 128 x 2 x 2 B
-            # Fitted to all four published points (docs/sim.md §2): per-stream cost
-            # 10.24 ms x batch^0.641 above c0 9.80 ms.
-            f_eff=0.010242 * GPUS["L40S"].peak_flops,
-            c0=0.009796,
-            batch_exponent=0.6406,
+            # Fitted to all four published points at each run's own request length
+            # (docs/sim.md §2): per-stream cost 14.95 ms x batch^0.462 above c0 1.37 ms,
+            # plus the H200 fit's async-chunk hand-off and eager launches [U].
+            f_eff=0.014955 * GPUS["L40S"].peak_flops,
+            c0=0.0013684,
+            batch_exponent=0.46207,
             fit_c0=False,
+            handoff=QWEN3_TTS_HANDOFF,
+            eager_step_s=QWEN3_TTS_EAGER_STEP_S,
             vocoder_share=0.0,
             # Code2Wav as its own stage at batch 1; no L40S TTFA is published, so its
             # cost is the H200 fit's [U].
@@ -325,7 +354,8 @@ PRESETS: dict[str, Preset] = {
                 "GPU: L40S 864 GB/s, 362 TF",
                 "model: Qwen3-TTS 12.5 Hz, 112 KiB/token",
                 "published: L40S aggregate 4.08x at c=1, 8.17x c=4, 13.0x c=8, "
-                "18.0x c=16 (aws/deep-learning-containers PR #6022)",
+                "18.0x c=16; 1.14 / 2.10 / 3.47 / 4.63 req/s; p95 E2EL 1123 / 2387 / "
+                "3637 / 4237 ms (aws/deep-learning-containers PR #6022)",
                 "chunking: codec_chunk_frames 25, left context 72, load-dependent "
                 "first chunk 2/4/8/16, optional ramp [4,4,8,16,25]",
                 "derived: W 4.9 GB",
@@ -342,11 +372,14 @@ PRESETS: dict[str, Preset] = {
             weight_bytes=4.9 * GB,
             resident_bytes=4.5 * GB,
             kv_per_token=112 * KIB,
-            # Fitted to both RTF and all three TTFP points (docs/sim.md §2).
-            f_eff=0.0012373 * GPUS["H200"].peak_flops,
-            c0=0.011364,
-            batch_exponent=0.9975,
+            # Fitted to both RTF and all three TTFP points with async chunk, both RTF
+            # points without it and both without CUDA graphs (docs/sim.md §2).
+            f_eff=0.0006883 * GPUS["H200"].peak_flops,
+            c0=0.0085777,
+            batch_exponent=1.0,
             fit_c0=False,
+            handoff=QWEN3_TTS_HANDOFF,
+            eager_step_s=QWEN3_TTS_EAGER_STEP_S,
             vocoder_share=0.0,
             codec=CodecSpec(batch=1, call_s=0.03146, frame_s=0.000043),  # codec batch 1
             max_num_seqs=10,  # the published run's talker batch
@@ -362,6 +395,9 @@ PRESETS: dict[str, Preset] = {
                 "published: H200 RTF 0.160 at c=1 (TTFP 64 ms), TTFP 119 ms at c=4, "
                 "RTF 0.314 at c=10 (TTFP 425 ms); talker batch 10, codec batch 1 "
                 "(vllm-omni qwen3_omni_tts_performance_optimization.md)",
+                "published: same doc, E2EL 941 / 1767 ms at c=1 / 10; without async "
+                "chunk RTF 0.124 / 0.203, E2EL 733 / 987 / 1197 ms; without CUDA graphs "
+                "RTF 0.234 / 0.255 / 0.292; talker batch 1 RTF 0.230 / 0.908 / 2.186",
                 "chunking: codec_chunk_frames 25, left context 72, load-dependent "
                 "first chunk 2/4/8/16",
                 "derived: W 4.9 GB",

@@ -3,7 +3,8 @@
 :class:`EngineSpec` is plain data plus the step-time formula's terms, so presets,
 the engine and the capacity model share one definition (docs/sim.md §1)::
 
-    step = max(memory, compute) + c0 + c_seq x batch (+ prefill, vocoder) x jitter
+    step = max(memory, compute) + c0 + c_seq x batch (+ hand-off, eager,
+           prefill, vocoder) x jitter
     compute = batch ** batch_exponent x (1 - vocoder_share) x F_eff / peak FLOPs
 """
 
@@ -70,6 +71,18 @@ class EngineSpec:
     #: Mean extra delay of each chunk after it is made (per-request work: detokenise,
     #: encode, send), drawn per chunk and stream: the per-stream part of the tail.
     emit_jitter_s: float = 0.0
+    #: vLLM-Omni's async chunk: the talker hands each sequence's codes to the codec stage
+    #: as it makes them and chunks stream out. Off, a sequence's whole output is decoded
+    #: and sent in one piece when it finishes (time to first audio = end-to-end latency).
+    async_chunk: bool = True
+    #: Async chunk's hand-off work on every step: a fixed part and a part per sequence
+    #: advanced (each sequence's codes are handed on every step, in one-token chunks).
+    handoff_s: float = 0.0
+    handoff_per_seq_s: float = 0.0
+    #: CUDA graphs on the decode step; without them (eager) every step pays
+    #: ``eager_step_s`` more of kernel launches.
+    cuda_graph: bool = True
+    eager_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         positive = ("mem_bandwidth", "peak_flops", "kv_budget_bytes", "flops_per_token")
@@ -84,6 +97,8 @@ class EngineSpec:
             raise ValueError("jitter_p95 must be >= 1 and jitter_tau_s > 0")
         if not 0.0 < self.batch_exponent <= 1.0 or self.emit_jitter_s < 0:
             raise ValueError("batch_exponent must be in (0, 1] and emit_jitter_s >= 0")
+        if min(self.handoff_s, self.handoff_per_seq_s, self.eager_step_s) < 0:
+            raise ValueError("handoff_s, handoff_per_seq_s and eager_step_s must be >= 0")
 
     def memory_term(self, kv_tokens: int) -> float:
         return (self.weight_bytes_per_step + kv_tokens * self.kv_bytes_per_token) / (
@@ -96,6 +111,11 @@ class EngineSpec:
         scale: float = math.pow(batch, self.batch_exponent)
         return scale * (1.0 - self.vocoder_share) * self.flops_per_token / self.peak_flops
 
+    def mode_term(self, batch: int) -> float:
+        """What the step pays for async chunk's hand-off and for running eager."""
+        handoff = self.handoff_s + self.handoff_per_seq_s * batch if self.async_chunk else 0.0
+        return handoff + (0.0 if self.cuda_graph else self.eager_step_s)
+
     def mean_step_s(self, batch: int, kv_tokens: int = 0) -> float:
         """Expected decode step time (no prefill, vocoder amortised, jitter mean 1)."""
         vocoder = batch * self.vocoder_share * self.flops_per_token / self.peak_flops
@@ -103,6 +123,7 @@ class EngineSpec:
             max(self.memory_term(kv_tokens), self.compute_term(batch))
             + self.step_overhead_s
             + self.per_seq_overhead_s * batch
+            + self.mode_term(batch)
             + vocoder
         )
 

@@ -64,6 +64,34 @@ def test_chunks_are_first_then_regular_and_the_last_is_final() -> None:
     assert engine.stats().kv_tokens == 0
 
 
+def test_without_async_chunk_a_request_is_one_chunk_when_it_ends() -> None:
+    engine = Engine(replace(SPEC, async_chunk=False))
+    seq = submit(engine, out=10)
+    now, spans = 0.0, []
+    while engine.has_work():
+        step = engine.step(now)
+        now = step.ends_at
+        spans += [(e.start, e.end, e.final) for e in step.emissions if e.seq_id == seq]
+    assert spans == [(0, 10, True)]
+
+
+def test_async_chunk_hand_off_and_eager_launches_are_paid_on_every_step() -> None:
+    spec = replace(SPEC, handoff_s=0.003, handoff_per_seq_s=0.001, eager_step_s=0.007)
+    base = max(0.010, 2 * 0.002) + 0.005
+    for async_chunk, cuda_graph, extra in (
+        (True, True, 0.003 + 2 * 0.001),
+        (False, True, 0.0),
+        (False, False, 0.007),
+        (True, False, 0.003 + 2 * 0.001 + 0.007),
+    ):
+        engine = Engine(replace(spec, async_chunk=async_chunk, cuda_graph=cuda_graph))
+        submit(engine)
+        submit(engine)
+        assert engine.step(0.0).duration == pytest.approx(base + extra)
+        mean = replace(spec, async_chunk=async_chunk, cuda_graph=cuda_graph).mean_step_s(2)
+        assert mean == pytest.approx(base + extra)
+
+
 def test_first_token_queue_time_and_finish_are_reported() -> None:
     engine = Engine(replace(SPEC, max_num_seqs=1))
     a = submit(engine, 0.0, out=2)
