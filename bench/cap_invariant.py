@@ -82,7 +82,8 @@ class InvariantConfig:
     duration_s: float = 600.0
     gpus: int = 2
     cap: int = 3
-    clients: int = 0  # 0: 3 x gpus x cap
+    clients: int = 0  # 0: 2 x gpus x cap
+    think_s: float = 1.0  # a client's pause after a session, drawn from 0 to this
     preset: str = "l4-cosyvoice2-0.5b"
     lease_ttl_s: float = 4.0
     renew_interval_s: float = 1.0
@@ -101,7 +102,7 @@ class InvariantConfig:
 
     @property
     def offered(self) -> int:
-        return self.clients or 3 * self.gpus * self.cap
+        return self.clients or 2 * self.gpus * self.cap
 
     @property
     def stall_s(self) -> float:
@@ -169,6 +170,8 @@ class State:
     reservations: Counter[str] = field(default_factory=Counter)
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     t0: float = 0.0
+    #: Clients 0 .. active-1 run sessions now; the others wait (load phases).
+    active: int = 0
 
 
 # -- clients ---------------------------------------------------------------------------------
@@ -196,8 +199,11 @@ async def _session(state: State, client: int, n: int) -> cs.Session:
     gw = rng.randrange(len(state.gateways))
     s = cs.Session(f"{client}-{n}", gw, time.monotonic(), long=rng.random() < cfg.long_share)
     headers: dict[str, str] = {}
+    claim = ""
     if rng.random() < cfg.reserve_share:
-        token, outcome = await _reserve(state, rng.randrange(len(state.gateways)))
+        reserved_on = rng.randrange(len(state.gateways))
+        claim = "claim_same_gateway" if reserved_on == gw else "claim_other_gateway"
+        token, outcome = await _reserve(state, reserved_on)
         state.reservations[outcome] += 1
         if token is None:
             s.outcome, s.ended = outcome, time.monotonic()
@@ -241,6 +247,8 @@ async def _session(state: State, client: int, n: int) -> cs.Session:
         s.outcome = f"client_error:{type(exc).__name__}"
     finally:
         s.ended = time.monotonic()
+        if headers:
+            state.reservations[f"{claim}:{s.outcome}"] += 1
     return s
 
 
@@ -248,14 +256,28 @@ async def _client(state: State, client: int) -> None:
     await asyncio.sleep(state.rng.uniform(0, 1.0))
     n = 0
     while not state.stop.is_set():
+        if client >= state.active:
+            await asyncio.sleep(0.5)
+            continue
         s = await _session(state, client, n)
         state.sessions.append(s)
         n += 1
         if s.outcome != "ok":
             await asyncio.sleep(state.rng.uniform(0.2, 0.6))
+        else:
+            await asyncio.sleep(state.rng.uniform(0, state.cfg.think_s))
 
 
 # -- operations ------------------------------------------------------------------------------
+
+
+async def _load_phases(state: State) -> None:
+    """From a quarter of the clients to all of them, changing every 5 to 15 s: calm
+    phases leave free slots (where gang reservations succeed), busy ones a queue."""
+    n = state.cfg.offered
+    while True:
+        state.active = state.rng.randint(max(1, n // 4), n)
+        await asyncio.sleep(state.rng.uniform(5.0, 15.0))
 
 
 async def _reload(state: State, urls: list[str], redis_url: str) -> dict[str, Any]:
@@ -420,6 +442,7 @@ async def run(cfg: InvariantConfig) -> dict[str, Any]:
         tasks.append(asyncio.ensure_future(cs._redis_sampler(chaos_run, redis.url, redis_state)))
         ops = asyncio.ensure_future(_ops(state, redis, sim.urls))
         tasks.append(ops)
+        tasks.append(asyncio.ensure_future(_load_phases(state)))
         clients = [asyncio.ensure_future(_client(state, i)) for i in range(cfg.offered)]
         await asyncio.sleep(max(0.0, state.t0 + cfg.duration_s - time.monotonic()))
         state.stop.set()
@@ -560,7 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of load")
     p.add_argument("--gpus", type=int, default=d.gpus)
     p.add_argument("--cap", type=int, default=d.cap, help="the highest max_sessions per GPU")
-    p.add_argument("--clients", type=int, default=0, help="closed loops (0: 3 x gpus x cap)")
+    p.add_argument("--clients", type=int, default=0, help="closed loops (0: 2 x gpus x cap)")
+    p.add_argument("--think", type=float, default=d.think_s,
+                   help="a client's pause after a session, drawn from 0 to this")
     p.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s)
     p.add_argument("--long-share", type=float, default=d.long_share,
                    help="share of sessions sending the long text")
@@ -582,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         p.error("--op-gap: MIN,MAX in seconds")
     cfg = InvariantConfig(duration_s=a.duration, op_gap_s=(low, high), gpus=a.gpus, cap=a.cap,
-                          clients=a.clients,
+                          clients=a.clients, think_s=a.think,
                           lease_ttl_s=a.lease_ttl, long_share=a.long_share,
                           long_repeat=a.long_repeat, kinds=kinds, seed=a.seed, settle_s=a.settle,
                           workdir=a.workdir)  # fmt: skip
