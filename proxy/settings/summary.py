@@ -6,7 +6,7 @@ from urllib.parse import urlsplit
 
 from proxy.settings.schema import Settings
 
-__all__ = ["admission_line", "summary"]
+__all__ = ["admission_line", "operations_line", "summary"]
 
 
 def summary(settings: Settings) -> str:
@@ -17,6 +17,7 @@ def summary(settings: Settings) -> str:
         f"listen  {settings.listen.host}:{settings.listen.port}",
         f"admin   {admin.host}:{admin.port}{keyed}" if admin.enabled else "admin   off",
         admission_line(settings),
+        operations_line(settings),
         f"pools   {len(settings.pools)}, {settings.total_slots} slots in all",
     ]
     for pool in settings.pools:
@@ -52,6 +53,19 @@ def summary(settings: Settings) -> str:
     off = "off (auth.enabled: false)" if settings.auth_disabled else "off (no API keys)"
     lines.append(f"auth    {len(keys)} key(s): {names}" if keys else f"auth    {off}")
     return "\n".join(lines)
+
+
+def operations_line(settings: Settings) -> str:
+    """What ``/readyz`` follows, where ``/metrics`` is served and whether traces go out."""
+    where = "admin listener" + (" and client listener" if settings.metrics.client_port else "")
+    if not settings.admin.enabled:
+        where = "client listener" if settings.metrics.client_port else "nowhere (admin off)"
+    tracing = settings.tracing
+    traces = "off"
+    if tracing.enabled:
+        to = tracing.endpoint or "OTEL_EXPORTER_OTLP_* default"
+        traces = f"OTLP to {to}, sampled {tracing.sample_ratio:g}, as {tracing.service_name}"
+    return f"ops     readiness {settings.readiness}; /metrics on {where}; traces {traces}"
 
 
 def admission_line(settings: Settings) -> str:

@@ -211,3 +211,21 @@ def test_check_reads_the_env_file_flag(
     assert cli.main(["check", "--config", str(config), "--env-file", str(path)]) == 0
     assert os.environ["HEADROOM_ENV_FILE"] == str(path)
     assert "7123" in capsys.readouterr().out
+
+
+def test_check_summarises_readiness_metrics_and_tracing(config: Path) -> None:
+    from proxy.settings import summary
+
+    plain = summary(load_settings(config, env={"HEADROOM_SECRETS_DIR": ""}))
+    assert "ops     readiness upstream; /metrics on admin listener; traces off" in plain
+    env = {
+        "HEADROOM_SECRETS_DIR": "",
+        "HEADROOM_READINESS": "self",
+        "HEADROOM_METRICS__CLIENT_PORT": "true",
+        "HEADROOM_TRACING": "{enabled: true, endpoint: 'http://otel:4318/v1/traces'}",
+    }
+    line = next(x for x in summary(load_settings(config, env=env)).splitlines() if x[:3] == "ops")
+    assert line == (
+        "ops     readiness self; /metrics on admin listener and client listener; "
+        "traces OTLP to http://otel:4318/v1/traces, sampled 1, as headroom"
+    )
