@@ -192,3 +192,37 @@ def test_tracing_without_the_extra_is_refused_by_name(
     assert "pip install 'headroom-proxy[otel]'" in capsys.readouterr().err
     with pytest.raises(RuntimeError, match=r"headroom-proxy\[otel\]"):
         make_tracer(TracingSettings(enabled=True))
+
+
+async def test_a_queued_session_has_a_queue_wait_span(start_proxy: Any, upstream: Any) -> None:
+    import asyncio
+
+    server, _ = upstream
+    proxy: Proxy = await start_proxy(
+        proxy_settings(
+            [("gpu0", server.http_url, 1)], ROUTES, queue={"max_depth": 2, "max_wait_s": 30}
+        )
+    )
+    exporter = traced(proxy)
+    headers = {"traceparent": TRACEPARENT}
+
+    async def second() -> None:
+        async with connect(
+            proxy.ws_url + "/ws/echo", additional_headers=headers, compression=None
+        ) as ws:
+            await hello(ws)
+
+    async with connect(proxy.ws_url + "/ws/echo", compression=None) as first:
+        await hello(first)
+        waiting = asyncio.ensure_future(second())
+        await wait_until(lambda: proxy.gate.queued == 1)
+    await waiting  # the first one's slot went to it
+    await wait_until(
+        lambda: sum(s.name == "headroom.session" for s in exporter.get_finished_spans()) == 2
+    )
+    mine = [s for s in exporter.get_finished_spans() if hex_ids(s)[0] == TRACE_ID]
+    names = {s.name for s in mine}
+    assert {"headroom.session", "headroom.auth", "headroom.queue_wait"} <= names
+    assert {"headroom.upstream_connect", "headroom.stream"} <= names
+    session = by_name(tuple(mine))["headroom.session"]
+    assert (session.attributes or {})["headroom.decision"] == "admitted_after_queue"
