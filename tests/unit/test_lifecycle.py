@@ -80,6 +80,9 @@ class Services:
     def key_allows(self, scope: dict[str, Any], pool: str) -> bool:
         return True
 
+    def explain_refusal(self, refusal: Refused) -> Refused:
+        return refusal  # no engine reconciliation here: the refusal as the gate made it
+
     def register_session(self, stop: StopSession) -> None:
         self.sessions.append(stop)
 
