@@ -32,7 +32,8 @@ it again empty), ``stall`` (block one gateway process's event loop -- one worker
 workers gateway -- for ``2 x lease_ttl_s``: the run starts gateways with a
 ``sitecustomize`` whose SIGUSR1 handler sleeps on the main thread), ``reload`` (write
 new caps, each GPU's drawn from 1 to ``--cap``, into both gateways' files and
-``POST /admin/reload`` to each).
+``POST /admin/reload`` to each), ``big_body`` (a 480 MB JSON body with no key to one
+gateway's reservation endpoint, the control-plane attack of a loop stalled by its input).
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ if str(ROOT) not in sys.path:
 
 from bench import chaos_shared as cs  # noqa: E402
 
-KINDS = ("kill9", "redis_restart", "stall", "reload")
+KINDS = ("kill9", "redis_restart", "stall", "reload", "big_body")
 RESERVATIONS = "/v1/headroom/reservations"
 
 STALL_HOOK = '''\
@@ -93,6 +94,7 @@ class InvariantConfig:
     long_repeat: int = 8  # a long session's text: the chaos run's short text this many times
     queue_depth: int = 8
     queue_wait_s: float = 4.0
+    big_body_mb: int = 480
     first_op_s: float = 6.0
     op_gap_s: tuple[float, float] = (4.0, 12.0)
     kinds: tuple[str, ...] = KINDS
@@ -305,6 +307,33 @@ async def _reload(state: State, urls: list[str], redis_url: str) -> dict[str, An
     return {"caps": after, "applied": applied}
 
 
+async def _big_body(state: State, g: Gateway) -> dict[str, Any]:
+    """The control-plane attack: a JSON body of ``big_body_mb`` MB (one deep array,
+    streamed, with no key) to the reservation endpoint."""
+    import httpx
+
+    size = state.cfg.big_body_mb * 1_000_000
+    sent = 0
+
+    async def body() -> Any:
+        nonlocal sent
+        block = b"[" * 65536
+        while sent < size:
+            sent += len(block)
+            yield block
+
+    started = time.monotonic()
+    url = f"{g.process.url}{RESERVATIONS}"
+    try:
+        async with httpx.AsyncClient(timeout=30.0) as http:
+            r = await http.post(url, content=body(), headers={"content-type": "application/json"})
+            status: int | str = r.status_code
+    except httpx.HTTPError as exc:  # the gateway may close the connection mid-body
+        status = type(exc).__name__
+    return {"status": status, "sent_mb": round(sent / 1e6, 1),
+            "answered_s": round(time.monotonic() - started, 3)}  # fmt: skip
+
+
 async def _kill9(state: State, g: Gateway) -> dict[str, Any]:
     pids = [g.process.pid, *([] if g.workers == 1 else g.pids())]
     for pid in pids:
@@ -342,6 +371,9 @@ async def _ops(state: State, redis: cs.RedisProcess, urls: list[str]) -> None:
             op.update(gateway=target, pid=pid)
             os.kill(pid, signal.SIGUSR1)
             await asyncio.sleep(cfg.stall_s + cfg.lease_ttl_s)
+        elif kind == "big_body":
+            op["gateway"] = target
+            op.update(await _big_body(state, g))
         else:
             op.update(await _reload(state, urls, redis.url))
         op["until"] = time.monotonic()
@@ -524,6 +556,8 @@ def report(cfg: InvariantConfig, state: State, sim: dict[str, Any], redis_state:
         "workdir": str(workdir),
         "ran_s": round(stopped - state.t0, 1),
         "ops": Counter(op["kind"] for op in state.ops),
+        "big_bodies": [{k: op.get(k) for k in ("gateway", "status", "sent_mb", "answered_s")}
+                       for op in state.ops if op["kind"] == "big_body"],
         "reloads": [{"at_s": round(c.sent - state.t0, 2), "before": c.before, "after": c.after,
                      "applied": c.applied, "took_s": round(c.answered - c.sent, 3)}
                     for c in state.changes],
