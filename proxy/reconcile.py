@@ -14,12 +14,15 @@ gate's count, or on the redis backend every gateway's from the last renewal), at
 are the ones that wait, and the running ones are the streams it did not admit.
 
 With ``engine_reconcile: true`` on the pool, a *sustained* difference (the smaller of
-the last two scrapes, so one scrape that caught a session between Headroom's release
-and the engine's end is not counted) is treated as slots in use: the replica's
-effective cap is ``max_sessions`` minus it, never above ``max_sessions``, never below
-the sessions Headroom holds there and never below 1 (the gates take no cap of 0; a
-replica full of other streams still takes one session). It is applied through the
-gates' own ``set_cap``, so both backends get it, and it lapses
+the last two scrapes that answered, so one scrape that caught a session between
+Headroom's release and the engine's end is not counted) is treated as slots in use: the replica's
+effective cap is ``max_sessions`` minus it, never above ``max_sessions`` and never below 1
+(the gates take no cap of 0; a replica full of other streams still takes one session).
+Like any lowered cap it never ends a running session: sessions above it finish, and
+none is admitted there until the sessions held are below it. (It is not floored at the
+sessions held: such a floor would let every session that ends be replaced while the
+other streams still run.) It is applied through the gates' own ``set_cap``, so both
+backends get it, and it lapses
 ``engine_reconcile_hold_s`` after the scrape that last confirmed it, so a scrape that
 stops answering cannot hold a replica down. A scrape that finds fewer streams gives the
 slots back at once. Capacity refusals of such a pool say so in their message
@@ -59,7 +62,7 @@ class _Replica:
     enabled: bool = False
     hold_s: float = 30.0
     unadmitted: int | None = None  #: the last scrape's difference (None: no figures)
-    previous: int | None = None  #: the scrape's before it
+    last: int | None = None  #: the last difference measured (kept over a failed scrape)
     taken: int = 0  #: slots taken off the cap now
     timer: TimerHandle | None = None
 
@@ -107,8 +110,7 @@ class EngineReconciler:
         state = self._replicas.get((pool, replica))
         if state is None or not state.enabled or state.taken <= 0:
             return configured
-        floor = max(1, self._held(pool).get(replica, 0))
-        return min(configured, max(floor, configured - state.taken))
+        return min(configured, max(1, configured - state.taken))
 
     def unadmitted(self, pool: str, replica: str) -> int | None:
         """The last scrape's unadmitted streams (None: no engine figures)."""
@@ -132,10 +134,11 @@ class EngineReconciler:
             state.unadmitted = None
             return
         unadmitted = max(0, round(in_engine) - self._held(pool).get(replica, 0))
-        state.previous, state.unadmitted = state.unadmitted, unadmitted
+        previous, state.last = state.last, unadmitted
+        state.unadmitted = unadmitted
         if not state.enabled:
             return
-        sustained = min(unadmitted, state.previous) if state.previous is not None else 0
+        sustained = min(unadmitted, previous) if previous is not None else 0
         if state.timer is not None:
             state.timer.cancel()
             state.timer = None
@@ -213,7 +216,7 @@ class EngineReconciler:
             state.timer.cancel()
             state.timer = None
         state.taken = 0
-        state.previous = None
+        state.last = None
         self._apply(key, state, force=True)
 
     def _apply(self, key: tuple[str, str], state: _Replica, *, force: bool = False) -> None:

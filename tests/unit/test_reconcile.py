@@ -72,25 +72,35 @@ def test_a_sustained_difference_takes_slots_and_a_lower_one_gives_them_back() ->
     assert _caps(rt)["gpu0"] == 6  # back at the first scrape without them
 
 
-def test_the_cap_never_falls_below_the_sessions_held_nor_below_one() -> None:
+def test_the_cap_falls_to_one_at_most_and_never_ends_a_running_session() -> None:
     rt = Runtime(_settings(), clock=FakeClock())
     leases = [rt.gate.enter("main") for _ in range(6)]  # 3 on each replica
     assert {lease.replica for lease in leases} == {"gpu0", "gpu1"}  # type: ignore[union-attr]
-    # gpu0 runs its 3 sessions and 5 more; gpu1 only 20 others (none of its own running).
-    _scrape(rt, 8, 20)
-    _scrape(rt, 8, 20)
-    assert rt.reconcile.taken("main", "gpu0") == 5 and _caps(rt) == {"gpu0": 3, "gpu1": 3}
-    for lease in leases:
+    # gpu0 runs its 3 sessions and 5 more; gpu1 its 3 and 20 more.
+    _scrape(rt, 8, 23)
+    _scrape(rt, 8, 23)
+    assert rt.reconcile.taken("main", "gpu0") == 5 and _caps(rt) == {"gpu0": 1, "gpu1": 1}
+    assert rt.gate.active == 6  # nothing evicted
+    # A session that ends is not replaced while the other streams run: the cap is not
+    # floored at the sessions held (that floor would hand each freed slot out again).
+    leases[0].release()  # type: ignore[union-attr]
+    with pytest.raises(Refused) as refused:
+        rt.gate.enter("main")
+    assert refused.value.reason == "pool_full"
+    for lease in leases[1:]:
         lease.release()  # type: ignore[union-attr]
-    _scrape(rt, 9, 9)
-    _scrape(rt, 9, 9)
-    assert _caps(rt) == {"gpu0": 1, "gpu1": 1}
+    lease = rt.gate.enter("main")  # below the cap of 1 again: one session
+    assert not isinstance(lease, Refused)
+    lease.release()  # type: ignore[union-attr]
 
 
 def test_without_a_confirming_scrape_the_reduction_lapses_after_the_hold_time() -> None:
     clock = FakeClock()
     rt = Runtime(_settings(), clock=clock)
     _scrape(rt, 4)
+    _scrape(rt, 4)
+    assert _caps(rt)["gpu0"] == 2
+    _scrape(rt, None)  # one failed scrape between two that agree: the slots stay taken
     _scrape(rt, 4)
     assert _caps(rt)["gpu0"] == 2
     clock.advance(29)
