@@ -34,6 +34,12 @@ def summary(settings: Settings) -> str:
         if pool.fallback:
             hint = pool.fallback.as_hint().as_json().items()
             lines.append("    fallback " + ", ".join(f"{k}={v}" for k, v in hint if v))
+        if pool.engine_reconcile:
+            lines.append(
+                "    engine_reconcile: streams the engine runs that Headroom did not admit "
+                f"take slots off the caps (lapsing {pool.engine_reconcile_hold_s:g} s after "
+                "the last scrape that saw them)"
+            )
     lines.append(f"routes  {len(settings.routes)}")
     for route in settings.routes:
         protocol = route.protocol + (f"/{route.inner_protocol}" if route.inner_protocol else "")

@@ -142,3 +142,11 @@ def test_a_capacity_refusal_says_why_and_keeps_its_reason() -> None:
     assert explained.body()["error"]["code"] == "pool_full"
     draining = refusal_for("draining", retry_after_s=1, pool="main")
     assert rt.explain_refusal(draining) is draining
+
+
+def test_headroom_check_says_which_pools_reconcile() -> None:
+    from proxy.settings.summary import summary
+
+    assert "engine_reconcile: streams the engine runs" in summary(_settings())
+    assert "lapsing 30 s after" in summary(_settings())
+    assert "engine_reconcile" not in summary(_settings(engine_reconcile=False))
