@@ -73,11 +73,12 @@ EXPOSE 8080
 STOPSIGNAL SIGTERM
 
 # Liveness only (/healthz): an upstream outage must not make Docker restart the proxy.
-# `headroom healthcheck` reads the configuration as `serve` does (HEADROOM_CONFIG, then the
-# HEADROOM_* environment), so it asks the port the gateway listens on; it exits 1 on a
-# refused connection, a timeout or a non-2xx answer.
+# `headroom healthcheck` (here without the rest of the command's imports) reads the
+# configuration as `serve` does (HEADROOM_CONFIG, then the HEADROOM_* environment), so it
+# asks the port the gateway listens on; it exits 1 on a refused connection, a timeout or a
+# non-2xx answer.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-    CMD ["headroom", "healthcheck"]
+    CMD ["python", "-m", "proxy.healthcheck"]
 
 ENTRYPOINT ["headroom"]
 CMD ["serve", "--config", "/etc/headroom/config.yaml"]

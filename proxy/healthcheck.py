@@ -6,6 +6,9 @@ the environment.
 
 Exit status: 0 when ``/healthz`` answers 2xx, 1 when it answers anything else, refuses the
 connection or does not answer within ``--timeout``, 2 for an invalid configuration.
+
+``python -m proxy.healthcheck`` is the same without the rest of the ``headroom`` command's
+imports (the simulator, the probe): the image runs it every few seconds.
 """
 
 from __future__ import annotations
@@ -13,10 +16,12 @@ from __future__ import annotations
 import argparse
 import http.client
 import ipaddress
+import sys
 
 from proxy.console import say
+from proxy.errors import ConfigError
 
-__all__ = ["add_arguments", "probe_address", "run"]
+__all__ = ["add_arguments", "main", "probe_address", "run"]
 
 _WILDCARDS = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}
 
@@ -63,3 +68,20 @@ def run(args: argparse.Namespace) -> int:
         return 0
     say(f"headroom healthcheck: {url} answered {status}")
     return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m proxy.healthcheck [--config FILE] [--timeout S]``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m proxy.healthcheck", description=__doc__.split("\n\n")[0]
+    )
+    add_arguments(parser)
+    try:
+        return run(parser.parse_args(argv))
+    except ConfigError as err:
+        say(f"headroom healthcheck: {err}")
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -56,8 +56,10 @@ wheels() {
     $pip install 'setuptools>=68' wheel
     if [ "$mypyc" = 1 ]; then
         compiler
-        # mypyc type-checks what it compiles against the installed dependencies.
-        HEADROOM_MYPYC=0 $pip install 'mypy>=1.10' types-PyYAML '.[redis]'
+        # mypyc type-checks what it compiles, and the modules those import, against the
+        # installed dependencies: the optional extras' too (the otel extra's types), here
+        # only, not in the image.
+        HEADROOM_MYPYC=0 $pip install 'mypy>=1.10' types-PyYAML '.[redis,otel]'
     fi
     # The redis extra: admission.backend: redis (several gateways sharing caps).
     HEADROOM_MYPYC="$mypyc" $pip wheel --no-build-isolation --wheel-dir "$out" '.[redis]'

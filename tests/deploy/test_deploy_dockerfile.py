@@ -61,6 +61,7 @@ def test_the_image_ships_the_per_chunk_modules_compiled_unless_asked_not_to() ->
     script = (REPO / "deploy" / "docker" / "build.sh").read_text()
     assert "--no-build-isolation" in script and "gcc" in script and "mypy" in script
     assert "HEADROOM_MYPYC=0 $pip install" in script, "the dependencies' build must not compile"
+    assert "'.[redis,otel]'" in script, "mypy checks the optional extras' modules too"
     assert 'python" -m proxy.speedups --require-compiled' in script
 
 
@@ -92,12 +93,12 @@ def test_entrypoint_cmd_port_signal_and_config_path() -> None:
 
 
 def test_healthcheck_reads_the_configuration_as_serve_does() -> None:
-    """`headroom healthcheck` (tests/deploy/test_deploy_healthcheck.py runs it with a port set
-    only in the file): not a script that reads one environment variable."""
+    """`headroom healthcheck`'s module (tests/deploy/test_deploy_healthcheck.py runs it with
+    a port set only in the file): not a script that reads one environment variable."""
     args = _one("HEALTHCHECK").args
     options, _, command = args.partition("CMD ")
     assert "--interval" in options and "--timeout" in options
-    assert json.loads(command) == ["headroom", "healthcheck"]
+    assert json.loads(command) == ["python", "-m", "proxy.healthcheck"]
 
 
 def test_comments_say_what_the_image_does_today() -> None:

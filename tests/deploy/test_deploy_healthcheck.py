@@ -79,11 +79,11 @@ def _image_healthcheck() -> list[str]:
 
 
 def _run_image_healthcheck(env: dict[str, str]) -> int:
-    """The image's HEALTHCHECK command, with `headroom` run as `python -m proxy`."""
+    """The image's HEALTHCHECK command, with this interpreter as the image's `python`."""
     command = _image_healthcheck()
-    assert command[0] == "headroom"
+    assert command[0] == "python"
     return subprocess.run(
-        [sys.executable, "-m", "proxy", *command[1:]],
+        [sys.executable, *command[1:]],
         env={"PATH": "", **env},
         cwd=REPO,
         capture_output=True,

@@ -305,9 +305,14 @@ def test_the_image_builds_and_serves(tmp_path: Path, mypyc: str | None) -> None:
             status, audio = _one_session(port)
             assert status == 200, audio[:500]
             assert len(audio) > 0 and len(audio) % 2 == 0, len(audio)  # 16-bit PCM
+            # The image's HEALTHCHECK, its command found on the image's PATH.
+            (healthcheck,) = [i.args for i in runtime.instructions if i.keyword == "HEALTHCHECK"]
+            argv = json.loads(healthcheck.partition("CMD ")[2])
+            program = shutil.which(argv[0], path=image_path)
+            assert program is not None and program.startswith(str(venv)), program
             health_env = {**serve_env, "HEADROOM_LISTEN__PORT": str(port)}
             health = subprocess.run(
-                [headroom, "healthcheck"], cwd=tmp_path, env=health_env, capture_output=True,
+                [program, *argv[1:]], cwd=tmp_path, env=health_env, capture_output=True,
                 timeout=60,
             )  # fmt: skip
             assert health.returncode == 0, health.stderr
