@@ -68,8 +68,8 @@ class Stage:
         return [i.args for i in self.instructions if i.keyword == "RUN"]
 
 
-def _stages(build_args: dict[str, str]) -> list[Stage]:
-    instructions = dockerfile_instructions(DOCKERFILE)
+def _stages(build_args: dict[str, str], dockerfile: Path = DOCKERFILE) -> list[Stage]:
+    instructions = dockerfile_instructions(dockerfile)
     return [
         Stage([i for i in instructions if i.stage == n], build_args)
         for n in range(max(i.stage for i in instructions) + 1)
@@ -81,9 +81,9 @@ def _workdir(stage: Stage) -> str:
     return workdirs[0] if workdirs else "/"
 
 
-def _copy_context(stage: Stage, into: Path) -> None:
-    """The stage's COPY instructions, from the repository filtered by .dockerignore."""
-    patterns = dockerignore_patterns(REPO / ".dockerignore")
+def _copy_context(stage: Stage, into: Path, ignore: Path = REPO / ".dockerignore") -> None:
+    """The stage's COPY instructions, from the repository filtered by ``ignore``."""
+    patterns = dockerignore_patterns(ignore)
     for instruction in stage.instructions:
         if instruction.keyword != "COPY":
             continue
@@ -333,3 +333,25 @@ def test_the_build_script_refuses_an_unknown_mypyc_value(tmp_path: Path) -> None
     assert result.returncode == 2
     assert "HEADROOM_MYPYC must be 0 or 1, got 'yes'" in result.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_the_sagemaker_image_builds_its_wheel(tmp_path: Path) -> None:
+    """deploy/sagemaker/Dockerfile's wheel stage, run the same way: a pure-Python wheel of
+    the project alone (the vLLM image's Python resolves the dependencies), whatever
+    HEADROOM_MYPYC the environment holds, since the stage copies no setup.py."""
+    sagemaker = REPO / "deploy" / "sagemaker"
+    wheel_stage = _stages({}, sagemaker / "Dockerfile")[0]
+    src = tmp_path / "src"
+    _copy_context(wheel_stage, src, sagemaker / "Dockerfile.dockerignore")
+    assert not (src / "setup.py").exists()
+    wheels = tmp_path / "wheels"
+    paths = {_workdir(wheel_stage): src, "/wheels": wheels}
+    base = _base_python_dir()
+    venv = tmp_path / "builder"
+    subprocess.run([str(base / "python3"), "-m", "venv", str(venv)], check=True, timeout=300)
+    env = {**wheel_stage.env, "PATH": f"{venv / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path),
+           "HEADROOM_MYPYC": "1"}  # fmt: skip
+    for run in wheel_stage.runs():
+        _run(_host_argv(run, paths), src, env, tmp_path / "build.log")
+    (wheel,) = wheels.glob("*.whl")
+    assert wheel.name.startswith("headroom_proxy-") and wheel.name.endswith("-py3-none-any.whl")
