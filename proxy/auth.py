@@ -118,8 +118,7 @@ class KeyRedactionFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if isinstance(record.args, tuple):
             record.args = tuple(
-                _SECRET_RE.sub(r"\1REDACTED", a) if isinstance(a, str) else a
-                for a in record.args
+                _SECRET_RE.sub(r"\1REDACTED", a) if isinstance(a, str) else a for a in record.args
             )
         if isinstance(record.msg, str) and ("=" in record.msg or "/v1/" in record.msg):
             record.msg = _SECRET_RE.sub(r"\1REDACTED", record.msg)
