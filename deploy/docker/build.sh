@@ -67,7 +67,8 @@ wheels() {
 
 install() {
     wheel_dir="$1"
-    "$python" -m pip install --no-index --find-links="$wheel_dir" 'headroom-proxy[redis]'
+    "$python" -m pip install --no-cache-dir --no-index --find-links="$wheel_dir" \
+        'headroom-proxy[redis]'
     if [ "$mypyc" = 1 ]; then
         # Run from elsewhere than a source tree, so the installed package is the one checked.
         (cd / && "$python" -m proxy.speedups --require-compiled)
