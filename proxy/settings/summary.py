@@ -85,10 +85,13 @@ def admission_line(settings: Settings) -> str:
     where = parts.hostname or ""
     if parts.port is not None:
         where += f":{parts.port}"
+    if redis.sentinel is not None:  # the URL's host is not used: the sentinels name it
+        where = f"<primary of {redis.sentinel.master}>"
     if parts.username or parts.password:
         where = "***@" + where
+    via = f" via sentinels {', '.join(redis.sentinel.nodes)}" if redis.sentinel else ""
     return (
-        f"admission redis {parts.scheme}://{where}{parts.path} (caps shared by every gateway "
+        f"admission redis {parts.scheme}://{where}{parts.path}{via} (caps shared by every gateway "
         f"on it; lease {redis.lease_ttl_s:g} s, renew {redis.renew_interval_s:g} s, fence "
         f"{redis.fence_margin_s:g} s; on backend loss: {admission.on_backend_loss})"
     )

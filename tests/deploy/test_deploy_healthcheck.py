@@ -164,6 +164,31 @@ def test_check_shows_the_redis_backend_without_its_password(
     assert "s3cret" not in out
 
 
+def test_check_names_the_sentinels_rather_than_the_urls_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from proxy.cli import main
+
+    config = _write(tmp_path, 8080, backend="redis")
+    text = (
+        Path(config)
+        .read_text()
+        .replace(
+            '{url: "redis://:s3cret@redis.example:6380/2"}',
+            '{url: "redis://:s3cret@redis.example:6380/2", '
+            'sentinel: {master: headroom, nodes: ["sentinel-0:26379", "sentinel-1:26379"]}}',
+        )
+    )
+    Path(config).write_text(text)
+    assert main(["check", "--config", config]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "admission redis redis://***@<primary of headroom>/2 via sentinels sentinel-0:26379, "
+        "sentinel-1:26379 (caps shared" in out
+    )
+    assert "redis.example" not in out and "s3cret" not in out
+
+
 def test_check_refuses_a_redis_config_without_the_redis_package(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
