@@ -19,13 +19,24 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl
 
+from proxy.admission.interface import TenantQuota
+from proxy.admission.tenants import TenantSpec
 from proxy.errors import Forbidden, TenantLimitRefused, Unauthorized
 from proxy.settings import ApiKeySettings, AuthSettings
 
-__all__ = ["KeyRedactionFilter", "TenantQuotas", "authenticate", "identify", "presented_key"]
+__all__ = [
+    "NO_KEY",
+    "Authorization",
+    "KeyRedactionFilter",
+    "TenantQuotas",
+    "authenticate",
+    "identify",
+    "presented_key",
+]
 
 #: Secrets in a request target: the API key, and a gang reservation's token (whoever
 #: holds it can claim the reserved slots), as a query value or in the release path.
@@ -74,6 +85,22 @@ def authenticate(
     if not found.allows(pool):
         raise Forbidden(f"this API key may not use pool {pool!r}")
     return found
+
+
+@dataclass(frozen=True, slots=True)
+class Authorization:
+    """What :meth:`proxy.runtime.Runtime.authorize` found for one session, passed on
+    as a value: ``token`` for ``release_tenant`` (the key's count in this process),
+    ``tenant`` (its scheduling identity) and ``quota`` (its ``max_sessions``) for the
+    gate's :meth:`~proxy.admission.interface.AdmissionGate.admit`. All None: no key."""
+
+    token: str | None = None
+    tenant: TenantSpec | None = None
+    quota: TenantQuota | None = None
+
+
+#: A session without an API key (authentication off).
+NO_KEY = Authorization()
 
 
 class TenantQuotas:

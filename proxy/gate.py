@@ -11,19 +11,25 @@ is released again at once. Every admission is a :class:`Lease` whose
 Queue deadlines run on the injected :class:`~proxy.clock.Clock`: tests advance a
 :class:`~proxy.clock.FakeClock` instead of sleeping.
 
-Tenants (issue 18): a session is admitted as the :class:`~proxy.admission.TenantSpec`
-passed to :meth:`Gate.enter`, or else the one in :data:`CURRENT_TENANT` (set by
-:meth:`proxy.runtime.Runtime.authorize` in the request's task); the core decides the
-order, reserves and shedding. Per-key series: ``headroom_tenant_*``.
+Tenants: a session is admitted as the :class:`~proxy.admission.TenantSpec` passed to
+:meth:`Gate.enter` (the one :meth:`proxy.runtime.Runtime.authorize` returned for its
+key; None: no key); the core decides the order, reserves and shedding. Per-key series:
+``headroom_tenant_*``.
+
+:class:`Gate` implements :class:`~proxy.admission.interface.AdmissionGate`, the
+interface the rest of the gateway holds; what only the shared gate needs (background
+work, fencing, an admission store that may be unreachable) is a no-op here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from proxy.admission import (
     Admit,
@@ -40,18 +46,22 @@ from proxy.clock import Clock, TimerHandle
 from proxy.errors import FallbackHint, Refused, refusal_for
 from proxy.metrics import Metrics, ReplicaGauges, TenantGauges
 
-__all__ = ["CURRENT_TENANT", "Gate", "Lease", "PositionCallback", "Waiting"]
+if TYPE_CHECKING:
+    from proxy.admission.interface import (
+        FenceCallback,
+        ReservationStore,
+        SlotCallback,
+        TenantQuota,
+    )
+    from proxy.auth import TenantQuotas
+
+__all__ = ["Gate", "Lease", "PositionCallback", "Waiting"]
 
 log = logging.getLogger("headroom.gate")
 
 #: Called with (position, eta_s) when a waiter enters the queue and whenever its
 #: position changes.
 PositionCallback = Callable[[int, float], None]
-
-#: The tenant of the current task's session (its API key's scheduling fields), set by
-#: ``Runtime.authorize``; None without auth.
-CURRENT_TENANT: ContextVar[TenantSpec | None] = ContextVar("headroom_tenant", default=None)
-
 
 def count_decision(
     metrics: Metrics | None, pool: str, decision: str, tenant: TenantSpec | None
@@ -179,6 +189,19 @@ class Gate:
         self._healthy_listeners: list[Callable[[str, str, bool], None]] = []
         self._idle_waiters: list[asyncio.Future[None]] = []
         self.draining = False
+        if metrics is not None:
+            metrics.bind_tenants(self.tenant_gauges)
+
+    # -- lifecycle: nothing runs in the background here ---------------------------
+
+    async def start(self) -> None:
+        """Nothing to start: every decision is made in the caller's step."""
+
+    async def stop(self) -> None:
+        """Nothing to stop: a running session's lease is released by its session."""
+
+    async def quiesce(self) -> None:
+        """Nothing runs in the background: returns at once."""
 
     # -- public API -------------------------------------------------------------
 
@@ -192,12 +215,11 @@ class Gate:
     ) -> Lease | Waiting:
         """Ask ``pool`` for a slot without suspending: a :class:`Lease` if admitted at
         once, a :class:`Waiting` (already in the queue) to await, or raises
-        :class:`~proxy.errors.Refused`. ``tenant`` defaults to :data:`CURRENT_TENANT`.
-        ``queue=False``: a slot now or a refusal, never a queue place."""
+        :class:`~proxy.errors.Refused`. ``tenant``: the session's key's scheduling
+        identity (None: no key). ``queue=False``: a slot now or a refusal, never a queue
+        place."""
         p = self._pool(pool)
         now = self.clock.now()
-        if tenant is None:
-            tenant = CURRENT_TENANT.get()
         decision = p.core.arrive(now, tenant, queue=queue)
         if isinstance(decision, Admit):
             self._count(pool, "admitted", tenant)
@@ -226,10 +248,11 @@ class Gate:
         on_position: PositionCallback | None = None,
         queue: bool = True,
         tenant: TenantSpec | None = None,
+        quota: TenantQuota | None = None,
     ) -> Lease | Waiting:
-        """:meth:`enter` for callers that serve either admission backend (the shared
-        one, :class:`proxy.shared_gate.SharedGate`, must await Redis), with the same
-        arguments as the shared gate's ``admit``."""
+        """:meth:`enter`, awaitable as the interface has it (the shared gate's
+        ``admit`` awaits Redis). ``quota`` is not counted here: this process's count of
+        the key's sessions is the runtime's :class:`~proxy.auth.TenantQuotas`."""
         return self.enter(pool, on_position=on_position, tenant=tenant, queue=queue)
 
     async def acquire(
@@ -238,13 +261,41 @@ class Gate:
         *,
         on_position: PositionCallback | None = None,
         tenant: TenantSpec | None = None,
+        quota: TenantQuota | None = None,
     ) -> Lease:
         """Admit a session to ``pool``, waiting in its queue if need be: returns a
-        :class:`Lease` or raises :class:`~proxy.errors.Refused`. Cancellation-safe."""
+        :class:`Lease` or raises :class:`~proxy.errors.Refused`. Cancellation-safe.
+        ``quota`` as for :meth:`admit`."""
         entry = self.enter(pool, on_position=on_position, tenant=tenant)
         if isinstance(entry, Lease):
             return entry
         return await entry.wait()
+
+    async def take_now(self, pool: str, tenant: TenantSpec | None) -> Lease:
+        """One slot of ``pool`` now, never a place in its queue (a gang reservation's
+        slot): the decision for a plain session of ``tenant``'s class (reserves, no
+        barging past its class). Raises :class:`~proxy.errors.Refused`."""
+        core = self._pool(pool).core
+        stats = core.statistics()
+        full_queue = core.queue.enabled and core.queue_depth >= core.queue.max_depth
+        if (
+            not stats.draining
+            and stats.healthy_replicas > 0
+            and (full_queue or core.free_slots() == 0)
+        ):
+            raise self._full(pool)
+        entry = self.enter(pool, tenant=tenant)  # admits at once, or refuses
+        if isinstance(entry, Waiting):  # kept out by a waiter or a reserve above its class
+            await _back_out(entry)
+            raise self._full(pool)
+        return entry
+
+    def _full(self, pool: str) -> Refused:
+        core = self._pool(pool).core
+        reason = core.full_reason()
+        count_decision(self.metrics, pool, f"rejected_{reason}", None)
+        retry = core.retry_after(reason, core.queue_depth + 1, self.clock.now())
+        return refusal_for(reason, retry_after_s=retry, pool=pool, fallback=self.fallback(pool))
 
     async def _wait(self, pool: str, ticket: int) -> Lease:
         p = self._pools[pool]
@@ -365,8 +416,51 @@ class Gate:
     def on_health_change(self, listener: Callable[[str, str, bool], None]) -> None:
         self._healthy_listeners.append(listener)
 
+    def on_fence(self, listener: FenceCallback) -> None:
+        """Never called: this gate's slots are this process's, so they cannot be lost
+        while its sessions run."""
+
     def core(self, pool: str) -> PoolCore:
         return self._pool(pool).core
+
+    @property
+    def available(self) -> bool:
+        """Always: there is no admission store to lose."""
+        return True
+
+    @property
+    def gateway_id(self) -> str:
+        """This process's id: the admission store is this process."""
+        return str(os.getpid())
+
+    def grants_blocked_s(self) -> float:
+        """Never blocked: no store to lose its data."""
+        return 0.0
+
+    def reserves(self, pool: str) -> tuple[Reserve, ...]:
+        return self._pool(pool).core.reserves
+
+    def estimate_wait(self, pool: str, position: int) -> float:
+        """Expected seconds until a waiter at ``position`` (1 = head) gets a slot."""
+        return self._pool(pool).core.estimate_wait(position, self.clock.now())
+
+    def tenant_wait(self, pool: str, name: str) -> float | None:
+        """Expected seconds until one of key ``name``'s sessions in ``pool`` ends (None
+        if it runs none): past ``max_sessions`` only those ending help."""
+        return self._pool(pool).core.tenant_wait(name, self.clock.now())
+
+    def held_per_replica(self, pool: str) -> dict[str, int]:
+        """Sessions holding a slot per replica: this process holds them all."""
+        return {r.name: r.active for r in self._pool(pool).core.statistics().replicas}
+
+    def reservation_store(
+        self, clock: Clock, on_slot: SlotCallback, quotas: TenantQuotas | None
+    ) -> ReservationStore:
+        """Gang reservations held in this process
+        (:class:`~proxy.admission.local_reservations.LocalReservations`)."""
+        from proxy.admission.local_reservations import LocalReservations
+
+        return LocalReservations(self, clock, on_slot, quotas)
 
     def pools(self) -> list[str]:
         return list(self._pools)
@@ -558,3 +652,17 @@ class Gate:
             self._resolve(p.core.name, p, reject)
         self._arm_timer(p)
         self._notify_positions(p)
+
+
+async def _back_out(waiting: Waiting) -> None:
+    """Leave a queue place taken by mistake (this gate's only way out of a
+    :class:`Waiting` is cancelling its wait); a slot granted meanwhile goes back."""
+    task = asyncio.ensure_future(waiting.wait())
+    await asyncio.sleep(0)  # let it start waiting, so the cancel leaves the queue
+    task.cancel()
+    await asyncio.wait({task})
+    if not task.cancelled() and task.exception() is None:
+        task.result().release()
+    elif not task.cancelled():
+        with contextlib.suppress(BaseException):
+            task.result()

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from proxy.admission import PoolStatistics
-from proxy.shared_gate import SharedGate
 
 if TYPE_CHECKING:
     from proxy.runtime import Runtime
@@ -129,8 +128,9 @@ def pool_headroom(
     held: Mapping[str, int] | None = None,
 ) -> PoolHeadroom:
     """The headroom of the pool ``stats`` describes. ``ratio(replica)`` is the replica's
-    rolling worst-1% delivery ratio; ``held`` (redis backend) the pool-wide sessions per
-    replica, which replace this gateway's own count when higher."""
+    rolling worst-1% delivery ratio; ``held`` the sessions per replica over every
+    gateway sharing the pool (the gate's ``held_per_replica``), which replace this
+    gateway's own count when higher."""
     usable = free = 0
     worst: float | None = None
     for r in stats.replicas:
@@ -175,7 +175,7 @@ def headroom_of(runtime: Runtime) -> Headroom:
     for name, stats in gate.statistics().items():
         if name not in configured:
             continue  # retired by a reload; its last sessions are finishing
-        held = gate.pool_totals(name)[0] if isinstance(gate, SharedGate) else None
+        held = gate.held_per_replica(name)
 
         def ratio(replica: str, pool: str = name) -> float | None:
             return runtime.delivery_ratio_worst_1pct(pool, replica)

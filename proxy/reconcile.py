@@ -43,10 +43,9 @@ from proxy.admission import ReplicaSpec
 from proxy.errors import Refused
 
 if TYPE_CHECKING:
+    from proxy.admission.interface import AdmissionGate
     from proxy.clock import Clock, TimerHandle
-    from proxy.gate import Gate
     from proxy.settings import Settings
-    from proxy.shared_gate import SharedGate
 
 __all__ = ["CAPACITY_REASONS", "EngineReconciler"]
 
@@ -70,7 +69,7 @@ class _Replica:
 class EngineReconciler:
     """Per replica: the unadmitted streams, and the cap they leave (module docstring)."""
 
-    def __init__(self, gate: Gate | SharedGate, clock: Clock, settings: Settings) -> None:
+    def __init__(self, gate: AdmissionGate, clock: Clock, settings: Settings) -> None:
         self._gate = gate
         self._clock = clock
         self._replicas: dict[tuple[str, str], _Replica] = {}

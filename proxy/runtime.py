@@ -29,10 +29,11 @@ from proxy.admission import (
     Reserve,
     TenantSpec,
 )
-from proxy.auth import TenantQuotas, authenticate
+from proxy.admission.interface import AdmissionGate, TenantQuota
+from proxy.auth import NO_KEY, Authorization, TenantQuotas, authenticate
 from proxy.clock import Clock, LoopClock
 from proxy.errors import Refused
-from proxy.gate import CURRENT_TENANT, Gate, count_decision
+from proxy.gate import Gate, count_decision
 from proxy.guard import GuardLoop, GuardPolicy
 from proxy.loop_watch import LoopWatch
 from proxy.meter import PrometheusReplicaSink, SessionMeter
@@ -42,7 +43,7 @@ from proxy.protocols import AudioFormat, HttpAdapter, WsAdapter, http_adapter, w
 from proxy.reconcile import EngineReconciler
 from proxy.reservations import Reservations, presented_token
 from proxy.settings import ApiKeySettings, GuardSettings, PoolSettings, RouteSettings, Settings
-from proxy.shared_gate import ADMITTED_POOL, TENANT_QUOTA, SharedGate, build_shared_gate
+from proxy.shared_gate import build_shared_gate
 from proxy.signals import ReplicaSignals
 from proxy.tracing import SessionTracer, make_tracer
 from proxy.upstreams import Upstreams
@@ -50,7 +51,7 @@ from proxy.upstreams import Upstreams
 if TYPE_CHECKING:
     import httpx
 
-__all__ = ["Runtime", "build_gate"]
+__all__ = ["Runtime", "build_admission_gate", "build_gate"]
 
 log = logging.getLogger("headroom.runtime")
 
@@ -102,6 +103,17 @@ def build_gate(settings: Settings, clock: Clock, metrics: Metrics | None) -> Gat
     )
 
 
+def build_admission_gate(
+    settings: Settings, clock: Clock, metrics: Metrics | None
+) -> AdmissionGate:
+    """The gate ``admission.backend`` names: in process (``memory``) or shared through
+    Redis (``redis``). The one place that chooses; everything else holds the
+    :class:`~proxy.admission.interface.AdmissionGate` it returns."""
+    if settings.admission.backend == "redis":
+        return build_shared_gate(settings, clock, metrics)
+    return build_gate(settings, clock, metrics)
+
+
 class Runtime:
     """The shared state of one gateway process (one event loop)."""
 
@@ -111,11 +123,7 @@ class Runtime:
         self.settings = settings
         self.clock: Clock = clock or LoopClock()
         self.metrics = metrics or Metrics(settings.meter.chunk_durations_s)
-        self.gate: Gate | SharedGate = (
-            build_shared_gate(settings, self.clock, self.metrics)
-            if settings.admission.backend == "redis"
-            else build_gate(settings, self.clock, self.metrics)
-        )
+        self.gate: AdmissionGate = build_admission_gate(settings, self.clock, self.metrics)
         self.signals: dict[tuple[str, str], ReplicaSignals] = {}
         self.tenants = TenantQuotas()
         self._reservations: Reservations | None = None
@@ -134,17 +142,13 @@ class Runtime:
             make_tracer(settings.tracing) if settings.tracing.enabled else None
         )
         self._apply_settings(settings)
-        #: Every relaying session's stop, with the pool it was admitted to (None: not
-        #: known, e.g. the in-process gate, which never fences).
-        self._sessions: dict[StopSession, str | None] = {}
+        #: Every relaying session's stop, with the pool its lease is in.
+        self._sessions: dict[StopSession, str] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.started = False
         self.metrics.bind_state(self._replica_gauges, self.gate.queue_depths)
         self.metrics.bind_headroom(lambda: headroom_of(self))
-        if isinstance(self.gate, Gate):
-            self.metrics.bind_tenants(self.gate.tenant_gauges)
-        if isinstance(self.gate, SharedGate):
-            self.gate.on_fence(self._on_lease_loss)
+        self.gate.on_fence(self._on_lease_loss)
 
     def _apply_settings(self, settings: Settings) -> None:
         self.settings = settings
@@ -218,8 +222,7 @@ class Runtime:
 
     async def start(self) -> None:
         self.loop_watch.start()
-        if isinstance(self.gate, SharedGate):
-            await self.gate.start()
+        await self.gate.start()
         await self.upstreams.start()
         self.started = True
         self.guard.start()
@@ -234,8 +237,7 @@ class Runtime:
             with contextlib.suppress(BaseException):
                 await task
         await self.upstreams.stop()
-        if isinstance(self.gate, SharedGate):
-            await self.gate.stop()
+        await self.gate.stop()
         if self.tracer is not None:  # exports what is buffered: off the event loop
             await asyncio.to_thread(self.tracer.shutdown)
         self.started = False
@@ -258,10 +260,10 @@ class Runtime:
 
     # -- sessions -------------------------------------------------------------------
 
-    def register_session(self, stop: StopSession) -> None:
-        """Called from the session's own task, after its admission: the shared gate has
-        recorded the pool there (:data:`~proxy.shared_gate.ADMITTED_POOL`)."""
-        self._sessions[stop] = ADMITTED_POOL.get()
+    def register_session(self, stop: StopSession, pool: str) -> None:
+        """A session relaying on a lease of ``pool`` (its ``lease.pool``): a drain ends
+        it, and so does a fence of that pool."""
+        self._sessions[stop] = pool
 
     def unregister_session(self, stop: StopSession) -> None:
         self._sessions.pop(stop, None)
@@ -276,9 +278,9 @@ class Runtime:
                   closed, pool, why)  # fmt: skip
 
     def close_sessions(self, code: int, reason: str, *, pool: str | None = None) -> int:
-        """Ask every relaying session (of ``pool`` only, if given; a session whose pool
-        is not known counts as one of it) to close with ``code``; returns how many."""
-        sessions = [s for s, of in self._sessions.items() if pool is None or of in (pool, None)]
+        """Ask every relaying session (of ``pool`` only, if given) to close with
+        ``code``; returns how many."""
+        sessions = [s for s, of in self._sessions.items() if pool is None or of == pool]
         for stop in sessions:
             stop(code, reason)
         return len(sessions)
@@ -298,23 +300,18 @@ class Runtime:
     def http_url(self, pool: str, replica: str) -> str:
         return self.upstreams.http_url(pool, replica)
 
-    def authorize(self, scope: dict[str, Any], pool: str) -> str | None:
+    def authorize(self, scope: dict[str, Any], pool: str) -> Authorization:
         """Check the client's key for ``pool`` and reserve one session of its quota.
-        Returns a token for :meth:`release_tenant` (call it on every exit path);
-        raises Unauthorized / Forbidden / TenantLimitRefused. Runs before the gate."""
-        if CURRENT_TENANT.get() is not None:  # a set() copies the task's context
-            CURRENT_TENANT.set(None)
+        Returns the session's :class:`~proxy.auth.Authorization`: its ``token`` for
+        :meth:`release_tenant` (call it on every exit path), and the tenant and quota
+        the lifecycle passes to the gate's ``admit``. Raises Unauthorized / Forbidden /
+        TenantLimitRefused. Runs before the gate."""
         key = authenticate(self.settings.auth, scope, pool)
         if key is None:
-            return None
+            return NO_KEY
         # Past max_sessions only one of the key's own sessions ending helps.
-        if isinstance(self.gate, SharedGate):
-            own = self.gate.tenant_wait(pool, key.name)
-            estimate = self.gate.estimate_wait(pool, 1) if own is None else own
-        else:
-            core, now = self.gate.core(pool), self.clock.now()
-            own = core.tenant_wait(key.name, now)
-            estimate = core.estimate_wait(1, now) if own is None else own
+        own = self.gate.tenant_wait(pool, key.name)
+        estimate = self.gate.estimate_wait(pool, 1) if own is None else own
         retry = min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, estimate))
         tenant = tenant_spec(key)
         try:
@@ -325,13 +322,11 @@ class Runtime:
         except Refused:
             count_decision(self.metrics, pool, "rejected_tenant_limit", tenant)
             raise
-        # The gate admits this task's session as the key's tenant (class, weight, ...).
-        CURRENT_TENANT.set(tenant)
-        if isinstance(self.gate, SharedGate) and key.max_sessions is not None:
-            # Counted over every gateway too, by the shared gate's admission (this
-            # process's count above is only its own part).
-            TENANT_QUOTA.set((key.name, key.max_sessions))
-        return token
+        # The gate admits the session as the key's tenant (class, weight, ...); a shared
+        # gate counts the quota over every gateway too (the count above is this
+        # process's part).
+        quota = None if key.max_sessions is None else TenantQuota(key.name, key.max_sessions)
+        return Authorization(token, tenant, quota)
 
     def release_tenant(self, token: str | None) -> None:
         self.tenants.release(token)
@@ -373,15 +368,14 @@ class Runtime:
 
     def upstream_ready(self) -> tuple[bool, str]:
         """Whether the admission backend and at least one replica can take a session."""
-        if isinstance(self.gate, SharedGate):
-            if not self.gate.available:
-                return False, "admission backend unavailable"
-            blocked = self.gate.grants_blocked_s()
-            if blocked > 0:
-                return False, (
-                    f"admission grants blocked for {blocked:.1f} s more: the admission "
-                    "store lost its data and gateways are re-asserting their sessions"
-                )
+        if not self.gate.available:
+            return False, "admission backend unavailable"
+        blocked = self.gate.grants_blocked_s()
+        if blocked > 0:
+            return False, (
+                f"admission grants blocked for {blocked:.1f} s more: the admission "
+                "store lost its data and gateways are re-asserting their sessions"
+            )
         if not self.replicas_checked.is_set():
             return False, "checking replicas"
         healthy = sum(s.healthy_replicas for s in self.gate.statistics().values())

@@ -23,9 +23,13 @@ Safety rules:
   sessions (``on_backend_loss: close``, the default) before other gateways can reuse
   those slots; ``keep`` only logs and counts (the replica may then run over its cap).
 
-Tenants (issue 18): a session is admitted as the :class:`~proxy.admission.TenantSpec`
-passed to :meth:`SharedGate.admit`, or else the one in
-:data:`~proxy.gate.CURRENT_TENANT`; the scripts apply the rules of
+:class:`SharedGate` implements :class:`~proxy.admission.interface.AdmissionGate`, the
+interface the rest of the gateway holds.
+
+Tenants: a session is admitted as the :class:`~proxy.admission.TenantSpec` passed to
+:meth:`SharedGate.admit` (None: no key), and counted against the key's
+``max_sessions`` over every gateway when a :class:`~proxy.admission.interface.TenantQuota`
+is passed with it; the scripts apply the rules of
 :mod:`proxy.admission.tenants` over every gateway (class, fair share, reserves,
 ``max_queued``, shedding). The ``headroom_tenant_*`` series count this gateway's own
 sessions (sum them over gateways).
@@ -38,7 +42,6 @@ import contextlib
 import logging
 import random
 from collections.abc import Callable, Collection, Coroutine, Iterable, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -56,6 +59,7 @@ from proxy.admission import (
     Reserve,
     TenantSpec,
 )
+from proxy.admission.interface import FenceCallback, ReservationStore, SlotCallback, TenantQuota
 from proxy.admission.lease_keeper import LeaseKeeper
 from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission, ReplicaView
 from proxy.admission.redis_clients import SentinelNodes
@@ -68,7 +72,6 @@ from proxy.admission.retry_after import (
 from proxy.clock import Clock, TimerHandle
 from proxy.errors import FallbackHint, Refused, TenantLimitRefused, refusal_for
 from proxy.gate import (
-    CURRENT_TENANT,
     Lease,
     PositionCallback,
     Waiting,
@@ -78,11 +81,10 @@ from proxy.gate import (
 from proxy.metrics import Metrics, ReplicaGauges, TenantGauges
 
 if TYPE_CHECKING:
+    from proxy.auth import TenantQuotas
     from proxy.settings import Settings
 
 __all__ = [
-    "ADMITTED_POOL",
-    "TENANT_QUOTA",
     "FenceCallback",
     "SharedAdmissionMetrics",
     "SharedGate",
@@ -91,18 +93,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("headroom.shared_gate")
-
-#: Called with (pool, reason) when the gateway must end its sessions on ``pool``.
-FenceCallback = Callable[[str, str], None]
-
-#: The pool the current task's session was admitted to (set by :meth:`SharedGate.admit`):
-#: :meth:`proxy.runtime.Runtime.register_session` files the session under it, so that a
-#: fence ends only the sessions of the pool whose leases were lost.
-ADMITTED_POOL: ContextVar[str | None] = ContextVar("headroom_admitted_pool", default=None)
-#: The current task's tenant and its ``max_sessions`` (set by
-#: :meth:`proxy.runtime.Runtime.authorize` for a key with a quota): :meth:`SharedGate.admit`
-#: counts the session against it in Redis, over every gateway.
-TENANT_QUOTA: ContextVar[tuple[str, int] | None] = ContextVar("headroom_tenant_quota", default=None)
 
 _EWMA_ALPHA = 0.2
 _WAKE_BLOCK_S = 1.0
@@ -363,17 +353,17 @@ class SharedGate:
         on_position: PositionCallback | None = None,
         queue: bool = True,
         tenant: TenantSpec | None = None,
+        quota: TenantQuota | None = None,
     ) -> Lease | Waiting:
         """A :class:`Lease` if admitted at once, a :class:`Waiting` already in the
         Redis queue, or raises :class:`~proxy.errors.Refused`. Cancellation-safe: a
         slot or queue place taken by a call cancelled mid-flight is given back.
-        ``queue=False``: a slot now or a refusal, never a queue place (gang
-        reservations, :mod:`proxy.reservations`). ``tenant`` defaults to
-        :data:`~proxy.gate.CURRENT_TENANT`."""
+        ``queue=False``: a slot now or a refusal, never a queue place. ``tenant``: the
+        session's key's scheduling identity (None: no key); ``quota``: the key's
+        ``max_sessions``, counted in Redis over every gateway before the slot is asked
+        for (past it: ``tenant_limit``)."""
         p = self._pool(pool)
         now = self.clock.now()
-        if tenant is None:
-            tenant = CURRENT_TENANT.get()
         if self.draining or p.draining:
             raise self._refuse(p, "draining", 1, tenant)
         view = p.view()
@@ -381,9 +371,8 @@ class SharedGate:
             raise self._refuse(p, "no_healthy_replica", self._no_replica_wait(p, now), tenant)
         self._next += 1
         waiter_id = f"{self.backend.gateway_id}:{self._next}"
-        quota = TENANT_QUOTA.get()
         if quota is not None:
-            await self._reserve_tenant(p, waiter_id, *quota)
+            await self._reserve_tenant(p, waiter_id, quota, tenant)
         future: asyncio.Future[Admit | Reject] = asyncio.get_running_loop().create_future()
         # Registered before the call: a wake-up may arrive before the reply does.
         waiter = _Waiter(future, on_position, now, tenant=tenant)
@@ -411,10 +400,8 @@ class SharedGate:
         kind, value = got.kind, got.value
         if kind == "admit":
             p.waiters.pop(waiter_id, None)
-            ADMITTED_POOL.set(pool)
             return self._lease(p, waiter_id, str(value), now, tenant)
         if kind == "queued":
-            ADMITTED_POOL.set(pool)
             if future.done():  # handed a slot (or shed) before the reply arrived
                 outcome = future.result()
                 p.waiters.pop(waiter_id, None)
@@ -448,11 +435,20 @@ class SharedGate:
         *,
         on_position: PositionCallback | None = None,
         tenant: TenantSpec | None = None,
+        quota: TenantQuota | None = None,
     ) -> Lease:
-        entry = await self.admit(pool, on_position=on_position, tenant=tenant)
+        entry = await self.admit(pool, on_position=on_position, tenant=tenant, quota=quota)
         if isinstance(entry, Lease):
             return entry
         return await entry.wait()
+
+    async def take_now(self, pool: str, tenant: TenantSpec | None) -> Lease:
+        """One slot of ``pool`` now, never a queue place: :meth:`admit` with
+        ``queue=False`` (the scripts never let it pass a waiter of its class or above).
+        Raises :class:`~proxy.errors.Refused`."""
+        entry = await self.admit(pool, queue=False, tenant=tenant)
+        assert isinstance(entry, Lease)
+        return entry
 
     async def _wait(self, pool: str, waiter_id: str) -> Lease:
         p = self._pools[pool]
@@ -606,11 +602,12 @@ class SharedGate:
     # -- tenant quotas over every gateway ---------------------------------------------
 
     async def _reserve_tenant(
-        self, p: _Pool, reservation_id: str, tenant: str, max_sessions: int
+        self, p: _Pool, reservation_id: str, quota: TenantQuota, spec: TenantSpec | None
     ) -> None:
-        """Count this session against ``tenant``'s quota in Redis (tenants.lua), before
-        it asks for a slot, as :meth:`proxy.auth.TenantQuotas.reserve` does in process.
-        Raises TenantLimitRefused (429) past the quota, or ``backend_unavailable``."""
+        """Count this session against ``quota`` in Redis (tenants.lua), before it asks
+        for a slot, as :meth:`proxy.auth.TenantQuotas.reserve` does in process. Raises
+        TenantLimitRefused (429) past the quota, or ``backend_unavailable``."""
+        tenant, max_sessions = quota.name, quota.max_sessions
         call = asyncio.ensure_future(
             self.backend.reserve_tenant(tenant, reservation_id, max_sessions)
         )
@@ -629,7 +626,7 @@ class SharedGate:
             raise self._refuse(p, "backend_unavailable", 1) from None
         self._set_available(True)
         if not reserved:
-            self._count(p.name, "rejected_tenant_limit", CURRENT_TENANT.get())
+            self._count(p.name, "rejected_tenant_limit", spec)
             raise TenantLimitRefused(
                 "tenant_limit", retry_after_s=self._tenant_retry(p, tenant), pool=p.name
             )
@@ -761,7 +758,6 @@ class SharedGate:
         if kind != "granted" or replica is None:
             self._drop_tenant(lease_id)
             return None
-        ADMITTED_POOL.set(pool)
         return self._lease(p, lease_id, replica, since, tenant)
 
     def background(self, work: Coroutine[Any, Any, Any]) -> None:
@@ -1081,10 +1077,10 @@ class SharedGate:
     def on_health_change(self, listener: Callable[[str, str, bool], None]) -> None:
         self._healthy_listeners.append(listener)
 
-    def set_recheck_interval(self, seconds: float | None) -> None:
+    def set_recheck_interval(self, interval_s: float | None) -> None:
         """How often an ejected replica is re-checked (``health.recheck_interval_s``):
         a ``no_healthy_replica`` refusal advises retrying around the next re-check."""
-        self._recheck_interval_s = seconds
+        self._recheck_interval_s = interval_s
 
     def on_fence(self, listener: FenceCallback) -> None:
         self._fence_listeners.append(listener)
@@ -1163,6 +1159,26 @@ class SharedGate:
                 session_estimate_s=p.session_estimate_s,
             )
         return out
+
+    def held_per_replica(self, pool: str) -> dict[str, int]:
+        """Sessions holding a slot per replica over every gateway, as of the last
+        renewal."""
+        return dict(self._pool(pool).held)
+
+    @property
+    def gateway_id(self) -> str:
+        """This gateway's name in Redis (its lease and waiter ids start with it)."""
+        return self.backend.gateway_id
+
+    def reservation_store(
+        self, clock: Clock, on_slot: SlotCallback, quotas: TenantQuotas | None
+    ) -> ReservationStore:
+        """Gang reservations in Redis, claimable on any gateway
+        (:class:`~proxy.admission.shared_reservations.SharedReservations`); the key's
+        quota is counted there, not in ``quotas``."""
+        from proxy.admission.shared_reservations import SharedReservations
+
+        return SharedReservations(self, clock, on_slot)
 
     def pool_totals(self, pool: str) -> tuple[dict[str, int], int]:
         """Pool-wide figures from the last renewal: held per replica over every gateway,

@@ -54,7 +54,6 @@ from proxy.gateway import Gateway, _listen
 from proxy.reload_rounds import ReloadRounds
 from proxy.runtime import Runtime
 from proxy.settings import Settings, read_config_text, settings_from_text
-from proxy.shared_gate import SharedGate
 from proxy.worker_control import WorkerControl, digest, read_start, start_frame
 
 __all__ = [
@@ -134,9 +133,7 @@ class WorkerGateway(Gateway):
             self.admin_port = admin.getsockname()[1] if admin is not None else None
         self._drain_asked = False
         self._parent = os.getppid()
-        gate = self.runtime.gate
-        gateway = gate.backend.gateway_id if isinstance(gate, SharedGate) else str(os.getpid())
-        self.control = WorkerControl(self, control, index, gateway)
+        self.control = WorkerControl(self, control, index, self.runtime.gate.gateway_id)
         #: The read end of a pipe whose write end only the supervisor holds.
         self.lifeline: int | None = None
 

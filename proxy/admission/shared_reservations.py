@@ -30,16 +30,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
+from proxy.admission.interface import Reservation, SlotCallback, Unclaimable
 from proxy.admission.redis_backend import BackendUnavailable
 from proxy.admission.tenants import TenantSpec
 from proxy.clock import Clock, TimerHandle
 from proxy.errors import Refused, TenantLimitRefused, refusal_for
-from proxy.gate import Lease
-from proxy.settings import ApiKeySettings
-from proxy.shared_gate import SharedGate
+
+if TYPE_CHECKING:
+    from proxy.gate import Lease
+    from proxy.settings import ApiKeySettings
+    from proxy.shared_gate import SharedGate
 
 __all__ = ["KEEP_S", "SharedReservations", "Unclaimable", "token_digest"]
 
@@ -49,22 +52,9 @@ log = logging.getLogger("headroom.reservations")
 #: hears "expired" rather than "unknown").
 KEEP_S = 600.0
 
-#: Called with (pool, outcome) for each reserved slot that leaves a reservation.
-SlotCallback = Callable[[str, str], None]
-
-
 def token_digest(token: str) -> str:
     """What Redis knows a reservation by: the SHA-256 of its token (hex)."""
     return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()
-
-
-class Unclaimable(Exception):
-    """A claim that gets no slot: ``code`` is ``unknown``, ``expired`` or ``pool``."""
-
-    def __init__(self, code: str, detail: str = "") -> None:
-        super().__init__(code, detail)
-        self.code = code
-        self.detail = detail
 
 
 class SharedReservations:
@@ -81,11 +71,12 @@ class SharedReservations:
     async def reserve(
         self, token: str, pools: Sequence[str], hold_s: float, key: ApiKeySettings | None,
         tenant: TenantSpec | None, max_live: int,
-    ) -> None:  # fmt: skip
+    ) -> Reservation:  # fmt: skip
         """One slot in every pool (in the order given), or raises the refusing stage's
         :class:`Refused` holding nothing. ``max_live`` bounds ``key``'s reservations with
         unclaimed slots (without a key, authentication is off: no bound). Cancellation-safe."""
         gate = self.gate
+        expires_at = self.clock.now() + hold_s
         digest = token_digest(token)
         name = key.name if key is not None else ""
         quota = key.max_sessions if key is not None else None
@@ -129,6 +120,8 @@ class SharedReservations:
                 raise
         timer = self.clock.call_at(self.clock.now() + hold_s, lambda: self._expire(digest))
         self._issued[digest] = (name, timer)
+        return Reservation(token, key.name if key is not None else None, tuple(pools),
+                           expires_at)  # fmt: skip
 
     def _abort(
         self, digest: str, name: str, ids: dict[str, str], pending: asyncio.Future[Any] | None
@@ -222,6 +215,10 @@ class SharedReservations:
         for _, timer in self._issued.values():
             timer.cancel()
         self._issued.clear()
+
+    def get(self, token: str) -> Reservation | None:
+        """None: the reservations live in Redis, not in this process."""
+        return None
 
     def _unavailable(self, pool: str) -> Refused:
         return refusal_for(

@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 from urllib.parse import parse_qsl, urlencode
 
-from proxy.auth import authenticate
+from proxy.auth import NO_KEY, Authorization, authenticate
 from proxy.errors import PolicyViolation, Refused
 from proxy.gate import Lease, PositionCallback, Waiting
 from proxy.reservations import QUERY_PARAMETER, RESERVATION_HEADER
@@ -118,9 +118,12 @@ async def enter(
     route: RouteSettings,
     scope: dict[str, Any],
     on_position: PositionCallback | None = None,
+    *,
+    authorized: Authorization = NO_KEY,
 ) -> tuple[Lease | Waiting, str | None]:
     """Enter the route's pool, or its fallback pool if the client opted in and the
-    primary refuses. Returns the entry and the fallback pool used (None if primary).
+    primary refuses, as ``authorized``'s tenant (counted against its quota where the
+    gate counts it). Returns the entry and the fallback pool used (None if primary).
     Raises the primary's :class:`Refused` (naming the fallback) if neither admits.
     With a reservation token: the reserved slot, or raises ReservationRefused."""
     token = reservation_token(scope)
@@ -129,23 +132,26 @@ async def enter(
         claimed = await services.reservations.claim(token, route.pool, key)
         return claimed, None
     gate = services.gate
+    tenant, quota = authorized.tenant, authorized.quota
     target = _fallback_pool(services, route.pool, scope)
     if target is not None:  # steps 1 and 2 of the module docstring: a slot now
         try:
-            return await gate.admit(route.pool, queue=False), None
+            return await gate.admit(route.pool, queue=False, tenant=tenant, quota=quota), None
         except Refused:
             pass
         try:
-            return await gate.admit(target, queue=False), target
+            return await gate.admit(target, queue=False, tenant=tenant, quota=quota), target
         except Refused:
             pass
     try:
-        return await gate.admit(route.pool, on_position=on_position), None
+        entry = await gate.admit(route.pool, on_position=on_position, tenant=tenant, quota=quota)
+        return entry, None
     except Refused as refusal:
         if target is None:
             raise
         try:
-            return await gate.admit(target, on_position=on_position), target
+            entry = await gate.admit(target, on_position=on_position, tenant=tenant, quota=quota)
+            return entry, target
         except Refused:
             raise refusal from None
 

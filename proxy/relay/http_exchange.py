@@ -180,7 +180,7 @@ class HttpExchange:
         True: the response started and must be aborted."""
         task = self._task = asyncio.ensure_future(self._exchange())
         watcher = asyncio.ensure_future(self._watch_client(receive))
-        self.rt.register_session(self.stop)
+        self.rt.register_session(self.stop, self.lease.pool)
         self.timers.next_deadline()
         self._arm()
         answer_by = self.timers.started + self.limits.upstream_response_timeout_s

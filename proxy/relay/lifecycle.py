@@ -168,7 +168,7 @@ async def race_client(
 
     watcher.add_done_callback(on_gone)
     if services is not None:
-        services.register_session(stop)
+        services.register_session(stop, pool)
     made = False
     result: T | None = None
     try:
@@ -234,11 +234,14 @@ async def run_session(
         try:
             if trace is not None:
                 trace.begin("auth")
-            tenant = record.tenant = services.authorize(scope, route.pool)
+            authorized = services.authorize(scope, route.pool)
+            tenant = record.tenant = authorized.token
             await transport.prepare(record)
             if trace is not None:
                 trace.end_step()
-            entry, fallback_pool = await enter(services, route, scope, transport.on_position)
+            entry, fallback_pool = await enter(
+                services, route, scope, transport.on_position, authorized=authorized
+            )
             if fallback_pool is not None:
                 record.pool = fallback_pool
             if isinstance(entry, Waiting):

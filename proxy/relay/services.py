@@ -20,14 +20,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import httpx
 
+    from proxy.admission.interface import AdmissionGate
+    from proxy.auth import Authorization
     from proxy.clock import Clock
     from proxy.errors import Refused
-    from proxy.gate import Gate
     from proxy.meter import SessionMeter
     from proxy.protocols import HttpAdapter, WsAdapter
     from proxy.reservations import Reservations
     from proxy.settings import RouteSettings, Settings
-    from proxy.shared_gate import SharedGate
     from proxy.tracing import SessionTracer
 
 __all__ = ["RelayServices", "StopSession"]
@@ -48,11 +48,12 @@ class RelayServices(Protocol):
 
     # admission
     @property
-    def gate(self) -> Gate | SharedGate: ...
+    def gate(self) -> AdmissionGate: ...
 
-    def authorize(self, scope: dict[str, Any], pool: str) -> str | None:
-        """The tenant token the session holds (released with :meth:`release_tenant`);
-        raises ``Refused`` / ``PolicyViolation``."""
+    def authorize(self, scope: dict[str, Any], pool: str) -> Authorization:
+        """The session's key as a value: the tenant token it holds (released with
+        :meth:`release_tenant`), and the tenant and quota admission takes; raises
+        ``Refused`` / ``PolicyViolation``."""
 
     def release_tenant(self, token: str | None) -> None: ...
 
@@ -85,7 +86,9 @@ class RelayServices(Protocol):
     def http_adapter(self, route: RouteSettings, meter: SessionMeter) -> HttpAdapter: ...
 
     # live sessions (drain) and background work
-    def register_session(self, stop: StopSession) -> None: ...
+    def register_session(self, stop: StopSession, pool: str) -> None:
+        """A session relaying on a lease of ``pool``: drain, and a fence of that pool,
+        end it through ``stop``."""
 
     def unregister_session(self, stop: StopSession) -> None: ...
 

@@ -402,7 +402,7 @@ class _WebSocket:
                 splice.client_left(upstream.transport)
                 return
             transport, early = taken
-            services.register_session(splice.stop)
+            services.register_session(splice.stop, lease.pool)
             try:
                 splice.start(transport, early, upstream.transport, *upstream.hand_over())
                 await splice.done

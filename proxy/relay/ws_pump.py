@@ -180,7 +180,7 @@ async def relay_frames(
                 return
 
     client_task = shell.client_task = asyncio.ensure_future(client_to_upstream())
-    rt.register_session(stop)
+    rt.register_session(stop, pool)
     shell.arm(core.next_deadline())
     client_task.add_done_callback(lambda t: _on_client_done(t, stop))
     try:

@@ -69,8 +69,8 @@ class Backend:
         gate: Gate | SharedGate
         if self.kind == "memory":
             core = PoolCore("tts", replicas, queue, session_estimate_s=10.0, reserves=reserves)
+            # (each gate binds its own tenant gauges)
             gate = Gate([core], clock=self.clock, metrics=metrics, fallbacks={"tts": hint})
-            metrics.bind_tenants(gate.tenant_gauges)  # (the shared gate binds its own)
         else:
             assert self.url is not None
             clock = self.clock

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from proxy.admission import Reserve
+from proxy.admission.interface import TenantQuota
 from proxy.auth import TenantQuotas
 from proxy.errors import Refused, TenantLimitRefused
 from proxy.gate import Lease
@@ -28,7 +29,7 @@ from proxy.reservations import (
     parse_request,
 )
 from proxy.settings import ApiKeySettings, ReservationSettings
-from proxy.shared_gate import TENANT_QUOTA, SharedGate
+from proxy.shared_gate import SharedGate
 from tests.redis_support import RedisServer
 from tests.shared_admission.conftest import Backend, seed_generation
 
@@ -92,12 +93,8 @@ async def test_held_and_claimed_slots_count_against_max_sessions(backend: Backen
             await store.reserve(["tts"], 30.0, AGENT)
         assert info.value.reason == "tenant_limit" and info.value.pool == "tts"
     if backend.kind == "redis":  # a plain session of the key, counted over every gateway
-        token = TENANT_QUOTA.set((AGENT.name, 3))
-        try:
-            with pytest.raises(TenantLimitRefused):
-                await gates[1].admit("tts")
-        finally:
-            TENANT_QUOTA.reset(token)
+        with pytest.raises(TenantLimitRefused):
+            await gates[1].admit("tts", quota=TenantQuota(AGENT.name, 3))
     held = await here[0].reserve(["tts"], 30.0, PLAIN)  # other keys are not affected
     assert await here[-1].release(held.token, PLAIN) == ["tts"]
     claimed.pop().release()

@@ -97,7 +97,7 @@ async def free_slots(env: Env, store: Reservations, pool: str) -> int:
     taken: list[Lease] = []
     with contextlib.suppress(Refused):
         while len(taken) < 10:
-            taken.append(await store._take(pool))
+            taken.append(await store.gate.take_now(pool, None))
     for lease in taken:
         lease.release()
     await env.settle()
@@ -141,7 +141,7 @@ async def test_concurrent_reservations_take_all_or_nothing(env: Env) -> None:
 async def test_a_refused_stage_is_named_and_the_other_slot_is_given_back(env: Env) -> None:
     gate = await env.gate()
     store = Reservations(gate, env.clock, None)
-    holders = [await store._take("tts") for _ in range(2)]
+    holders = [await store.gate.take_now("tts", None) for _ in range(2)]
     with pytest.raises(Refused) as info:
         await store.reserve(["asr", "tts"], 5.0)
     assert info.value.pool == "tts" and info.value.reason == "pool_full"

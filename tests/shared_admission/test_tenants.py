@@ -14,11 +14,12 @@ from typing import Any
 import pytest
 
 from proxy.admission import QueuePolicy, ReplicaSpec, Reserve, TenantSpec
+from proxy.admission.interface import TenantQuota
 from proxy.errors import Refused, TenantLimitRefused
 from proxy.gate import Lease, Waiting
 from proxy.runtime import Runtime
 from proxy.settings import settings_from_mapping
-from proxy.shared_gate import TENANT_QUOTA, SharedGate
+from proxy.shared_gate import SharedGate
 from tests.shared_admission.conftest import Backend, eventually, seed_generation
 
 GOLD = TenantSpec("gold", priority=1)
@@ -248,14 +249,11 @@ async def test_a_key_past_max_sessions_is_told_when_its_own_session_ends(
     if backend.kind == "memory":
         pytest.skip("the in-process quota is Runtime.authorize's (tests/unit)")
     gate = await backend.gate(caps=(3,), depth=2)
-    token = TENANT_QUOTA.set(("team", 1))
-    try:
-        held = await gate.acquire("tts", tenant=TEAM)
-        backend.clock.advance(1.0)
-        with pytest.raises(TenantLimitRefused) as info:
-            await gate.acquire("tts", tenant=TEAM)
-    finally:
-        TENANT_QUOTA.reset(token)
+    quota = TenantQuota("team", 1)
+    held = await gate.acquire("tts", tenant=TEAM, quota=quota)
+    backend.clock.advance(1.0)
+    with pytest.raises(TenantLimitRefused) as info:
+        await gate.acquire("tts", tenant=TEAM, quota=quota)
     assert info.value.reason == "tenant_limit"
     assert info.value.retry_after_s >= 5  # ~9 s left of the key's own session
     assert gate.tenant_wait("tts", "team") == pytest.approx(9.0, abs=3.0)
@@ -291,15 +289,17 @@ async def test_runtime_tells_a_key_past_max_sessions_when_its_own_session_ends()
         await runtime.gate.start()
         try:
             scope = {"headers": [(b"authorization", b"Bearer k")], "query_string": b""}
-            token = runtime.authorize(scope, "main")
-            lease = await runtime.gate.acquire("main")
+            authorized = runtime.authorize(scope, "main")
+            lease = await runtime.gate.acquire(
+                "main", tenant=authorized.tenant, quota=authorized.quota
+            )
             clock.advance(5.0)
             with pytest.raises(TenantLimitRefused) as info:
                 runtime.authorize(scope, "main")
             assert info.value.reason == "tenant_limit"
             assert 15 <= info.value.retry_after_s <= 20
             lease.release()
-            runtime.release_tenant(token)
+            runtime.release_tenant(authorized.token)
         finally:
             await runtime.gate.stop()
     finally:

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
+from proxy.auth import Authorization
 from proxy.clock import FakeClock
 from proxy.errors import (
     DrainingRefused,
@@ -68,11 +69,11 @@ class Services:
     def route(self) -> RouteSettings:
         return self.settings.routes[0]
 
-    def authorize(self, scope: dict[str, Any], pool: str) -> str | None:
+    def authorize(self, scope: dict[str, Any], pool: str) -> Authorization:
         if self.refuse_key is not None:
             raise self.refuse_key
         self.tokens += 1
-        return f"tenant-{self.tokens}"
+        return Authorization(f"tenant-{self.tokens}")
 
     def release_tenant(self, token: str | None) -> None:
         self.released_tokens.append(token)
@@ -83,7 +84,7 @@ class Services:
     def explain_refusal(self, refusal: Refused) -> Refused:
         return refusal  # no engine reconciliation here: the refusal as the gate made it
 
-    def register_session(self, stop: StopSession) -> None:
+    def register_session(self, stop: StopSession, pool: str) -> None:
         self.sessions.append(stop)
 
     def unregister_session(self, stop: StopSession) -> None:

@@ -18,7 +18,7 @@ from websockets.exceptions import InvalidStatus
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec, Reserve, TenantSpec
 from proxy.clock import FakeClock
 from proxy.errors import ConfigError, Refused, TenantLimitRefused
-from proxy.gate import CURRENT_TENANT, Gate, Lease
+from proxy.gate import Gate, Lease
 from proxy.metrics import Metrics
 from proxy.settings import Settings, settings_from_mapping
 from tests.conftest import Proxy
@@ -48,8 +48,7 @@ def make_gate(
         session_estimate_s=10.0,
         reserves=reserves,
     )
-    gate = Gate([core], clock=clock, metrics=metrics)
-    metrics.bind_tenants(gate.tenant_gauges)
+    gate = Gate([core], clock=clock, metrics=metrics)  # (binds its tenant gauges)
     return gate, clock, metrics
 
 
@@ -118,15 +117,15 @@ async def test_tenant_gauges_and_positions_per_key() -> None:
     assert gate.active == 0
 
 
-async def test_current_tenant_is_the_default() -> None:
-    gate, _, _ = make_gate(caps=(1,), depth=1)
-    token = CURRENT_TENANT.set(GOLD)
-    try:
-        lease = gate.enter("tts")
-    finally:
-        CURRENT_TENANT.reset(token)
+async def test_the_tenant_is_the_one_passed() -> None:
+    """The tenant is a value the caller passes; without one the session has no key."""
+    gate, _, _ = make_gate(caps=(2,), depth=1)
+    lease = gate.enter("tts", tenant=GOLD)
+    keyless = gate.enter("tts")
     assert isinstance(lease, Lease) and lease.tenant == GOLD
+    assert isinstance(keyless, Lease) and keyless.tenant is None
     lease.release()
+    keyless.release()
 
 
 async def test_reserves_change_on_reload() -> None:
