@@ -26,6 +26,14 @@ Safety rules:
 :class:`SharedGate` implements :class:`~proxy.admission.interface.AdmissionGate`, the
 interface the rest of the gateway holds.
 
+Its jobs are modules of :mod:`proxy.admission`: the local state and the helpers every
+job uses (:mod:`~proxy.admission.shared_state`), tenant quotas
+(:mod:`~proxy.admission.shared_tenants`), renewal and fencing
+(:mod:`~proxy.admission.shared_renewal`), wake-ups and queue deadlines
+(:mod:`~proxy.admission.shared_wakeups`); this module is the asyncio shell that admits,
+releases, fails over, changes pools live and answers queries, and builds the gate from
+the settings.
+
 Tenants: a session is admitted as the :class:`~proxy.admission.TenantSpec` passed to
 :meth:`SharedGate.admit` (None: no key), and counted against the key's
 ``max_sessions`` over every gateway when a :class:`~proxy.admission.interface.TenantQuota`
@@ -42,14 +50,9 @@ import contextlib
 import logging
 import random
 from collections.abc import Callable, Collection, Coroutine, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
-
 from proxy.admission import (
-    RETRY_AFTER_MAX_S,
-    RETRY_AFTER_MIN_S,
     Admit,
     PoolStatistics,
     QueuePolicy,
@@ -61,23 +64,24 @@ from proxy.admission import (
 )
 from proxy.admission.interface import FenceCallback, ReservationStore, SlotCallback, TenantQuota
 from proxy.admission.lease_keeper import LeaseKeeper
-from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission, ReplicaView
+from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission
 from proxy.admission.redis_clients import SentinelNodes
-from proxy.admission.retry_after import (
-    SessionLengths,
-    SlotForecast,
-    next_recheck_s,
-    retry_after_s,
+from proxy.admission.retry_after import SessionLengths
+from proxy.admission.shared_renewal import SharedRenewal
+from proxy.admission.shared_state import (
+    EWMA_ALPHA,
+    PoolState,
+    ReplicaState,
+    SharedAdmissionMetrics,
+    SharedLease,
+    SharedPoolSpec,
+    SharedWaiting,
+    WaiterState,
 )
-from proxy.clock import Clock, TimerHandle
-from proxy.errors import FallbackHint, Refused, TenantLimitRefused, refusal_for
-from proxy.gate import (
-    Lease,
-    PositionCallback,
-    Waiting,
-    count_decision,
-    observe_queue_wait,
-)
+from proxy.admission.shared_wakeups import SharedWakeups
+from proxy.clock import Clock
+from proxy.errors import FallbackHint
+from proxy.gate import Lease, PositionCallback, Waiting
 from proxy.metrics import Metrics, ReplicaGauges, TenantGauges
 
 if TYPE_CHECKING:
@@ -88,157 +92,16 @@ __all__ = [
     "FenceCallback",
     "SharedAdmissionMetrics",
     "SharedGate",
+    "SharedLease",
     "SharedPoolSpec",
+    "SharedWaiting",
     "build_shared_gate",
 ]
 
 log = logging.getLogger("headroom.shared_gate")
 
-_EWMA_ALPHA = 0.2
-_WAKE_BLOCK_S = 1.0
 
-
-@dataclass(frozen=True, slots=True)
-class SharedPoolSpec:
-    name: str
-    replicas: tuple[ReplicaSpec, ...]
-    queue: QueuePolicy
-    fallback: FallbackHint | None = None
-    session_estimate_s: float = 20.0
-    reserves: tuple[Reserve, ...] = ()
-
-
-@dataclass(eq=False, slots=True)
-class _Replica:
-    cap: int
-    healthy: bool = True
-    guarded: bool = False
-    retired: bool = False
-
-
-@dataclass(eq=False)
-class _Waiter:
-    future: asyncio.Future[Admit | Reject]
-    on_position: PositionCallback | None
-    arrived: float
-    position: int = 0
-    queued: bool = False
-    timer: TimerHandle | None = None
-    tenant: TenantSpec | None = None
-
-
-@dataclass(eq=False)
-class _Pool:
-    name: str
-    replicas: dict[str, _Replica]
-    queue: QueuePolicy
-    fallback: FallbackHint | None
-    session_estimate_s: float
-    draining: bool = False
-    generation: str = ""
-    last_renewed: float | None = None
-    #: Until when (this gateway's clock) Redis blocks grants: a new generation.
-    blocked_until: float = 0.0
-    fence_timer: TimerHandle | None = None
-    leases: dict[str, SharedLease] = field(default_factory=dict)
-    waiters: dict[str, _Waiter] = field(default_factory=dict)
-    held: dict[str, int] = field(default_factory=dict)
-    queue_depth: int = 0
-    #: The spread of the session lengths this gateway saw end (Retry-After's model).
-    lengths: SessionLengths | None = None
-    #: Slot-seconds of this gateway's finished sessions per (key name, class).
-    finished: dict[tuple[str, int], float] = field(default_factory=dict)
-
-    def view(self) -> list[ReplicaView]:
-        return [
-            ReplicaView(name, r.cap, r.guarded)
-            for name, r in self.replicas.items()
-            if r.healthy and not r.retired
-        ]
-
-
-class SharedAdmissionMetrics:
-    """The shared gate's own series, registered beside :class:`~proxy.metrics.Metrics`.
-    Pool-wide figures carry ``scope="pool"``: every gateway reports the same value, so
-    dashboards take ``max``, never ``sum``."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.backend_up = Gauge(
-            "headroom_admission_backend_up",
-            "1 if this gateway's last call to the shared admission store succeeded.",
-            ["backend"], registry=registry,
-        )  # fmt: skip
-        self.held = Gauge(
-            "headroom_shared_sessions_active",
-            "Sessions holding a slot on the replica, counted over every gateway.",
-            ["pool", "replica", "scope"], registry=registry,
-        )  # fmt: skip
-        self.queue_depth = Gauge(
-            "headroom_shared_queue_depth",
-            "Sessions waiting in the pool's queue, over every gateway.",
-            ["pool", "scope"], registry=registry,
-        )  # fmt: skip
-        self.lease_loss_closes = Counter(
-            "headroom_lease_loss_closes_total",
-            "Times this gateway ended its sessions because it could not prove its leases "
-            "(renewals failing past lease_ttl_s - fence_margin_s, or a lease found gone).",
-            ["pool"], registry=registry,
-        )  # fmt: skip
-
-
-class SharedLease(Lease):
-    """A slot held through Redis; :meth:`release` is idempotent and never awaits."""
-
-    __slots__ = ("_shared", "fenced", "lease_id")
-
-    def __init__(
-        self, gate: SharedGate, pool: str, lease_id: str, replica: str, waited_s: float,
-        admitted_at: float, tenant: TenantSpec | None = None,
-    ) -> None:  # fmt: skip
-        self._shared = gate
-        self.tenant = tenant
-        self.pool = pool
-        self.lease_id = lease_id
-        #: A fence already told this lease's session to close: the lease being found
-        #: gone again (its session is still ending) does not fence the pool again.
-        self.fenced = False
-        self.ticket = int(lease_id.rsplit(":", 1)[1])
-        self.replica = replica
-        self.waited_s = waited_s
-        self.admitted_at = admitted_at
-        self.released = False
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._shared._release(self)
-
-    async def fail_over(self, *, eject: bool = True, exclude: Collection[str] = ()) -> bool:
-        """Connecting to :attr:`replica` failed before any byte was relayed: move this
-        lease, in Redis, to another replica with a free slot, not one in ``exclude``,
-        ejecting this one first if ``eject``. Returns False (lease unchanged) if there is
-        none or Redis did not answer (within its ``timeout_s``)."""
-        return await self._shared._fail_over(self, eject, exclude)
-
-
-class SharedWaiting(Waiting):
-    """A place in the pool's Redis FIFO; cancelling :meth:`wait` leaves it."""
-
-    __slots__ = ("_shared", "waiter_id")
-
-    def __init__(self, gate: SharedGate, pool: str, waiter_id: str, position: int, eta_s: float):
-        self._shared = gate
-        self.pool = pool
-        self.waiter_id = waiter_id
-        self.ticket = int(waiter_id.rsplit(":", 1)[1])
-        self.position = position
-        self.eta_s = eta_s
-
-    async def wait(self) -> Lease:
-        return await self._shared._wait(self.pool, self.waiter_id)
-
-
-class SharedGate:
+class SharedGate(SharedRenewal, SharedWakeups):
     """Admission for every pool through one Redis, on one event loop."""
 
     def __init__(
@@ -266,20 +129,20 @@ class SharedGate:
         self.on_backend_loss = on_backend_loss
         #: Renews the leases from a thread of its own while the event loop is late.
         self.keeper = keeper
-        self._pools: dict[str, _Pool] = {}
-        self._reserves: dict[str, tuple[Reserve, ...]] = {}
-        self._healthy_listeners: list[Callable[[str, str, bool], None]] = []
-        self._fence_listeners: list[FenceCallback] = []
-        self._idle_waiters: list[asyncio.Future[None]] = []
-        self._tasks: set[asyncio.Task[Any]] = set()
-        self._loops: list[asyncio.Task[None]] = []
+        self._pools = {}
+        self._reserves = {}
+        self._healthy_listeners = []
+        self._fence_listeners = []
+        self._idle_waiters = []
+        self._tasks = set()
+        self._loops = []
         self._next = 0
         self._rng = random.Random(seed)
-        self._recheck_interval_s: float | None = None
+        self._recheck_interval_s = None
         #: When this gateway ejected each (pool, replica) it holds as unhealthy.
-        self._ejected_at: dict[tuple[str, str], float] = {}
+        self._ejected_at = {}
         #: Tenant reservations held in Redis: lease or waiter id -> tenant.
-        self._tenants: dict[str, str] = {}
+        self._tenants = {}
         self.draining = False
         #: Set by :meth:`stop` first: the background loops end at their next turn.
         self._closing = False
@@ -375,7 +238,7 @@ class SharedGate:
             await self._reserve_tenant(p, waiter_id, quota, tenant)
         future: asyncio.Future[Admit | Reject] = asyncio.get_running_loop().create_future()
         # Registered before the call: a wake-up may arrive before the reply does.
-        waiter = _Waiter(future, on_position, now, tenant=tenant)
+        waiter = WaiterState(future, on_position, now, tenant=tenant)
         p.waiters[waiter_id] = waiter
         depth = p.queue.max_depth if p.queue.enabled and queue else 0
         call = asyncio.ensure_future(
@@ -468,12 +331,9 @@ class SharedGate:
             raise self._refusal(p, outcome)
         return self._lease(p, waiter_id, outcome.replica, waiter.arrived, waiter.tenant)
 
-    def _observe_wait(self, p: _Pool, waiter: _Waiter) -> None:
-        observe_queue_wait(self.metrics, p.name, self.clock.now() - waiter.arrived, waiter.tenant)
-
     def _lease(
         self,
-        p: _Pool,
+        p: PoolState,
         lease_id: str,
         replica: str,
         arrived: float,
@@ -497,7 +357,7 @@ class SharedGate:
             self.keeper.drop(lease.pool, lease.lease_id)
         now = self.clock.now()
         duration = max(0.0, now - lease.admitted_at)
-        p.session_estimate_s += _EWMA_ALPHA * (duration - p.session_estimate_s)
+        p.session_estimate_s += EWMA_ALPHA * (duration - p.session_estimate_s)
         if p.lengths is None:
             p.lengths = SessionLengths(p.session_estimate_s)
         p.lengths.observe(duration)
@@ -514,39 +374,7 @@ class SharedGate:
                 if not future.done():
                     future.set_result(None)
 
-    async def _release_remote(self, pool: str, lease_id: str) -> None:
-        """Release in Redis, retrying while Redis is unreachable; gives up once the
-        lease has expired on its own (it then frees its slot anyway)."""
-        give_up = self.clock.now() + self.lease_ttl_s
-        delay = 0.05
-        while True:
-            try:
-                await self.backend.release(pool, lease_id, self._pools[pool].view())
-                self._set_available(True)
-                return
-            except BackendUnavailable:
-                self._set_available(False)
-                if self._stopped or self.clock.now() + delay > give_up:
-                    return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-
-    async def _give_back(self, pool: str, waiter_id: str, call: asyncio.Future[Any]) -> None:
-        """An acquire whose caller was cancelled: undo whatever it took."""
-        with contextlib.suppress(BaseException):
-            await call
-        self._drop_tenant(waiter_id)
-        await self._leave_remote(pool, waiter_id)
-
-    async def _leave_remote(self, pool: str, waiter_id: str) -> None:
-        try:
-            kind, _ = await self.backend.leave(pool, waiter_id, self._pools[pool].view())
-        except BackendUnavailable:
-            return  # its heartbeat stops: Redis drops it within the heartbeat TTL
-        if kind == "granted":
-            await self._release_remote(pool, waiter_id)
-
-    def _leave(self, p: _Pool, waiter_id: str) -> None:
+    def _leave(self, p: PoolState, waiter_id: str) -> None:
         """The waiter's task ended without taking its outcome (cancelled)."""
         waiter = self._forget_waiter(p, waiter_id)
         if waiter is None:
@@ -561,137 +389,11 @@ class SharedGate:
             return
         self._spawn(self._leave_remote(p.name, waiter_id))
 
-    def _forget_waiter(self, p: _Pool, waiter_id: str) -> _Waiter | None:
+    def _forget_waiter(self, p: PoolState, waiter_id: str) -> WaiterState | None:
         waiter = p.waiters.pop(waiter_id, None)
         if waiter is not None and waiter.timer is not None:
             waiter.timer.cancel()
         return waiter
-
-    def _on_deadline(self, pool: str, waiter_id: str) -> None:
-        self._spawn(self._expire(pool, waiter_id))
-
-    async def _expire(self, pool: str, waiter_id: str) -> None:
-        p = self._pools[pool]
-        waiter = p.waiters.get(waiter_id)
-        if waiter is None or waiter.future.done():
-            return
-        try:
-            kind, replica = await self.backend.leave(pool, waiter_id, p.view())
-        except BackendUnavailable:
-            kind, replica = "gone", None
-        if waiter.future.done():
-            return
-        if kind == "granted" and replica is not None:
-            waiter.future.set_result(Admit(0, replica, self.clock.now() - waiter.arrived))
-        elif kind == "shed":  # its wake-up is on the way: the same outcome, now
-            self._shed(p, waiter, waiter.position)
-        else:
-            waited = self.clock.now() - waiter.arrived
-            waiter.future.set_result(
-                Reject(0, "queue_timeout", self._estimate(p, 1), waited_s=waited)
-            )
-
-    def _shed(self, p: _Pool, waiter: _Waiter, position: int) -> None:
-        """A sheddable waiter displaced by a higher class: ``preempted_in_queue``, with
-        a Retry-After from where it would stand if it queued again."""
-        if not waiter.future.done():
-            waited = self.clock.now() - waiter.arrived
-            retry = self._estimate(p, max(1, position))
-            waiter.future.set_result(Reject(0, "preempted_in_queue", retry, waited_s=waited))
-
-    # -- tenant quotas over every gateway ---------------------------------------------
-
-    async def _reserve_tenant(
-        self, p: _Pool, reservation_id: str, quota: TenantQuota, spec: TenantSpec | None
-    ) -> None:
-        """Count this session against ``quota`` in Redis (tenants.lua), before it asks
-        for a slot, as :meth:`proxy.auth.TenantQuotas.reserve` does in process. Raises
-        TenantLimitRefused (429) past the quota, or ``backend_unavailable``."""
-        tenant, max_sessions = quota.name, quota.max_sessions
-        call = asyncio.ensure_future(
-            self.backend.reserve_tenant(tenant, reservation_id, max_sessions)
-        )
-        try:
-            reserved = await asyncio.shield(call)
-        except asyncio.CancelledError:
-            self._tenants[reservation_id] = tenant
-            self._spawn(self._give_back_tenant(reservation_id, call))
-            raise
-        except BackendUnavailable as exc:
-            self._set_available(False)
-            log.warning("refusing a session on %s: admission store unreachable (%s)", p.name,
-                        exc)  # fmt: skip
-            self._tenants[reservation_id] = tenant  # it may have landed: undo it
-            self._drop_tenant(reservation_id)
-            raise self._refuse(p, "backend_unavailable", 1) from None
-        self._set_available(True)
-        if not reserved:
-            self._count(p.name, "rejected_tenant_limit", spec)
-            raise TenantLimitRefused(
-                "tenant_limit", retry_after_s=self._tenant_retry(p, tenant), pool=p.name
-            )
-        self._tenants[reservation_id] = tenant
-
-    def tenant_wait(self, pool: str, name: str) -> float | None:
-        """Expected seconds until one of key ``name``'s sessions this gateway runs in
-        ``pool`` ends (None if it runs none here), as :meth:`PoolCore.tenant_wait`
-        judges it in process: past ``max_sessions`` only the key's own sessions ending
-        help, not the pool's next free slot. (Its sessions on other gateways are not
-        seen here.)"""
-        p = self._pool(pool)
-        now = self.clock.now()
-        ages = [now - lease.admitted_at for lease in p.leases.values()
-                if lease.tenant is not None and lease.tenant.name == name]  # fmt: skip
-        if not name or not ages:
-            return None
-        cv = p.lengths.cv if p.lengths is not None else 0.0
-        return SlotForecast([(ages, 0)], mean_s=p.session_estimate_s, cv=cv).wait_s(1)
-
-    def _tenant_retry(self, p: _Pool, tenant: str) -> float:
-        """A ``tenant_limit`` refusal's Retry-After: from the key's own sessions here,
-        else from the pool's next slot."""
-        own = self.tenant_wait(p.name, tenant)
-        if own is None:
-            return self._estimate(p, 1)
-        return retry_after_s(own, self._rng.random())
-
-    async def _give_back_tenant(self, reservation_id: str, call: asyncio.Future[Any]) -> None:
-        with contextlib.suppress(BaseException):
-            await call
-        self._drop_tenant(reservation_id)
-
-    def _drop_tenant(self, reservation_id: str) -> None:
-        """The session (lease or waiter) ``reservation_id`` is over: stop counting it."""
-        tenant = self._tenants.pop(reservation_id, None)
-        if tenant is not None:
-            self._spawn(self._release_tenant_remote(tenant, reservation_id))
-
-    async def _release_tenant_remote(self, tenant: str, reservation_id: str) -> None:
-        """Like :meth:`_release_remote`: retried while Redis is unreachable, until the
-        reservation would have expired on its own."""
-        give_up = self.clock.now() + self.lease_ttl_s
-        delay = 0.05
-        while True:
-            try:
-                await self.backend.release_tenant(tenant, reservation_id)
-                return
-            except BackendUnavailable:
-                if self._stopped or self.clock.now() + delay > give_up:
-                    return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-
-    async def _renew_tenants(self) -> None:
-        """Renew every tenant reservation this gateway holds (one round trip). A lapse
-        does not fence: a tenant quota is fairness, not a GPU's cap; a reservation that
-        expired meanwhile is re-added (the session is live)."""
-        if not self._tenants:
-            return
-        try:
-            await self.backend.renew_tenants([(t, rid) for rid, t in self._tenants.items()])
-        except BackendUnavailable as exc:
-            self._set_available(False)
-            log.warning("renewal of tenant quotas failed: %s", exc)
 
     # -- gang reservations (proxy/admission/shared_reservations.py) --------------------
 
@@ -798,184 +500,6 @@ class SharedGate:
         lease.replica = replica
         return True
 
-    def grants_blocked_s(self) -> float:
-        """Seconds until Redis grants slots again after it lost its data (a new
-        generation, while surviving gateways re-assert their leases); 0 when not blocked."""
-        now = self.clock.now()
-        return max([0.0, *(p.blocked_until - now for p in self._pools.values())])
-
-    # -- background: renewals, fencing, wake-ups ------------------------------------
-
-    async def _renew_loop(self) -> None:
-        while not self._closing:
-            await self.renew()
-            await asyncio.sleep(self.renew_interval_s)
-
-    async def renew(self) -> None:
-        """One renewal tick of every pool (the loop calls it every ``renew_interval_s``)."""
-        for name in list(self._pools):
-            await self._renew_pool(name)
-        await self._renew_tenants()
-
-    async def _renew_pool(self, name: str) -> None:
-        p = self._pools[name]
-        sent = self.clock.now()
-        leases = [(lid, lease.replica) for lid, lease in p.leases.items()]
-        waiters = [wid for wid, w in p.waiters.items() if w.queued and not w.future.done()]
-        guards = [r for r, s in p.replicas.items() if s.guarded and not s.retired]
-        try:
-            result = await self.backend.tick(
-                name, generation=p.generation, view=p.view(), leases=leases, waiters=waiters,
-                guards=guards, guard_ttl_s=self.renew_interval_s * 3,
-            )  # fmt: skip
-        except BackendUnavailable as exc:
-            self._set_available(False)
-            log.warning("renewal of pool %s failed: %s", name, exc)
-            return
-        self._set_available(True)
-        if p.generation and result.generation != p.generation:
-            log.warning("pool %s: admission store lost its data (new generation); "
-                        "re-asserted %d leases", name, len(leases) - len(result.lost))  # fmt: skip
-        p.generation = result.generation
-        p.blocked_until = self.clock.now() + result.blocked_s if result.blocked_s else 0.0
-        if self.keeper is not None:
-            self.keeper.set_generation(name, result.generation)
-            self.keeper.ticked(name)
-        p.held = result.held
-        p.queue_depth = result.queue_depth
-        if self._metrics is not None:
-            for replica in p.replicas:
-                self._metrics.held.labels(name, replica, "pool").set(p.held.get(replica, 0))
-            self._metrics.queue_depth.labels(name, "pool").set(p.queue_depth)
-        p.last_renewed = sent
-        self._arm_fence(p)
-        # Lost means lost while its session runs: a lease released while the call was in
-        # flight (its release may have landed first) is not, nor is one whose session a
-        # fence already told to close (found gone again until that session has ended).
-        lost = [lid for lid in result.lost if lid in p.leases and not p.leases[lid].fenced]
-        if lost:
-            self._fence(p, f"{len(lost)} lease(s) expired in the admission store")
-        for wid, state in zip(waiters, result.waiters, strict=True):
-            waiter = p.waiters.get(wid)
-            if waiter is None or waiter.future.done():
-                continue
-            if state == -2:  # shed; its wake-up may still be on the way
-                self._shed(p, waiter, waiter.position)
-            elif state < 0:
-                waiter.future.set_result(Reject(0, "backend_unavailable", 1.0,
-                                                waited_s=self.clock.now() - waiter.arrived))
-            elif state > 0 and state != waiter.position:
-                waiter.position = state
-                if waiter.on_position is not None:
-                    waiter.on_position(state, self.estimate_wait(name, state))
-
-    def _arm_fence(self, p: _Pool) -> None:
-        if p.fence_timer is not None:
-            p.fence_timer.cancel()
-            p.fence_timer = None
-        if p.last_renewed is not None:
-            deadline = p.last_renewed + self.lease_ttl_s - self.fence_margin_s
-            p.fence_timer = self.clock.call_at(deadline, lambda: self._on_fence_deadline(p))
-
-    def _on_fence_deadline(self, p: _Pool) -> None:
-        p.fence_timer = None
-        kept = self._kept_at(p)
-        if kept is not None and (p.last_renewed is None or kept > p.last_renewed):
-            # The keeper proved the leases while the loop was late: not a loss.
-            p.last_renewed = kept
-            self._arm_fence(p)
-            return
-        if any(not lease.fenced for lease in p.leases.values()):
-            self._fence(p, "leases not renewed within lease_ttl_s - fence_margin_s")
-        p.last_renewed = None  # until a renewal succeeds again
-
-    def _kept_at(self, p: _Pool) -> float | None:
-        """When, on this gate's clock, the keeper last proved every lease of ``p``."""
-        if self.keeper is None:
-            return None
-        age = self.keeper.kept_age(p.name)
-        return None if age is None else self.clock.now() - age
-
-    def _fence(self, p: _Pool, why: str) -> None:
-        """Once per set of lost leases: the listeners end every session of the pool
-        this gateway runs now, so those leases are marked and never fence again; only a
-        session admitted after this fence can trigger the next one."""
-        count = len(p.leases)
-        for lease in p.leases.values():
-            lease.fenced = True
-        if self._metrics is not None:
-            self._metrics.lease_loss_closes.labels(p.name).inc()
-        if self.on_backend_loss == "keep":
-            log.error("pool %s: %s; on_backend_loss=keep: %d sessions keep running and the "
-                      "replicas may exceed their caps", p.name, why, count)  # fmt: skip
-            return
-        log.error("pool %s: %s; closing this gateway's %d sessions (1012)", p.name, why, count)
-        for listener in self._fence_listeners:
-            listener(p.name, why)
-
-    async def _wake_loop(self, pool: str) -> None:
-        delay = 0.05
-        while not self._closing:
-            try:
-                woken = await self.backend.wakeups(pool, _WAKE_BLOCK_S)
-            except BackendUnavailable:
-                self._set_available(False)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 1.0)
-                continue
-            delay = 0.05
-            p = self._pools.get(pool)
-            for waiter_id, message in woken:  # the confirm says which replica
-                waiter = p.waiters.get(waiter_id) if p is not None else None
-                if message.startswith("!"):  # refused in the queue: '!<reason> <position>'
-                    if p is not None and waiter is not None:
-                        self._shed(p, waiter, int(message.rpartition(" ")[2] or 1))
-                    continue
-                if waiter is not None and not waiter.future.done():
-                    self._spawn(self._confirm(pool, waiter_id, waiter))
-                elif p is None or not self._taken(p, waiter_id, waiter):
-                    self._spawn(self._release_remote(pool, waiter_id))  # nobody takes it
-
-    @staticmethod
-    def _taken(p: _Pool, waiter_id: str, waiter: _Waiter | None) -> bool:
-        """Whether the slot granted to ``waiter_id`` already reached its session by
-        another way (its queue deadline's ``leave`` found the grant): the wake-up for
-        it is then a duplicate, not a slot nobody takes."""
-        if waiter_id in p.leases:
-            return True
-        future = waiter.future if waiter is not None else None
-        return (future is not None and future.done() and not future.cancelled()
-                and isinstance(future.result(), Admit))  # fmt: skip
-
-    async def _confirm(self, pool: str, waiter_id: str, waiter: _Waiter) -> None:
-        """Take a slot handed over through the wake list only once Redis confirms the
-        lease is live (``leave`` of a granted waiter extends its lease and names the
-        replica; it never grants anything): a gateway paused longer than the lease TTL
-        finds grants in its wake list that lapsed and went to other sessions meanwhile.
-        A lapsed grant refuses the waiter (``backend_unavailable``, as when a renewal
-        finds its queue place gone). If the waiter was resolved meanwhile by another path
-        (its queue deadline's ``leave`` found the grant and took it, a renewal refused
-        it, its client left), that path owns the outcome and this one does nothing."""
-        p = self._pools[pool]
-        try:
-            kind, replica = await self.backend.leave(pool, waiter_id, p.view())
-        except BackendUnavailable:
-            self._set_available(False)
-            kind, replica = "unavailable", None
-        if waiter.future.done() or p.waiters.get(waiter_id) is not waiter:
-            return
-        waited = self.clock.now() - waiter.arrived
-        if kind == "granted" and replica is not None:
-            waiter.future.set_result(Admit(0, replica, waited))
-            return
-        if kind == "shed":
-            self._shed(p, waiter, waiter.position)
-            return
-        if kind != "unavailable":
-            log.warning("pool %s: the slot handed to %s lapsed before this gateway took it",
-                        pool, waiter_id)  # fmt: skip
-        waiter.future.set_result(Reject(0, "backend_unavailable", 1.0, waited_s=waited))
-
     # -- drain, configuration, health, guard --------------------------------------------
 
     def drain(self) -> None:
@@ -983,7 +507,7 @@ class SharedGate:
         for p in self._pools.values():
             self._refuse_waiters(p, "draining")
 
-    def _refuse_waiters(self, p: _Pool, reason: str) -> None:
+    def _refuse_waiters(self, p: PoolState, reason: str) -> None:
         for waiter in list(p.waiters.values()):
             if waiter.queued and not waiter.future.done():
                 waiter.future.set_result(Reject(0, reason, self._estimate(p, 1),
@@ -1047,8 +571,8 @@ class SharedGate:
         )
         p = self._pools.get(name)
         if p is None:
-            self._pools[name] = _Pool(
-                name, {r.name: _Replica(r.max_sessions) for r in replicas}, queue, fallback,
+            self._pools[name] = PoolState(
+                name, {r.name: ReplicaState(r.max_sessions) for r in replicas}, queue, fallback,
                 session_estimate_s,
             )  # fmt: skip
             if self._loops:
@@ -1064,7 +588,7 @@ class SharedGate:
         for r_name, cap in wanted.items():
             existing = p.replicas.get(r_name)
             if existing is None:
-                p.replicas[r_name] = _Replica(cap)
+                p.replicas[r_name] = ReplicaState(cap)
             else:
                 existing.cap = cap
         self._poke(name)
@@ -1102,40 +626,6 @@ class SharedGate:
         """The pool's reserves as this gateway sends them with every script call."""
         self._pool(pool)
         return self._reserves.get(pool, ())
-
-    def estimate_wait(self, pool: str, position: int) -> float:
-        """Expected seconds until a waiter at ``position`` (1 = head) is handed a slot:
-        when the ``position``-th usable slot frees
-        (:class:`~proxy.admission.retry_after.SlotForecast`, the in-process gate's
-        rule), from what this gateway knows: the ages of its own sessions, the sessions
-        held per replica over every gateway at the last renewal, and the session
-        lengths it saw end. The ages of other gateways' sessions are not known here:
-        they are taken to be spread like this gateway's own (evenly over one mean
-        session length if it holds none)."""
-        p = self._pool(pool)
-        now = self.clock.now()
-        mine: dict[str, list[float]] = {}
-        for lease in p.leases.values():
-            mine.setdefault(lease.replica, []).append(max(0.0, now - lease.admitted_at))
-        own = sorted(age for ages in mine.values() for age in ages)
-        mean = p.session_estimate_s
-        groups: list[tuple[list[float], int]] = []
-        free_now = 0
-        for name, r in p.replicas.items():
-            if not r.healthy or r.retired:
-                continue
-            ages = mine.get(name, [])
-            held = max(p.held.get(name, 0), len(ages))
-            others = held - len(ages)
-            if own:  # stand-ins for other gateways' sessions, spread like ours
-                ages = ages + [own[(i * len(own)) // others] for i in range(others)]
-            else:
-                ages = ages + [mean * (i + 0.5) / others for i in range(others)]
-            if not r.guarded:
-                free_now += max(0, r.cap - held)
-            groups.append((ages, max(0, held - r.cap)))
-        cv = p.lengths.cv if p.lengths is not None else 0.0
-        return SlotForecast(groups, mean_s=mean, cv=cv, free_now=free_now).wait_s(position)
 
     def statistics(self) -> dict[str, PoolStatistics]:
         """This gateway's view: its own sessions per replica (``active``) and waiters."""
@@ -1242,62 +732,6 @@ class SharedGate:
         )
         state = " draining" if self.draining else ""
         return f"<SharedGate {self.backend.gateway_id}{state} [{inner}]>"
-
-    # -- internals --------------------------------------------------------------------------
-
-    @staticmethod
-    def _queued(p: _Pool) -> int:
-        return sum(1 for w in p.waiters.values() if w.queued and not w.future.done())
-
-    def _pool(self, name: str) -> _Pool:
-        try:
-            return self._pools[name]
-        except KeyError:
-            raise LookupError(f"no pool named {name!r}") from None
-
-    def _set_available(self, up: bool) -> None:
-        self.available = up
-        if self._metrics is not None:
-            self._metrics.backend_up.labels("redis").set(1 if up else 0)
-
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    def _count(self, pool: str, decision: str, tenant: TenantSpec | None = None) -> None:
-        count_decision(self.metrics, pool, decision, tenant)
-
-    def _estimate(self, p: _Pool, position: int) -> float:
-        """Whole seconds, jittered upward (:func:`~proxy.admission.retry_after.retry_after_s`)
-        from the simple estimate: this gateway does not see the ages of the sessions
-        other gateways run."""
-        return retry_after_s(self.estimate_wait(p.name, position), self._rng.random())
-
-    def _no_replica_wait(self, p: _Pool, now: float) -> float:
-        """Until the next health re-check of a replica this gateway ejected."""
-        wait = None
-        if self._recheck_interval_s is not None:
-            ages = [now - at for (pool, _), at in self._ejected_at.items() if pool == p.name]
-            wait = next_recheck_s(ages, self._recheck_interval_s)
-        return retry_after_s(wait if wait is not None else 1.0, self._rng.random())
-
-    def _refuse(
-        self, p: _Pool, reason: str, retry_after_s: float, tenant: TenantSpec | None = None
-    ) -> Refused:
-        self._count(p.name, f"rejected_{reason}", tenant)
-        retry = min(RETRY_AFTER_MAX_S, max(RETRY_AFTER_MIN_S, retry_after_s))
-        return refusal_for(reason, retry_after_s=retry, pool=p.name, fallback=p.fallback)
-
-    def _refusal(self, p: _Pool, reject: Reject) -> Refused:
-        return refusal_for(
-            reject.reason,
-            retry_after_s=reject.retry_after_s,
-            pool=p.name,
-            queue_position=reject.queue_position,
-            fallback=p.fallback,
-        )
-
 
 
 def build_shared_gate(settings: Settings, clock: Clock, metrics: Metrics | None) -> SharedGate:

@@ -150,4 +150,3 @@ class LocalReservations:
     def _quota_release(self, token: str | None) -> None:
         if self.quotas is not None:
             self.quotas.release(token)
-

@@ -1,0 +1,142 @@
+"""Renewal and self-fencing, for the shared gate.
+
+Every ``renew_interval_s`` one call per pool (tick.lua) renews this gateway's leases and
+queue places, publishes its guard flags, and reads the pool-wide figures (sessions
+held per replica, the queue's depth) and its waiters' positions. If a pool's last
+successful renewal is older than ``lease_ttl_s - fence_margin_s`` on the monotonic
+clock -- and the lease keeper (:mod:`proxy.admission.lease_keeper`) did not prove the
+leases meanwhile from its own thread -- or Redis reports one of this gateway's leases
+gone, the gateway ends its own sessions on that pool (``on_backend_loss: close``)
+before other gateways can reuse those slots; ``keep`` only logs and counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from proxy.admission import Reject
+from proxy.admission.redis_backend import BackendUnavailable
+from proxy.admission.shared_state import PoolState
+from proxy.admission.shared_tenants import SharedTenants
+
+__all__ = ["SharedRenewal"]
+
+log = logging.getLogger("headroom.shared_gate")
+
+
+class SharedRenewal(SharedTenants):
+    """The shared gate's renewals and fencing (module docstring)."""
+
+    async def _renew_loop(self) -> None:
+        while not self._closing:
+            await self.renew()
+            await asyncio.sleep(self.renew_interval_s)
+
+    async def renew(self) -> None:
+        """One renewal tick of every pool (the loop calls it every ``renew_interval_s``)."""
+        for name in list(self._pools):
+            await self._renew_pool(name)
+        await self._renew_tenants()
+
+    async def _renew_pool(self, name: str) -> None:
+        p = self._pools[name]
+        sent = self.clock.now()
+        leases = [(lid, lease.replica) for lid, lease in p.leases.items()]
+        waiters = [wid for wid, w in p.waiters.items() if w.queued and not w.future.done()]
+        guards = [r for r, s in p.replicas.items() if s.guarded and not s.retired]
+        try:
+            result = await self.backend.tick(
+                name, generation=p.generation, view=p.view(), leases=leases, waiters=waiters,
+                guards=guards, guard_ttl_s=self.renew_interval_s * 3,
+            )  # fmt: skip
+        except BackendUnavailable as exc:
+            self._set_available(False)
+            log.warning("renewal of pool %s failed: %s", name, exc)
+            return
+        self._set_available(True)
+        if p.generation and result.generation != p.generation:
+            log.warning("pool %s: admission store lost its data (new generation); "
+                        "re-asserted %d leases", name, len(leases) - len(result.lost))  # fmt: skip
+        p.generation = result.generation
+        p.blocked_until = self.clock.now() + result.blocked_s if result.blocked_s else 0.0
+        if self.keeper is not None:
+            self.keeper.set_generation(name, result.generation)
+            self.keeper.ticked(name)
+        p.held = result.held
+        p.queue_depth = result.queue_depth
+        if self._metrics is not None:
+            for replica in p.replicas:
+                self._metrics.held.labels(name, replica, "pool").set(p.held.get(replica, 0))
+            self._metrics.queue_depth.labels(name, "pool").set(p.queue_depth)
+        p.last_renewed = sent
+        self._arm_fence(p)
+        # Lost means lost while its session runs: a lease released while the call was in
+        # flight (its release may have landed first) is not, nor is one whose session a
+        # fence already told to close (found gone again until that session has ended).
+        lost = [lid for lid in result.lost if lid in p.leases and not p.leases[lid].fenced]
+        if lost:
+            self._fence(p, f"{len(lost)} lease(s) expired in the admission store")
+        for wid, state in zip(waiters, result.waiters, strict=True):
+            waiter = p.waiters.get(wid)
+            if waiter is None or waiter.future.done():
+                continue
+            if state == -2:  # shed; its wake-up may still be on the way
+                self._shed(p, waiter, waiter.position)
+            elif state < 0:
+                waiter.future.set_result(Reject(0, "backend_unavailable", 1.0,
+                                                waited_s=self.clock.now() - waiter.arrived))
+            elif state > 0 and state != waiter.position:
+                waiter.position = state
+                if waiter.on_position is not None:
+                    waiter.on_position(state, self.estimate_wait(name, state))
+
+    def _arm_fence(self, p: PoolState) -> None:
+        if p.fence_timer is not None:
+            p.fence_timer.cancel()
+            p.fence_timer = None
+        if p.last_renewed is not None:
+            deadline = p.last_renewed + self.lease_ttl_s - self.fence_margin_s
+            p.fence_timer = self.clock.call_at(deadline, lambda: self._on_fence_deadline(p))
+
+    def _on_fence_deadline(self, p: PoolState) -> None:
+        p.fence_timer = None
+        kept = self._kept_at(p)
+        if kept is not None and (p.last_renewed is None or kept > p.last_renewed):
+            # The keeper proved the leases while the loop was late: not a loss.
+            p.last_renewed = kept
+            self._arm_fence(p)
+            return
+        if any(not lease.fenced for lease in p.leases.values()):
+            self._fence(p, "leases not renewed within lease_ttl_s - fence_margin_s")
+        p.last_renewed = None  # until a renewal succeeds again
+
+    def _kept_at(self, p: PoolState) -> float | None:
+        """When, on this gate's clock, the keeper last proved every lease of ``p``."""
+        if self.keeper is None:
+            return None
+        age = self.keeper.kept_age(p.name)
+        return None if age is None else self.clock.now() - age
+
+    def _fence(self, p: PoolState, why: str) -> None:
+        """Once per set of lost leases: the listeners end every session of the pool
+        this gateway runs now, so those leases are marked and never fence again; only a
+        session admitted after this fence can trigger the next one."""
+        count = len(p.leases)
+        for lease in p.leases.values():
+            lease.fenced = True
+        if self._metrics is not None:
+            self._metrics.lease_loss_closes.labels(p.name).inc()
+        if self.on_backend_loss == "keep":
+            log.error("pool %s: %s; on_backend_loss=keep: %d sessions keep running and the "
+                      "replicas may exceed their caps", p.name, why, count)  # fmt: skip
+            return
+        log.error("pool %s: %s; closing this gateway's %d sessions (1012)", p.name, why, count)
+        for listener in self._fence_listeners:
+            listener(p.name, why)
+
+    def grants_blocked_s(self) -> float:
+        """Seconds until Redis grants slots again after it lost its data (a new
+        generation, while surviving gateways re-assert their leases); 0 when not blocked."""
+        now = self.clock.now()
+        return max([0.0, *(p.blocked_until - now for p in self._pools.values())])
