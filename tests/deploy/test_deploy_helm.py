@@ -229,6 +229,20 @@ def test_helm_render_with_redis_runs_two_rolling_gateways_and_a_redis() -> None:
     assert "gw-headroom-redis" not in external.stdout
 
 
+def test_helm_render_with_sentinel_finds_the_primary_through_the_sentinels() -> None:
+    from proxy.settings import settings_from_mapping
+
+    docs = render_docs(
+        "--set", "admission.backend=redis", "--set", "admission.redis.sentinel.master=headroom",
+        "--set", "admission.redis.sentinel.nodes={s0:26379,s1:26379}",
+    )  # fmt: skip
+    assert "Deployment/gw-headroom-redis" not in docs  # no bundled Redis beside Sentinel
+    config = yaml.safe_load(docs["ConfigMap/gw-headroom"]["data"]["config.yaml"])
+    sentinel = settings_from_mapping(config, env={}).admission.redis.sentinel
+    assert sentinel is not None
+    assert (sentinel.master, sentinel.nodes) == ("headroom", ["s0:26379", "s1:26379"])
+
+
 def _values_file(tmp_path: Path, values: dict[str, Any]) -> str:
     path = tmp_path / "values.yaml"
     path.write_text(yaml.safe_dump(values))
@@ -564,4 +578,5 @@ def test_redis_values_render_a_loadable_shared_config() -> None:
     assert settings.admission.backend == "redis"
     assert settings.admission.on_backend_loss == "close"
     assert settings.warnings() == []
-    assert set(redis) - {"url", "urlSecret"} == {k for k, _ in keys}
+    # url, urlSecret and sentinel are rendered by their own branches of headroom.config.
+    assert set(redis) - {"url", "urlSecret", "sentinel"} == {k for k, _ in keys}

@@ -59,7 +59,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/* "true" when the release runs its own Redis: backend redis and no external URL. */}}
 {{- define "headroom.bundledRedis" -}}
-{{- and (eq (include "headroom.shared" .) "true") (not .Values.admission.redis.url) (not .Values.admission.redis.urlSecret.name) -}}
+{{- and (eq (include "headroom.shared" .) "true") (not .Values.admission.redis.url) (not .Values.admission.redis.urlSecret.name) (not .Values.admission.redis.sentinel.master) -}}
 {{- end }}
 
 {{- define "headroom.redisName" -}}
@@ -109,8 +109,14 @@ With urlSecret the URL stays out of the file: HEADROOM_ADMISSION__REDIS__URL car
 {{- $redis := dict "key_prefix" $r.key_prefix "lease_ttl_s" $r.lease_ttl_s "renew_interval_s" $r.renew_interval_s "fence_margin_s" $r.fence_margin_s "timeout_s" $r.timeout_s }}
 {{- if $r.url }}
 {{- $_ := set $redis "url" $r.url }}
+{{- else if $r.sentinel.master }}
+{{- /* With Sentinel the URL's host is not used; a urlSecret still overrides it. */}}
+{{- $_ := set $redis "url" "redis://sentinel/0" }}
 {{- else if not $r.urlSecret.name }}
 {{- $_ := set $redis "url" (printf "redis://%s:6379/0" (include "headroom.redisName" .)) }}
+{{- end }}
+{{- if $r.sentinel.master }}
+{{- $_ := set $redis "sentinel" (dict "master" $r.sentinel.master "nodes" $r.sentinel.nodes) }}
 {{- end }}
 {{- $_ := set $cfg "admission" (dict "backend" "redis" "on_backend_loss" .Values.admission.on_backend_loss "redis" $redis) }}
 {{- end }}
