@@ -552,8 +552,9 @@ class ReservationSettings(_Frozen):
     """Gang reservations (docs/voice-agents.md): how long a client may hold slots
     unused (``max_hold_s``; ``default_hold_s`` when the request names none) and how many
     reservations with unclaimed slots one API key may hold at once (``max_per_key``;
-    past it, 429 ``tenant_limit``; without authentication there are no keys to bound). Reserved slots also count against the key's
-    ``max_sessions``. Live on reload (new reservations)."""
+    past it, 429 ``tenant_limit``; without authentication there are no keys to bound).
+    Reserved slots also count against the key's ``max_sessions``. Live on reload (new
+    reservations)."""
 
     max_hold_s: Annotated[float, Field(gt=0, le=600)] = 60.0
     default_hold_s: PositiveSeconds = 5.0
