@@ -48,17 +48,17 @@ class LoopWatch:
         self.interval_s = interval_s
         self.stall_s = stall_s
         self._monotonic = monotonic
-        self._lag: Histogram | None = None
-        self._stalls: Counter | None = None
+        self.lag_histogram: Histogram | None = None
+        self.stall_counter: Counter | None = None
         if registry is not None:
-            self._lag = Histogram(
+            self.lag_histogram = Histogram(
                 "headroom_event_loop_lag_seconds",
                 "How late a callback scheduled on the event loop ran (every session's "
                 "frames wait this long)",
                 buckets=LAG_BUCKETS,
                 registry=registry,
             )
-            self._stalls = Counter(
+            self.stall_counter = Counter(
                 "headroom_event_loop_stalls_total",
                 "Times the event loop was blocked for longer than the stall threshold",
                 registry=registry,
@@ -85,8 +85,8 @@ class LoopWatch:
     def beat(self) -> None:
         """The loop-side callback: observe its own lateness, schedule the next one."""
         now = self._monotonic()
-        if self._lag is not None:
-            self._lag.observe(max(0.0, now - self._due))
+        if self.lag_histogram is not None:
+            self.lag_histogram.observe(max(0.0, now - self._due))
         self._beat = now
         self._due = now + self.interval_s
         if self._loop is not None and not self._stopping.is_set():
@@ -100,8 +100,8 @@ class LoopWatch:
             if self._stalled_since is None:
                 self._stalled_since = self._beat + self.interval_s
                 self.stalls += 1
-                if self._stalls is not None:
-                    self._stalls.inc()
+                if self.stall_counter is not None:
+                    self.stall_counter.inc()
                 log.warning("event loop blocked for %.1f s so far: no frame is relayed and "
                             "nothing is admitted until it runs again", silent)  # fmt: skip
         elif self._stalled_since is not None:

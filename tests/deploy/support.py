@@ -15,6 +15,7 @@ import pytest
 import yaml
 from prometheus_client import Counter, Histogram
 
+from proxy.loop_watch import LoopWatch
 from proxy.metrics import Metrics, ReplicaGauges, TenantGauges
 from proxy.pipelines import Headroom, PipelineHeadroom, PoolHeadroom
 from proxy.reservations import ReservationMetrics
@@ -122,7 +123,10 @@ def _metrics() -> tuple[Metrics, list[object]]:
     shared.lease_loss_closes.labels("p")
     # Gang reservations (issue 19): counters on the gateway's registry.
     reservations = ReservationMetrics(metrics.registry)
-    return metrics, [*vars(shared).values(), *vars(reservations).values()]
+    # The event loop's lag and stalls (every gateway: proxy/loop_watch.py).
+    watch = LoopWatch(metrics.registry)
+    loop = [watch.lag_histogram, watch.stall_counter]
+    return metrics, [*vars(shared).values(), *vars(reservations).values(), *loop]
 
 
 def exported_series() -> dict[str, set[str]]:
