@@ -198,11 +198,14 @@ class Upstreams:
                 for pool in self.settings.pools
                 for r in pool.replicas
             ]
-            await asyncio.gather(*checks)
+            reachable = await asyncio.gather(*checks)
         finally:
             self.replicas_checked.set()
+        log.info("replicas checked at start-up: %d of %d reachable", sum(reachable),
+                 len(reachable))  # fmt: skip
 
-    async def check_replica(self, pool: str, replica: str, url: str) -> None:
+    async def check_replica(self, pool: str, replica: str, url: str) -> bool:
+        """Whether the replica's TCP port accepted (if not, it is ejected)."""
         parts = urlsplit(url)
         host = parts.hostname or ""
         port = parts.port or (443 if parts.scheme == "https" else 80)
@@ -216,8 +219,9 @@ class Upstreams:
             )  # fmt: skip
             with contextlib.suppress(LookupError):  # removed by a reload meanwhile
                 self._gate.set_healthy(pool, replica, False)
-            return
+            return False
         sock.close()
+        return True
 
     def _on_health_change(self, pool: str, replica: str, healthy: bool) -> None:
         key = (pool, replica)

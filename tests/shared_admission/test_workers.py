@@ -127,8 +127,11 @@ async def _wait_ready(url: str, expected_workers: int, served: Served) -> list[i
         r"serving on http://127\.0\.0\.1:(\d+) with (\d+) workers \(pids ([\d ]+)\)"
     )
     assert int(match[0].group(2)) == expected_workers
-    # Every worker announces itself once its gateway is built.
+    # Every worker announces itself once its gateway is built, and logs once its gate has
+    # started and its replicas are checked: only then may a test stop one (SIGSTOP) without
+    # its start-up connect timing out on resume and ejecting the replicas.
     served.wait_for(r"^headroom: serving on http://127\.0\.0\.1:\d+\n$", expected_workers)
+    served.wait_for(r"replicas checked at start-up: \d+ of \d+ reachable", expected_workers)
     async with httpx.AsyncClient() as client:
         for _ in range(600):
             try:
