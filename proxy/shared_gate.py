@@ -232,8 +232,7 @@ class SharedGate(SharedRenewal, SharedWakeups):
         view = p.view()
         if not view:
             raise self._refuse(p, "no_healthy_replica", self._no_replica_wait(p, now), tenant)
-        self._next += 1
-        waiter_id = f"{self.backend.gateway_id}:{self._next}"
+        waiter_id = self.new_id()
         if quota is not None:
             await self._reserve_tenant(p, waiter_id, quota, tenant)
         future: asyncio.Future[Admit | Reject] = asyncio.get_running_loop().create_future()
