@@ -472,11 +472,6 @@ class SharedGate(SharedRenewal, SharedWakeups):
         if pool in self._pools:
             self._spawn(self._release_remote(pool, lease_id))
 
-    def release_quota(self, quota: str, lease_id: str) -> None:
-        """Stop counting ``lease_id`` in key ``quota``'s sessions (in the background)."""
-        self._tenants[lease_id] = quota
-        self._drop_tenant(lease_id)
-
     # -- failover before the first byte ----------------------------------------------
 
     async def _fail_over(
