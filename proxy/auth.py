@@ -36,6 +36,7 @@ __all__ = [
     "authenticate",
     "identify",
     "presented_key",
+    "tenant_spec",
 ]
 
 #: Secrets in a request target: the API key, and a gang reservation's token (whoever
@@ -101,6 +102,12 @@ class Authorization:
 
 #: A session without an API key (authentication off).
 NO_KEY = Authorization()
+
+
+def tenant_spec(key: ApiKeySettings) -> TenantSpec:
+    """The scheduling identity of an API key: its name, class, weight and
+    ``max_queued``."""
+    return TenantSpec(key.name, key.priority, key.weight, key.max_queued)
 
 
 class TenantQuotas:

@@ -50,7 +50,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from proxy.admission import TenantSpec
 from proxy.admission.interface import AdmissionGate, Reservation, ReservationStore, Unclaimable
-from proxy.auth import TenantQuotas
+from proxy.auth import TenantQuotas, tenant_spec
 from proxy.clock import Clock
 from proxy.errors import PolicyViolation, Refused
 from proxy.gate import Lease
@@ -135,7 +135,7 @@ class ReservationMetrics:
 
 
 def _tenant(key: ApiKeySettings | None) -> TenantSpec | None:
-    return TenantSpec(key.name, key.priority, key.weight, key.max_queued) if key else None
+    return tenant_spec(key) if key else None
 
 
 class Reservations:

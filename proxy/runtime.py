@@ -27,10 +27,9 @@ from proxy.admission import (
     QueuePolicy,
     ReplicaSpec,
     Reserve,
-    TenantSpec,
 )
 from proxy.admission.interface import AdmissionGate, TenantQuota
-from proxy.auth import NO_KEY, Authorization, TenantQuotas, authenticate
+from proxy.auth import NO_KEY, Authorization, TenantQuotas, authenticate, tenant_spec
 from proxy.clock import Clock, LoopClock
 from proxy.errors import Refused
 from proxy.gate import Gate, count_decision
@@ -42,7 +41,7 @@ from proxy.pipelines import headroom_of
 from proxy.protocols import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
 from proxy.reconcile import EngineReconciler
 from proxy.reservations import Reservations, presented_token
-from proxy.settings import ApiKeySettings, GuardSettings, PoolSettings, RouteSettings, Settings
+from proxy.settings import GuardSettings, PoolSettings, RouteSettings, Settings
 from proxy.shared_gate import build_shared_gate
 from proxy.signals import ReplicaSignals
 from proxy.tracing import SessionTracer, make_tracer
@@ -71,11 +70,6 @@ def _core(pool: PoolSettings, seed: int) -> PoolCore:
 
 def _reserves(pool: PoolSettings) -> tuple[Reserve, ...]:
     return tuple(Reserve(r.priority, r.slots, r.per_replica) for r in pool.reserve)
-
-
-def tenant_spec(key: ApiKeySettings) -> TenantSpec:
-    """The scheduling identity of an API key (issue 18)."""
-    return TenantSpec(key.name, key.priority, key.weight, key.max_queued)
 
 
 def guard_policy(g: GuardSettings) -> GuardPolicy:
