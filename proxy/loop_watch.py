@@ -65,8 +65,9 @@ class LoopWatch:
             )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._handle: asyncio.TimerHandle | None = None
-        #: When the loop-side callback last ran and when it is next due (``monotonic``).
-        self._beat = self._due = monotonic()
+        #: When the loop-side callback last ran (``monotonic``): the next is due
+        #: ``interval_s`` later.
+        self._beat = monotonic()
         self._stalled_since: float | None = None
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -76,7 +77,6 @@ class LoopWatch:
         """Start both sides; call it from the running loop."""
         self._loop = asyncio.get_running_loop()
         self._beat = self._monotonic()
-        self._due = self._beat + self.interval_s
         self._handle = self._loop.call_later(self.interval_s, self.beat)
         self._thread = threading.Thread(target=self._run, name="headroom-loop-watch",
                                         daemon=True)  # fmt: skip
@@ -86,9 +86,8 @@ class LoopWatch:
         """The loop-side callback: observe its own lateness, schedule the next one."""
         now = self._monotonic()
         if self.lag_histogram is not None:
-            self.lag_histogram.observe(max(0.0, now - self._due))
+            self.lag_histogram.observe(max(0.0, now - self._beat - self.interval_s))
         self._beat = now
-        self._due = now + self.interval_s
         if self._loop is not None and not self._stopping.is_set():
             self._handle = self._loop.call_later(self.interval_s, self.beat)
 
