@@ -19,12 +19,15 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proxy import __version__
 from proxy.console import say
 from proxy.errors import ConfigError, ListenError
 from proxy.eventloop import run_async
+
+if TYPE_CHECKING:
+    from proxy.settings import Settings
 
 __all__ = ["main", "run_async"]
 
@@ -108,16 +111,11 @@ def _load(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> 
     return settings
 
 
-_NO_OTEL = (
-    "tracing.enabled is true but OpenTelemetry is not installed: "
-    "pip install 'headroom-proxy[otel]' (or set tracing.enabled: false)"
-)
+def _tracing_refusal(settings: Settings) -> str | None:
+    """Why ``settings`` cannot run here (tracing on without the ``[otel]`` extra), or None."""
+    from proxy.tracing import NO_OTEL, otel_available
 
-
-def _otel_available() -> bool:
-    from proxy.tracing import otel_available
-
-    return otel_available()
+    return NO_OTEL if settings.tracing.enabled and not otel_available() else None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -142,8 +140,9 @@ def _serve(args: argparse.Namespace) -> int:
             "pip install 'headroom-proxy[redis]' (or set admission.backend: memory)"
         )
         return 2
-    if settings.tracing.enabled and not _otel_available():
-        say(f"headroom: {_NO_OTEL}")
+    refusal = _tracing_refusal(settings)
+    if refusal is not None:
+        say(f"headroom: {refusal}")
         return 2
     if args.workers > 1 and settings.admission.backend != "redis":
         from proxy.workers import memory_refusal
@@ -194,8 +193,9 @@ def _check(args: argparse.Namespace) -> int:
             "not installed: pip install 'headroom-proxy[redis]'"
         )
         return 2
-    if settings.tracing.enabled and not _otel_available():
-        say(f"headroom check: refused: {_NO_OTEL}")
+    refusal = _tracing_refusal(settings)
+    if refusal is not None:
+        say(f"headroom check: refused: {refusal}")
         return 2
     gpu_lines, findings = check_gpus(settings)  # co-location (issue 19)
     for line in gpu_lines:

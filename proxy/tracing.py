@@ -32,11 +32,16 @@ if TYPE_CHECKING:
     from proxy.relay.session import SessionRecord
     from proxy.settings.observability import TracingSettings
 
-__all__ = ["SessionTrace", "SessionTracer", "make_tracer", "otel_available"]
+__all__ = ["NO_OTEL", "SessionTrace", "SessionTracer", "make_tracer", "otel_available"]
 
 _TRACE_HEADERS = (b"traceparent", b"tracestate")
 #: The refusal and failure decisions a session span is marked in error for.
 _FAILED = ("rejected_", "upstream_")
+#: Why tracing cannot start without the extra, and what to do.
+NO_OTEL = (
+    "tracing.enabled is true but OpenTelemetry is not installed: "
+    "pip install 'headroom-proxy[otel]' (or set tracing.enabled: false)"
+)
 
 
 def otel_available() -> bool:
@@ -141,10 +146,7 @@ def make_tracer(settings: TracingSettings) -> SessionTracer:
     """The tracer ``tracing:`` describes, exporting over OTLP/HTTP in batches. Raises
     RuntimeError naming the extra when it is not installed."""
     if not otel_available():
-        raise RuntimeError(
-            "tracing.enabled is true but OpenTelemetry is not installed: "
-            "pip install 'headroom-proxy[otel]' (or set tracing.enabled: false)"
-        )
+        raise RuntimeError(NO_OTEL)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
