@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 from typing import Any
 
-import pytest
 import yaml
 
-from .support import DEPLOY, configmap_config, load_yaml, load_yaml_docs
+from .support import DEPLOY, configmap_config, load_yaml, load_yaml_docs, require_tool
 
 SHARED = DEPLOY / "kubernetes" / "gateway-shared"
 
@@ -51,10 +49,10 @@ def test_config_uses_the_redis_service_and_loads_cleanly() -> None:
     assert args[args.index("--maxmemory-policy") + 1] == "noeviction"
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl is not installed")
 def test_kustomize_renders_two_rolling_gateways_and_a_redis() -> None:
+    kubectl = require_tool("kubectl", "deploy/tools/install-k8s-tools.sh")
     out = subprocess.run(
-        ["kubectl", "kustomize", str(SHARED)], capture_output=True, text=True, check=True,
+        [kubectl, "kustomize", str(SHARED)], capture_output=True, text=True, check=True,
         timeout=60,
     ).stdout  # fmt: skip
     docs: list[dict[str, Any]] = [d for d in yaml.safe_load_all(out) if d]
