@@ -295,7 +295,9 @@ def test_the_ceilings_table_command_writes_between_its_markers(tmp_path: Path) -
     assert capacity_main(["--seeds", "0", "--write", str(doc)]) == 0
     text = doc.read_text()
     assert text.startswith(f"before\n{BEGIN}\nSeeds 0;") and text.endswith(f"{END}\nafter\n")
-    assert "| `l40s-qwen3tts-1.7b` | load 2/4/8/16, then 25 | 16 | **0** | 0 | stalls 1/1 |" in text
+    # seed 0's ceiling, the range, then the recommended cap in bold
+    row = "| `l40s-qwen3tts-1.7b` | load 2/4/8/16, then 25 | 16 | 0 | 0 | **0** | stalls 1/1 |"
+    assert row in text
     ramped = "| `l40s-qwen3tts-1.7b + codec_chunk_ramp 4,4,8,16,25` |"
     assert ramped in text
     assert "unbounded (queues past 10)" in text  # h200 Qwen3-TTS's steady ratio alone
@@ -306,4 +308,8 @@ def test_the_ceilings_table_in_the_docs_is_current_for_seed_0() -> None:
     doc = doc.split(BEGIN, 1)[1].split(END, 1)[0]
     for name in ("h100-orpheus-3b", "h200-voxtral-tts-4b", "l40s-qwen3tts-1.7b"):
         row = next(line for line in doc.splitlines() if line.startswith(f"| `{name}` |"))
-        assert f"| **{describe(name)['ceiling']}** |" in row
+        info = describe(name)
+        low, high = info["ceiling_range"]
+        span = f"{low}" if low == high else f"{low}-{high}"
+        cells = f"| {info['ceiling']} | {span} | **{info['recommended_cap']}** |"
+        assert cells in row, (row, cells)
