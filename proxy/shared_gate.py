@@ -64,7 +64,7 @@ from proxy.admission import (
 )
 from proxy.admission.interface import FenceCallback, ReservationStore, SlotCallback, TenantQuota
 from proxy.admission.lease_keeper import LeaseKeeper
-from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission
+from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission, ReplicaView
 from proxy.admission.redis_clients import SentinelNodes
 from proxy.admission.retry_after import SessionLengths
 from proxy.admission.shared_renewal import SharedRenewal
@@ -227,11 +227,7 @@ class SharedGate(SharedRenewal, SharedWakeups):
         for (past it: ``tenant_limit``)."""
         p = self._pool(pool)
         now = self.clock.now()
-        if self.draining or p.draining:
-            raise self._refuse(p, "draining", 1, tenant)
-        view = p.view()
-        if not view:
-            raise self._refuse(p, "no_healthy_replica", self._no_replica_wait(p, now), tenant)
+        view = self._open_view(p, now, tenant)
         waiter_id = self.new_id()
         if quota is not None:
             await self._reserve_tenant(p, waiter_id, quota, tenant)
@@ -290,6 +286,17 @@ class SharedGate(SharedRenewal, SharedWakeups):
             raise self._refuse(p, "backend_unavailable", int(value) / 1000, tenant)
         # Retry-After from where this key's session would have stood in the queue.
         raise self._refuse(p, str(value), self._estimate(p, got.position), tenant)
+
+    def _open_view(self, p: PoolState, now: float, tenant: TenantSpec | None) -> list[ReplicaView]:
+        """The replicas a new slot of ``p`` may go to; raises ``draining`` or
+        ``no_healthy_replica`` (what :meth:`admit` and :meth:`hold` refuse before
+        asking Redis)."""
+        if self.draining or p.draining:
+            raise self._refuse(p, "draining", 1, tenant)
+        view = p.view()
+        if not view:
+            raise self._refuse(p, "no_healthy_replica", self._no_replica_wait(p, now), tenant)
+        return view
 
     async def acquire(
         self,
@@ -409,12 +416,7 @@ class SharedGate(SharedRenewal, SharedWakeups):
         ``queue=False`` makes for a session of ``tenant``'s class. Returns the replica;
         raises :class:`~proxy.errors.Refused`."""
         p = self._pool(pool)
-        now = self.clock.now()
-        if self.draining or p.draining:
-            raise self._refuse(p, "draining", 1, tenant)
-        view = p.view()
-        if not view:
-            raise self._refuse(p, "no_healthy_replica", self._no_replica_wait(p, now), tenant)
+        view = self._open_view(p, self.clock.now(), tenant)
         try:
             got = await self.backend.hold(pool, lease_id, hold_s, view, tenant)
         except BackendUnavailable as exc:
