@@ -30,6 +30,7 @@ __all__ = ["CHARACTERS_PER_SECOND", "completion_body", "run_completion"]
 #: (about 110 characters) is about 8 s of speech.
 CHARACTERS_PER_SECOND = 14.0
 _MAX_ERROR_BODY = 4096
+_STALE_RESENDS = 2
 
 
 def completion_body(opts: ClientOptions, req: SpeechRequest) -> dict[str, Any]:
@@ -91,6 +92,19 @@ async def _check_status(response: httpx.Response) -> None:
     raise SessionFailed(f"HTTP {response.status_code} {message}".strip())
 
 
+async def _send(http: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
+    """Send ``request``, again (at most twice) when the server closes a kept-alive
+    connection without answering it: llama.cpp's server closes some as the next request
+    arrives, and the request was never answered."""
+    for _ in range(_STALE_RESENDS):
+        try:
+            return await http.send(request, stream=True)
+        except httpx.RemoteProtocolError as exc:
+            if "without sending a response" not in str(exc):
+                raise
+    return await http.send(request, stream=True)
+
+
 async def run_completion(
     opts: ClientOptions, http: httpx.AsyncClient, req: SpeechRequest, rec: SessionRecorder
 ) -> None:
@@ -105,8 +119,13 @@ async def run_completion(
     done = False
     errors: list[str] = []
     headers = {"content-type": "application/json", **dict(opts.headers)}
+    request = http.build_request("POST", opts.url, content=content, headers=headers)
     try:
-        async with http.stream("POST", opts.url, content=content, headers=headers) as response:
+        response = await _send(http, request)
+    except httpx.HTTPError as exc:
+        raise SessionFailed(f"{type(exc).__name__}: {exc}") from None
+    try:
+        async with contextlib.aclosing(response):
             await _check_status(response)
             adapter.response_start(response.status_code, response.headers)
             async for part in response.aiter_raw():

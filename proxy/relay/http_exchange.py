@@ -71,6 +71,25 @@ Receive = Any
 Send = Any
 
 
+#: Sends of one request after the upstream closed a kept-alive connection on it unanswered.
+_STALE_RESENDS = 2
+
+
+async def _send_fresh(http: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
+    """Send ``request``; when the upstream closes the (pooled) connection before sending
+    any response -- a kept-alive connection it was closing as the request went out
+    (llama.cpp's server does this after streamed responses) -- send it again, at most
+    :data:`_STALE_RESENDS` more times. The request was never answered, so no response
+    byte can be duplicated; the closed connection has left the pool."""
+    for _ in range(_STALE_RESENDS):
+        try:
+            return await http.send(request, stream=True)
+        except httpx.RemoteProtocolError as exc:
+            if "without sending a response" not in str(exc):
+                raise
+    return await http.send(request, stream=True)
+
+
 @dataclass(frozen=True, slots=True)
 class Ending:
     """Why an exchange ended before its response was complete."""
@@ -278,7 +297,7 @@ class HttpExchange:
                 extensions={"timeout": timeout},
             )  # fmt: skip
             try:
-                return await rt.http.send(request, stream=True)
+                return await _send_fresh(rt.http, request)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # the replica refused or did not accept in time: it is unreachable
                 reason = f"cannot reach upstream {lease.replica}: {describe(exc)}"

@@ -11,6 +11,10 @@ Modes (``RawUpstream.mode``):
   never    reads the request and never answers
   flood    head + 64 KiB chunks for as long as the connection takes them
   echo     a JSON body naming the request headers it got (and a ``Set-Cookie``)
+
+``close_reused``: a second request on a kept-alive connection is read and the connection
+closed without an answer (as llama.cpp's server does to a connection it is closing as the
+next request arrives); ``unanswered`` counts those.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class RawUpstream:
     extra_headers: bytes = b""  # raw header lines, each ending in CRLF
     requests: list[list[tuple[str, str]]] = field(default_factory=list)
     closed: int = 0  # requests whose connection has ended (the proxy closed it)
+    close_reused: bool = False
+    unanswered: int = 0
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     @property
@@ -57,6 +63,9 @@ class RawUpstream:
                 length = int(dict(headers).get("content-length", "0"))
                 if length:
                     await reader.readexactly(length)
+                if self.close_reused and served > 1:
+                    self.unanswered += 1
+                    break
                 if not await self._respond(reader, writer, headers):
                     break
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
