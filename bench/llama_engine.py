@@ -147,15 +147,23 @@ def ensure_llama_server(cache: Path | None = None, jobs: int | None = None) -> P
 
 @contextlib.asynccontextmanager
 async def llama_server(
-    binary: Path, model: Path, port: int, *, slots: int = 32, context: int = 16384,
-    threads: int = 2, ready_s: float = 120.0,
+    binary: Path, model: Path, port: int, *, slots: int = 16, context: int = 16384,
+    threads: int = 1, batch: int = 16, ready_s: float = 120.0,
 ) -> AsyncIterator[str]:  # fmt: skip
     """Run ``llama-server`` on 127.0.0.1:``port`` with ``slots`` continuous-batching slots
     and a unified KV cache; yield its base URL once ``/health`` answers 200; always stop
-    it (SIGTERM, then SIGKILL after 10 s)."""
+    it (SIGTERM, then SIGKILL after 10 s).
+
+    ``batch`` bounds the tokens of one engine step (``-b``/``-ub``): a new stream's prompt
+    is taken in pieces over several steps (chunked prefill), so it holds up the streams
+    already generating for one short step at a time; the server needs it to be at least
+    ``slots`` (below, it aborts on its first batch of outputs). ``threads`` is 1 by default: on a
+    machine whose other processes take a core now and then, two compute threads wait for
+    each other at every operation and a step can take many times longer."""
     cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "-np", str(slots), "-cb", "-c", str(context), "-t", str(threads), "--no-webui",
-           "--metrics", "--kv-unified"]  # fmt: skip
+           "-np", str(slots), "-cb", "-c", str(context), "-t", str(threads),
+           "-b", str(batch), "-ub", str(batch), "--no-webui", "--metrics",
+           "--kv-unified"]  # fmt: skip
     log = tempfile.TemporaryFile()  # noqa: SIM115 -- closed in the finally below
     proc = await asyncio.create_subprocess_exec(
         *cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True

@@ -1,13 +1,13 @@
 """The real-engine tier: Headroom's probe and overload proof against llama.cpp's server.
 
-    python -m bench.real_engine [--tokens-per-audio-second 12.5] [--levels 4,8,...]
+    python -m bench.real_engine [--tokens-per-audio-second 8] [--levels 2,4,...]
                                 [--hold 20] [--warmup 6] [--repeat 2] [--load 3]
                                 [--overload-hold 40] [--overload-warmup 8] [--clients 2]
                                 [--cache DIR] [--json OUT]
 
 It builds (or reuses) ``llama-server`` from the pinned sdist (:mod:`bench.llama_engine`),
 writes the random-weight model (:mod:`bench.tiny_model`; kept in the cache), starts the
-server on 127.0.0.1 with 32 continuous-batching slots, and speaks
+server on 127.0.0.1 with 16 continuous-batching slots, and speaks
 ``openai-completions-tokens`` to it: every generated token is ``1/tokens_per_audio_second``
 of audio. Then, as :mod:`bench.overload` does with the simulator:
 
@@ -41,7 +41,7 @@ import yaml
 from bench.harness import free_port
 from bench.llama_engine import default_cache, ensure_llama_server, llama_server
 from bench.overload import _child, _figures, _trace_from, run_worker, wait_workers, worker_processes
-from bench.tiny_model import TinyModel, write_tiny_model
+from bench.tiny_model import TinyModel, ensure_model
 from proxy.probe.analysis import LevelWindow, SessionTrace, level_stats
 from proxy.probe.runner import ProbeSettings
 from proxy.probe.session import ClientOptions, endpoint_url
@@ -140,6 +140,7 @@ async def _probe(url: str, args: argparse.Namespace) -> dict[str, Any]:
                "--levels", args.levels, "--max-level", str(args.max_level),
                "--hold", str(args.hold), "--warmup", str(args.warmup),
                "--repeat", str(args.repeat), "--seed", str(args.seed),
+               "--ttfa-limit", str(args.ttfa_limit),
                "--time-limit", str(args.probe_time_limit), "--session-timeout", "300",
                "--quiet", "--json", str(out)]  # fmt: skip
         proc = await asyncio.create_subprocess_exec(
@@ -177,7 +178,7 @@ async def run_on_engine(engine_url: str, args: argparse.Namespace) -> dict[str, 
     cap = int(args.cap or probe["ceiling_range"][0])
     if cap < 1:
         raise RuntimeError(f"the probe found no passing level (range {probe['ceiling_range']})")
-    users = max(1, round(args.load * cap))
+    users = max(1, round(args.load * cap), args.min_users)
     out.update(cap=cap, load_factor=args.load, users=users, clients=args.clients,
                overload_hold_s=args.overload_hold,
                overload_warmup_s=args.overload_warmup)  # fmt: skip
@@ -209,14 +210,12 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[str, dict[str
     binary = await asyncio.to_thread(ensure_llama_server, cache)
     built_s = round(time.monotonic() - started, 1)
     shape = TinyModel(layers=args.layers, hidden=args.hidden, ff=args.ff)
-    model = cache / f"tiny-{shape.layers}x{shape.hidden}x{shape.ff}-v{shape.vocab}.gguf"
-    if not model.is_file():
-        await asyncio.to_thread(write_tiny_model, model.with_suffix(".tmp"), shape)
-        model.with_suffix(".tmp").replace(model)
+    model = await asyncio.to_thread(ensure_model, cache, shape)
     info = {"engine": "llama-server", "binary": str(binary), "build_or_find_s": built_s,
             "model": model.name, "parameters_m": round(shape.parameters / 1e6, 1),
-            "slots": 32, "threads": args.threads}  # fmt: skip
-    async with llama_server(binary, model, free_port(), threads=args.threads) as url:
+            "slots": args.slots, "threads": args.threads, "batch": args.batch}  # fmt: skip
+    async with llama_server(binary, model, free_port(), slots=args.slots,
+                            threads=args.threads, batch=args.batch) as url:  # fmt: skip
         yield url, info
 
 
@@ -270,8 +269,8 @@ def render(result: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        f"Overload: {result['users']} closed-loop users = {result['load_factor']:g}x the cap "
-        f"({result['cap']}), {result['overload_hold_s']:g} s measured after "
+        f"Overload: {result['users']} closed-loop users (at least {result['load_factor']:g}x "
+        f"the cap, {result['cap']}), {result['overload_hold_s']:g} s measured after "
         f"{result['overload_warmup_s']:g} s warm-up, {result['clients']} load-generator processes",
         "",
         f"| {'':30} | {'headroom':>9} | {'direct':>9} |",
@@ -289,21 +288,29 @@ def render(result: dict[str, Any]) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     a = parser.add_argument
-    a("--tokens-per-audio-second", type=float, default=12.5)
-    a("--levels", default="4,8,...", help="the probe's ramp")
-    a("--max-level", type=int, default=32, help="the engine's slots")
+    a("--tokens-per-audio-second", type=float, default=8.0)
+    a("--levels", default="2,4,...", help="the probe's ramp")
+    a("--max-level", type=int, default=16, help="the highest level (the engine's slots)")
     a("--hold", type=float, default=20.0, help="the probe's measured seconds per level")
     a("--warmup", type=float, default=6.0, help="the probe's warm-up per level")
     a("--repeat", type=int, default=2, help="the probe's repeats around the knee")
+    a("--ttfa-limit", type=float, default=3.0,
+      help="the probe's TTFA p99 limit (a CPU's prefill of the workload's long texts "
+           "takes 1-2 s at any concurrency)")  # fmt: skip
     a("--probe-time-limit", type=float, default=900.0)
     a("--cap", type=int, help="overload cap (default: the probed ceiling)")
     a("--load", type=float, default=3.0, help="offered load x cap")
+    a("--min-users", type=int, default=0,
+      help="offer at least this many users (more than the slots: the engine saturated "
+           "whatever the probe found)")  # fmt: skip
     a("--overload-hold", type=float, default=40.0)
     a("--overload-warmup", type=float, default=8.0)
     a("--clients", type=int, default=2, help="load-generator processes")
     a("--window", type=float, default=10.0, help="guard window (s)")
     a("--seed", type=int, default=0)
-    a("--threads", type=int, default=2, help="llama-server threads")
+    a("--threads", type=int, default=1, help="llama-server compute threads")
+    a("--slots", type=int, default=16, help="llama-server continuous-batching slots (-np)")
+    a("--batch", type=int, default=16, help="llama-server tokens per step (-b, -ub; >= slots)")
     shape = TinyModel()
     a("--layers", type=int, default=shape.layers, help="the model's shape")
     a("--hidden", type=int, default=shape.hidden)

@@ -4,7 +4,8 @@ download: llama.cpp's server runs it at the speed of a model of its size.
     python -m bench.tiny_model OUT.gguf [--layers 10 --hidden 1024 --ff 2816 --vocab 8192]
 
 Written with ``gguf`` (llama.cpp's own writer): an SPM vocabulary (``<unk>``, ``<s>``,
-``</s>``, the 256 byte tokens, then plain word pieces ``▁ab...``), f16 weights drawn from
+``</s>``, the 256 byte tokens, then lower-case word pieces of one to three letters, so a
+prompt is about as many tokens as a real vocabulary makes it), f16 weights drawn from
 a seeded generator, f32 norms. The server sends nothing for a token that leaves
 incomplete UTF-8, and a special token may end the stream; so the model never picks a
 byte or special token: hidden dimension 0 of the residual stream is a constant (every
@@ -20,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["TinyModel", "write_tiny_model"]
+__all__ = ["TinyModel", "ensure_model", "write_tiny_model"]
 
 _SPECIAL = ("<unk>", "<s>", "</s>")
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
@@ -47,13 +48,22 @@ class TinyModel:
         return self.layers * per_layer + 2 * self.vocab * self.hidden + self.hidden
 
 
-def _piece(index: int) -> str:
-    word = ""
-    index += 1
-    while index:
-        index, rem = divmod(index - 1, len(_LETTERS))
-        word = _LETTERS[rem] + word
-    return "\u2581" + word
+def _pieces(count: int) -> list[str]:
+    """``count`` word pieces, shortest first: ``▁``, then letters and letter pairs with
+    and without the word-start mark, then marked triples; English text tokenizes into
+    about one piece per three characters, as a real vocabulary makes it."""
+    pieces = ["\u2581"]
+    for size in (1, 2, 3):
+        words = [""]
+        for _ in range(size):
+            words = [w + c for w in words for c in _LETTERS]
+        starts = ("\u2581",) if size == 3 else ("\u2581", "")
+        pieces += [start + w for w in words for start in starts]
+        if len(pieces) >= count:
+            break
+    if len(pieces) < count:
+        raise ValueError(f"at most {len(pieces)} word pieces")
+    return pieces[:count]
 
 
 def write_tiny_model(path: Path, shape: TinyModel = TinyModel()) -> Path:
@@ -66,7 +76,7 @@ def write_tiny_model(path: Path, shape: TinyModel = TinyModel()) -> Path:
     rng = np.random.default_rng(shape.seed)
     h, kv = shape.hidden, shape.hidden // shape.heads * shape.kv_heads
     tokens = [*_SPECIAL, *(f"<0x{b:02X}>" for b in range(256))]
-    tokens += [_piece(i) for i in range(shape.vocab - len(tokens))]
+    tokens += _pieces(shape.vocab - len(tokens))
     types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
     types += [gguf.TokenType.BYTE] * 256
     types += [gguf.TokenType.NORMAL] * (shape.vocab - len(types))
@@ -89,9 +99,8 @@ def write_tiny_model(path: Path, shape: TinyModel = TinyModel()) -> Path:
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
-    writer.add_token_scores(
-        [0.0] * suppressed + [-float(i) for i in range(len(tokens) - suppressed)]
-    )
+    # SPM merges the highest-scoring pairs first: longer pieces score higher
+    writer.add_token_scores([0.0] * suppressed + [float(len(t)) for t in tokens[suppressed:]])
     writer.add_token_types(types)
     writer.add_unk_token_id(0)
     writer.add_bos_token_id(1)
@@ -126,6 +135,21 @@ def write_tiny_model(path: Path, shape: TinyModel = TinyModel()) -> Path:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+#: Bumped whenever the file a shape gives changes (the cached copies are then rewritten).
+_FORMAT = 2
+
+
+def ensure_model(cache: Path, shape: TinyModel = TinyModel()) -> Path:
+    """The model for ``shape`` in the directory ``cache``, written first if absent."""
+    path = cache / (f"tiny-{shape.layers}x{shape.hidden}x{shape.ff}-h{shape.heads}"
+                    f"-{shape.kv_heads}-v{shape.vocab}-s{shape.seed}-f{_FORMAT}.gguf")  # fmt: skip
+    if not path.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        write_tiny_model(path.with_suffix(".tmp"), shape)
+        path.with_suffix(".tmp").replace(path)
     return path
 
 
