@@ -245,14 +245,18 @@ class RedisAdmission:
     # -- scripts ----------------------------------------------------------------------
 
     async def _run(self, script: str, pool: str, args: list[str | int]) -> Any:
+        return await self._call(self._scripts[script], self.keys(pool), args)
+
+    async def _call(self, script: Any, keys: list[str], args: list[str | int]) -> Any:
+        """``script`` on ``keys`` with ``args``, once more on a new connection when the
+        first one was dropped; :class:`BackendUnavailable` when Redis does not answer."""
         if self._closed:
             raise BackendUnavailable("admission store client closed")
-        call = self._scripts[script]
         try:
             try:
-                return await call(keys=self.keys(pool), args=args)
+                return await script(keys=keys, args=args)
             except self._connection_errors:  # a pooled connection the server dropped
-                return await call(keys=self.keys(pool), args=args)
+                return await script(keys=keys, args=args)
         except self._errors as exc:
             raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
@@ -262,15 +266,7 @@ class RedisAdmission:
         return f"{self.key_prefix}{{tenants}}:{tenant}"
 
     async def _run_tenants(self, keys: list[str], args: list[str | int]) -> Any:
-        if self._closed:
-            raise BackendUnavailable("admission store client closed")
-        try:
-            try:
-                return await self._tenants(keys=keys, args=args)
-            except self._connection_errors:
-                return await self._tenants(keys=keys, args=args)
-        except self._errors as exc:
-            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        return await self._call(self._tenants, keys, args)
 
     async def reserve_tenant(self, tenant: str, reservation_id: str, max_sessions: int) -> bool:
         """Count one session of ``tenant`` over every gateway, unless it already holds
@@ -319,17 +315,8 @@ class RedisAdmission:
     async def reservation(self, digest: str, key: str, args: Sequence[str | int]) -> list[Any]:
         """One operation of reservations.lua (``args`` from its op on); the reply with
         its strings decoded."""
-        if self._closed:
-            raise BackendUnavailable("admission store client closed")
         keys = self.reservation_keys(digest, key)
-        call = self._reservations
-        try:
-            try:
-                reply = await call(keys=keys, args=list(args))
-            except self._connection_errors:
-                reply = await call(keys=keys, args=list(args))
-        except self._errors as exc:
-            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        reply = await self._call(self._reservations, keys, list(args))
         if not isinstance(reply, list):
             return [reply]
         return [x if isinstance(x, int) else _text(x) for x in reply]
