@@ -40,7 +40,7 @@ from proxy.pipelines import headroom_of
 from proxy.relay.http_body import control_body, replay
 from proxy.runtime import Runtime
 
-__all__ = ["ReloadAnswer", "create_admin_app"]
+__all__ = ["ReloadAnswer", "create_admin_app", "problem_list"]
 
 
 Scope = dict[str, Any]
@@ -62,12 +62,22 @@ def _authorized(scope: Scope, sha256_hex: str | None) -> bool:
     return hmac.compare_digest(digest, sha256_hex)
 
 
+def problem_list(problems: list[tuple[str, str]]) -> list[dict[str, str]]:
+    """A configuration's ``(field, reason)`` problems as a reload's answer lists them."""
+    return [{"field": f, "reason": r} for f, r in problems]
+
+
 @dataclass(frozen=True)
 class ReloadAnswer:
     """The answer to ``POST /admin/reload``: its status and JSON body."""
 
     status: int
     body: dict[str, Any]
+
+    @classmethod
+    def invalid(cls, problems: list[tuple[str, str]]) -> ReloadAnswer:
+        """400: the configuration is refused for ``problems``; nothing applied."""
+        return cls(400, {"reloaded": False, "problems": problem_list(problems)})
 
 
 def create_admin_app(
@@ -114,11 +124,7 @@ def create_admin_app(
         try:
             answer = await reload()
         except ConfigError as err:
-            return JSONResponse(
-                {"reloaded": False,
-                 "problems": [{"field": f, "reason": r} for f, r in err.problems]},
-                status_code=400,
-            )  # fmt: skip
+            answer = ReloadAnswer.invalid(err.problems)
         return JSONResponse(answer.body, status_code=answer.status)
 
     @app.get("/metrics")

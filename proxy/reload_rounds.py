@@ -129,13 +129,13 @@ class ReloadRounds:
         if self._draining():
             return _refused(503, "draining", "the workers are draining: nothing applied", [])
         if self.config_path is None:
-            return _problems_answer([("<file>", "this gateway was not started from a file")])
+            return ReloadAnswer.invalid([("<file>", "this gateway was not started from a file")])
         try:
             text = await asyncio.to_thread(read_config_text, self.config_path)
         except ConfigError as err:
-            return _problems_answer(err.problems)
+            return ReloadAnswer.invalid(err.problems)
         if problems := cut_short_problems(text):
-            return _problems_answer(problems)
+            return ReloadAnswer.invalid(problems)
         generation, attempt = self.generation + 1, next(self._attempts)
         workers = list(self._workers)
         prepared = await self._step(workers, "prepare", attempt,
@@ -203,11 +203,6 @@ class ReloadRounds:
 def _refused(status: int, kind: str, message: str, views: list[dict[str, Any]]) -> ReloadAnswer:
     return ReloadAnswer(status, {"reloaded": False, "error": {"type": kind, "message": message},
                                  "workers": views})  # fmt: skip
-
-
-def _problems_answer(problems: list[tuple[str, str]]) -> ReloadAnswer:
-    return ReloadAnswer(400, {"reloaded": False, "problems": [
-        {"field": f, "reason": r} for f, r in problems]})  # fmt: skip
 
 
 def _not_prepared(

@@ -38,7 +38,7 @@ import socket
 import struct
 from typing import Any, Protocol
 
-from proxy.admin import ReloadAnswer
+from proxy.admin import ReloadAnswer, problem_list
 from proxy.errors import ConfigError
 from proxy.settings import Settings
 from proxy.settings.loading import MAX_CONFIG_BYTES
@@ -149,10 +149,6 @@ class ReloadTarget(Protocol):
     def apply_reload(self, settings: Settings) -> list[str]: ...
 
 
-def _problems(err: ConfigError) -> list[dict[str, str]]:
-    return [{"field": f, "reason": r} for f, r in err.problems]
-
-
 class WorkerControl:
     """A worker's end: prepares, commits or drops what the supervisor sends, and asks
     it for a reload (the admin listener's, or a SIGHUP sent to this worker)."""
@@ -198,7 +194,7 @@ class WorkerControl:
             try:
                 settings = await asyncio.to_thread(self.target.validate_reload, text, source)
             except ConfigError as err:
-                reply = {"ok": False, "problems": _problems(err)}
+                reply = {"ok": False, "problems": problem_list(err.problems)}
             except Exception as exc:  # a fault here must not end this channel
                 log.exception("validating reload round %d failed", attempt)
                 reply = {"ok": False, "reason": f"validating failed: {exc!r}"}
