@@ -4,12 +4,13 @@
 takes one slot in each named pool, or none (docs/voice-agents.md):
 
 * **All or nothing, without deadlock.** The pools are taken one after another in a
-  canonical order (sorted by name), each *without queueing*: a pool with no free slot,
-  or with anyone waiting in its queue (no barging), refuses at once. If any stage
-  refuses, the slots already taken are released in the same step and the caller gets
-  that stage's refusal (status, ``Retry-After``, reason, fallback; the body's
-  ``error.stage`` and the ``X-Headroom-Stage`` header name the stage). Since nobody ever
-  waits while holding a slot, two reservations cannot wait on each other.
+  canonical order (sorted by name), each *without queueing*: a pool with no free slot
+  the key's class may take, or with a waiter of that class or a higher one in its queue
+  (no barging), refuses at once. If any stage refuses, the slots already taken are
+  released in the same step and the caller gets that stage's refusal (status,
+  ``Retry-After``, reason, fallback; the body's ``error.stage`` and the
+  ``X-Headroom-Stage`` header name the stage). Since nobody ever waits while holding a
+  slot, two reservations cannot wait on each other.
 * **Claims.** A stage connection presents the token (header ``X-Headroom-Reservation``
   or query parameter ``headroom_reservation``; both are stripped before forwarding) and
   uses its reserved slot instead of entering the pool's queue. The connection then owns

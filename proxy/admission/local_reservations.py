@@ -3,12 +3,12 @@ reservation is this gateway's, its unclaimed slots are leases of
 :class:`proxy.gate.Gate` held here (docs/voice-agents.md).
 
 The pools are taken one after another in the order given, each *without queueing*
-(:meth:`proxy.gate.Gate.take_now`): a pool with no free slot, or with anyone waiting in
-its queue (no barging), refuses at once and the slots already taken are released in
-the same step. Slots not claimed
-within ``hold_s`` (the injected clock) are released; a gateway shutting down releases
-every unclaimed slot. The rules common to both stores (metrics, refusal types) are
-:mod:`proxy.reservations`'.
+(:meth:`proxy.gate.Gate.take_now`): a pool with no free slot the key's class may take,
+with a waiter of that class or a higher one in its queue (no barging), or with a full
+queue, refuses at once and the slots already taken are released in the same step.
+Slots not claimed within ``hold_s`` (the injected clock) are released; a gateway
+shutting down releases every unclaimed slot. The rules common to both stores (metrics,
+refusal types) are :mod:`proxy.reservations`'.
 """
 
 from __future__ import annotations
