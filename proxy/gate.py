@@ -24,7 +24,6 @@ work, fencing, an admission store that may be unreachable) is a no-op here.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -274,28 +273,11 @@ class Gate:
     async def take_now(self, pool: str, tenant: TenantSpec | None) -> Lease:
         """One slot of ``pool`` now, never a place in its queue (a gang reservation's
         slot): the decision for a plain session of ``tenant``'s class (reserves, no
-        barging past its class). Raises :class:`~proxy.errors.Refused`."""
-        core = self._pool(pool).core
-        stats = core.statistics()
-        full_queue = core.queue.enabled and core.queue_depth >= core.queue.max_depth
-        if (
-            not stats.draining
-            and stats.healthy_replicas > 0
-            and (full_queue or core.free_slots() == 0)
-        ):
-            raise self._full(pool)
-        entry = self.enter(pool, tenant=tenant)  # admits at once, or refuses
-        if isinstance(entry, Waiting):  # kept out by a waiter or a reserve above its class
-            await _back_out(entry)
-            raise self._full(pool)
+        barging past its class), as :meth:`enter` with ``queue=False`` makes it. Raises
+        :class:`~proxy.errors.Refused`."""
+        entry = self.enter(pool, tenant=tenant, queue=False)
+        assert isinstance(entry, Lease)  # queue=False: a slot or a refusal
         return entry
-
-    def _full(self, pool: str) -> Refused:
-        core = self._pool(pool).core
-        reason = core.full_reason()
-        count_decision(self.metrics, pool, f"rejected_{reason}", None)
-        retry = core.retry_after(reason, core.queue_depth + 1, self.clock.now())
-        return refusal_for(reason, retry_after_s=retry, pool=pool, fallback=self.fallback(pool))
 
     async def _wait(self, pool: str, ticket: int) -> Lease:
         p = self._pools[pool]
@@ -653,16 +635,3 @@ class Gate:
         self._arm_timer(p)
         self._notify_positions(p)
 
-
-async def _back_out(waiting: Waiting) -> None:
-    """Leave a queue place taken by mistake (this gate's only way out of a
-    :class:`Waiting` is cancelling its wait); a slot granted meanwhile goes back."""
-    task = asyncio.ensure_future(waiting.wait())
-    await asyncio.sleep(0)  # let it start waiting, so the cancel leaves the queue
-    task.cancel()
-    await asyncio.wait({task})
-    if not task.cancelled() and task.exception() is None:
-        task.result().release()
-    elif not task.cancelled():
-        with contextlib.suppress(BaseException):
-            task.result()

@@ -125,6 +125,29 @@ async def test_a_reservation_takes_its_slots_in_the_keys_class(backend: Backend)
     await backend.settle()
 
 
+async def test_a_full_queue_of_a_lower_class_does_not_keep_a_reservation_out(
+    backend: Backend,
+) -> None:
+    """The queue is full of a class-0 waiter and only the slot kept for priority >= 10 is
+    free: a priority-10 key's reservation takes that slot on both backends, as its plain
+    session would (the in-process gate used to refuse it pool_full for the full queue)."""
+    gates = await gateways(backend, caps=(2,), depth=1, reserves=(Reserve(10, slots=1),))
+    here = stores(backend, gates)
+    plain = await gates[0].acquire("tts")  # class 0 takes the one unreserved slot
+    waiting = asyncio.ensure_future(gates[0].acquire("tts"))  # class 0 waits: queue full
+    for _ in range(200):
+        if sum(s.queue_depth for s in gates[0].statistics().values()) == 1:
+            break
+        await asyncio.sleep(0.005)
+    gold = await here[-1].reserve(["tts"], 5.0, GOLD)
+    lease = await here[0].claim(gold.token, "tts", GOLD)
+    assert lease.tenant is not None and lease.tenant.priority == 10
+    lease.release()
+    plain.release()
+    (await waiting).release()  # the waiter is served by the first slot freed
+    await backend.settle()
+
+
 async def test_hold_s_and_live_reservations_per_key_are_bounded(backend: Backend) -> None:
     limits = ReservationSettings(max_hold_s=20, default_hold_s=4, max_per_key=2)
     with pytest.raises(BadReservation):
