@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, ClassVar
+from urllib.parse import parse_qsl
 
 from proxy.auth import authenticate
 from proxy.errors import PolicyViolation
@@ -16,9 +17,10 @@ __all__ = [
     "QUERY_PARAMETER",
     "RESERVATION_HEADER",
     "BadReservation",
+    "ReservationMalformed",
     "key_of",
     "parse_request",
-    "presented_token",
+    "reservation_token",
 ]
 
 RESERVATION_HEADER = b"x-headroom-reservation"
@@ -33,19 +35,36 @@ class BadReservation(PolicyViolation):
     code: ClassVar[str] = "invalid_reservation"
 
 
-def presented_token(scope: dict[str, Any]) -> str | None:
-    """The reservation token of a stage connection (header first, then query)."""
+class ReservationMalformed(PolicyViolation):
+    """A reservation token was presented but cannot be one (400 / 1008)."""
+
+    code: ClassVar[str] = "reservation_malformed"
+
+
+def reservation_token(scope: dict[str, Any]) -> str | None:
+    """The gang reservation token the connection presents (None: it presents none).
+    Every ``X-Headroom-Reservation`` header and ``headroom_reservation`` parameter is
+    read; raises :class:`ReservationMalformed` when one is empty or only whitespace, or
+    when they do not all name the same token."""
+    seen: set[str] = set()
     for name, value in scope["headers"]:
         if name.lower() == RESERVATION_HEADER:
-            return value.decode("latin-1").strip() or None
+            seen.add(value.decode("latin-1").strip())
     query: bytes = scope.get("query_string", b"")
     if QUERY_PARAMETER.encode() in query:
-        from urllib.parse import parse_qsl
-
-        for key, value in parse_qsl(query.decode("latin-1")):
+        for key, value in parse_qsl(query.decode("latin-1"), keep_blank_values=True):
             if key == QUERY_PARAMETER:
-                return value.strip() or None
-    return None
+                seen.add(value.strip())
+    if not seen:
+        return None
+    if "" in seen:
+        raise ReservationMalformed("the reservation token is empty")
+    if len(seen) > 1:
+        raise ReservationMalformed(
+            "two different reservation tokens (X-Headroom-Reservation and "
+            "headroom_reservation must name the same one)"
+        )
+    return seen.pop()
 
 
 def parse_request(

@@ -62,7 +62,7 @@ from proxy.reservation_requests import (
     BadReservation,
     key_of,
     parse_request,
-    presented_token,
+    reservation_token,
 )
 from proxy.settings import ApiKeySettings, ReservationSettings
 
@@ -79,7 +79,7 @@ __all__ = [
     "Reservations",
     "key_of",
     "parse_request",
-    "presented_token",
+    "reservation_token",
 ]
 
 _DEFAULTS = ReservationSettings()

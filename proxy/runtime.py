@@ -40,7 +40,7 @@ from proxy.metrics import Metrics
 from proxy.pipelines import headroom_of
 from proxy.protocols import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
 from proxy.reconcile import EngineReconciler
-from proxy.reservations import Reservations, presented_token
+from proxy.reservations import Reservations, reservation_token
 from proxy.settings import GuardSettings, PoolSettings, RouteSettings, Settings
 from proxy.shared_gate import build_shared_gate
 from proxy.signals import ReplicaSignals
@@ -311,7 +311,7 @@ class Runtime:
         try:
             # A stage connection claiming a reserved slot takes over the count the slot
             # holds (its reservation was checked against max_sessions).
-            claims = presented_token(scope) is not None
+            claims = reservation_token(scope) is not None
             token = self.tenants.reserve(key, pool, retry, enforce=not claims)
         except Refused:
             count_decision(self.metrics, pool, "rejected_tenant_limit", tenant)

@@ -29,13 +29,13 @@ normal way.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode
 
 from proxy.auth import NO_KEY, Authorization, authenticate
-from proxy.errors import PolicyViolation, Refused
+from proxy.errors import Refused
 from proxy.gate import Lease, PositionCallback, Waiting
-from proxy.reservations import QUERY_PARAMETER, RESERVATION_HEADER
+from proxy.reservation_requests import ReservationMalformed, reservation_token
 
 if TYPE_CHECKING:
     from proxy.relay.services import RelayServices
@@ -54,38 +54,6 @@ FALLBACK_RESPONSE_HEADER = b"x-headroom-fallback"
 _FALLBACK_HEADER = b"x-headroom-allow-fallback"
 _OWN_QUERY = frozenset({"headroom_fallback", "headroom_reservation"})
 _TRUE = frozenset({"1", "true", "yes", "on"})
-
-
-class ReservationMalformed(PolicyViolation):
-    """A reservation token was presented but cannot be one (400 / 1008)."""
-
-    code: ClassVar[str] = "reservation_malformed"
-
-
-def reservation_token(scope: dict[str, Any]) -> str | None:
-    """The gang reservation token the connection presents (None: it presents none).
-    Every ``X-Headroom-Reservation`` header and ``headroom_reservation`` parameter is
-    read; raises :class:`ReservationMalformed` when one is empty or only whitespace, or
-    when they do not all name the same token."""
-    seen: set[str] = set()
-    for name, value in scope["headers"]:
-        if name.lower() == RESERVATION_HEADER:
-            seen.add(value.decode("latin-1").strip())
-    query: bytes = scope.get("query_string", b"")
-    if QUERY_PARAMETER.encode() in query:
-        for key, value in parse_qsl(query.decode("latin-1"), keep_blank_values=True):
-            if key == QUERY_PARAMETER:
-                seen.add(value.strip())
-    if not seen:
-        return None
-    if "" in seen:
-        raise ReservationMalformed("the reservation token is empty")
-    if len(seen) > 1:
-        raise ReservationMalformed(
-            "two different reservation tokens (X-Headroom-Reservation and "
-            "headroom_reservation must name the same one)"
-        )
-    return seen.pop()
 
 
 def wants_fallback(scope: dict[str, Any]) -> bool:

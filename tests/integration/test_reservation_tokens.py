@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
+from proxy.settings import settings_from_mapping
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.raw_upstream import RawUpstream, raw_upstream
 from tests.integration.test_ws_relay import wait_until
@@ -151,3 +153,31 @@ async def test_the_token_never_reaches_a_log_line(start_proxy: Any) -> None:
         assert any("headroom_reservation=REDACTED" in line for line in lines), lines
         assert any(f"{RESERVE}/REDACTED" in line for line in lines), lines  # the access log
         assert not [line for line in lines if token in line or other in line]
+
+
+async def test_a_malformed_token_is_a_400_even_for_a_key_at_its_quota(start_proxy: Any) -> None:
+    """The key's quota is checked with the same reading of the token: a key already at
+    max_sessions presenting an empty token is told the token is malformed (400), as any
+    other key is, not 429 as though it presented none."""
+    digest = hashlib.sha256(b"key-a").hexdigest()
+    async with raw_upstream(mode="echo") as upstream:
+        base = settings(upstream).model_dump(mode="json")
+        base["auth"] = {"keys": [{"name": "team-a", "sha256": digest, "max_sessions": 1}]}
+        proxy: Proxy = await start_proxy(settings_from_mapping(base, env={}))
+        auth = "authorization: Bearer key-a"
+        async with httpx.AsyncClient(base_url=proxy.http_url, timeout=30) as client:
+            await reserve_as(client, "key-a")  # the key's one session: a reserved slot
+            status, body = await raw(
+                proxy, "POST /v1/stream", [auth, "x-headroom-reservation:  ", "content-length: 1"],
+                b"x",
+            )  # fmt: skip
+            assert status == 400, body
+            assert json.loads(body)["error"]["code"] == "reservation_malformed"
+
+
+async def reserve_as(client: httpx.AsyncClient, key: str) -> str:
+    granted = await client.post(RESERVE, json={"pools": ["main"], "hold_s": 30},
+                                headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+    assert granted.status_code == 201, granted.text
+    token: str = granted.json()["token"]
+    return token
