@@ -38,15 +38,13 @@ since httptools keeps a field's value until its line ends: a request whose trail
 pass ``limits.max_head_bytes`` (counted from the bytes read once the last chunk has
 begun, less its body, so within one socket read) has its connection closed.
 
-A WebSocket upgrade that arrives whole in one read, in the plain form every client sends
-(:func:`lean_upgrade_head`), is handed to the WebSocket protocol without going through
-httptools' callbacks and uvicorn's HTTP scope; the limits above apply to it all the
-same, and anything else takes uvicorn's parser as before. Bytes that come after the
-upgrade head in the same read (a client that sends its first frame without waiting for
-the 101) go to the WebSocket protocol with it, which holds them for the relay: uvicorn's
-own hand-over drops them. At the hand-over this
-protocol drops its parser, so that it is freed at once rather than left to the garbage
-collector. Both are measured in docs/performance.md.
+Every request head, WebSocket upgrades included, is read by httptools under the limits
+above: there is no second parser. A complete upgrade is handed to the WebSocket protocol
+as httptools read it (target and headers). Bytes that come after the upgrade head in the
+same read (a client that sends its first frame without waiting for the 101) go to the
+WebSocket protocol with it, which holds them for the relay: uvicorn's own hand-over
+drops them. At the hand-over this protocol drops its parser, so that it is freed at once
+rather than left to the garbage collector (docs/performance.md).
 
 This subclasses uvicorn's :class:`~uvicorn.protocols.http.httptools_impl.HttpToolsProtocol`
 and uses some of its internals (parser callbacks, ``cycle``, ``pipeline``, the keep-alive
@@ -60,7 +58,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -72,7 +69,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from proxy.relay.uvicorn_fence import assigned_attributes, assigned_in
 from proxy.settings import LimitsSettings
 
-__all__ = ["LINGER_S", "HeadLimitedProtocol", "head_limited", "lean_upgrade_head"]
+__all__ = ["LINGER_S", "HeadLimitedProtocol", "head_limited"]
 
 log = logging.getLogger("headroom.http")
 
@@ -136,52 +133,6 @@ def _local_address(info: Any) -> tuple[str, int | None] | None:
 def _peer_address(info: Any) -> tuple[str, int] | None:
     """uvicorn's ``get_remote_addr`` of a socket's ``getpeername()``."""
     return (str(info[0]), int(info[1])) if isinstance(info, tuple) else None
-
-
-#: A WebSocket upgrade head in its plainest form: ``GET <origin-form target> HTTP/1.1``,
-#: then header lines ``Name: value`` (a token, one space, a value of printable ASCII with
-#: no space at either end), then the blank line, and nothing after it.
-_LEAN_HEAD = re.compile(
-    rb"GET (/[\x21-\x7e]*) HTTP/1\.1\r\n"
-    rb"((?:[-!#$%&'*+.^_`|~0-9A-Za-z]+: [\x21-\x7e](?:[\x20-\x7e]*[\x21-\x7e])?\r\n)*)"
-    rb"\r\n"
-)
-_LEAN_LINE = re.compile(rb"([^:]+): ([^\r]*)\r\n")
-
-
-def lean_upgrade_head(
-    data: bytes, max_headers: int
-) -> tuple[bytes, list[tuple[bytes, bytes]]] | None:
-    """``(target, headers)`` (names lower-cased, as uvicorn passes them) when ``data`` is
-    exactly one complete WebSocket upgrade head in the plain form of :data:`_LEAN_HEAD`
-    that uvicorn would hand to its WebSocket protocol: at most ``max_headers`` lines, no
-    body (no Content-Length or Transfer-Encoding), ``Upgrade: websocket`` and an
-    ``upgrade`` token in the last Connection header (uvicorn's own test). None for
-    anything else, which then takes uvicorn's parser and its checks.
-
-    Every client sends such a head in one packet, and this reads it in one regular
-    expression instead of eight parser callbacks (and an HTTP scope uvicorn builds and
-    drops): about 4 % of a WebSocket session's set-up (docs/performance.md). What it
-    accepts, httptools parses to the same target and headers (a property test checks
-    this against the installed httptools)."""
-    match = _LEAN_HEAD.fullmatch(data)
-    if match is None:
-        return None
-    headers = [(name.lower(), value) for name, value in _LEAN_LINE.findall(match[2])]
-    if len(headers) > max_headers:
-        return None
-    connection: list[bytes] = []
-    upgrade: bytes | None = None
-    for name, value in headers:
-        if name == b"connection":
-            connection = [token.lower().strip() for token in value.split(b",")]
-        elif name == b"upgrade":
-            upgrade = value.lower()
-        elif name in (b"content-length", b"transfer-encoding"):
-            return None
-    if upgrade != b"websocket" or b"upgrade" not in connection:
-        return None
-    return match[1], headers
 
 
 class _TooManyHeaders(Exception):
@@ -331,18 +282,6 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # lingering: read and thrown away
-        cycle: object = self.cycle  # uvicorn types it as never None; it is until a request
-        if (
-            cycle is None  # the connection's first request: nothing queued or answered
-            and self._head_open
-            and not self._head_bytes
-            and len(data) <= self._max_head_bytes
-            and data.startswith(b"GET ")
-        ):
-            head = lean_upgrade_head(data, self._max_headers)
-            if head is not None and hasattr(self.ws_protocol_class, "upgrade_parsed"):
-                self._upgrade_to("GET", *head)
-                return
         past_head = 0  # how much of data is past the head: body, framing, trailers
         if self._head_open:
             end = self._head_end(data)

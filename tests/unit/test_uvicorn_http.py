@@ -13,15 +13,12 @@ from typing import Any
 import httptools
 import pytest
 import uvicorn
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
 from proxy.relay import uvicorn_http
-from proxy.relay.uvicorn_http import HeadLimitedProtocol, head_limited, lean_upgrade_head
+from proxy.relay.uvicorn_http import HeadLimitedProtocol, head_limited
 from proxy.settings import LimitsSettings
-from tests.hypothesis_profiles import examples
 
 
 class Transport(asyncio.Transport):
@@ -206,7 +203,7 @@ async def test_should_upgrade_is_asked_of_each_requests_own_headers() -> None:
     assert protocol._should_upgrade()
 
 
-# -- WebSocket upgrade heads read without uvicorn's parser --------------------------------
+# -- WebSocket upgrade heads: read by httptools, handed to the splice ---------------------
 
 #: What real clients send (python-websockets 13+, Chrome, curl-style lower case).
 _REAL_HEADS = [
@@ -254,122 +251,6 @@ def _httptools(head: bytes) -> tuple[_Parsed, httptools.HttpRequestParser, bool]
     return parsed, parser, False
 
 
-def _uvicorn_upgrades(headers: list[tuple[bytes, bytes]]) -> bool:
-    """uvicorn's own rule (HttpToolsProtocol._get_upgrade / _should_upgrade)."""
-    connection: list[bytes] = []
-    upgrade = None
-    for name, value in headers:
-        if name == b"connection":
-            connection = [t.lower().strip() for t in value.split(b",")]
-        if name == b"upgrade":
-            upgrade = value.lower()
-    return b"upgrade" in connection and upgrade == b"websocket"
-
-
-@pytest.mark.parametrize("head", _REAL_HEADS)
-def test_real_clients_upgrade_heads_are_read_lean_as_httptools_reads_them(head: bytes) -> None:
-    lean = lean_upgrade_head(head, 100)
-    assert lean is not None
-    parsed, parser, upgraded = _httptools(head)
-    assert upgraded and parsed.complete and parser.get_method() == b"GET"
-    assert lean == (parsed.url, parsed.headers)
-
-
-@pytest.mark.parametrize(
-    "head",
-    [
-        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # not an upgrade
-        b"POST / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
-        b"GET / HTTP/1.0\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
-        b"GET / HTTP/1.1\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n",
-        b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: keep-alive\r\n\r\n",
-        # uvicorn reads the last Connection header only
-        b"GET / HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nConnection: close\r\n\r\n",
-        b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nContent-Length: 3\r\n\r\n",
-        b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\nearly",  # more after
-        b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n",  # not complete
-        b"GET / HTTP/1.1\nUpgrade: websocket\nConnection: Upgrade\n\n",  # bare LF
-        b"GET / HTTP/1.1\r\nUpgrade:websocket\r\nConnection: Upgrade\r\n\r\n",  # no space
-        b"GET / HTTP/1.1\r\nUpgrade: websocket \r\nConnection: Upgrade\r\n\r\n",  # trailing
-        b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nX: a\r\n b\r\n\r\n",
-        b"GET / HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nX: \xff\r\n\r\n",
-        b"GET http://x/ HTTP/1.1\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n",
-    ],
-)
-def test_anything_else_is_left_to_uvicorns_parser(head: bytes) -> None:
-    assert lean_upgrade_head(head, 100) is None
-
-
-def test_a_head_over_the_line_limit_is_left_to_uvicorns_parser() -> None:
-    head = _REAL_HEADS[2]
-    assert lean_upgrade_head(head, 5) is not None
-    assert lean_upgrade_head(head, 4) is None  # the normal path answers 431
-
-
-_PRINTABLE = st.characters(min_codepoint=0x20, max_codepoint=0x7E)
-_ANY_BYTE = st.characters(min_codepoint=0, max_codepoint=255)
-_TOKEN = st.one_of(
-    st.sampled_from(["Host", "upgrade", "CONNECTION", "Sec-WebSocket-Key", "X-A", "x_b",
-                     "Content-Length", "Transfer-Encoding", "!#$%&'*+.^_`|~"]),
-    st.text(_PRINTABLE, min_size=0, max_size=6),
-    st.text(_ANY_BYTE, max_size=4),
-)  # fmt: skip
-_VALUE = st.one_of(
-    st.sampled_from(["websocket", "WebSocket", "Upgrade", "keep-alive, Upgrade", "upgrade,",
-                     "13", "chunked", "h2c", "websocket, h2c", ""]),
-    st.text(_PRINTABLE, max_size=16),
-    st.text(_ANY_BYTE, max_size=8),
-)  # fmt: skip
-_LINE = st.tuples(
-    _TOKEN,
-    st.sampled_from([": "] * 6 + [":", ":  ", " : ", ":\t"]),
-    _VALUE,
-    st.sampled_from(["\r\n"] * 6 + ["\n", "\r"]),
-).map("".join)
-_TARGET = st.one_of(
-    st.sampled_from(["/", "/ws", "/a?b=c&d=%20", "/a#f", "*", "http://h/p", "", "/a b"]),
-    st.text(_PRINTABLE, max_size=12).map(lambda t: "/" + t),
-    st.text(_ANY_BYTE, max_size=6).map(lambda t: "/" + t),
-)
-
-
-@settings(max_examples=examples(2000), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    method=st.sampled_from(["GET"] * 8 + ["get", "POST", "GET "]),
-    target=_TARGET,
-    version=st.sampled_from([" HTTP/1.1"] * 8 + [" HTTP/1.0", " HTTP/2", "HTTP/1.1"]),
-    upgrade=st.sampled_from(["Upgrade: websocket\r\n"] * 8 + ["", "Upgrade: h2c\r\n"]),
-    connection=st.sampled_from(["Connection: Upgrade\r\n"] * 8 + ["", "Connection: x\r\n"]),
-    lines=st.lists(_LINE, max_size=5),
-    order=st.randoms(use_true_random=False),
-    end=st.sampled_from(["\r\n"] * 8 + ["", "\n", "\r\nX"]),
-)
-def test_what_the_lean_reading_accepts_httptools_reads_the_same_and_uvicorn_upgrades(
-    method: str,
-    target: str,
-    version: str,
-    upgrade: str,
-    connection: str,
-    lines: list[str],
-    order: Any,
-    end: str,
-) -> None:
-    """Generated heads, mostly upgrades with odd lines mixed in: whatever the lean
-    reading takes, httptools parses to the same target and headers, as a GET/1.1
-    upgrade that uvicorn hands to its WebSocket protocol."""
-    lines = [*lines, upgrade, connection]
-    order.shuffle(lines)
-    head = f"{method} {target}{version}\r\n{''.join(lines)}{end}".encode("latin-1")
-    lean = lean_upgrade_head(head, 100)
-    if lean is None:
-        return
-    parsed, parser, upgraded = _httptools(head)
-    assert upgraded and parsed.complete, head
-    assert parser.get_method() == b"GET" and parser.get_http_version() == "1.1", head
-    assert lean == (parsed.url, parsed.headers), head
-    assert _uvicorn_upgrades(parsed.headers), head
-
-
 class _Splice:
     """A stand-in for the splice's WebSocket protocol: records the hand-over."""
 
@@ -384,10 +265,13 @@ class _Splice:
 
 
 @pytest.mark.parametrize("head", _REAL_HEADS)
-async def test_an_upgrade_in_one_read_is_handed_over_as_uvicorns_parser_would(head: bytes) -> None:
-    """In one read the lean reading takes it (uvicorn builds no HTTP scope); split over
-    two reads uvicorn's parser does; the splice gets the same either way."""
-    handed = []
+async def test_an_upgrade_in_one_or_two_reads_is_handed_over_as_httptools_reads_it(
+    head: bytes,
+) -> None:
+    """Real clients' upgrade heads, whole in one read or split over two: the splice gets
+    the GET with the target and headers (names lower-cased) httptools reads, once."""
+    parsed, parser, upgraded = _httptools(head)
+    assert upgraded and parsed.complete and parser.get_method() == b"GET"
     for pieces in ([head], [head[:10], head[10:]]):
         _Splice.taken = []
         protocol, transport, timers = _open(LimitsSettings())
@@ -397,9 +281,7 @@ async def test_an_upgrade_in_one_read_is_handed_over_as_uvicorns_parser_would(he
         assert isinstance(getattr(transport, "protocol", None), _Splice)
         assert timers.armed() == []  # the head deadline is disarmed
         assert protocol not in protocol.connections
-        assert (protocol.scope is None) == (len(pieces) == 1)
-        handed.append(_Splice.taken)
-    assert handed[0] == handed[1] and len(handed[0]) == 1
+        assert _Splice.taken == [("GET", parsed.url, parsed.headers)]
 
 
 async def test_limits_hold_for_an_upgrade_in_one_read() -> None:
