@@ -32,6 +32,8 @@ from proxy.relay.lifecycle import Declined, run_session
 
 if TYPE_CHECKING:
     from proxy.gate import Lease, PositionCallback
+    from proxy.meter import SessionMeter
+    from proxy.relay.lifecycle import SessionStop
     from proxy.relay.services import RelayServices
     from proxy.relay.session import SessionRecord
     from proxy.settings import RouteSettings
@@ -84,7 +86,8 @@ class _Request:
     """The HTTP half of a session (:class:`proxy.relay.lifecycle.Transport`): the body
     read before admission, refusals as error responses, and the exchange, which sends
     the request upstream itself (failing over while nothing has flowed) under its own
-    limits -- so :meth:`open` only builds it."""
+    limits -- so :meth:`open` only builds it, and a connect failure comes out of
+    :meth:`relay` for the lifecycle to answer."""
 
     kind: str = "http"
     log: logging.Logger = log
@@ -139,10 +142,10 @@ class _Request:
 
     async def relay(
         self, lease: Lease, upstream: HttpExchange, fallback_pool: str | None,
-        record: SessionRecord,
+        record: SessionRecord, meter: SessionMeter, stop: SessionStop,
     ) -> None:  # fmt: skip
         upstream.fallback_pool = fallback_pool
-        self.abort = await upstream.run(self.receive)
+        self.abort = await upstream.run(self.receive, meter, stop)
 
     async def refuse(self, err: HeadroomError, record: SessionRecord) -> None:
         record.status = await send_error(self.send, err)

@@ -1,6 +1,9 @@
 """One admitted HTTP exchange: the request sent upstream (failing over while nothing
 has flowed), the response streamed back chunk by chunk, and the limits that end it.
 
+It only moves bytes: the meter, the drain registration and the answer when no replica
+can be reached are the session lifecycle's (:func:`proxy.relay.lifecycle.run_session`).
+
 Limits run on the runtime's clock and are read from the settings in force when the
 session was admitted (a reload reaches every new session). The timers are the relay
 core's :class:`~proxy.relay.core.Deadlines`, shared with the WebSocket relays; here,
@@ -59,6 +62,8 @@ from proxy.relay.session import SessionRecord
 
 if TYPE_CHECKING:
     from proxy.clock import TimerHandle
+    from proxy.meter import SessionMeter
+    from proxy.relay.lifecycle import SessionStop
     from proxy.relay.services import RelayServices
     from proxy.settings import RouteSettings
 
@@ -95,7 +100,7 @@ class Ending:
     """Why an exchange ended before its response was complete."""
 
     #: "no_response", "idle", "max_session", "client_write", "drain", "midstream",
-    #: "client_left"
+    #: "client_left", "unreachable" (no replica took the request: the lifecycle answers)
     kind: str
     reason: str
 
@@ -194,12 +199,14 @@ class HttpExchange:
 
     # -- running it -----------------------------------------------------------------
 
-    async def run(self, receive: Receive) -> bool:
-        """Relay until the response is complete, the client leaves or a limit ends it.
-        True: the response started and must be aborted."""
-        task = self._task = asyncio.ensure_future(self._exchange())
+    async def run(self, receive: Receive, meter: SessionMeter, stop: SessionStop) -> bool:
+        """Relay until the response is complete, the client leaves or a limit ends it,
+        metering into ``meter``; drain ends it through ``stop``. True: the response
+        started and must be aborted. Raises :class:`~proxy.errors.UpstreamConnectError`
+        when no replica could be reached (nothing was sent to the client)."""
+        task = self._task = asyncio.ensure_future(self._exchange(meter))
         watcher = asyncio.ensure_future(self._watch_client(receive))
-        self.rt.register_session(self.stop, self.lease.pool)
+        stop.attach(self.stop)
         self.timers.next_deadline()
         self._arm()
         answer_by = self.timers.started + self.limits.upstream_response_timeout_s
@@ -207,7 +214,6 @@ class HttpExchange:
         try:
             await asyncio.wait({task})
         finally:
-            self.rt.unregister_session(self.stop)
             if self._timer is not None:
                 self._timer.cancel()
             if self._answer_timer is not None:
@@ -313,10 +319,9 @@ class HttpExchange:
         # each replica at most once (proxy.relay.failover)
         return await walk(lease, attempt, count=rt.upstream_error, moved=moved, log=log)
 
-    async def _exchange(self) -> None:
+    async def _exchange(self, meter: SessionMeter) -> None:
         rt, lease, record, scope = self.rt, self.lease, self.record, self.scope
         clock = self.clock
-        meter = rt.new_meter(lease.pool, lease.replica, record.admitted_at or clock.now())
         adapter = rt.http_adapter(self.route, meter)
         content_type = next(
             (v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"content-type"),
@@ -328,11 +333,8 @@ class HttpExchange:
             try:
                 response = await self._open()
             except UpstreamConnectError as err:
-                record.decision = "upstream_unreachable"
-                record.error = str(err)
-                record.status = await send_error(self._send, err)
-                self.complete = True
-                return
+                self.ending = Ending("unreachable", str(err))
+                raise
             except Exception as exc:
                 # Connected, but no response came (closed, reset): 502. Whatever the HTTP
                 # stack raises here (httpx, or e.g. an AttributeError from anyio on a
@@ -386,6 +388,4 @@ class HttpExchange:
                 with contextlib.suppress(Exception):
                     await response.aclose()
         finally:
-            now = clock.now()
-            adapter.response_complete(now)
-            record.meter = meter.finish(now).as_log_fields()
+            adapter.response_complete(clock.now())

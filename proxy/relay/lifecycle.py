@@ -13,7 +13,9 @@ The steps, in order (docs/architecture.md, "The path of one session"):
 5. **connect**: the upstream, failing over before any byte flows
    (:func:`proxy.relay.failover.walk`), raced against the client leaving and against
    drain (a draining gateway refuses the session, naming the fallback pool);
-6. **relay**: the transport's own relay;
+6. **relay**: the transport's own relay, with the session's meter and its entry in the
+   gateway's live sessions (:class:`SessionStop`: drain, or a fence of its pool, ends
+   it), both made here for either transport; the meter is finished here too;
 7. **release and log**: the slot and the tenant token are released and one
    :class:`~proxy.relay.session.SessionRecord` line is logged, exactly once, on every
    exit path (a refusal, the client leaving, an upstream failure, cancellation, an
@@ -23,7 +25,9 @@ The refusal mapping lives here too: each step's failure becomes the record's
 ``decision`` (``rejected_<reason>``, ``rejected_<code>``, ``abandoned``,
 ``upstream_unreachable``, ``upstream_timeout``) and one refusal to the client, in the
 transport's form (an HTTP error response, or a WebSocket denial / error event and close
-code: docs/contracts.md).
+code: docs/contracts.md). A connect failure is mapped once, for both transports: a
+WebSocket's from :meth:`Transport.open`, an HTTP exchange's (which sends its request as
+the first part of relaying) from :meth:`Transport.relay`.
 
 What differs between transports is given by a :class:`Transport`: how to refuse the
 client, how to notice it leave, what to do while it waits, how to open the upstream
@@ -54,10 +58,11 @@ from proxy.relay.admit import enter
 from proxy.relay.session import SessionRecord, new_session_id
 
 if TYPE_CHECKING:
-    from proxy.relay.services import RelayServices
+    from proxy.meter import SessionMeter
+    from proxy.relay.services import RelayServices, StopSession
     from proxy.settings import RouteSettings
 
-__all__ = ["Declined", "Transport", "race_client", "run_session"]
+__all__ = ["Declined", "SessionStop", "Transport", "race_client", "run_session"]
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -70,6 +75,33 @@ class Declined(Exception):
     def __init__(self, decision: str, err: HeadroomError | None = None) -> None:
         super().__init__(decision)
         self.decision, self.err = decision, err
+
+
+class SessionStop:
+    """A relaying session's entry in the gateway's live sessions
+    (:meth:`~proxy.relay.services.RelayServices.register_session`), registered by
+    :func:`run_session` for the whole relay step: drain, or a fence of the session's
+    pool, calls it, and it ends the relay through the stop the transport's relay gives
+    it (:meth:`attach`) once it runs. A stop asked before that is kept and applied then,
+    so a drain in the instant between the connect and the relay is not lost."""
+
+    __slots__ = ("_asked", "_stop")
+
+    def __init__(self) -> None:
+        self._stop: StopSession | None = None
+        self._asked: tuple[int, str] | None = None
+
+    def __call__(self, code: int, reason: str) -> None:
+        if self._stop is not None:
+            self._stop(code, reason)
+        elif self._asked is None:
+            self._asked = (code, reason)
+
+    def attach(self, stop: StopSession) -> None:
+        """The relay runs: ``stop`` ends it (at once if a stop was already asked)."""
+        self._stop = stop
+        if self._asked is not None:
+            stop(*self._asked)
 
 
 class Transport(Protocol[U]):
@@ -100,15 +132,22 @@ class Transport(Protocol[U]):
 
     async def open(self, lease: Lease, record: SessionRecord) -> U:
         """The upstream connection for the lease (failing over); raises
-        :class:`~proxy.errors.UpstreamConnectError`."""
+        :class:`~proxy.errors.UpstreamConnectError`. Or, when :attr:`open_races_client`
+        is False, only what :meth:`relay` uses."""
 
     def discard(self, upstream: U) -> None:
         """Drop what :meth:`open` made if the relay did not close it (cancellation,
         an internal error, or the client left during the connect)."""
 
     async def relay(
-        self, lease: Lease, upstream: U, fallback_pool: str | None, record: SessionRecord
-    ) -> None: ...
+        self, lease: Lease, upstream: U, fallback_pool: str | None, record: SessionRecord,
+        meter: SessionMeter, stop: SessionStop,
+    ) -> None:  # fmt: skip
+        """Relay until the session ends. ``meter``: the session's, for the transport's
+        protocol adapter (the lifecycle finishes it); ``stop``: given the relay's own
+        stop once it runs (:meth:`SessionStop.attach`). May raise
+        :class:`~proxy.errors.UpstreamConnectError` before anything was relayed (a
+        transport that connects as it relays)."""
 
     async def refuse(self, err: HeadroomError, record: SessionRecord) -> None:
         """Answer the client with ``err`` (sets ``record.status`` or ``client_close``)."""
@@ -213,6 +252,16 @@ def _release(lease: Lease) -> None:
     lease.release()
 
 
+async def _connect_failed(
+    transport: Transport[U], err: UpstreamConnectError, record: SessionRecord
+) -> None:
+    """No replica of the lease's pool took the session (proxy.relay.failover.walk)."""
+    timeout = isinstance(err, UpstreamConnectTimeout)
+    record.decision = "upstream_timeout" if timeout else "upstream_unreachable"
+    record.error = str(err)
+    await transport.refuse(err, record)
+
+
 async def run_session(
     services: RelayServices, route: RouteSettings, scope: dict[str, Any], transport: Transport[U]
 ) -> SessionRecord:
@@ -275,7 +324,7 @@ async def run_session(
             record.decision = f"rejected_{err.code}"
             await transport.refuse(err, record)
             return record
-        record.admitted_at = clock.now()
+        admitted_at = record.admitted_at = clock.now()
         record.queue_wait_s = lease.waited_s
         record.replica = lease.replica
         if trace is not None:
@@ -289,10 +338,7 @@ async def run_session(
             else:
                 upstream = await transport.open(lease, record)
         except UpstreamConnectError as err:
-            timeout = isinstance(err, UpstreamConnectTimeout)
-            record.decision = "upstream_timeout" if timeout else "upstream_unreachable"
-            record.error = str(err)
-            await transport.refuse(err, record)
+            await _connect_failed(transport, err, record)
             return record
         except Refused as refusal:  # drained while connecting
             record.decision = f"rejected_{refusal.reason}"
@@ -309,7 +355,16 @@ async def run_session(
             return record
         if trace is not None:
             trace.begin("stream")
-        await transport.relay(lease, upstream, fallback_pool, record)
+        meter = services.new_meter(lease.pool, lease.replica, admitted_at)
+        stop = SessionStop()
+        services.register_session(stop, lease.pool)
+        try:
+            await transport.relay(lease, upstream, fallback_pool, record, meter, stop)
+        except UpstreamConnectError as err:  # a transport that connects as it relays
+            await _connect_failed(transport, err, record)
+        finally:
+            services.unregister_session(stop)
+            record.meter = meter.finish(clock.now()).as_log_fields()
     except asyncio.CancelledError:
         record.error = "cancelled"
         raise

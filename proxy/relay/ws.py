@@ -66,6 +66,8 @@ from proxy.relay.ws_pump import relay_frames
 
 if TYPE_CHECKING:
     from proxy.gate import Lease, PositionCallback
+    from proxy.meter import SessionMeter
+    from proxy.relay.lifecycle import SessionStop
     from proxy.relay.services import RelayServices
     from proxy.relay.session import SessionRecord
     from proxy.settings import RouteSettings
@@ -360,8 +362,9 @@ class _WebSocket:
     # -- relaying -------------------------------------------------------------------------
 
     async def relay(
-        self, lease: Lease, upstream: Upstream, fallback_pool: str | None, record: SessionRecord
-    ) -> None:
+        self, lease: Lease, upstream: Upstream, fallback_pool: str | None, record: SessionRecord,
+        meter: SessionMeter, stop: SessionStop,
+    ) -> None:  # fmt: skip
         headers = [(FALLBACK_RESPONSE_HEADER, fallback_pool.encode())] if fallback_pool else []
         self.admitted = True
         if self.accepted:
@@ -371,45 +374,39 @@ class _WebSocket:
         self.notes = None
         if isinstance(upstream, UpstreamSocket):
             assert self.take_over is not None
-            await self._splice(lease, upstream, self.take_over, headers, record)
+            await self._splice(lease, upstream, self.take_over, headers, record, meter, stop)
             self.spliced = True
             return
         if not self.accepted:
             await self.accept(upstream.subprotocol, headers)
         await relay_frames(
             self.services, self.route, lease, upstream, self.receive, self.send, record,
-            self.held or (),
+            meter, stop, self.held or (),
         )  # fmt: skip
 
     async def _splice(
         self, lease: Lease, upstream: UpstreamSocket, take_over: TakeOver,
-        headers: list[tuple[bytes, bytes]], record: SessionRecord,
+        headers: list[tuple[bytes, bytes]], record: SessionRecord, meter: SessionMeter,
+        stop: SessionStop,
     ) -> None:  # fmt: skip
         """Accept the client and relay in protocol callbacks until both sockets close."""
         services = self.services
-        clock = services.clock
-        meter = services.new_meter(lease.pool, lease.replica, record.admitted_at or clock.now())
         loop = upstream.loop  # get_running_loop() costs a getpid()
         adapter = services.ws_adapter(self.route, meter)
         splice = Splice(services, lease, adapter, record, services.settings.limits, loop)
+        taken = take_over(
+            upstream.subprotocol, headers, splice.client,
+            lambda: splice.stop(1012, "server shutting down"), self.held or (),
+        )  # fmt: skip
+        if taken is None:  # the client left during the upstream handshake
+            record.error = "client went away"
+            splice.client_left(upstream.transport)
+            return
+        transport, early = taken
         try:
-            taken = take_over(
-                upstream.subprotocol, headers, splice.client,
-                lambda: splice.stop(1012, "server shutting down"), self.held or (),
-            )  # fmt: skip
-            if taken is None:  # the client left during the upstream handshake
-                record.error = "client went away"
-                splice.client_left(upstream.transport)
-                return
-            transport, early = taken
-            services.register_session(splice.stop, lease.pool)
-            try:
-                splice.start(transport, early, upstream.transport, *upstream.hand_over())
-                await splice.done
-            except BaseException:
-                splice.abort()
-                raise
-            finally:
-                services.unregister_session(splice.stop)
-        finally:
-            record.meter = meter.finish(clock.now()).as_log_fields()
+            splice.start(transport, early, upstream.transport, *upstream.hand_over())
+            stop.attach(splice.stop)
+            await splice.done
+        except BaseException:
+            splice.abort()
+            raise

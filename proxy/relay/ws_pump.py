@@ -36,6 +36,8 @@ from proxy.relay.core import (
 from proxy.relay.session import SessionRecord
 
 if TYPE_CHECKING:
+    from proxy.meter import SessionMeter
+    from proxy.relay.lifecycle import SessionStop
     from proxy.relay.services import RelayServices
     from proxy.settings import RouteSettings
 
@@ -129,13 +131,16 @@ async def relay_frames(
     receive: Receive,
     send: Send,
     record: SessionRecord,
+    meter: SessionMeter,
+    session_stop: SessionStop,
     pending: Sequence[dict[str, Any]] = (),
 ) -> None:
-    """Relay until either side ends. ``pending``: client messages received before the
-    upstream was connected (queue-feedback mode), sent upstream first, in order."""
+    """Relay until either side ends, metering into ``meter`` (the caller finishes it);
+    drain ends the relay through ``session_stop``. ``pending``: client messages received
+    before the upstream was connected (queue-feedback mode), sent upstream first, in
+    order."""
     clock = rt.clock
     backlog = deque(pending)
-    meter = rt.new_meter(lease.pool, lease.replica, record.admitted_at or clock.now())
     pool, replica = lease.pool, lease.replica
     core = RelayCore(
         rt.settings.limits, record, rt.ws_adapter(route, meter),
@@ -180,9 +185,9 @@ async def relay_frames(
                 return
 
     client_task = shell.client_task = asyncio.ensure_future(client_to_upstream())
-    rt.register_session(stop, pool)
     shell.arm(core.next_deadline())
     client_task.add_done_callback(lambda t: _on_client_done(t, stop))
+    session_stop.attach(stop)
     try:
         try:
             async for message in upstream:
@@ -227,14 +232,11 @@ async def relay_frames(
                 await send({"type": "websocket.close", "code": code,
                             "reason": truncate_reason(reason)})  # fmt: skip
     finally:
-        rt.unregister_session(stop)
         shell.cancel_timer()
         if not client_task.done():
             client_task.cancel()
         with contextlib.suppress(BaseException):
             await client_task
-        summary = meter.finish(clock.now())
-        record.meter = summary.as_log_fields()
 
 
 def _upstream_ended(core: RelayCore, upstream: ClientConnection, now: float) -> None:

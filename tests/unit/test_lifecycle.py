@@ -26,8 +26,9 @@ from proxy.errors import (
     UpstreamConnectError,
 )
 from proxy.gate import Gate, Lease
+from proxy.meter import RecordingReplicaSink, SessionMeter
 from proxy.relay.failover import AttemptFailed, walk
-from proxy.relay.lifecycle import Declined, race_client, run_session
+from proxy.relay.lifecycle import Declined, SessionStop, race_client, run_session
 from proxy.relay.services import StopSession
 from proxy.relay.session import SessionRecord
 from proxy.reservations import Reservations
@@ -63,6 +64,7 @@ class Services:
         self.released_tokens: list[str | None] = []
         self.sessions: list[StopSession] = []
         self.upstream_errors: list[tuple[str, str, str]] = []
+        self.meters: list[tuple[str, str, float]] = []
         self.tracer = None  # tracing off (proxy.tracing)
 
     @property
@@ -93,6 +95,10 @@ class Services:
     def upstream_error(self, pool: str, replica: str, kind: str) -> None:
         self.upstream_errors.append((pool, replica, kind))
 
+    def new_meter(self, pool: str, replica: str, admitted_at: float) -> SessionMeter:
+        self.meters.append((pool, replica, admitted_at))
+        return SessionMeter(admitted_at, RecordingReplicaSink())
+
 
 class Transport:
     """A scripted client and upstream. The client leaves when :attr:`left` is set;
@@ -120,6 +126,10 @@ class Transport:
         self.discarded: list[object] = []
         self.relayed: list[tuple[Lease, object, str | None]] = []
         self.lease_held_while_relaying: bool | None = None
+        #: While relaying: the session's entry in the live sessions, and the stop the
+        #: relay attached to it (what drain reached).
+        self.registered_while_relaying: bool | None = None
+        self.relay_stops: list[tuple[int, str]] = []
 
     async def prepare(self, record: SessionRecord) -> None:
         self.events.append("prepare")
@@ -158,13 +168,17 @@ class Transport:
         self.discarded.append(upstream)
 
     async def relay(
-        self, lease: Lease, upstream: object, fallback_pool: str | None, record: SessionRecord
-    ) -> None:
+        self, lease: Lease, upstream: object, fallback_pool: str | None, record: SessionRecord,
+        meter: SessionMeter, stop: SessionStop,
+    ) -> None:  # fmt: skip
         self.events.append("relay")
         self.lease_held_while_relaying = not lease.released
+        self.registered_while_relaying = self.services.sessions == [stop]
         self.relayed.append((lease, upstream, fallback_pool))
+        meter.event(record.admitted_at or 0.0)  # one metered event
         if self.relay_raises is not None:
             raise self.relay_raises
+        stop.attach(lambda code, reason: self.relay_stops.append((code, reason)))
 
     async def refuse(self, err: HeadroomError, record: SessionRecord) -> None:
         self.refusals.append(err)
@@ -229,6 +243,43 @@ async def test_admitted_session_relays_then_releases_lease_and_token_once(
     assert record.decision == "admitted" and record.replica == "gpu0"
     assert transport.discarded == [transport.upstream]  # offered back: the relay's to keep
     assert [line["decision"] for line in session_lines(logged)] == ["admitted"]
+
+
+async def test_the_lifecycle_meters_and_registers_the_relay_for_drain() -> None:
+    """The relay step gets a meter made for the lease (finished into the record when
+    the relay ends) and runs registered in the live sessions, an entry gone once the
+    relay returns."""
+    services = Services()
+    transport = Transport(services)
+    record = await start(services, transport)
+    assert services.meters == [(POOL, "gpu0", record.admitted_at)]
+    assert record.meter is not None and record.meter["events"] == 1
+    assert transport.registered_while_relaying is True and services.sessions == []
+
+
+async def test_a_stop_asked_before_the_relay_attaches_is_applied_when_it_does() -> None:
+    stop = SessionStop()
+    stop(1012, "server shutting down")
+    stop(1001, "a second stop is not queued")
+    stopped: list[tuple[int, str]] = []
+    stop.attach(lambda code, reason: stopped.append((code, reason)))
+    assert stopped == [(1012, "server shutting down")]
+    stop(1012, "again")  # attached: straight through
+    assert stopped[-1] == (1012, "again")
+
+
+async def test_a_connect_failure_out_of_the_relay_is_refused_as_one_out_of_open() -> None:
+    """A transport that connects as it relays (HTTP) raises the failover walk's
+    UpstreamConnectError from relay: the same decision and one refusal."""
+    services = Services()
+    transport = Transport(services)
+    err = UpstreamConnectError("cannot reach upstream gpu0", replica="gpu0", kind="connect")
+    transport.relay_raises = err
+    record = await start(services, transport)
+    assert record.decision == "upstream_unreachable" and record.error == str(err)
+    assert transport.refusals == [err] and "internal_error" not in transport.events
+    assert record.meter is not None and services.sessions == []
+    assert services.gate.active == 0
 
 
 # -- refusals ---------------------------------------------------------------------------
