@@ -10,7 +10,7 @@ hold whatever that speed: the probe reports a ceiling of at least 1 with its ran
 through Headroom at that cap, no admitted stream's modelled playback runs dry; straight
 at the engine with three times as many users (and against llama-server at least two more
 than its slots, so the engine is saturated even when a busy moment made the cap small),
-streams do run dry.
+streams run dry or their slow tail falls below realtime.
 """
 
 from __future__ import annotations
@@ -76,10 +76,14 @@ def check(result: dict[str, Any]) -> None:
     assert 1 <= low <= probe["ceiling"] <= high, render(result)
     assert result["cap"] == low
     headroom, direct = result["headroom"], result["direct"]
-    assert headroom["sessions_started"] > 0 and headroom["errors"] == 0, render(result)
+    # Admitted streams delivered audio in the window (at a small cap they may all have
+    # started during the warm-up and outlast it, so none *starts* in the window).
+    assert headroom["chunks"] > 0 and headroom["errors"] == 0, render(result)
     assert headroom["sessions_refused"] > 0, render(result)
     assert headroom["underruns"] == 0, render(result)
-    assert direct["underruns"] > 0, render(result)
+    # Direct, the engine is past its knee: streams run dry, or (a short hold on a quiet
+    # moment) their slow tail is below realtime, where every buffer drains.
+    assert direct["underruns"] > 0 or direct["worst_delivery_ratio"] < 1.0, render(result)
 
 
 def test_probe_and_overload_against_the_simulators_completions() -> None:
