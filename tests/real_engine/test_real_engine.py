@@ -10,7 +10,7 @@ hold whatever that speed: the probe reports a ceiling of at least 1 with its ran
 through Headroom at that cap, no admitted stream's modelled playback runs dry; straight
 at the engine with three times as many users (and against llama-server at least two more
 than its slots, so the engine is saturated even when a busy moment made the cap small),
-streams run dry or their slow tail falls below realtime.
+streams run dry or their slow tail falls below the 1.2x margin the cap keeps.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ SHORT = ["--levels", "2,4,...", "--max-level", "16", "--hold", "12", "--warmup",
 #: llama-server's slots (16) plus two: the direct side saturates the engine even when a
 #: busy moment made the probe's cap small (3x a cap of 2 would not).
 SATURATE = ("--min-users", "18")
+#: The delivery-ratio margin a ceiling keeps (the guard's default threshold).
+GUARD = 1.2
 
 
 @contextlib.contextmanager
@@ -82,8 +84,9 @@ def check(result: dict[str, Any]) -> None:
     assert headroom["sessions_refused"] > 0, render(result)
     assert headroom["underruns"] == 0, render(result)
     # Direct, the engine is past its knee: streams run dry, or (a short hold on a quiet
-    # moment) their slow tail is below realtime, where every buffer drains.
-    assert direct["underruns"] > 0 or direct["worst_delivery_ratio"] < 1.0, render(result)
+    # moment, when llama-server's slots hold the rest in its own queue) their slow tail
+    # falls below the 1.2x margin the cap keeps.
+    assert direct["underruns"] > 0 or direct["worst_delivery_ratio"] < GUARD, render(result)
 
 
 def test_probe_and_overload_against_the_simulators_completions() -> None:
