@@ -646,13 +646,7 @@ def main(argv: list[str] | None = None) -> int:
                           long_repeat=a.long_repeat, kinds=kinds, seed=a.seed, settle_s=a.settle,
                           workdir=a.workdir)  # fmt: skip
     result = asyncio.run(run(cfg))
-    text = format_report(result)
-    print(text)
-    if a.json:
-        Path(a.json).write_text(json.dumps(result, indent=2, default=str))
-    if a.markdown:
-        Path(a.markdown).write_text(text)
-    return 0 if result["passed"] else 1
+    return cs.emit(result, format_report(result), a.json, a.markdown)
 
 
 if __name__ == "__main__":

@@ -1293,12 +1293,18 @@ def main(argv: list[str] | None = None) -> int:
         workdir=args.workdir, settle_s=args.settle,
     )  # fmt: skip
     report = asyncio.run(run_shared_chaos(cfg))
-    text = format_report(report)
+    return emit(report, format_report(report), args.json, args.markdown)
+
+
+def emit(report: dict[str, Any], text: str, json_path: str | None,
+         markdown_path: str | None) -> int:  # fmt: skip
+    """Print a run's summary, write its report and summary where asked; the exit status:
+    0 only if the run's invariants held."""
     print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2))
-    if args.markdown:
-        Path(args.markdown).write_text(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(report, indent=2, default=str))
+    if markdown_path:
+        Path(markdown_path).write_text(text)
     return 0 if report["passed"] else 1
 
 
