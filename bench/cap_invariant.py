@@ -195,7 +195,7 @@ async def _reserve(state: State, gw: int) -> tuple[str | None, str]:
 
 async def _session(state: State, client: int, n: int) -> cs.Session:
     import websockets
-    from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
+    from websockets.exceptions import InvalidMessage, InvalidStatus
 
     cfg, rng = state.cfg, state.rng
     gw = rng.randrange(len(state.gateways))
@@ -226,23 +226,8 @@ async def _session(state: State, client: int, n: int) -> cs.Session:
                 s.outcome = "connect_failed"
                 return s
             s.opened = time.monotonic()
-            try:
-                await ws.send(json.dumps({"type": "session.config", "response_format": "pcm",
-                                          "stream_audio": True}))  # fmt: skip
-                text = " ".join([cs.TEXT] * cfg.long_repeat) if s.long else cs.TEXT
-                await ws.send(json.dumps({"type": "input.text", "text": text}))
-                await ws.send(json.dumps({"type": "input.done"}))
-                while True:
-                    msg = await ws.recv()
-                    if isinstance(msg, str):
-                        kind = json.loads(msg).get("type")
-                        if kind in ("session.done", "error"):
-                            s.outcome = "ok" if kind == "session.done" else "upstream_error"
-                            break
-            except ConnectionClosed as exc:
-                s.outcome = f"closed:{exc.rcvd.code if exc.rcvd is not None else 1006}"
-            finally:
-                await ws.close()
+            text = " ".join([cs.TEXT] * cfg.long_repeat) if s.long else cs.TEXT
+            s.outcome = await cs.speak(ws, text)
     except TimeoutError:
         s.outcome = s.outcome or "hung"
     except Exception as exc:

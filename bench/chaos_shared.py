@@ -592,7 +592,7 @@ class _Run:
 
 async def _one_session(run: _Run, client: int, n: int) -> Session:
     import websockets
-    from websockets.exceptions import ConnectionClosed, InvalidMessage, InvalidStatus
+    from websockets.exceptions import InvalidMessage, InvalidStatus
 
     gw = (client + n) % len(run.ports)
     s = Session(f"{client}-{n}", gw, time.monotonic(), long=run.rng.random() < run.cfg.long_share)
@@ -613,28 +613,7 @@ async def _one_session(run: _Run, client: int, n: int) -> Session:
                 s.outcome = "connect_failed"
                 return s
             s.opened = time.monotonic()
-            try:
-                await ws.send(json.dumps({"type": "session.config", "response_format": "pcm",
-                                          "stream_audio": True}))  # fmt: skip
-                text = LONG_TEXT if s.long else TEXT
-                await ws.send(json.dumps({"type": "input.text", "text": text}))
-                await ws.send(json.dumps({"type": "input.done"}))
-                while True:
-                    msg = await ws.recv()
-                    if isinstance(msg, str):
-                        kind = json.loads(msg).get("type")
-                        if kind == "session.done":
-                            break
-                        if kind == "error":
-                            s.outcome = "upstream_error"
-                            break
-                await ws.close()
-                s.outcome = s.outcome or "ok"
-            except ConnectionClosed as exc:
-                code = exc.rcvd.code if exc.rcvd is not None else 1006
-                s.outcome = f"closed:{code}"
-            finally:
-                await ws.close()
+            s.outcome = await speak(ws, LONG_TEXT if s.long else TEXT)
     except TimeoutError:
         s.outcome = s.outcome or "hung"
     except Exception as exc:
@@ -642,6 +621,29 @@ async def _one_session(run: _Run, client: int, n: int) -> Session:
     finally:
         s.ended = time.monotonic()
     return s
+
+
+async def speak(ws: Any, text: str) -> str:
+    """One utterance on an open vLLM-Omni speech WebSocket (config, text, done, read to
+    ``session.done``), then close. Returns the outcome: ``ok``, ``upstream_error`` or
+    ``closed:<code>``."""
+    from websockets.exceptions import ConnectionClosed
+
+    try:
+        await ws.send(json.dumps({"type": "session.config", "response_format": "pcm",
+                                  "stream_audio": True}))  # fmt: skip
+        await ws.send(json.dumps({"type": "input.text", "text": text}))
+        await ws.send(json.dumps({"type": "input.done"}))
+        while True:
+            msg = await ws.recv()
+            if isinstance(msg, str):
+                kind = json.loads(msg).get("type")
+                if kind in ("session.done", "error"):
+                    return "ok" if kind == "session.done" else "upstream_error"
+    except ConnectionClosed as exc:
+        return f"closed:{exc.rcvd.code if exc.rcvd is not None else 1006}"
+    finally:
+        await ws.close()
 
 
 async def _client(run: _Run, client: int) -> None:
