@@ -35,7 +35,6 @@ backend, see the same held counts), so no state is shared.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -182,19 +181,17 @@ class EngineReconciler:
     # -- internals --------------------------------------------------------------------
 
     def _held(self, pool: str) -> dict[str, int]:
-        """Sessions Headroom holds per replica of ``pool``: this gateway's, and on the
-        redis backend every gateway's at the last renewal if that is more."""
+        """Sessions Headroom holds per replica of ``pool``: the gate's count over every
+        gateway that shares the pool (:meth:`AdmissionGate.held_per_replica`), or this
+        gateway's own if that is more (the shared gate's count dates from its last
+        renewal, so sessions admitted since are not in it yet)."""
         try:
             stats = self._gate.statistics()[pool]
         except KeyError:
             return {}
         held = {r.name: r.active for r in stats.replicas}
-        totals: Callable[[str], tuple[dict[str, int], int]] | None = getattr(
-            self._gate, "pool_totals", None
-        )
-        if totals is not None:
-            for replica, n in totals(pool)[0].items():
-                held[replica] = max(held.get(replica, 0), n)
+        for replica, n in self._gate.held_per_replica(pool).items():
+            held[replica] = max(held.get(replica, 0), n)
         return held
 
     def _expire(self, key: tuple[str, str]) -> None:

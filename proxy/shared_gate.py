@@ -666,12 +666,6 @@ class SharedGate(SharedRenewal, SharedWakeups):
 
         return SharedReservations(self, clock, on_slot)
 
-    def pool_totals(self, pool: str) -> tuple[dict[str, int], int]:
-        """Pool-wide figures from the last renewal: held per replica over every gateway,
-        and the depth of the shared queue."""
-        p = self._pool(pool)
-        return dict(p.held), p.queue_depth
-
     @property
     def active(self) -> int:
         return sum(len(p.leases) for p in self._pools.values())

@@ -49,7 +49,7 @@ async def test_every_gateways_sessions_count_as_admitted(redis_backend: Backend)
     await a.renew()
     await b.renew()
     assert b.statistics()["tts"].replicas[0].active == 0  # b's own: none
-    assert b.pool_totals("tts")[0] == {"gpu0": 2}
+    assert b.held_per_replica("tts") == {"gpu0": 2}
     reconcilers = [EngineReconciler(g, redis_backend.clock, SETTINGS) for g in (a, b)]
     # The engine runs a's 2 sessions and 1 stream nobody admitted, for two scrapes.
     for _ in range(2):
