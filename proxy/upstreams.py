@@ -25,12 +25,28 @@ from proxy.clock import Clock
 from proxy.relay.failover import Unreachable, open_tcp
 from proxy.settings import Settings
 
-__all__ = ["EngineFigures", "HealthTarget", "Upstreams", "parse_engine_metrics"]
+__all__ = [
+    "ENGINE_METRICS_MAX_BYTES",
+    "ENGINE_METRICS_PARSE_INLINE_BYTES",
+    "EngineFigures",
+    "HealthTarget",
+    "Upstreams",
+    "parse_engine_metrics",
+]
 
 log = logging.getLogger("headroom.upstreams")
 
 #: (waiting, running, KV cache usage 0..1) of one engine, from its ``/metrics`` page.
 EngineFigures = tuple[float, float, float]
+
+#: The largest engine ``/metrics`` body read: past it the scrape stops reading, logs a
+#: warning and counts the replica as having no figures. A vLLM page is histograms and
+#: gauges per served model; this leaves room for many models while bounding memory.
+ENGINE_METRICS_MAX_BYTES = 4 * 1024 * 1024
+
+#: Bodies up to this size are parsed on the event loop; larger ones in a worker thread
+#: (:func:`asyncio.to_thread`), so a long page never stalls the sessions' relays.
+ENGINE_METRICS_PARSE_INLINE_BYTES = 64 * 1024
 
 _ENGINE_NAMES = {
     "vllm:num_requests_waiting": 0,
@@ -53,6 +69,15 @@ def parse_engine_metrics(text: str) -> EngineFigures:
     if not seen:
         raise ValueError("no vLLM engine metrics on that page")
     return values[0], values[1], values[2]
+
+
+def _too_large(url: str, what: str) -> ValueError:
+    """Log an engine page over :data:`ENGINE_METRICS_MAX_BYTES`; the error to raise."""
+    log.warning(
+        "engine metrics page %s %s (limit %d); its figures are dropped",
+        url, what, ENGINE_METRICS_MAX_BYTES,
+    )  # fmt: skip
+    return ValueError(f"engine metrics page {url} {what}")
 
 
 class HealthTarget(Protocol):
@@ -279,14 +304,35 @@ class Upstreams:
         for pool in self.settings.pools:
             for r in pool.replicas:
                 try:
-                    response = await self.http.get(r.url + "/metrics", timeout=2.0)
-                    figures = parse_engine_metrics(response.text)
+                    body = await self._read_metrics(r.url + "/metrics")
+                    if len(body) > ENGINE_METRICS_PARSE_INLINE_BYTES:
+                        figures = await asyncio.to_thread(parse_engine_metrics, body)
+                    else:
+                        figures = parse_engine_metrics(body)
                 except (httpx.HTTPError, ValueError):
                     self.engine.pop((pool.name, r.name), None)
                     self._scraped(pool.name, r.name, None)
                     continue
                 self.engine[(pool.name, r.name)] = figures
                 self._scraped(pool.name, r.name, figures)
+
+    async def _read_metrics(self, url: str) -> str:
+        """The body of ``url`` as text, read up to :data:`ENGINE_METRICS_MAX_BYTES`;
+        raises ValueError (after closing the response unread) past it."""
+        # identity: the bound is on the page itself, never on a compressed form of it
+        headers = {"accept-encoding": "identity"}
+        async with self.http.stream("GET", url, headers=headers, timeout=2.0) as response:
+            declared = response.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > ENGINE_METRICS_MAX_BYTES:
+                raise _too_large(url, f"declares {declared} bytes")
+            chunks: list[bytes] = []
+            size = 0
+            async for chunk in response.aiter_bytes():
+                size += len(chunk)
+                if size > ENGINE_METRICS_MAX_BYTES:
+                    raise _too_large(url, f"is longer than {ENGINE_METRICS_MAX_BYTES} bytes")
+                chunks.append(chunk)
+        return b"".join(chunks).decode("utf-8", errors="replace")
 
     def _scraped(self, pool: str, replica: str, figures: EngineFigures | None) -> None:
         for listener in self._scrape_listeners:

@@ -9,18 +9,27 @@ and each scrape happens exactly when the test says, never on a real timer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import pytest
 
+from proxy import upstreams as upstreams_module
 from proxy.clock import FakeClock
 from proxy.gate import Gate
 from proxy.runtime import build_gate
 from proxy.serving import bind_socket, running_server
 from proxy.settings import Settings
-from proxy.upstreams import Upstreams, parse_engine_metrics
+from proxy.upstreams import (
+    ENGINE_METRICS_MAX_BYTES,
+    ENGINE_METRICS_PARSE_INLINE_BYTES,
+    EngineFigures,
+    Upstreams,
+    parse_engine_metrics,
+)
 from tests.conftest import proxy_settings
 
 VLLM_PAGE = (
@@ -251,3 +260,113 @@ async def test_scraping_turned_on_by_a_reload_starts_and_turned_off_ends() -> No
             assert replica.requests == ["/metrics"] and clock.pending_timers == 0
         finally:
             await upstreams.stop()
+
+
+class StreamedPage:
+    """An engine whose ``/metrics`` body is ``size`` bytes of comment lines followed by
+    :data:`VLLM_PAGE`, sent in chunks (with a Content-Length header if ``declare``)."""
+
+    def __init__(self, size: int, *, declare: bool = False) -> None:
+        self.size = size
+        self.declare = declare
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        line = b"# " + b"x" * 1021 + b"\n"
+        tail = VLLM_PAGE.encode()
+        lines = max(0, (self.size - len(tail)) // len(line))
+        headers = []
+        if self.declare:
+            headers.append((b"content-length", str(lines * len(line) + len(tail)).encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for start in range(0, lines, 64):
+            chunk = line * min(64, lines - start)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": tail})
+
+
+async def scrape(app: Any) -> Upstreams:
+    clock = FakeClock()
+    async with running_server(app) as server:
+        s = settings(server.http_url)
+        upstreams = Upstreams(s, build_gate(s, clock, None), clock)
+        await upstreams.start()
+        try:
+            await upstreams.scrape_once()
+        finally:
+            await upstreams.stop()
+    return upstreams
+
+
+@pytest.mark.parametrize("declare", [False, True], ids=["chunked", "content-length"])
+async def test_an_engine_page_over_the_bound_drops_the_figures_with_a_warning(
+    declare: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    seen: list[EngineFigures | None] = []
+    app = StreamedPage(2 * ENGINE_METRICS_MAX_BYTES, declare=declare)
+    clock = FakeClock()
+    async with running_server(app) as server:
+        s = settings(server.http_url)
+        upstreams = Upstreams(s, build_gate(s, clock, None), clock)
+        upstreams.on_scrape(lambda pool, replica, figures: seen.append(figures))
+        await upstreams.start()
+        try:
+            with caplog.at_level(logging.WARNING, logger="headroom.upstreams"):
+                await upstreams.scrape_once()
+        finally:
+            await upstreams.stop()
+    assert seen == [None]
+    assert ("main", "gpu0") not in upstreams.engine
+    assert any(
+        "engine metrics page" in r.message and str(ENGINE_METRICS_MAX_BYTES) in r.message
+        for r in caplog.records
+    )
+
+
+async def test_a_long_engine_page_within_the_bound_is_parsed_off_the_event_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    threads: list[int] = []
+
+    def parse(text: str) -> EngineFigures:
+        threads.append(threading.get_ident())
+        return parse_engine_metrics(text)
+
+    monkeypatch.setattr(upstreams_module, "parse_engine_metrics", parse)
+    short = await scrape(StreamedPage(0))
+    long = await scrape(StreamedPage(4 * ENGINE_METRICS_PARSE_INLINE_BYTES))
+    assert short.engine[("main", "gpu0")] == long.engine[("main", "gpu0")] == (0.0, 7.0, 0.42)
+    loop_thread = threading.get_ident()
+    assert threads[0] == loop_thread  # a short page is parsed in place
+    assert threads[1] != loop_thread
+
+
+async def test_the_scrape_stops_reading_an_engine_page_at_the_bound() -> None:
+    sent: list[int] = []
+    chunk = b"# " + b"x" * (64 * 1024 - 3) + b"\n"
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(4 * ENGINE_METRICS_MAX_BYTES // len(chunk)):
+            sent.append(len(chunk))
+            yield chunk
+        yield VLLM_PAGE.encode()
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body())
+
+    clock = FakeClock()
+    s = settings("http://127.0.0.1:9")
+    upstreams = Upstreams(
+        s, build_gate(s, clock, None), clock, transport=httpx.MockTransport(answer)
+    )
+    await upstreams.start()
+    try:
+        await upstreams.scrape_once()
+    finally:
+        await upstreams.stop()
+    assert ("main", "gpu0") not in upstreams.engine
+    assert sum(sent) <= ENGINE_METRICS_MAX_BYTES + len(chunk)
