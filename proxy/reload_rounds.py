@@ -16,7 +16,13 @@ from typing import Any
 from proxy.admin import ReloadAnswer
 from proxy.errors import ConfigError
 from proxy.settings import cut_short_problems, read_config_text
-from proxy.worker_control import RELOAD_DEADLINE_S, Channel, describe, digest
+from proxy.worker_control import (
+    RELOAD_DEADLINE_S,
+    Channel,
+    describe,
+    digest,
+    prepare_problems,
+)
 
 __all__ = ["ReloadRounds"]
 
@@ -135,6 +141,8 @@ class ReloadRounds:
         except ConfigError as err:
             return ReloadAnswer.invalid(err.problems)
         if problems := cut_short_problems(text):
+            return ReloadAnswer.invalid(problems)
+        if problems := await asyncio.to_thread(prepare_problems, text, self.config_path):
             return ReloadAnswer.invalid(problems)
         generation, attempt = self.generation + 1, next(self._attempts)
         workers = list(self._workers)

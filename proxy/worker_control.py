@@ -49,6 +49,7 @@ __all__ = [
     "WorkerControl",
     "describe",
     "digest",
+    "prepare_problems",
     "read_start",
     "start_frame",
 ]
@@ -59,8 +60,40 @@ log = logging.getLogger("headroom.workers")
 RELOAD_DEADLINE_S = 10.0
 #: How long a starting worker waits for its configuration from the supervisor.
 START_TIMEOUT_S = 60.0
-#: A message carries at most one configuration file, JSON-escaped.
-MAX_MESSAGE_BYTES = 8 * MAX_CONFIG_BYTES
+#: The largest message line. The largest message is a reload's ``prepare``: one
+#: configuration file, JSON-escaped without ``\\u`` escapes for non-ASCII text, so at
+#: most two bytes per byte of YAML text (quotes, backslashes, tabs and newlines take
+#: two), plus the round, source path and field names. A file whose escaped text is longer
+#: (control characters, which YAML refuses anyway) is refused before it is sent
+#: (:func:`prepare_problems`).
+MAX_MESSAGE_BYTES = 2 * MAX_CONFIG_BYTES + 64 * 1024
+#: Lines up to this size are parsed on the event loop; longer ones in a worker thread.
+PARSE_INLINE_BYTES = 64 * 1024
+#: The keys a message too large to send keeps (small scalars): its answer becomes a
+#: failure the other end reports, never a line the other end would refuse.
+_ENVELOPE = ("op", "round", "request", "index", "pid", "gateway", "generation",
+             "config_sha256")  # fmt: skip
+
+
+def _encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def prepare_problems(text: str, source: str) -> list[tuple[str, str]]:
+    """Why a ``prepare`` message carrying ``text`` could not cross the control channel
+    (empty when it can): its JSON-escaped form is over :data:`MAX_MESSAGE_BYTES`."""
+    size = len(_encode({"op": "prepare", "round": 0, "text": text, "source": source}))
+    if size <= MAX_MESSAGE_BYTES - 32:  # room for the round number
+        return []
+    return [("<file>", (
+        f"escapes to {size} bytes for the workers, over the control channel's "
+        f"{MAX_MESSAGE_BYTES}: control characters other than tab and newline are not "
+        "YAML; nothing applied"
+    ))]  # fmt: skip
+
+
+def _decode(line: bytes) -> Any:
+    return json.loads(line)
 
 
 def digest(text: str) -> str:
@@ -118,7 +151,20 @@ class Channel:
         self._early.clear()
 
     def send(self, message: dict[str, Any]) -> None:
-        line = json.dumps(message).encode() + b"\n"
+        """Queue ``message``. One over :data:`MAX_MESSAGE_BYTES` (the other end would
+        refuse it and close the channel) is sent as its envelope with ``ok`` false and
+        the reason, which the other end reports as a failed step."""
+        line = _encode(message)
+        if len(line) > MAX_MESSAGE_BYTES:
+            log.error("control message %r of %d bytes is over the channel's %d; sent as a "
+                      "failure", message.get("op"), len(line), MAX_MESSAGE_BYTES)  # fmt: skip
+            reason = f"its {message.get('op')} message was over {MAX_MESSAGE_BYTES} bytes"
+            failed = {k: message[k] for k in _ENVELOPE if k in message}
+            failed.update(ok=False, reason=reason)
+            if message.get("op") == "answer":
+                failed.update(status=500, body={"reloaded": False, "error": {
+                    "type": "control_message_too_large", "message": reason}})  # fmt: skip
+            line = _encode(failed)
         if self._writer is None:
             self._early.append(line)
         elif not self._writer.is_closing():  # else the other end is gone (EOF for it)
@@ -129,7 +175,12 @@ class Channel:
         assert self._reader is not None
         try:
             line = await self._reader.readline()
-            message = json.loads(line) if line else None
+            if not line:
+                return None
+            if len(line) > PARSE_INLINE_BYTES:
+                message = await asyncio.to_thread(_decode, line)
+            else:
+                message = _decode(line)
         except (ValueError, ConnectionError):
             return None
         return message if isinstance(message, dict) else None

@@ -4,6 +4,7 @@ with workers in this process: every worker applies a file or none does."""
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import threading
 from collections.abc import AsyncIterator
@@ -12,9 +13,17 @@ from typing import Any
 
 import pytest
 
+from proxy import worker_control
 from proxy.errors import ConfigError
 from proxy.reload_rounds import ReloadRounds
-from proxy.worker_control import WorkerControl, read_start, start_frame
+from proxy.settings.loading import MAX_CONFIG_BYTES
+from proxy.worker_control import (
+    MAX_MESSAGE_BYTES,
+    Channel,
+    WorkerControl,
+    read_start,
+    start_frame,
+)
 
 
 class Target:
@@ -234,3 +243,66 @@ async def test_a_late_answer_to_an_aborted_round_is_not_taken_for_the_next(
     assert second.status == 503, second.body
     assert "refused the second time" in second.body["error"]["message"]
     assert not a.applied and not b.applied and not workers.splits
+
+
+async def test_a_line_longer_than_any_message_closes_the_channel() -> None:
+    ours, theirs = socket.socketpair()
+    channel = Channel(theirs)
+    await channel.open()
+    pad = "a" * (3 * MAX_CONFIG_BYTES)
+    writer = asyncio.ensure_future(asyncio.to_thread(ours.sendall, f'{{"pad":"{pad}"}}\n'.encode()))
+    try:
+        assert await channel.receive() is None
+    finally:
+        ours.close()
+        await asyncio.gather(writer, return_exceptions=True)
+        channel.close()
+
+
+async def test_the_largest_file_of_quotes_reaches_every_worker_parsed_off_the_loop(
+    workers: Set, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: list[int] = []
+
+    def decode(line: bytes) -> Any:
+        threads.append(threading.get_ident())
+        return json.loads(line)
+
+    monkeypatch.setattr(worker_control, "_decode", decode)
+    line = '# "\\' * 255 + "\t\n"  # every character but the '#' and spaces escapes to two
+    text = line * (MAX_CONFIG_BYTES // len(line))
+    (tmp_path / "headroom.yaml").write_text(text)
+    a = Target()
+    workers.add(a)
+    answer = await workers.rounds.reload("test")
+    assert answer.status == 200, answer.body
+    assert a.applied == [("settings", text)]
+    assert any(t != threading.get_ident() for t in threads)  # the prepare line
+
+
+async def test_a_file_that_escapes_past_the_channel_is_refused_before_any_worker_sees_it(
+    workers: Set, tmp_path: Path
+) -> None:
+    a = Target()
+    workers.add(a)
+    (tmp_path / "headroom.yaml").write_text("# " + "\x01" * (MAX_CONFIG_BYTES // 2) + "\n")
+    answer = await workers.rounds.reload("test")
+    assert answer.status == 400
+    assert "control characters" in answer.body["problems"][0]["reason"]
+    assert not a.validated
+
+
+async def test_a_reply_too_large_for_the_channel_is_a_failure_and_the_channel_lives_on(
+    workers: Set,
+) -> None:
+    a, b = Target(), Target()
+    huge = ["pool main: " + "x" * 1024] * (MAX_MESSAGE_BYTES // 1024)
+    b.apply_reload = lambda settings: huge  # type: ignore[method-assign]
+    workers.add(a)
+    workers.add(b)
+    answer = await workers.rounds.reload("test")
+    assert answer.status == 500
+    assert answer.body["error"]["type"] == "workers_disagree"
+    assert f"over {MAX_MESSAGE_BYTES} bytes" in answer.body["workers"][1]["reason"]
+    del b.apply_reload  # the class's again
+    assert (await workers.rounds.reload("test")).status == 200
