@@ -76,7 +76,9 @@ _ENVELOPE = ("op", "round", "request", "index", "pid", "gateway", "generation",
 
 
 def _encode(message: dict[str, Any]) -> bytes:
-    return json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+    text = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+    # a lone surrogate (an exception's repr may carry one) becomes its JSON escape
+    return text.encode("utf-8", "backslashreplace") + b"\n"
 
 
 def prepare_problems(text: str, source: str) -> list[tuple[str, str]]:

@@ -306,3 +306,16 @@ async def test_a_reply_too_large_for_the_channel_is_a_failure_and_the_channel_li
     assert f"over {MAX_MESSAGE_BYTES} bytes" in answer.body["workers"][1]["reason"]
     del b.apply_reload  # the class's again
     assert (await workers.rounds.reload("test")).status == 200
+
+
+async def test_a_reason_with_a_lone_surrogate_crosses_the_channel() -> None:
+    ours, theirs = socket.socketpair()
+    sender, receiver = Channel(ours), Channel(theirs)
+    await sender.open()
+    await receiver.open()
+    try:
+        sender.send({"op": "prepared", "reason": "bad \udc80 name é"})
+        assert await receiver.receive() == {"op": "prepared", "reason": "bad \udc80 name é"}
+    finally:
+        sender.close()
+        receiver.close()
