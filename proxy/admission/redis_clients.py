@@ -3,15 +3,16 @@
 With a :class:`SentinelNodes`, every client is redis-py's ``Sentinel(...).master_for``:
 its connection pool asks the sentinels for the current primary whenever it opens a
 connection, so after a failover the next connection (the one after an error) goes to
-the promoted replica. The data nodes' credentials, database and TLS come from the
-configured URL; its host and port are not used.
+the promoted replica. The data nodes' credentials, database, TLS and query options
+(timeouts, TLS settings) come from the configured URL, read as redis-py reads any URL;
+its host and port are not used.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 __all__ = ["SentinelNodes", "async_client", "sync_client"]
 
@@ -37,18 +38,25 @@ class SentinelNodes:
 
 
 def _data_node_options(url: str) -> dict[str, Any]:
-    parts = urlsplit(url)
-    options: dict[str, Any] = {}
-    if parts.username:
-        options["username"] = unquote(parts.username)
-    if parts.password:
-        options["password"] = unquote(parts.password)
-    db = parts.path.lstrip("/")
-    if db:
-        options["db"] = int(db)
-    if parts.scheme == "rediss":
+    """The connection options of the data nodes from ``url``, as redis-py reads a URL
+    (:func:`redis.connection.parse_url`: credentials, database, query options such as
+    ``socket_timeout`` or ``ssl_cert_reqs``), without its host and port (the sentinels
+    name the primary) and with ``ssl`` for ``rediss://``."""
+    from redis import connection
+
+    parse_url: Any = connection.parse_url  # redis-py leaves it unannotated
+    options: dict[str, Any] = parse_url(url)
+    for key in ("host", "port", "path", "connection_class"):
+        options.pop(key, None)
+    if urlsplit(url).scheme == "rediss":
         options["ssl"] = True
     return options
+
+
+def _master_options(url: str, socket_timeout: float, options: dict[str, Any]) -> dict[str, Any]:
+    """The primary's connection options: the caller's, then the URL's over them (as
+    ``from_url`` without Sentinel does: the URL's query options win)."""
+    return {"socket_timeout": socket_timeout, **options, **_data_node_options(url)}
 
 
 def _sentinel_options(sentinel: SentinelNodes, timeout_s: float) -> dict[str, Any]:
@@ -74,9 +82,7 @@ def async_client(
     sentinels = make(
         list(sentinel.nodes), sentinel_kwargs=_sentinel_options(sentinel, connect_timeout)
     )
-    return sentinels.master_for(
-        sentinel.master, socket_timeout=socket_timeout, **_data_node_options(url), **options
-    )
+    return sentinels.master_for(sentinel.master, **_master_options(url, socket_timeout, options))
 
 
 def sync_client(
@@ -94,6 +100,4 @@ def sync_client(
     sentinels = make(
         list(sentinel.nodes), sentinel_kwargs=_sentinel_options(sentinel, connect_timeout)
     )
-    return sentinels.master_for(
-        sentinel.master, socket_timeout=socket_timeout, **_data_node_options(url), **options
-    )
+    return sentinels.master_for(sentinel.master, **_master_options(url, socket_timeout, options))
