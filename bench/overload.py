@@ -66,7 +66,7 @@ from proxy.sim.capacity import describe
 from proxy.sim.chunks import parse_ramp
 from proxy.sim.presets import Preset, get_preset
 
-__all__ = ["main", "run_overload"]
+__all__ = ["main", "recommended_cap", "run_overload"]
 
 _PY = [sys.executable, "-m", "proxy.cli"]
 
@@ -313,11 +313,18 @@ def _cap(args: argparse.Namespace, preset: Preset) -> tuple[int, str]:
         if low < 1:
             raise SystemExit(f"{args.cap_from}: the probe's ceiling is {low}: no cap")
         return low, f"headroom probe ({args.cap_from}), the low end of its ceiling_range"
-    target: Preset | str = preset if args.codec_chunk_ramp else preset.name
+    return recommended_cap(preset if args.codec_chunk_ramp else preset.name)
+
+
+def recommended_cap(target: Preset | str) -> tuple[int, str]:
+    """``headroom sim --describe``'s ``recommended_cap`` of ``target`` (the largest level
+    every seed of the ceiling range passes) and where it came from; SystemExit when no
+    level passes on every seed."""
     info = describe(target)
+    name = target if isinstance(target, str) else target.name
     low, high = info["ceiling_range"]
     if int(info["recommended_cap"]) < 1:
-        raise SystemExit(f"{preset.name}: no level keeps the rules on every seed: no cap")
+        raise SystemExit(f"{name}: no level keeps the rules on every seed: no cap")
     seeds = ", ".join(info["ceiling_by_seed"])
     return int(info["recommended_cap"]), (
         f"headroom sim --describe's recommended_cap: every seed passes there; ceiling "

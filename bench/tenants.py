@@ -4,19 +4,20 @@
                             [--hold 60] [--warmup 15] [--backend memory|redis] [--json OUT]
 
 Starts ``headroom sim`` (one simulated GPU) and, per phase, ``headroom serve`` with API
-keys, caps the pool at the simulator's ceiling (``headroom sim --describe``) and offers
+keys, caps the pool at the simulator's recommended cap (``headroom sim --describe``: the
+largest level every seed passes) and offers
 closed-loop users per key (``headroom probe``'s client and metering, each key's users in
 their own load-generator process, started together on the shared monotonic clock; a
 refused user retries after ``min(Retry-After, 1 s)``). Three phases:
 
-1. ``fifo``: keys ``a`` (2x the ceiling in users) and ``b`` (1x) without tenant fields
+1. ``fifo``: keys ``a`` (2x the cap in users) and ``b`` (1x) without tenant fields
    -- today's single FIFO, the baseline.
 2. ``fair``: the same load, both keys ``weight: 1``.
    Reported: each key's session-seconds over the hold window (Headroom's own
    ``headroom_tenant_session_seconds_total``, scraped at the window's edges) and Jain's
    fairness index of the two (1 = equal shares; issue target >= 0.95 in ``fair``).
 3. ``priority``: ``a`` and ``b`` as in ``fair``, plus ``free`` (``priority: -1``, 1x the
-   ceiling in users) and ``gold`` (``priority: 10``, as many users as its reserve);
+   cap in users) and ``gold`` (``priority: 10``, as many users as its reserve);
    the pool keeps ``reserve`` slots for class 10 and its queue holds as many waiters as
    ``a`` and ``b`` have users. Reported per key: sessions, queued share, queue wait p99
    (from ``headroom_tenant_queue_wait_seconds``; a session admitted at once waited 0),
@@ -55,6 +56,7 @@ from bench.overload import (
     _child,
     _preset,
     _trace_from,
+    recommended_cap,
     run_bench,
     run_worker,
     wait_workers,
@@ -64,7 +66,6 @@ from proxy.probe.analysis import LevelWindow, SessionTrace, level_stats, quantil
 from proxy.probe.runner import ProbeSettings
 from proxy.probe.session import ClientOptions, endpoint_url
 from proxy.probe.workload import bundled
-from proxy.sim.capacity import describe
 
 __all__ = ["jain", "main"]
 
@@ -259,15 +260,23 @@ async def _phase(sim_url: str, preset: Any, cap: int, phase: str, users: dict[st
             return result
 
 
+def pool_cap(args: argparse.Namespace, preset: Any) -> tuple[int, str]:
+    """The pool's cap and where it came from: ``--cap``, else the preset's (with its
+    chunk schedule) recommended cap over the simulator's seeds."""
+    if args.cap:
+        return int(args.cap), "--cap"
+    return recommended_cap(preset if args.codec_chunk_ramp else preset.name)
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     preset = _preset(args)
-    target: Any = preset if args.codec_chunk_ramp else preset.name
-    cap = args.cap or int(describe(target)["ceiling"])
+    cap, cap_from = pool_cap(args, preset)
     if cap <= args.reserve:
-        raise SystemExit(f"the ceiling ({cap}) must exceed --reserve ({args.reserve})")
+        raise SystemExit(f"the cap ({cap}) must exceed --reserve ({args.reserve})")
     started = time.monotonic()
     out: dict[str, Any] = {
         "preset": preset.name, "chunk_schedule": preset.schedule.describe(), "cap": cap,
+        "cap_from": cap_from,
         "reserve": args.reserve, "hold_s": args.hold, "warmup_s": args.warmup,
         "loadavg_before": os.getloadavg(), "phases": {},
     }  # fmt: skip
@@ -341,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="l40s-qwen3tts-1.7b")
     parser.add_argument("--codec-chunk-ramp", default="4,4,8,16,25", metavar="LIST")
-    parser.add_argument("--cap", type=int, help="the pool's cap (default: the ceiling)")
+    parser.add_argument("--cap", type=int, help="the pool's cap (default: recommended)")
     parser.add_argument("--reserve", type=int, default=2, help="slots kept for class 10")
     parser.add_argument("--phases", default="fifo,fair,priority")
     parser.add_argument("--hold", type=float, default=60.0, help="measured seconds")

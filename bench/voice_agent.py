@@ -1,4 +1,4 @@
-"""Voice-agent calls at 2x the TTS ceiling while ASR has room: with and without gang
+"""Voice-agent calls at 2x the TTS cap while ASR has room: with and without gang
 reservations (issue 19).
 
     python -m bench.voice_agent [--tts-preset h100-orpheus-3b] [--load 2] [--hold 30]
@@ -8,10 +8,11 @@ reservations (issue 19).
 It starts two ``headroom sim`` processes (one simulated ASR GPU, ``--asr-preset``, and
 one simulated TTS GPU, ``--tts-preset``) and ``headroom serve`` with two pools:
 ``asr-main`` (vllm-realtime, capped at ``--asr-cap``, by default the ASR preset's
-ceiling, which must leave room for every call) and ``tts-main`` (vllm-omni-speech-ws,
-capped at ``--tts-cap``, by default the TTS preset's ceiling from ``headroom sim
---describe``), no queue, guard in observe mode (so only the caps refuse). Then
-``load x TTS cap`` closed-loop callers run for ``warmup + hold`` seconds, twice:
+recommended cap, which must leave room for every call) and ``tts-main``
+(vllm-omni-speech-ws, capped at ``--tts-cap``, by default the TTS preset's recommended
+cap from ``headroom sim --describe``: the largest level every seed passes), no queue,
+guard in observe mode (so only the caps refuse). Then ``load x TTS cap`` closed-loop
+callers run for ``warmup + hold`` seconds, twice:
 
 - ``plain``: each call opens its ASR WebSocket, streams the caller's audio (realtime
   pace, silence) for ``--speak`` seconds, then opens its TTS WebSocket for the answer
@@ -60,12 +61,18 @@ import yaml
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus, WebSocketException
 
-from bench.overload import _child, _loads, run_bench, wait_workers, worker_processes
+from bench.overload import (
+    _child,
+    _loads,
+    recommended_cap,
+    run_bench,
+    wait_workers,
+    worker_processes,
+)
 from proxy.probe.analysis import quantile
 from proxy.probe.clients import run_session
 from proxy.probe.session import ClientOptions, Refusal, SessionFailed, SessionRecorder
 from proxy.probe.workload import ASR_SAMPLE_RATE, SpeechRequest, bundled
-from proxy.sim.capacity import describe
 from proxy.sim.presets import get_preset
 
 __all__ = ["classify", "main", "render", "run_voice_agent", "summarize"]
@@ -336,19 +343,26 @@ def _config(asr_url: str, tts_url: str, asr_cap: int, tts_cap: int, rate: int) -
     }  # fmt: skip
 
 
+def caps(args: argparse.Namespace) -> tuple[tuple[int, str], tuple[int, str]]:
+    """The TTS and ASR pools' caps and where each came from: ``--tts-cap`` /
+    ``--asr-cap``, else the preset's recommended cap over the simulator's seeds."""
+    tts = (args.tts_cap, "--tts-cap") if args.tts_cap else recommended_cap(args.tts_preset)
+    asr = (args.asr_cap, "--asr-cap") if args.asr_cap else recommended_cap(args.asr_preset)
+    return tts, asr
+
+
 async def run_voice_agent(args: argparse.Namespace) -> dict[str, Any]:
     asr, tts = get_preset(args.asr_preset), get_preset(args.tts_preset)
-    tts_cap = args.tts_cap or int(describe(tts.name)["ceiling"])
+    (tts_cap, tts_cap_from), (asr_cap, _) = caps(args)
     users = max(1, round(args.load * tts_cap))
-    asr_cap = args.asr_cap or int(describe(asr.name)["ceiling"])
     if asr_cap < users:
         raise SystemExit(f"--asr-cap {asr_cap} < {users} callers: ASR would have no room")
     args.asr_model, args.tts_model, args.sample_rate = asr.model, tts.model, tts.sample_rate
     started = time.monotonic()
     out: dict[str, Any] = {
         "asr_preset": asr.name, "tts_preset": tts.name, "asr_cap": asr_cap,
-        "tts_cap": tts_cap, "tts_cap_from": "--tts-cap" if args.tts_cap
-        else "headroom sim --describe", "load_factor": args.load, "users": users,
+        "tts_cap": tts_cap, "tts_cap_from": tts_cap_from, "load_factor": args.load,
+        "users": users,
         "clients": args.clients, "hold_s": args.hold, "warmup_s": args.warmup,
         "speak_s": args.speak, "loadavg_before": os.getloadavg(),
     }  # fmt: skip
@@ -425,8 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--asr-preset", default="h100-voxtral-realtime-4b")
     parser.add_argument("--tts-preset", default="h100-orpheus-3b")
     parser.add_argument("--load", type=float, default=2.0, help="callers x the TTS cap")
-    parser.add_argument("--tts-cap", type=int, help="TTS cap (default: the preset's ceiling)")
-    parser.add_argument("--asr-cap", type=int, help="ASR cap (default: the preset's ceiling)")
+    parser.add_argument("--tts-cap", type=int, help="TTS cap (default: recommended)")
+    parser.add_argument("--asr-cap", type=int, help="ASR cap (default: recommended)")
     parser.add_argument("--speak", type=float, default=1.0,
                         help="seconds the caller speaks before the TTS answer")  # fmt: skip
     parser.add_argument("--hold-s", type=float, default=5.0, help="reservation hold_s")

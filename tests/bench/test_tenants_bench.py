@@ -43,3 +43,17 @@ def test_the_redis_backend_option_configures_every_tenant_field_on_redis() -> No
     memory = settings_from_mapping(_config("http://127.0.0.1:9", preset, 6, "fair", users, 2),
                                    env={})  # fmt: skip
     assert memory.admission.backend == "memory"
+
+
+def test_the_default_cap_is_the_presets_recommended_cap_over_seeds() -> None:
+    from bench.overload import _preset
+    from bench.tenants import build_parser, pool_cap
+    from proxy.sim.capacity import describe
+
+    args = build_parser().parse_args([])
+    preset = _preset(args)  # with its chunk schedule
+    cap, source = pool_cap(args, preset)
+    assert cap == describe(preset)["recommended_cap"]
+    assert "recommended_cap" in source
+    args = build_parser().parse_args(["--cap", "9"])
+    assert pool_cap(args, _preset(args)) == (9, "--cap")

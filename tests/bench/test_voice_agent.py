@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.voice_agent import classify, main, summarize
+from bench.voice_agent import build_parser, caps, classify, main, summarize
 from proxy.probe.session import Refusal, SessionFailed
+from proxy.sim.capacity import describe
 
 
 def test_reservations_leave_no_caller_heard_but_unanswered(tmp_path: Path) -> None:
@@ -53,3 +54,12 @@ def test_the_figures_count_only_calls_started_in_the_window() -> None:
             figures["failed"]) == (1, 1, 1, 1)  # fmt: skip
     assert figures["heard_not_answered_share"] == 0.25
     assert figures["heard_not_answered_told_p50_s"] == 1.0
+
+
+def test_the_default_caps_are_the_presets_recommended_caps_over_seeds() -> None:
+    (tts_cap, tts_from), (asr_cap, asr_from) = caps(build_parser().parse_args([]))
+    assert tts_cap == describe("h100-orpheus-3b")["recommended_cap"]
+    assert asr_cap == describe("h100-voxtral-realtime-4b")["recommended_cap"]
+    assert "recommended_cap" in tts_from and "recommended_cap" in asr_from
+    given = caps(build_parser().parse_args(["--tts-cap", "3", "--asr-cap", "9"]))
+    assert given == ((3, "--tts-cap"), (9, "--asr-cap"))
