@@ -166,6 +166,10 @@ class HeadroomApp:
         elif kind == "http":
             route = self.runtime.route_for(scope["path"])
             if route is not None and not route.is_websocket:
+                # The request's headers as they are now: the server may append a
+                # chunked body's trailer fields to the same list later, and trailers
+                # are not headers (RFC 9110, 6.5.1).
+                scope = {**scope, "headers": list(scope["headers"])}
                 await relay_http(self.runtime, route, scope, receive, send)
             else:
                 await self._control(scope, receive, send)

@@ -25,8 +25,8 @@ from prometheus_client import Counter
 from proxy.admin import ReloadAnswer, create_admin_app
 from proxy.app import create_app
 from proxy.errors import ConfigError, ListenError
-from proxy.relay.uvicorn_fence import websocket_protocol
-from proxy.relay.uvicorn_http import head_limited
+from proxy.relay.listener import client_listener
+from proxy.relay.ws_server import ASGIApp, WebSocketSessions
 from proxy.runtime import Runtime
 from proxy.serving import EmbeddedServer, bind_socket, make_config
 from proxy.settings import (
@@ -48,19 +48,23 @@ GC_GEN0_THRESHOLD = 10_000
 
 
 def uvicorn_options(
-    settings: Settings, live_limits: Callable[[], LimitsSettings] | None = None
+    settings: Settings,
+    app: ASGIApp,
+    live_limits: Callable[[], LimitsSettings] | None = None,
 ) -> dict[str, Any]:
-    """uvicorn settings derived from Headroom's: request-head limits (from
-    ``live_limits()`` when given, so a reload applies), frame limits, keepalive pings."""
+    """uvicorn settings derived from Headroom's, for serving ``app``: Headroom's client
+    listener (request-head limits from ``live_limits()`` when given, so a reload
+    applies; WebSocket sessions served and relayed by Headroom), frame limits,
+    keepalive pings."""
     limits = settings.limits
     return {
-        # Request heads are bounded in size, header count and time before anything
-        # else runs (proxy.relay.uvicorn_http).
-        "http": head_limited(live_limits or (lambda: limits)),
-        # Admitted sessions are relayed in protocol callbacks (proxy.relay.splice), if
-        # the installed uvicorn has what the splice needs (proxy.relay.uvicorn_fence).
-        "ws": websocket_protocol(),
-        # Headroom checks message sizes itself (1008); uvicorn's own check (1009) is a
+        # Every request head is read by Headroom (proxy.relay.listener); plain HTTP goes
+        # on to uvicorn's own HTTP protocol.
+        "http": client_listener(app, live_limits or (lambda: limits), WebSocketSessions()),
+        # A WebSocket upgrade that comes after a plain request on a kept-alive
+        # connection is uvicorn's, served through ASGI (proxy.relay.ws_pump).
+        "ws": "websockets-sansio",
+        # Headroom checks message sizes itself (1008); websockets' own check (1009) is a
         # backstop for frames far beyond the limit.
         "ws_max_size": 2 * limits.max_message_bytes,
         "ws_max_queue": 16,
@@ -133,7 +137,7 @@ class Gateway:
         self.app = create_app(self.runtime)
         live_limits = lambda: self.runtime.settings.limits  # noqa: E731
         self.server = EmbeddedServer(
-            make_config(self.app, **uvicorn_options(settings, live_limits))
+            make_config(self.app, **uvicorn_options(settings, self.app, live_limits))
         )
         self._sock = _listen("listener", settings.listen.host, settings.listen.port)
         self.port: int = self._sock.getsockname()[1]
@@ -143,8 +147,9 @@ class Gateway:
         if settings.admin.enabled:
             admin = create_admin_app(self.runtime, self.admin_reload, self.drain)
             admin_config = make_config(
-                admin, log_level=settings.log_level, lifespan="off", http=head_limited(live_limits)
-            )
+                admin, log_level=settings.log_level, lifespan="off",
+                http=client_listener(admin, live_limits, WebSocketSessions()),
+            )  # fmt: skip
             self.admin_server = EmbeddedServer(admin_config)
             try:
                 self._admin_sock = _listen("admin listener", settings.admin.host,

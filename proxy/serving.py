@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import socket
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
@@ -20,7 +19,13 @@ from typing import Any
 
 import uvicorn
 
-__all__ = ["EmbeddedServer", "RunningServer", "bind_socket", "running_server"]
+from proxy.relay.ws_server import WebSocketSessions
+
+__all__ = ["UVICORN_ONLY", "EmbeddedServer", "RunningServer", "bind_socket", "running_server"]
+
+#: uvicorn options that serve an app with uvicorn's own protocols only: WebSocket
+#: sessions are then relayed through ASGI messages (proxy.relay.ws_pump), not spliced.
+UVICORN_ONLY: dict[str, Any] = {"http": "httptools", "ws": "websockets-sansio"}
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
@@ -41,63 +46,15 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
 
 class EmbeddedServer(uvicorn.Server):
     """A uvicorn server that leaves signal handling to its owner, tells when it has
-    started (:attr:`ready`), and stops at once when told to while no connection is open
-    (uvicorn's own loop notices :attr:`should_exit` on its next 0.1 s tick)."""
+    started (:attr:`ready`), and at shut-down tells the WebSocket sessions Headroom's
+    client listener serves (:class:`~proxy.relay.ws_server.WebSocketSessions`) and waits
+    for them, before and after uvicorn's own shut-down of its connections."""
 
     def __init__(self, config: uvicorn.Config) -> None:
-        self._exit = asyncio.Event()  # before uvicorn's __init__, which sets should_exit
         super().__init__(config)
         self.ready = asyncio.Event()
-
-    @property
-    def should_exit(self) -> bool:
-        return self._exit.is_set()
-
-    @should_exit.setter
-    def should_exit(self, value: bool) -> None:
-        if value:
-            self._exit.set()
-        else:
-            self._exit.clear()
-
-    async def main_loop(self) -> None:
-        """uvicorn's loop -- ``on_tick`` every 0.1 s until it says to exit -- except that
-        :attr:`should_exit` ends the wait for the next tick when no connection is open.
-        With connections open the tick keeps uvicorn's timing: uvicorn's shutdown tells
-        each one to close, and raises for a WebSocket whose close handshake is still in
-        flight (websockets' ``send_close`` in the CLOSING state), which the tick's delay
-        usually lets finish."""
-        loop = asyncio.get_running_loop()
-        counter = 0
-        while not await self.on_tick(counter):
-            counter = (counter + 1) % 864000
-            tick = loop.time() + 0.1
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._exit.wait(), 0.1)
-            if self.server_state.connections:
-                await asyncio.sleep(max(0.0, tick - loop.time()))
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """uvicorn's shutdown, without its 0.1 s pause for open connections to answer
-        the close it sends them when no connection or request task is left: log as
-        uvicorn does, close the listeners, wait for them, run the app's lifespan
-        shutdown. Anything open, or a connection arriving while the listeners close,
-        gets uvicorn's own shutdown (closing twice is harmless)."""
-        state = self.server_state
-        if state.connections or state.tasks or self.force_exit:
-            await super().shutdown(sockets)
-            return
-        for server in self.servers:
-            server.close()
-        for sock in sockets or []:
-            sock.close()
-        if state.connections or state.tasks:
-            await super().shutdown(sockets)
-            return
-        logging.getLogger("uvicorn.error").info("Shutting down")
-        for server in self.servers:
-            await server.wait_closed()
-        await self.lifespan.shutdown()
+        sessions = getattr(config.http, "sessions", None)
+        self.sessions = sessions if isinstance(sessions, WebSocketSessions) else None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -107,6 +64,17 @@ class EmbeddedServer(uvicorn.Server):
         await super().startup(sockets)
         if self.started:
             self.ready.set()
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        sessions = self.sessions
+        grace = float(self.config.timeout_graceful_shutdown or 0)
+        if sessions is not None:
+            sessions.shutdown()
+            await sessions.wait(grace)
+        await super().shutdown(sockets)
+        if sessions is not None:  # any that came while the listeners were closing
+            sessions.shutdown()
+            await sessions.wait(grace)
 
 
 @dataclass

@@ -83,8 +83,9 @@ async def start_proxy() -> AsyncIterator[Callable[[Settings], Any]]:
     async def start(settings: Settings, clock: Clock | None = None, **uvicorn: Any) -> Proxy:
         """``uvicorn``: options over Headroom's own (e.g. ``ws=`` another protocol)."""
         runtime = Runtime(settings, clock=clock)
+        app = create_app(runtime)
         server = await stack.enter_async_context(
-            running_server(create_app(runtime), **{**uvicorn_options(settings), **uvicorn})
+            running_server(app, **{**uvicorn_options(settings, app), **uvicorn})
         )
         proxy = Proxy(server, runtime)
         proxies.append(proxy)

@@ -65,7 +65,7 @@ async def refuse(send: Send, err: HeadroomError) -> None:
     relay routes answer theirs. What the client still sends of its body is thrown away
     as it arrives, and the connection closes ``limits.handshake_timeout_s`` after the
     answer unless a whole new request has come by then (the head deadline,
-    :mod:`proxy.relay.uvicorn_http`). It is not closed at once: closing on a client that
+    :mod:`proxy.relay.listener`). It is not closed at once: closing on a client that
     is still sending resets the connection, and the reset can destroy the answer
     before the client reads it."""
     status, headers, body = http_error(err)

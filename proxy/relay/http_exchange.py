@@ -38,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
@@ -67,7 +66,7 @@ if TYPE_CHECKING:
     from proxy.relay.services import RelayServices
     from proxy.settings import RouteSettings
 
-__all__ = ["Ending", "HttpExchange", "client_abort", "send_error"]
+__all__ = ["Ending", "HttpExchange", "send_error"]
 
 log = logging.getLogger("headroom.relay.http")
 
@@ -110,16 +109,6 @@ async def send_error(send: Send, err: HeadroomError) -> int:
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
     return status
-
-
-def client_abort(send: Send) -> Callable[[], None] | None:
-    """The client connection's ``transport.abort`` when the server is uvicorn: its ASGI
-    ``send`` is a bound method of the request cycle, which holds the transport. None
-    under any other server (or a wrapping middleware); the server's own close after
-    :class:`~proxy.relay.http.ResponseAborted` is then all there is."""
-    transport = getattr(getattr(send, "__self__", None), "transport", None)
-    abort = getattr(transport, "abort", None)
-    return abort if callable(abort) else None
 
 
 class HttpExchange:
@@ -183,10 +172,10 @@ class HttpExchange:
             return
         expiry = self.timers.expired(self.clock.now())
         if expiry is Expiry.CLIENT_WRITE:
+            # The response is aborted (ResponseAborted out of the app): the server
+            # closes the connection, and the client listener drops what is unsent
+            # (proxy.relay.listener).
             self.record.error = "client stopped reading"
-            abort = client_abort(self._send)
-            if abort is not None:
-                abort()  # unsent data is dropped: nobody reads it
             self._end(Ending("client_write", "client stopped reading"))
         elif expiry is Expiry.IDLE:
             self._end(Ending("idle", f"idle timeout: the upstream sent nothing for "

@@ -61,8 +61,8 @@ from proxy.relay.upstream_ws import (
     upgrade,
     upstream_uri,
 )
-from proxy.relay.uvicorn_ws import TakeOver
 from proxy.relay.ws_pump import relay_frames
+from proxy.relay.ws_server import TakeOver
 
 if TYPE_CHECKING:
     from proxy.gate import Lease, PositionCallback
@@ -161,11 +161,10 @@ class _WebSocket:
 
     def until_disconnect(self) -> Awaitable[None]:
         """Wait for the client to leave. Before accept only a disconnect can come: when
-        uvicorn offers it, that is the connection's own ``gone`` future (no task and no
-        ASGI receive, :meth:`HeadroomWebSocketProtocol.gone
-        <proxy.relay.uvicorn_ws.HeadroomWebSocketProtocol.gone>`). After an early accept
-        (queue feedback) frames are held, within bounds (the message size limit and 16
-        messages; beyond that, MessageTooLarge)."""
+        the server offers it, that is the connection's own ``gone`` future (no task and
+        no ASGI receive, :meth:`proxy.relay.ws_server.ClientWebSocket.gone`). After an
+        early accept (queue feedback) frames are held, within bounds (the message size
+        limit and 16 messages; beyond that, MessageTooLarge)."""
         if not self.accepted:
             gone = self.scope.get("extensions", {}).get("headroom.splice", {}).get("gone")
             if gone is not None:

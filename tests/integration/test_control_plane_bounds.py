@@ -23,7 +23,8 @@ import pytest
 
 from proxy.admin import create_admin_app
 from proxy.clock import FakeClock
-from proxy.relay.uvicorn_http import head_limited
+from proxy.relay.listener import client_listener
+from proxy.relay.ws_server import WebSocketSessions
 from proxy.runtime import Runtime
 from proxy.serving import running_server
 from proxy.settings import Settings
@@ -246,7 +247,7 @@ async def admin_listener(
         calls.append("drain")
 
     app = create_admin_app(runtime, reload, drain)
-    limits = head_limited(lambda: runtime.settings.limits)
+    limits = client_listener(app, lambda: runtime.settings.limits, WebSocketSessions())
     async with running_server(app, lifespan="off", http=limits) as server:
         yield server.port, calls
 

@@ -1,5 +1,5 @@
 """Request heads are bounded in size, header count and time before anything else runs
-(proxy.relay.uvicorn_http): an oversized head or too many header lines get 431, a head
+(proxy.relay.listener): an oversized head or too many header lines get 431, a head
 that does not arrive in time gets 408 (or a silent close if nothing arrived), and none of
 it reaches the upstream. HTTP requests and WebSocket upgrades alike; real sockets on
 127.0.0.1, an upstream that counts what it is asked."""
@@ -17,7 +17,8 @@ import yaml
 
 from bench.wsraw import handshake_request, read_head
 from proxy.gateway import Gateway
-from proxy.relay.uvicorn_http import head_limited
+from proxy.relay.listener import client_listener
+from proxy.relay.ws_server import WebSocketSessions
 from proxy.serving import RunningServer, running_server
 from proxy.settings import LimitsSettings, load_settings
 from tests.conftest import Proxy, proxy_settings
@@ -210,12 +211,13 @@ async def test_keep_alive_requests_are_limited_too(start_proxy: Any, counting: A
         writer.write(get("/healthz"))
         head = await asyncio.wait_for(read_head(reader), 30)
         assert head is not None and head.status == 200
-        # the second request's head is over the limit
+        # the second request's head is over the limit: the connection closes without an
+        # answer (a response of uvicorn's could be under way on it)
         writer.write(get("/http", b"X-Pad: " + b"a" * 5000 + b"\r\n"))
         rest = head.rest + await asyncio.wait_for(reader.read(), 30)
     finally:
         writer.close()
-    assert b"HTTP/1.1 431 " in rest, rest
+    assert b"HTTP/1.1" not in rest, rest
     assert upstream.http == 0
 
     # after a response, the next head must arrive within the deadline too
@@ -231,7 +233,7 @@ async def test_keep_alive_requests_are_limited_too(start_proxy: Any, counting: A
         await trickling
     finally:
         writer.close()
-    assert b"HTTP/1.1 408 " in rest, rest
+    assert b"HTTP/1.1" not in rest, rest
     assert upstream.http == 0
 
 
@@ -246,7 +248,7 @@ async def test_the_limits_are_read_live_for_each_head() -> None:
             await send({"type": "http.response.body", "body": b""})
 
     request = get("/", b"Connection: close\r\nX-Pad: " + b"a" * 8000 + b"\r\n")
-    async with running_server(app, http=head_limited(lambda: current[0]), lifespan="off") as s:
+    async with running_server(app, http=client_listener(app, lambda: current[0], WebSocketSessions()), lifespan="off") as s:
         status, _ = await send_and_read_head(s.port, request)
         assert status == 431
         current[0] = LimitsSettings(max_head_bytes=16384)

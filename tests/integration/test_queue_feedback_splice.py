@@ -23,7 +23,7 @@ from bench.wsraw import (
     read_frames,
     read_head,
 )
-from proxy.relay.uvicorn_fence import FALLBACK_PROTOCOL
+from proxy.serving import UVICORN_ONLY
 from proxy.relay.ws import _WebSocket
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_frame_violations import RecordingUpstream, recording_upstream
@@ -107,7 +107,7 @@ async def test_without_the_splice_queue_feedback_uses_the_asgi_relay(
 ) -> None:
     """uvicorn's own protocol (the fence's fallback): the same stream, relayed as whole
     messages."""
-    proxy: Proxy = await start_proxy(_settings(recording_upstream.port), ws=FALLBACK_PROTOCOL)
+    proxy: Proxy = await start_proxy(_settings(recording_upstream.port), **UVICORN_ONLY)
     holder_r, holder_w, _ = await _open(proxy)
     ours = len(recording_upstream.conns)
     await wait_until(lambda: proxy.gate.active == 1)

@@ -15,7 +15,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from proxy.clock import FakeClock
-from proxy.relay.uvicorn_fence import FALLBACK_PROTOCOL
+from proxy.serving import UVICORN_ONLY
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_relay import hello, upstream, wait_until, ws_route
 
@@ -42,7 +42,7 @@ async def test_idle_timeout_closes_with_1008(start_proxy: Any, upstream: Any) ->
     proxy: Proxy = await start_proxy(
         proxy_settings([("gpu0", server.http_url, 1)], [ws_route(queue_feedback=True)],
                        queue=QUEUE, limits={"idle_timeout_s": 30, "max_session_s": 0}),
-        clock, ws=FALLBACK_PROTOCOL,
+        clock, **UVICORN_ONLY,
     )  # fmt: skip
     ws = await queued_session(proxy)
     await hello(ws)
@@ -65,7 +65,7 @@ async def test_max_session_duration_closes_with_1008(start_proxy: Any, upstream:
     proxy: Proxy = await start_proxy(
         proxy_settings([("gpu0", server.http_url, 1)], [ws_route(queue_feedback=True)],
                        queue=QUEUE, limits={"idle_timeout_s": 0, "max_session_s": 100}),
-        clock, ws=FALLBACK_PROTOCOL,
+        clock, **UVICORN_ONLY,
     )  # fmt: skip
     ws = await queued_session(proxy)
     await hello(ws)
@@ -81,7 +81,7 @@ async def test_oversized_client_message_closes_with_1008(start_proxy: Any, upstr
     proxy: Proxy = await start_proxy(
         proxy_settings([("gpu0", server.http_url, 1)], [ws_route(queue_feedback=True)],
                        queue=QUEUE, limits={"max_message_bytes": 4096}),
-        ws=FALLBACK_PROTOCOL,
+        **UVICORN_ONLY,
     )  # fmt: skip
     ws = await queued_session(proxy)
     await hello(ws)
@@ -99,7 +99,7 @@ async def test_upstream_close_code_reaches_the_client(start_proxy: Any, upstream
     proxy: Proxy = await start_proxy(
         proxy_settings([("gpu0", server.http_url, 1)], [ws_route(queue_feedback=True)],
                        queue=QUEUE),
-        ws=FALLBACK_PROTOCOL,
+        **UVICORN_ONLY,
     )  # fmt: skip
     ws = await queued_session(proxy)
     await hello(ws)
@@ -115,7 +115,7 @@ async def test_client_close_code_reaches_the_upstream(start_proxy: Any, upstream
     proxy: Proxy = await start_proxy(
         proxy_settings([("gpu0", server.http_url, 1)], [ws_route(queue_feedback=True)],
                        queue=QUEUE),
-        ws=FALLBACK_PROTOCOL,
+        **UVICORN_ONLY,
     )  # fmt: skip
     ws = await queued_session(proxy)
     await hello(ws)
@@ -142,7 +142,7 @@ async def test_upstream_killed_mid_stream_gives_1014(start_proxy: Any) -> None:
         proxy: Proxy = await start_proxy(
             proxy_settings([("gpu0", f"http://127.0.0.1:{port}", 1)],
                            [ws_route("/anything", queue_feedback=True)], queue=QUEUE),
-            ws=FALLBACK_PROTOCOL,
+            **UVICORN_ONLY,
         )  # fmt: skip
         ws = await queued_session(proxy, "/anything")
         assert await ws.recv() == b"\x00" * 4800

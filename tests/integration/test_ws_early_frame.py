@@ -43,14 +43,12 @@ async def read_frame(reader: asyncio.StreamReader) -> tuple[int, bytes]:
 
 
 @pytest.mark.parametrize("writes", ["one", "two"])
-@pytest.mark.parametrize("ws", ["splice", "websockets-sansio"])  # the splice, or uvicorn's
 async def test_a_frame_in_the_upgrade_packet_is_relayed(
-    start_proxy: Any, upstream: Any, writes: str, ws: str
+    start_proxy: Any, upstream: Any, writes: str
 ) -> None:
     server, _ = upstream
-    options = {} if ws == "splice" else {"ws": ws}
     settings = proxy_settings([("gpu0", server.http_url, 1)], [ws_route()])
-    proxy: Proxy = await start_proxy(settings, **options)
+    proxy: Proxy = await start_proxy(settings)
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
     frame = masked_text("early bird")
     if writes == "one":

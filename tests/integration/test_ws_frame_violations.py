@@ -28,7 +28,7 @@ from bench.wsraw import (
     read_frames,
     read_head,
 )
-from proxy.relay.uvicorn_fence import FALLBACK_PROTOCOL
+from proxy.serving import UVICORN_ONLY
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_relay import wait_until
 
@@ -149,7 +149,7 @@ async def test_a_client_frame_violation_gets_1002_and_never_reaches_the_upstream
         proxy_settings([("gpu0", f"http://127.0.0.1:{recording_upstream.port}", 1)], [route],
                        queue={"max_depth": 1, "max_wait_s": 30},
                        limits={"ping_interval_s": 0}, guard={"mode": "off"}),
-        **({"ws": FALLBACK_PROTOCOL} if relay == "asgi" else {}),
+        **(UVICORN_ONLY if relay == "asgi" else {}),
     )  # fmt: skip
     if relay == "asgi":
         reader, writer, rest = await _admitted_via_queue(proxy, path)

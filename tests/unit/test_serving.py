@@ -1,4 +1,5 @@
-"""proxy.serving: uvicorn servers embedded in a running event loop."""
+"""proxy.serving: uvicorn servers embedded in a running event loop, with Headroom's
+client listener (proxy.relay.listener) told of the shut-down."""
 
 from __future__ import annotations
 
@@ -7,45 +8,23 @@ import contextlib
 import socket
 from typing import Any
 
-from proxy.serving import EmbeddedServer, make_config, running_server
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from proxy.relay.listener import client_listener
+from proxy.relay.ws_server import WebSocketSessions
+from proxy.serving import running_server
+from proxy.settings import LimitsSettings
 
 
 async def nothing(scope: Any, receive: Any, send: Any) -> None:
     return None
 
 
-async def test_should_exit_ends_an_idle_servers_main_loop_without_waiting_for_a_tick() -> None:
-    """uvicorn's loop sleeps 0.1 s between ticks and only then sees ``should_exit``; with
-    no connection open the embedded server's loop ends within a few turns of the event
-    loop (every server the tests start and stop used to cost up to 0.1 s more)."""
-    config = make_config(nothing)
-    config.load()
-    server = EmbeddedServer(config)
-    assert server.should_exit is False
-    loop = asyncio.create_task(server.main_loop())
-    for _ in range(5):  # the loop has ticked once and waits for the next tick
-        await asyncio.sleep(0)
-    assert not loop.done()
-    server.should_exit = True
-    for _ in range(20):
-        if loop.done():
-            break
-        await asyncio.sleep(0)
-    assert loop.done()
-    await loop
-    assert server.should_exit is True
-
-
 async def test_a_server_stopped_with_a_connection_open_still_stops() -> None:
-    """With a connection open the loop keeps uvicorn's tick (see main_loop); the stop
-    still closes the connection and ends the server."""
     async with running_server(nothing) as server:
         reader, writer = await asyncio.open_connection(server.host, server.port)
         try:
-            for _ in range(2000):  # until uvicorn has taken the connection
-                if server.server.server_state.connections:
-                    break
-                await asyncio.sleep(0.005)
             await server.stop()
             assert server.task.done()
             assert await reader.read() == b""  # uvicorn closed the idle connection
@@ -72,20 +51,60 @@ class Lifespan:
                 return
 
 
-async def test_an_idle_server_shuts_down_without_uvicorns_pause_and_runs_the_lifespan() -> None:
-    """With no connection open, the stop skips uvicorn's 0.1 s pause for connections to
-    answer their close: the serve task ends within a few turns of the event loop, and
-    the app still gets its lifespan shutdown (Headroom's Runtime closes there)."""
+async def test_a_stopped_server_runs_the_lifespan_shutdown_and_stops_listening() -> None:
     app = Lifespan()
     async with running_server(app) as server:
-        server.server.should_exit = True
-        for _ in range(200):
-            if server.task.done():
-                break
-            await asyncio.sleep(0)
-        assert server.task.done()
+        await server.stop()
         assert app.messages == ["lifespan.startup", "lifespan.shutdown"]
         with contextlib.suppress(OSError), socket.create_connection(
             (server.host, server.port), timeout=1
         ):
             raise AssertionError("the listener still accepts connections")
+
+
+class Waiting:
+    """Accepts ``/accept`` and waits for the client; leaves ``/wait`` unanswered."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "websocket":
+            return
+        await receive()  # websocket.connect
+        if scope["path"] == "/accept":
+            await send({"type": "websocket.accept"})
+        self.started.set()
+        while (await receive())["type"] != "websocket.disconnect":
+            pass
+
+
+async def test_the_shutdown_closes_accepted_sessions_with_1012() -> None:
+    app = Waiting()
+    listener = client_listener(app, LimitsSettings, WebSocketSessions())
+    async with running_server(app, http=listener, lifespan="off") as server:
+        async with connect(f"{server.ws_url}/accept", compression=None) as ws:
+            await app.started.wait()
+            stopping = asyncio.ensure_future(server.stop())
+            try:
+                await asyncio.wait_for(ws.recv(), 30)
+            except ConnectionClosed as closed:
+                assert closed.rcvd is not None and closed.rcvd.code == 1012
+            else:
+                raise AssertionError("the session was not closed")
+            await stopping
+
+
+async def test_the_shutdown_answers_an_open_handshake_503() -> None:
+    app = Waiting()
+    listener = client_listener(app, LimitsSettings, WebSocketSessions())
+    async with running_server(app, http=listener, lifespan="off") as server:
+        opening = asyncio.ensure_future(connect(f"{server.ws_url}/wait", compression=None))
+        await app.started.wait()
+        await server.stop()
+        try:
+            await asyncio.wait_for(opening, 30)
+        except InvalidStatus as refused:
+            assert refused.response.status_code == 503
+        else:
+            raise AssertionError("the handshake was accepted")

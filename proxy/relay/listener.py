@@ -1,0 +1,451 @@
+"""The client listener: Headroom reads every request head itself.
+
+uvicorn builds one :class:`ClientListener` per accepted connection (it is the class
+given as uvicorn's ``http`` option). The listener reads the first request head with
+httptools, under the limits below, and then:
+
+- a WebSocket handshake (GET, HTTP/1.1, ``Upgrade: websocket``) becomes a
+  :class:`~proxy.relay.ws_server.ClientWebSocket`, which runs the ASGI app and hands an
+  admitted session's socket to the relay;
+- anything else is handed to uvicorn's own HTTP protocol, built with the keyword
+  arguments uvicorn gave the listener and used as a black box through the asyncio
+  Protocol interface: it gets ``connection_made`` and the bytes read so far, then every
+  later callback. The listener keeps reading what passes through, so the limits hold for
+  every later request on the connection too.
+
+A request head (the request line and headers of an HTTP request or a WebSocket upgrade)
+is read before anything else -- authentication, admission, any upstream work -- so
+whatever it costs is paid by anyone who can open a TCP connection. The limits:
+
+- size: a head longer than ``limits.max_head_bytes`` (counted from the first byte of the
+  request to its blank line, before httptools sees the bytes: it would buffer a header
+  value of any size) is refused;
+- count: a head with more than ``limits.max_headers`` header lines is refused; head and
+  trailers of a chunked body together get that many lines (httptools reports both
+  through ``on_header``);
+- time: the first head must be complete within ``limits.handshake_timeout_s`` of the
+  connection being accepted; a later head on a kept-alive connection within as long of
+  its first byte (uvicorn's keep-alive timeout closes a connection on which nothing
+  arrives);
+- trailers (the fields after a chunked body's last chunk) are never headers (RFC 9110,
+  6.5.1) and nothing reads them; their bytes are bounded by ``limits.max_head_bytes``.
+
+The first head is refused with an answer: 431 Request Header Fields Too Large, or 408
+Request Timeout for a partial head (a connection on which nothing arrived is closed
+without a word), and the connection closes gracefully -- the response is written, our
+side is shut for writing, and what the client still sends is read and thrown away for
+up to :data:`LINGER_S`, so a client still sending its oversized head reads the 431
+rather than a reset. A later head, or trailers, over a limit close the connection
+without an answer: a response of uvicorn's may be under way on it. The limits are read
+when each head starts, so a configuration reload applies to the next request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, ClassVar, cast
+
+import httptools
+from uvicorn.config import HTTP_PROTOCOLS
+from uvicorn.importer import import_from_string
+
+from proxy.relay.ws_server import (
+    ASGIApp,
+    ClientWebSocket,
+    WebSocketOptions,
+    WebSocketSessions,
+    build_scope,
+    handshake_key,
+    http_response,
+    refusal_for,
+)
+from proxy.settings import LimitsSettings
+
+__all__ = ["LINGER_S", "ClientListener", "client_listener", "websocket_options"]
+
+log = logging.getLogger("headroom.http")
+
+#: How long a refused connection keeps reading (and discarding) before it closes.
+LINGER_S = 2.0
+
+#: uvicorn's HTTP protocol, as its ``http="h11"`` option names it (it keeps a chunked
+#: body's trailer fields out of the request's headers).
+_UVICORN_HTTP: Callable[..., asyncio.Protocol] = import_from_string(HTTP_PROTOCOLS["h11"])
+
+
+class _TooManyHeaders(Exception):
+    pass
+
+
+def _address(info: Any) -> tuple[str, int] | None:
+    return (str(info[0]), int(info[1])) if isinstance(info, tuple) else None
+
+
+def websocket_options(limits: LimitsSettings) -> WebSocketOptions:
+    """The client WebSocket bounds that follow from Headroom's limits: Headroom checks
+    message sizes itself (1008); websockets' own check (1009) is a backstop for frames
+    far beyond the limit."""
+    return WebSocketOptions(
+        max_size=2 * limits.max_message_bytes,
+        max_queue=16,
+        ping_interval_s=limits.ping_interval_s or 0.0,
+        ping_timeout_s=limits.ping_timeout_s,
+    )
+
+
+class ClientListener(asyncio.Protocol):
+    """One client connection, until its first head is read; then the front of uvicorn's
+    HTTP protocol (plain HTTP) or of a :class:`ClientWebSocket`. :func:`client_listener`
+    makes the subclass uvicorn is given."""
+
+    app: ClassVar[ASGIApp]
+    limits_source: ClassVar[Callable[[], LimitsSettings]]
+    sessions: ClassVar[WebSocketSessions]
+    root_path: ClassVar[str] = ""
+
+    def __init__(self, **uvicorn: Any) -> None:
+        #: The keyword arguments uvicorn builds protocol classes with, passed on as they
+        #: are to its HTTP protocol.
+        self._uvicorn = uvicorn
+        self.transport: asyncio.Transport | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._parser: httptools.HttpRequestParser | None = httptools.HttpRequestParser(self)
+        self._inner: asyncio.Protocol | None = None
+        self._ws: ClientWebSocket | None = None
+        self._buffer = bytearray()  # the first head's reads, for uvicorn if it gets them
+        self._first = True  # reading the connection's first request
+        self._url = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._head_open = True
+        self._head_bytes = 0
+        self._head_tail = b""  # the head's last 3 bytes: its blank line may span reads
+        self._header_count = 0
+        self._too_many = False
+        self._head_done = False
+        self._body_bytes = 0
+        self._maybe_trailers = False
+        self._trailer_bytes = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._stall: asyncio.TimerHandle | None = None  # see _watch_writes
+        self._refused = False  # input is discarded until close
+        self._max_head_bytes = 0
+        self._max_headers = 0
+        self._head_timeout_s = 0.0
+        self._start_head()
+
+    # -- the head's life ------------------------------------------------------------------
+
+    def _start_head(self) -> None:
+        limits = type(self).limits_source()
+        self._max_head_bytes = limits.max_head_bytes
+        self._max_headers = limits.max_headers
+        self._head_timeout_s = limits.handshake_timeout_s
+        self._head_open = True
+        self._head_bytes = 0
+        self._head_tail = b""
+        self._header_count = 0
+        self._maybe_trailers = False
+        self._trailer_bytes = 0
+
+    def _arm(self) -> None:
+        self._cancel_timer()
+        assert self.loop is not None
+        self._timer = self.loop.call_later(self._head_timeout_s, self._head_timed_out)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _head_timed_out(self) -> None:
+        self._timer = None
+        transport = self.transport
+        if transport is None or transport.is_closing() or not self._head_open:
+            return
+        if self._inner is not None:
+            self._violation(f"request head not complete within {self._head_timeout_s:g} s")
+        elif self._head_bytes:
+            self._refuse(408, f"request head not complete within {self._head_timeout_s:g} s")
+        else:
+            transport.close()
+
+    def _head_end(self, data: bytes) -> int:
+        """The offset in ``data`` just past the head's blank line, or -1."""
+        tail = self._head_tail
+        if tail:
+            k = (tail + data[:3]).find(b"\r\n\r\n")
+            if k >= 0:
+                return k + 4 - len(tail)
+        k = data.find(b"\r\n\r\n")
+        return k + 4 if k >= 0 else -1
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer the first head with ``status`` and close gracefully."""
+        self._refused = True
+        self._cancel_timer()
+        self._parser = None
+        transport = self.transport
+        assert transport is not None and self.loop is not None
+        log.debug("refused a request head: %d %s", status, message)
+        transport.write(http_response(
+            status, [(b"content-type", b"text/plain; charset=utf-8")], message.encode(),
+            time.time(),
+        ))  # fmt: skip
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._timer = self.loop.call_later(LINGER_S, transport.close)
+        else:  # pragma: no cover - TCP transports can always half-close
+            transport.close()
+
+    def _violation(self, message: str) -> None:
+        """A later head or trailers over a limit: close without an answer."""
+        log.debug("closed a connection: %s", message)
+        self._refused = True
+        self._cancel_timer()
+        self._parser = None
+        if self.transport is not None:
+            self.transport.close()
+
+    # -- httptools' callbacks -------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if not self._first:
+            self._arm()
+
+    def on_url(self, url: bytes) -> None:
+        if self._first:
+            self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_count += 1
+        if self._header_count > self._max_headers:
+            self._too_many = True
+            raise _TooManyHeaders
+        if self._first and self._head_open:
+            self._headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self._head_open = False
+        self._cancel_timer()
+        if self._first:
+            self._head_done = True
+
+    def on_chunk_header(self) -> None:
+        self._maybe_trailers = True
+
+    def on_chunk_complete(self) -> None:
+        self._maybe_trailers = False
+        self._trailer_bytes = 0
+
+    def on_body(self, body: bytes) -> None:
+        self._maybe_trailers = False
+        self._trailer_bytes = 0
+        self._body_bytes += len(body)
+
+    def on_message_complete(self) -> None:
+        self._first = False
+        self._start_head()
+
+    # -- the transport's callbacks ---------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.loop = asyncio.get_event_loop()
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        inner = self._inner
+        if inner is not None:
+            if self._parser is not None:
+                self._read(data)
+            if not self._refused:
+                inner.data_received(data)
+            return
+        ws = self._ws
+        if ws is not None:
+            ws.data_received(data)
+            return
+        if self._refused:
+            return  # lingering: read and thrown away
+        self._buffer += data
+        self._read(data)
+        if self._refused or self._ws is not None or self._inner is not None:
+            return
+        if self._head_done:
+            self._hand_over()
+
+    def _read(self, data: bytes) -> None:
+        """Count and parse ``data``: the head limits, then httptools."""
+        past_head = len(data)
+        if self._head_open:
+            end = self._head_end(data)
+            size = self._head_bytes + (len(data) if end < 0 else end)
+            if size > self._max_head_bytes:
+                self._over(f"request head over {self._max_head_bytes} bytes")
+                return
+            self._head_bytes = size
+            self._head_tail = data[-3:] if len(data) >= 3 else (self._head_tail + data)[-3:]
+            past_head = len(data) - end if end >= 0 else 0
+        body_before = self._body_bytes
+        parser = self._parser
+        assert parser is not None
+        try:
+            parser.feed_data(data)
+        except httptools.HttpParserUpgrade as exc:
+            if self._inner is None:
+                self._upgrade(data[int(exc.args[0]) :])
+            else:
+                self._parser = None  # uvicorn's protocol upgrades the connection itself
+            return
+        except httptools.HttpParserError:
+            if self._too_many:
+                self._over(f"more than {self._max_headers} header lines")
+                return
+            self._parser = None  # malformed: uvicorn's protocol answers it
+            if self._inner is None:
+                self._hand_over()
+            return
+        if self._maybe_trailers and past_head:
+            self._trailer_bytes += past_head - (self._body_bytes - body_before)
+            if self._trailer_bytes > self._max_head_bytes:
+                self._violation(f"request trailers over {self._max_head_bytes} bytes")
+
+    def _over(self, message: str) -> None:
+        if self._inner is None and self._first and self._head_open:
+            self._refuse(431, message)
+        else:
+            self._violation(message)
+
+    def eof_received(self) -> bool | None:
+        if self._inner is not None:
+            return self._inner.eof_received()
+        if self._ws is not None:
+            return self._ws.eof_received()
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timer()
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        self._parser = None
+        if self._inner is not None:
+            self._inner.connection_lost(exc)
+        elif self._ws is not None:
+            self._ws.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        if self._inner is not None:
+            self._inner.pause_writing()
+            self._watch_writes()
+        elif self._ws is not None:
+            self._ws.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        if self._inner is not None:
+            self._inner.resume_writing()
+        elif self._ws is not None:
+            self._ws.resume_writing()
+
+    def _watch_writes(self) -> None:
+        """While writing is paused (the client does not read), check every
+        ``limits.client_write_timeout_s`` whether the connection is closing: a response
+        that was ended (the relay gave up on the client) is then dropped with what is
+        still unsent rather than kept until the client reads it."""
+        if self._stall is None and self.loop is not None:
+            wait = type(self).limits_source().client_write_timeout_s
+            self._stall = self.loop.call_later(wait, self._write_stalled)
+
+    def _write_stalled(self) -> None:
+        self._stall = None
+        transport = self.transport
+        if transport is None:
+            return
+        if transport.is_closing():
+            transport.abort()
+        else:
+            self._watch_writes()
+
+    # -- where the connection goes ----------------------------------------------------------
+
+    def _hand_over(self) -> None:
+        """Plain HTTP: uvicorn's protocol gets the connection and what was read."""
+        inner = self._inner = _UVICORN_HTTP(**self._uvicorn)
+        self._url = b""
+        self._headers = []
+        buffered, self._buffer = bytes(self._buffer), bytearray()
+        inner.connection_made(self.transport)  # type: ignore[arg-type]
+        inner.data_received(buffered)
+
+    def _upgrade(self, early: bytes) -> None:
+        """The first head asked to upgrade: a WebSocket handshake is served here, any
+        other upgrade is uvicorn's to answer."""
+        parser = self._parser
+        assert parser is not None and self.transport is not None and self.loop is not None
+        self._parser = None  # it holds this object's callbacks
+        self._cancel_timer()
+        headers, target = self._headers, self._url
+        websocket = (
+            parser.get_method() == b"GET"
+            and parser.get_http_version() == "1.1"
+            and any(
+                name == b"upgrade" and value.strip().lower() == b"websocket"
+                for name, value in headers
+            )
+        )
+        if not websocket:
+            self._hand_over()
+            return
+        transport = self.transport
+        self._buffer = bytearray()
+        checked = handshake_key(headers)
+        scope = None
+        if checked is not None:
+            ssl = transport.get_extra_info("sslcontext") is not None
+            scope = build_scope(
+                scheme="wss" if ssl else "ws",
+                server=_address(transport.get_extra_info("sockname")),
+                client=_address(transport.get_extra_info("peername")),
+                root_path=self.root_path,
+                target=target,
+                headers=headers,
+                subprotocols=checked[1],
+                state=dict(self._uvicorn.get("app_state") or {}),
+            )
+        if checked is None or scope is None:
+            self._refused = True
+            transport.write(refusal_for(target, headers))
+            transport.close()
+            return
+        ws = self._ws = ClientWebSocket(
+            transport, self.loop, websocket_options(type(self).limits_source()), self.sessions
+        )
+        self._headers = []
+        ws.start(type(self).app, scope, checked[0], early)
+
+
+def client_listener(
+    app: ASGIApp,
+    limits: Callable[[], LimitsSettings],
+    sessions: WebSocketSessions,
+    root_path: str = "",
+) -> type[ClientListener]:
+    """The :class:`ClientListener` class for uvicorn's ``http`` option: serving ``app``,
+    with the limits ``limits()`` returns when each head starts (so a reload applies) and
+    its WebSocket sessions in ``sessions``."""
+    return type(
+        "ClientListener",
+        (ClientListener,),
+        {
+            "app": staticmethod(app),
+            "limits_source": staticmethod(limits),
+            "sessions": sessions,
+            "root_path": root_path,
+        },
+    )

@@ -1,0 +1,729 @@
+"""The client side of a WebSocket session: Headroom's own, from the handshake to the take-over.
+
+:class:`proxy.relay.listener.ClientListener` reads every request head; a WebSocket
+handshake (a GET over HTTP/1.1 asking to upgrade to ``websocket``) becomes a
+:class:`ClientWebSocket`, which runs the ASGI app with a ``websocket`` scope. The app
+stays the one place a session is decided -- authentication, admission, queueing,
+refusals -- through plain ASGI messages, plus one extension:
+
+- ``scope["extensions"]["headroom.splice"]["take_over"]`` (:class:`TakeOver`) answers the
+  handshake with 101 (the chosen subprotocol and extra headers) and hands the transport,
+  with any bytes the client sent early, to the caller's protocol in the same step; from
+  then on the session's frames are relayed in protocol callbacks
+  (:mod:`proxy.relay.splice`) and nothing here parses them;
+- ``...["gone"]()`` is a future done once the client's connection is lost: what a session
+  not yet accepted races its waits against, without a task blocked in ``receive``.
+
+The handshake checks are RFC 6455 4.2.1's: ``Connection: Upgrade``, ``Upgrade:
+websocket``, exactly one ``Sec-WebSocket-Key`` of 16 bytes in base64, version 13. A
+request that fails one is answered by websockets' own handshake code (400, or 426 with
+the supported version) and closed.
+
+A connection the app accepts through ASGI (``websocket.accept``: queue feedback, where
+the client is told its place before it is admitted) gets websockets' sans-I/O
+:class:`~websockets.server.ServerProtocol` in the OPEN state for its frames: pings are
+answered, close handshakes completed, protocol violations refused with websockets'
+codes. Its parser is only ever fed whole frames (a frame still arriving waits here,
+bounded by ``max_size``), so at a take-over what the app held, the messages it did not
+read, the fragments of a message still being assembled and the bytes of a frame not yet
+complete all go to the relay as client frames, in the order they came.
+
+A client must wait for the handshake response before it sends frames (RFC 6455 4.1);
+bytes that arrive before it anyway are held (:data:`EARLY_LIMIT`), not parsed, and reach
+whichever path the app takes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import email.utils
+import hashlib
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import unquote
+
+from websockets.datastructures import Headers
+from websockets.frames import Frame, Opcode
+from websockets.http11 import Request
+from websockets.protocol import State
+from websockets.server import ServerProtocol
+
+from proxy.relay.wsframes import BINARY, TEXT, frame
+
+__all__ = [
+    "EARLY_LIMIT",
+    "ClientDisconnected",
+    "ClientWebSocket",
+    "TakeOver",
+    "WebSocketOptions",
+    "WebSocketSessions",
+    "http_response",
+    "whole_frames",
+]
+
+log = logging.getLogger("headroom.http")
+
+_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
+
+#: Bytes a client may send between its handshake request and our response; beyond
+#: this the connection is dropped (the session ends as a client disconnect).
+EARLY_LIMIT = 256 * 1024
+
+_REASONS = {
+    101: b"Switching Protocols", 400: b"Bad Request", 403: b"Forbidden",
+    408: b"Request Timeout", 426: b"Upgrade Required",
+    431: b"Request Header Fields Too Large", 500: b"Internal Server Error",
+    503: b"Service Unavailable",
+}  # fmt: skip
+
+ASGIApp = Callable[
+    [dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[[Any], Awaitable[None]]],
+    Awaitable[None],
+]
+
+
+class TakeOver(Protocol):
+    """``take_over(subprotocol, headers, protocol, on_shutdown, held=())`` -> (transport,
+    early bytes), or None if the client is already gone. ``protocol`` receives the
+    transport's callbacks from then on; ``on_shutdown`` is called if the server shuts
+    down while it runs. On a connection already accepted through ASGI, ``subprotocol``
+    and ``headers`` are not used (the handshake was answered) and ``held`` are the ASGI
+    ``websocket.receive`` messages the app read but did not relay: they lead the early
+    bytes, as client frames."""
+
+    def __call__(
+        self,
+        subprotocol: str | None,
+        headers: list[tuple[bytes, bytes]],
+        protocol: asyncio.Protocol,
+        on_shutdown: Callable[[], None],
+        held: Iterable[Mapping[str, Any]] = (),
+    ) -> tuple[asyncio.Transport, bytes] | None: ...
+
+
+class ClientDisconnected(OSError):
+    """An ASGI ``send`` after the client's connection was lost."""
+
+
+@dataclass(frozen=True)
+class WebSocketOptions:
+    """What bounds a client WebSocket before it is taken over."""
+
+    #: The largest message websockets' parser accepts (1009 beyond it); None: no limit.
+    max_size: int | None = 1 << 20
+    #: Messages read from the client and not yet received by the app; reading pauses
+    #: beyond it.
+    max_queue: int = 16
+    #: Seconds between keepalive pings while the app holds an accepted connection (0:
+    #: none), and how long a pong may take before the connection fails with 1011.
+    ping_interval_s: float = 0.0
+    ping_timeout_s: float = 20.0
+    #: How long a close handshake the app started may take before the socket is dropped.
+    close_timeout_s: float = 10.0
+
+
+def whole_frames(data: bytes | bytearray, max_size: int | None) -> int:
+    """How many leading bytes of ``data`` (client frames from a frame boundary) are
+    whole frames. A frame still arriving that declares more than ``max_size`` bytes
+    counts as whole, so that the parser sees (and refuses) it at once."""
+    pos, end = 0, len(data)
+    while end - pos >= 2:
+        b1 = data[pos + 1]
+        length = b1 & 0x7F
+        head = 2
+        if length == 126:
+            head = 4
+            if end - pos < head:
+                break
+            length = int.from_bytes(data[pos + 2 : pos + 4], "big")
+        elif length == 127:
+            head = 10
+            if end - pos < head:
+                break
+            length = int.from_bytes(data[pos + 2 : pos + 10], "big")
+        if b1 & 0x80:
+            head += 4
+        if pos + head + length > end:
+            if max_size is not None and length > max_size:
+                return end
+            break
+        pos += head + length
+    return pos
+
+
+def _client_frame(message: Mapping[str, Any]) -> bytes:
+    """An ASGI ``websocket.receive`` message as the masked frame a client would send."""
+    text = message.get("text")
+    if text is not None:
+        return frame(TEXT, text.encode(), masked=True)
+    return frame(BINARY, message.get("bytes") or b"", masked=True)
+
+
+def _fragment(event: Frame) -> bytes:
+    """A received frame of a message still being assembled, as the client sent it
+    (masked, without FIN)."""
+    whole = frame(int(event.opcode), bytes(event.data), masked=True)
+    return bytes((whole[0] & 0x7F,)) + whole[1:]
+
+
+_date_cache: tuple[int, bytes] = (0, b"")
+
+
+def _date_header(now: float) -> bytes:
+    global _date_cache
+    second = int(now)
+    if _date_cache[0] != second:
+        _date_cache = (second, email.utils.formatdate(second, usegmt=True).encode())
+    return _date_cache[1]
+
+
+def http_response(
+    status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes, now: float
+) -> bytes:
+    """A whole HTTP/1.1 response that ends the connection (``connection: close``), with
+    a ``date`` and, unless ``headers`` has one, a ``content-length``."""
+    reason = _REASONS.get(status, b"")
+    out = [b"HTTP/1.1 %d %s\r\ndate: %s\r\n" % (status, reason, _date_header(now))]
+    length = False
+    for name, value in headers:
+        lower = name.lower()
+        if lower == b"connection":
+            continue
+        length = length or lower == b"content-length"
+        out += [name, b": ", value, b"\r\n"]
+    if not length:
+        out.append(b"content-length: %d\r\n" % len(body))
+    out += [b"connection: close\r\n\r\n", body]
+    return b"".join(out)
+
+
+def handshake_key(headers: list[tuple[bytes, bytes]]) -> tuple[str, list[str]] | None:
+    """The ``Sec-WebSocket-Accept`` value and the offered subprotocols of a handshake
+    request's headers (names lower case) that meets RFC 6455 4.2.1; None if it does not."""
+    key: bytes | None = None
+    version: bytes | None = None
+    upgrade = connection = False
+    protocols: list[str] = []
+    for name, value in headers:
+        if name == b"sec-websocket-key":
+            if key is not None:
+                return None
+            key = value
+        elif name == b"sec-websocket-version":
+            if version is not None:
+                return None
+            version = value
+        elif name == b"upgrade":
+            if upgrade or value.strip().lower() != b"websocket":
+                return None
+            upgrade = True
+        elif name == b"connection":
+            connection = connection or any(
+                t.strip().lower() == b"upgrade" for t in value.split(b",")
+            )
+        elif name == b"sec-websocket-protocol":
+            protocols += [t.strip() for t in value.decode("latin-1").split(",") if t.strip()]
+    if not (upgrade and connection and version == b"13" and key is not None):
+        return None
+    try:
+        if len(base64.b64decode(key, validate=True)) != 16:
+            return None
+    except binascii.Error:
+        return None
+    return base64.b64encode(hashlib.sha1(key + _GUID).digest()).decode(), protocols
+
+
+def refusal_for(target: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """websockets' answer (400 or 426, with its reason) to a handshake request that
+    fails a check, as bytes to write."""
+    conn = ServerProtocol()
+    request = Request(
+        target.decode("latin-1"),
+        Headers((n.decode("latin-1"), v.decode("latin-1")) for n, v in headers),
+    )
+    response = conn.accept(request)
+    if response.status_code == 101:  # the headers pass, the target does not
+        response = conn.reject(400, "Failed to open a WebSocket connection.\n")
+    conn.send_response(response)
+    return b"".join(conn.data_to_send())
+
+
+class WebSocketSessions:
+    """The client WebSockets a server holds, for its shut-down: each one's ASGI task, and
+    what it should be told when the server stops."""
+
+    def __init__(self) -> None:
+        self.live: dict[ClientWebSocket, asyncio.Task[None]] = {}
+
+    def add(self, ws: ClientWebSocket, task: asyncio.Task[None]) -> None:
+        self.live[ws] = task
+        task.add_done_callback(lambda _: self.live.pop(ws, None))
+
+    def shutdown(self) -> None:
+        """Tell every session the server is stopping: a relayed session is stopped with
+        1012, an accepted one closed with 1012, a handshake still open answered 503."""
+        for ws in list(self.live):
+            ws.shutdown()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for the sessions' tasks, then cancel the rest."""
+        tasks = list(self.live.values())
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            log.error("cancelled %d WebSocket session(s) still open at shut-down", len(pending))
+            await asyncio.wait(pending)
+
+
+class ClientWebSocket:
+    """One client connection whose request head was a WebSocket handshake, from the
+    ASGI app's first look at it until it is taken over or closed. The listener passes
+    the transport's callbacks here until the take-over."""
+
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        loop: asyncio.AbstractEventLoop,
+        options: WebSocketOptions,
+        sessions: WebSocketSessions,
+    ) -> None:
+        self.transport = transport
+        self.loop = loop
+        self.options = options
+        self.sessions = sessions
+        self.scope: dict[str, Any] = {}
+        self._accept_key = ""
+        self._connect_sent = False
+        self.accepted = False  # 101 written
+        self.answered = False  # an HTTP response written instead
+        self.taken = False
+        self.disconnected = False
+        self.close_code = 1006
+        self.close_sent = False
+        self._early = bytearray()
+        self._tail = bytearray()
+        self._fragments: list[Frame] = []
+        self._conn: ServerProtocol | None = None
+        self._messages: deque[dict[str, Any]] = deque()
+        self._message_ready: asyncio.Future[None] | None = None
+        self._read_paused = False
+        self._write_paused: asyncio.Future[None] | None = None
+        self._gone: asyncio.Future[None] | None = None
+        self._response: tuple[int, list[tuple[bytes, bytes]], bytearray] | None = None
+        self._timer: asyncio.TimerHandle | None = None  # keepalive or close deadline
+        self._ping: bytes | None = None
+        self.on_shutdown: Callable[[], None] | None = None
+
+    # -- start ---------------------------------------------------------------------------
+
+    def start(
+        self,
+        app: ASGIApp,
+        scope: dict[str, Any],
+        accept_key: str,
+        early: bytes,
+    ) -> None:
+        """Run ``app`` on the handshake (``scope`` without its extensions)."""
+        self._accept_key = accept_key
+        if early:
+            self.data_received(early)
+        scope["extensions"] = {
+            "websocket.http.response": {},
+            "headroom.splice": {"take_over": self.take_over, "gone": self.gone},
+        }
+        self.scope = scope
+        task = self.loop.create_task(self._run(app))
+        self.sessions.add(self, task)
+
+    async def _run(self, app: ASGIApp) -> None:
+        try:
+            await app(self.scope, self.receive, self.send)
+        except BaseException as exc:
+            if not isinstance(exc, (asyncio.CancelledError, ClientDisconnected)):
+                log.error("exception in the ASGI application (WebSocket)", exc_info=exc)
+            self._app_failed()
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+        else:
+            if not (self.accepted or self.answered or self.disconnected):
+                log.error("the ASGI application returned without answering a WebSocket handshake")
+                self._app_failed()
+            elif self.accepted and not (self.taken or self.close_sent or self.disconnected):
+                self._close(1000, "")
+        finally:
+            # The extension's bound methods tie the scope back to this object.
+            self.scope["extensions"].pop("headroom.splice", None)
+
+    def _app_failed(self) -> None:
+        if self.taken or self.disconnected:
+            return
+        if self.accepted:
+            if not self.close_sent:
+                self._close(1011, "")
+        elif not self.answered:
+            self._answer(500, [(b"content-type", b"text/plain; charset=utf-8")],
+                         b"Internal Server Error")  # fmt: skip
+
+    # -- the transport's callbacks (until the take-over) -----------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        if self.answered or self.disconnected:
+            return
+        if not self.accepted:
+            if len(self._early) + len(data) > EARLY_LIMIT:
+                self.transport.close()
+                return
+            self._early += data
+            return
+        conn = self._conn
+        if conn is None:
+            return
+        tail = self._tail
+        tail += data
+        whole = whole_frames(tail, self.options.max_size)
+        if not whole:
+            return
+        chunk = bytes(tail[:whole])
+        del tail[:whole]
+        conn.receive_data(chunk)
+        self._events(conn)
+
+    def eof_received(self) -> bool | None:
+        conn = self._conn
+        if conn is not None and not self.taken:
+            conn.receive_eof()
+            self._events(conn)
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disconnect(self.close_code)
+        self._cancel_timer()
+        paused = self._write_paused
+        if paused is not None and not paused.done():
+            paused.set_result(None)
+
+    def pause_writing(self) -> None:
+        if self._write_paused is None or self._write_paused.done():
+            self._write_paused = self.loop.create_future()
+
+    def resume_writing(self) -> None:
+        paused = self._write_paused
+        if paused is not None and not paused.done():
+            paused.set_result(None)
+
+    # -- frames while the app holds an accepted connection ----------------------------------
+
+    def _events(self, conn: ServerProtocol) -> None:
+        for event in conn.events_received():
+            if not isinstance(event, Frame):
+                continue
+            opcode = event.opcode
+            if opcode is Opcode.TEXT or opcode is Opcode.BINARY:
+                if event.fin:
+                    self._message(opcode, bytes(event.data))
+                else:
+                    self._fragments = [event]
+            elif opcode is Opcode.CONT:
+                self._fragments.append(event)
+                if event.fin:
+                    first = self._fragments[0].opcode
+                    data = b"".join(bytes(f.data) for f in self._fragments)
+                    self._fragments = []
+                    self._message(first, data)
+            elif opcode is Opcode.PONG:
+                if self._ping is not None and bytes(event.data) == self._ping:
+                    self._ping = None
+            elif opcode is Opcode.CLOSE:
+                close = conn.close_rcvd
+                self.close_code = close.code if close is not None else 1005
+        self._flush(conn)
+
+    def _message(self, opcode: Opcode, data: bytes) -> None:
+        if opcode is Opcode.TEXT:
+            try:
+                text = data.decode()
+            except UnicodeDecodeError:
+                conn = self._conn
+                if conn is not None:
+                    conn.fail(1007, "invalid UTF-8")
+                return
+            self._push({"type": "websocket.receive", "text": text})
+        else:
+            self._push({"type": "websocket.receive", "bytes": data})
+        if len(self._messages) >= self.options.max_queue and not self._read_paused:
+            self._read_paused = True
+            self.transport.pause_reading()
+
+    def _push(self, message: dict[str, Any]) -> None:
+        self._messages.append(message)
+        ready = self._message_ready
+        if ready is not None and not ready.done():
+            ready.set_result(None)
+
+    def _flush(self, conn: ServerProtocol) -> None:
+        transport = self.transport
+        for data in conn.data_to_send():
+            if data:
+                transport.write(data)
+            else:  # websockets' end of stream: the server closes the TCP connection
+                transport.close()
+                return
+        if conn.state is State.CLOSED:
+            transport.close()
+
+    def _close(self, code: int, reason: str) -> None:
+        conn = self._conn
+        if conn is None or self.close_sent:
+            return
+        self.close_sent = True
+        if conn.state is State.OPEN:
+            conn.send_close(code, reason)
+            self._flush(conn)
+        self._cancel_timer()
+        self._timer = self.loop.call_later(self.options.close_timeout_s, self.transport.abort)
+
+    def _keepalive(self) -> None:
+        self._timer = None
+        conn = self._conn
+        if conn is None or self.taken or self.close_sent or conn.state is not State.OPEN:
+            return
+        if self._ping is not None:  # the last ping had no pong in time
+            conn.fail(1011, "keepalive ping timeout")
+            self._flush(conn)
+            return
+        self._ping = self.loop.time().hex().encode()
+        conn.send_ping(self._ping)
+        self._flush(conn)
+        wait = min(self.options.ping_interval_s, self.options.ping_timeout_s or 1e9)
+        self._timer = self.loop.call_later(wait, self._keepalive)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _disconnect(self, code: int) -> None:
+        if self.disconnected:
+            return
+        self.disconnected = True
+        self._push({"type": "websocket.disconnect", "code": code})
+        gone = self._gone
+        if gone is not None and not gone.done():
+            gone.set_result(None)
+
+    # -- ASGI ----------------------------------------------------------------------------
+
+    async def receive(self) -> dict[str, Any]:
+        if not self._connect_sent:
+            self._connect_sent = True
+            return {"type": "websocket.connect"}
+        messages = self._messages
+        while not messages:
+            ready = self._message_ready = self.loop.create_future()
+            try:
+                await ready
+            finally:
+                self._message_ready = None
+        message = messages[0]
+        if message["type"] == "websocket.disconnect":
+            return message  # stays: every later receive says the same
+        messages.popleft()
+        if self._read_paused and len(messages) <= self.options.max_queue // 2:
+            self._read_paused = False
+            if not self.taken and not self.transport.is_closing():
+                self.transport.resume_reading()
+        return message
+
+    async def send(self, message: Any) -> None:
+        kind = message["type"]
+        if self.taken:
+            raise RuntimeError(f"ASGI {kind!r} on a WebSocket taken over by the relay")
+        if self.disconnected:
+            raise ClientDisconnected(f"ASGI {kind!r}: the client has left")
+        if not self.accepted and not self.answered:
+            if kind == "websocket.accept":
+                self._accept(message.get("subprotocol"), list(message.get("headers") or ()))
+                return
+            if kind == "websocket.close":
+                self._answer(403, [], b"")
+                return
+            if kind == "websocket.http.response.start":
+                self._response = (int(message["status"]), list(message.get("headers") or ()),
+                                  bytearray())  # fmt: skip
+                self.answered = True
+                return
+        elif self._response is not None and kind == "websocket.http.response.body":
+            status, headers, body = self._response
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                self._response = None
+                self.transport.write(http_response(status, headers, bytes(body), time.time()))
+                self.transport.close()
+            return
+        elif self.accepted and not self.close_sent:
+            conn = self._conn
+            assert conn is not None
+            if kind == "websocket.send":
+                text = message.get("text")
+                if text is not None:
+                    conn.send_text(text.encode())
+                else:
+                    conn.send_binary(message.get("bytes") or b"")
+                self._flush(conn)
+                paused = self._write_paused
+                if paused is not None and not paused.done():
+                    await paused
+                return
+            if kind == "websocket.close":
+                self._close(int(message.get("code", 1000)), message.get("reason") or "")
+                return
+        raise RuntimeError(f"unexpected ASGI message {kind!r} in this WebSocket's state")
+
+    def _answer(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.answered = True
+        self.transport.write(http_response(status, headers, body, time.time()))
+        self.transport.close()
+
+    def _switch(self, subprotocol: str | None, headers: list[tuple[bytes, bytes]]) -> None:
+        """Write the 101."""
+        head = [
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\n"
+            b"Connection: Upgrade\r\nSec-WebSocket-Accept: ",
+            self._accept_key.encode(),
+            b"\r\n",
+        ]
+        for name, value in headers:
+            head += [name, b": ", value, b"\r\n"]
+        if subprotocol:
+            head += [b"Sec-WebSocket-Protocol: ", subprotocol.encode("latin-1"), b"\r\n"]
+        head.append(b"\r\n")
+        self.transport.write(b"".join(head))
+        self.accepted = True
+
+    def _accept(self, subprotocol: str | None, headers: list[tuple[bytes, bytes]]) -> None:
+        """``websocket.accept``: the 101, then websockets' protocol reads the frames."""
+        self._switch(subprotocol, headers)
+        self._conn = ServerProtocol(state=State.OPEN, max_size=self.options.max_size,
+                                    logger=log)  # fmt: skip
+        if self.options.ping_interval_s > 0:
+            self._timer = self.loop.call_later(self.options.ping_interval_s, self._keepalive)
+        early, self._early = bytes(self._early), bytearray()
+        if early:
+            self.data_received(early)
+
+    def gone(self) -> asyncio.Future[None]:
+        """A future done once the client's connection is lost. Before an accept nothing
+        but a disconnect can come from the client, so this says what a
+        ``websocket.disconnect`` from ``receive`` would, without a task blocked there."""
+        gone = self._gone
+        if gone is None:
+            gone = self._gone = self.loop.create_future()
+            if self.disconnected:
+                gone.set_result(None)
+        return gone
+
+    # -- the take-over -------------------------------------------------------------------
+
+    def take_over(
+        self,
+        subprotocol: str | None,
+        headers: list[tuple[bytes, bytes]],
+        protocol: asyncio.Protocol,
+        on_shutdown: Callable[[], None],
+        held: Iterable[Mapping[str, Any]] = (),
+    ) -> tuple[asyncio.Transport, bytes] | None:
+        """Answer the handshake with 101 (unless the app accepted it already) and give
+        the socket to ``protocol``, with what the client sent that nobody relayed."""
+        transport = self.transport
+        if self.disconnected or self.taken or self.answered or transport.is_closing():
+            return None
+        if self.accepted:
+            early = self._accepted_bytes(held)
+            if early is None:
+                return None
+        else:
+            self._switch(subprotocol, headers)
+            early, self._early = bytes(self._early), bytearray()
+        self._cancel_timer()
+        self.taken = True
+        self.on_shutdown = on_shutdown
+        self._conn = None
+        if self._read_paused:
+            self._read_paused = False
+            transport.resume_reading()
+        transport.set_protocol(protocol)
+        return transport, early
+
+    def _accepted_bytes(self, held: Iterable[Mapping[str, Any]]) -> bytes | None:
+        """What the client sent that the app did not relay, as client frames: ``held``,
+        the messages not received yet, the fragments of a message being assembled and
+        the frame still arriving. None if the app closed or the client left."""
+        if self.close_sent:
+            return None
+        parts = [_client_frame(message) for message in held]
+        for message in self._messages:
+            if message["type"] == "websocket.disconnect":
+                return None
+            parts.append(_client_frame(message))
+        self._messages.clear()
+        parts += [_fragment(event) for event in self._fragments]
+        self._fragments = []
+        parts.append(bytes(self._tail))
+        self._tail = bytearray()
+        return b"".join(parts)
+
+    # -- shut-down -----------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        if self.taken:
+            if self.on_shutdown is not None:
+                self.on_shutdown()
+        elif self.disconnected or self.answered:
+            return
+        elif self.accepted:
+            self._close(1012, "server shutting down")
+        else:
+            self._answer(503, [(b"content-type", b"text/plain; charset=utf-8")],
+                         b"server shutting down")  # fmt: skip
+
+
+def build_scope(
+    *,
+    scheme: str,
+    server: tuple[str, int | None] | None,
+    client: tuple[str, int] | None,
+    root_path: str,
+    target: bytes,
+    headers: list[tuple[bytes, bytes]],
+    subprotocols: list[str],
+    state: dict[str, Any],
+) -> dict[str, Any] | None:
+    """The ASGI ``websocket`` scope of a handshake request (names lower case); None if
+    the target is not an absolute path in ASCII."""
+    if not target.isascii() or not target.startswith(b"/"):
+        return None
+    raw_path, _, query = target.partition(b"?")
+    return {
+        "type": "websocket",
+        "asgi": {"version": "3.0", "spec_version": "2.4"},
+        "http_version": "1.1",
+        "scheme": scheme,
+        "server": server,
+        "client": client,
+        "root_path": root_path,
+        "path": root_path + unquote(raw_path.decode("ascii")),
+        "raw_path": root_path.encode("ascii") + raw_path,
+        "query_string": query,
+        "headers": headers,
+        "subprotocols": subprotocols,
+        "state": state,
+    }
