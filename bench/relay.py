@@ -1,8 +1,10 @@
 """Relay cost: Headroom against nginx and a direct connection, side by side, same run.
 
-    python bench/relay.py                       # 100/500/1000 sessions x 40/200 ms pacing
-    python bench/relay.py --quick               # smoke: 20 sessions, 40 ms, ~15 s
-    python bench/relay.py --sessions 500 --pacing-ms 40 --json out.json
+    python bench/relay.py                       # the issue's table: 500 x 40 ms, 1000 x 200 ms,
+                                                # both builds, 3 rounds (about 25 min)
+    python bench/relay.py --baseline REV        # + the same two builds of REV
+    python bench/relay.py --quick               # smoke: 20 sessions, 40 ms, 1 round
+    python bench/relay.py --sessions 500 --pacing-ms 40 --json out.json --markdown out.md
 
 A paced upstream (``bench/wsload.py upstream``) streams binary PCM chunks (9.6 KB =
 0.2 s of 24 kHz PCM16) whose first 8 bytes are the CLOCK_MONOTONIC send time; client
@@ -12,31 +14,52 @@ phase (setup CPU per session), the connected RSS, then streaming: a warm-up, the
 steady window in which latency samples and the relay's CPU are taken. Targets:
 
 - ``direct``: client -> upstream (the latency baseline);
-- ``nginx``: Debian's nginx (installed if missing), one worker, WebSocket proxy, no
-  compression;
-- ``headroom``: ``headroom serve`` with one pool, one replica (cap >= sessions), queue
-  off, route ``vllm-omni-speech-ws`` (metering is always on), log level warning;
-- ``headroom-qf``: the same with ``queue_feedback: true`` on the route, and every session
-  but the first made to wait: Headroom starts with a cap of 1 and a queue for all, so
-  each client is accepted early and told its place; after the connect phase the cap is
-  raised (``POST /admin/reload``) and the waiters are admitted together (``headroom.queue``
-  notes, ``headroom.admitted``, then the relay). Its setup CPU is that whole path.
+- ``nginx``: Debian's nginx (installed if missing), one worker, WebSocket proxy,
+  ``proxy_buffering off``, no compression;
+- ``headroom`` and ``headroom-compiled``: ``python -m proxy serve`` from a copy of the
+  checkout, interpreted, and from a second copy with the per-chunk modules compiled
+  (bench/relay_trees.py); one pool, one replica (cap >= sessions), queue off, route
+  ``vllm-omni-speech-ws`` (metering is always on), log level warning, the admin listener
+  on loopback (the bench reads the metered audio from its ``/metrics`` outside the
+  measured windows);
+- ``baseline`` and ``baseline-compiled`` (``--baseline REV``): the same two builds of
+  ``git archive REV``;
+- ``headroom-installed``: the ``headroom`` command of this interpreter's environment
+  (what bench/workers_scale.py drives);
+- ``headroom-qf``: the interpreted tree with ``queue_feedback: true`` on the route, and
+  every session but the first made to wait: Headroom starts with a cap of 1 and a queue
+  for all, so each client is accepted early and told its place; after the connect phase
+  the cap is raised (``POST /admin/reload``) and the waiters are admitted together. Its
+  setup CPU is that whole path.
 
 The relay under test, the upstream and the clients are separate processes: relay CPU is
-``/proc/<pid>/task/*/schedstat`` (on-CPU ns; ``/proc/<pid>/stat`` utime+stime is kept
-as a cross-check), memory is VmRSS; nginx is master + worker. A fresh relay process
-per cell. Everything is on 127.0.0.1 and every phase has a deadline.
+``/proc/<pid>/task/*/schedstat`` (on-CPU ns; ``/proc/<pid>/stat`` utime+stime, which
+keeps exited threads, is the cross-check), memory is VmRSS; nginx is master + worker
+(the cell fails when the worker is not found). A fresh relay process per cell.
+Everything is on 127.0.0.1 and every phase has a deadline.
+
+The warm-up lasts until each session has streamed ``--warmup-chunks`` chunks when that
+fits in ``--max-warmup`` seconds (the session meter's exact quantile sketches turn into
+histograms after a few hundred chunks, and a longer session pays for that), else
+``--warmup`` seconds; each cell records which.
+
+The matrix is run ``--rounds`` times, the targets' order rotated every round; before
+each cell the run waits (at most ``--load-wait`` s) for the 1-minute load average to fall
+below ``--max-load`` and records the load averages and the machine's busy share before
+and after; a cell that started above the limit, or whose window saw more than
+``--max-other-cores`` of other processes' CPU, is noisy (bench/relay_matrix.py).
 
 Set-up CPU per session is the median of ``--setup-bursts`` bursts (5): the first is the
 connect phase above; the others come after the streaming, each a burst of the same
-connects, measured the same way, then closed. One burst is a fraction of a second of
-CPU-bound work, too short to judge on a shared machine by itself; every burst's figure
-is in the JSON (``setup_cpu_ms_per_session_bursts``, the first first).
+connects, measured the same way, then closed. Every burst's figure is in the JSON
+(``setup_cpu_ms_per_session_bursts``, the first first).
 
 Reported per cell: latency p50/p99 (steady window), added p50/p99 vs direct, relay CPU
 per relayed chunk, setup CPU per session, memory per session ((RSS streaming - RSS
 idle) / sessions, and the same with the sessions connected but idle), chunks delivered
-vs expected, machine CPU busy; then Headroom/nginx ratios and the issue's targets.
+vs expected, metered audio vs relayed audio, machine CPU busy; then per target and cell
+the median and range over rounds, the ratios to nginx and to the baseline, and the
+issue's targets.
 """
 
 from __future__ import annotations
@@ -44,11 +67,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import math
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,21 +101,42 @@ from harness import (  # type: ignore[import-not-found,unused-ignore]
     start_relay,
     start_upstreams,
 )
+from relay_matrix import (  # type: ignore[import-not-found,unused-ignore]
+    LIMITS,
+    busy_share,
+    load_markdown,
+    rotated,
+    summarize,
+    summary_markdown,
+    targets_met,
+    wait_quiet,
+)
+from relay_trees import (  # type: ignore[import-not-found,unused-ignore]
+    Tree,
+    audio_seconds_metered,
+    enable_admin,
+    prepare_trees,
+    start_headroom,
+)
 
-TARGETS = ("direct", "nginx", "headroom")
+TARGETS = ("direct", "nginx", "headroom", "headroom-compiled")
+#: Added to the targets by ``--baseline REV``.
+BASELINE_TARGETS = ("baseline", "baseline-compiled")
+#: The issue's matrix: (sessions, pacing ms).
+DEFAULT_CELLS = ((500, 40.0), (1000, 200.0))
 #: Headroom with a queue-feedback route, every session admitted after waiting.
 QUEUE_FEEDBACK = "headroom-qf"
+#: The ``headroom`` command installed beside this interpreter, started by bench/harness.py
+#: (bench/workers_scale.py changes its command and configuration there).
+INSTALLED = "headroom-installed"
 #: Lean-relay prototypes (bench/splice_relay.py), for what-if comparisons only.
 PROTOTYPES = ("splice", "splice-meter")
 NPROC = os.cpu_count() or 1
 
-# The targets (Headroom, metering on, same run): issue 17's for CPU, setup and memory.
-CPU_RATIO_MAX = 1.0  # x nginx CPU per chunk at 500 sessions x 25 chunks/s
-ADDED_P50_MAX_MS = 0.5  # at 1000 sessions x 5 chunks/s
-ADDED_P99_MAX_MS = 5.0
-SETUP_MAX_MS = 0.45
-MEM_MAX_KB = 28.0
-KEPT_UP = 0.98  # chunks delivered / chunks paced: below this the relay fell behind
+#: Bytes of audio per second in a chunk (24 kHz mono PCM16, the route's format).
+AUDIO_BYTES_PER_S = 48000
+#: Metered audio / relayed audio outside this band: the meter did not see the chunks.
+METERED_BAND = (0.97, 1.03)
 
 
 def _split(n: int, parts: int) -> list[int]:
@@ -111,17 +157,35 @@ async def run_cell(
     upstream: list[Worker],
     upstream_port: int,
     run_dir: Path,
+    trees: dict[str, Tree],
+    round_index: int = 0,
 ) -> dict[str, Any]:
-    cell_dir = run_dir / f"{target}-{sessions}-{pacing_ms:g}"
+    cell_dir = run_dir / f"r{round_index + 1}-{target}-{sessions}-{pacing_ms:g}"
     cell_dir.mkdir(parents=True, exist_ok=True)
     waiting = _QueueFeedback(sessions + 16) if target == QUEUE_FEEDBACK else None
-    relay = await start_relay(
-        procs, "headroom" if waiting else target, cell_dir, upstream_port,
-        max_sessions=sessions + 16, protocol=args.protocol,
-        gc_trace=cell_dir / "gc.log" if args.gc_trace or args.gc_freeze else None,
-        gc_freeze_s=1.0 if args.gc_freeze else None, nginx_buffer=args.nginx_buffer,
-        headroom_yaml=waiting.configure if waiting else None,
-    )  # fmt: skip
+    gc_log = cell_dir / "gc.log" if args.gc_trace or args.gc_freeze else None
+    admin_port: int | None = None
+    tree = trees.get("headroom" if waiting else target)
+    if tree is not None:
+        if waiting is not None:
+            admin_port, edit = waiting.admin_port, waiting.configure
+        else:
+            admin_port = free_port()
+            edit = functools.partial(enable_admin, port=admin_port)
+        relay = await start_headroom(
+            procs, tree, cell_dir, upstream_port, max_sessions=sessions + 16,
+            protocol=args.protocol, edit=edit, gc_trace=gc_log,
+            gc_freeze_s=1.0 if args.gc_freeze else None,
+        )  # fmt: skip
+    elif target == INSTALLED:
+        relay = await start_relay(
+            procs, "headroom", cell_dir, upstream_port, max_sessions=sessions + 16,
+            protocol=args.protocol, gc_trace=gc_log,
+            gc_freeze_s=1.0 if args.gc_freeze else None,
+        )  # fmt: skip
+    else:
+        relay = await start_relay(procs, target, cell_dir, upstream_port,
+                                  nginx_buffer=args.nginx_buffer)  # fmt: skip
     if relay.proc is not None:
         print(f"   {target} pid {relay.proc.pid}", file=sys.stderr)
     clients: list[Worker] = []
@@ -131,8 +195,12 @@ async def run_cell(
                 procs, f"clients{i}", "clients", "--url", relay.url, "--timeout-s", "20"
             )
             clients.append(w)
-        return await _measure(args, relay, clients, upstream, target, sessions, pacing_ms,
-                              cell_dir, waiting)  # fmt: skip
+        cell = await _measure(args, relay, clients, upstream, target, sessions, pacing_ms,
+                              cell_dir, waiting, admin_port)  # fmt: skip
+        cell["round"] = round_index
+        cell["build"] = tree.build if tree is not None else None
+        cell["revision"] = tree.revision if tree is not None else None
+        return cell
     finally:
         for w in clients:
             with contextlib.suppress(Exception):
@@ -246,8 +314,14 @@ async def _measure(
     pacing_ms: float,
     cell_dir: Path,
     waiting: _QueueFeedback | None = None,
+    admin_port: int | None = None,
 ) -> dict[str, Any]:
     pids = relay.pids()
+    if target == "nginx" and len(pids) < 2:
+        await asyncio.sleep(1.0)  # the master forks its worker after it listens
+        pids = relay.pids()
+        if len(pids) < 2:
+            raise RuntimeError(f"nginx: worker process not found (pids {pids})")
     loadgen_pids = [w.pid for w in clients + upstream]
     shares = _split(sessions, len(clients))
     connect_timeout = 30.0 + sessions * 0.05
@@ -266,8 +340,10 @@ async def _measure(
     )
 
     await asyncio.gather(*(w.call("start", "started", 10.0) for w in clients))
-    await asyncio.sleep(args.warmup)
+    warmup_s = warmup_seconds(args, pacing_ms)
+    await asyncio.sleep(warmup_s)
 
+    metered0 = await audio_seconds_metered(admin_port) if admin_port is not None else None
     await asyncio.gather(*(w.call("mark", "marked", 10.0) for w in clients))
     w0 = sample(pids)
     g0 = sample(loadgen_pids)
@@ -280,6 +356,8 @@ async def _measure(
         *(w.call("stop", "stopped", 30.0, out=str(cell_dir / f"c{i}"))
           for i, w in enumerate(clients))
     )  # fmt: skip
+    # After the clients stop counting: the scrape is no part of any target's window.
+    metered1 = await audio_seconds_metered(admin_port) if admin_port is not None else None
     closes = await asyncio.gather(*(w.call("close", "closed", 60.0) for w in clients))
     has_relay = relay.proc is not None
 
@@ -315,6 +393,12 @@ async def _measure(
             codes[k] = codes.get(k, 0) + int(v)
     relay_cpu_ns = w1.cpu_ns - w0.cpu_ns
     busy = (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])
+    relayed_audio_s = chunks * args.chunk_bytes / AUDIO_BYTES_PER_S
+    metered = (
+        _r((metered1 - metered0) / relayed_audio_s)
+        if metered0 is not None and metered1 is not None and relayed_audio_s
+        else None
+    )
     cell: dict[str, Any] = {
         "target": target,
         "sessions": sessions,
@@ -322,6 +406,10 @@ async def _measure(
         "chunk_bytes": args.chunk_bytes,
         "connected": connected,
         "connect_failures": failed,
+        "relay_pids": len(pids),
+        "warmup_s": _r(warmup_s, 2),
+        "chunks_before_window": _r(warmup_s / (pacing_ms / 1000.0), 0),
+        "metered_audio_ratio": metered,
         "connect_seconds": _r(connect_s),
         "window_s": _r(window_s),
         "chunks": chunks,
@@ -368,86 +456,25 @@ async def _measure(
     return cell
 
 
+def warmup_seconds(args: argparse.Namespace, pacing_ms: float) -> float:
+    """Streamed before the window: ``--warmup-chunks`` chunks a session when that fits
+    in ``--max-warmup`` seconds, else ``--warmup`` seconds."""
+    by_chunks = float(args.warmup_chunks) * pacing_ms / 1000.0
+    floor = float(args.warmup)
+    return max(floor, by_chunks) if by_chunks <= args.max_warmup else floor
+
+
 def _added(cells: list[dict[str, Any]]) -> None:
-    """Fill in added latency vs the direct cell of the same shape."""
-    direct = {(c["sessions"], c["pacing_ms"]): c for c in cells if c["target"] == "direct"}
+    """Fill in added latency vs the direct cell of the same shape and round."""
+    direct = {
+        (c["sessions"], c["pacing_ms"], c.get("round", 0)): c
+        for c in cells if c["target"] == "direct"
+    }  # fmt: skip
     for c in cells:
-        d = direct.get((c["sessions"], c["pacing_ms"]))
+        d = direct.get((c["sessions"], c["pacing_ms"], c.get("round", 0)))
         for q in ("p50", "p99"):
             mine, base = c["latency_ms"][q], d["latency_ms"][q] if d else None
-            c[f"added_{q}_ms"] = (
-                _r(mine - base) if mine is not None and base is not None else None
-            )
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b <= 0:
-        return None
-    return _r(a / b, 2)
-
-
-def ratios(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    by = {(c["target"], c["sessions"], c["pacing_ms"]): c for c in cells}
-    out = []
-    for (target, n, p), h in by.items():
-        x = by.get(("nginx", n, p))
-        if not target.startswith("headroom") or x is None:
-            continue
-        out.append(
-            {
-                "target": target,
-                "sessions": n,
-                "pacing_ms": p,
-                "cpu_per_chunk": _ratio(h["relay_cpu_us_per_chunk"], x["relay_cpu_us_per_chunk"]),
-                "setup_cpu": _ratio(h["setup_cpu_ms_per_session"], x["setup_cpu_ms_per_session"]),
-                "mem_per_session": _ratio(h["mem_kb_per_session"], x["mem_kb_per_session"]),
-                "added_p50_ms_delta": _r(h["added_p50_ms"] - x["added_p50_ms"])
-                if h["added_p50_ms"] is not None and x["added_p50_ms"] is not None else None,
-                "added_p99_ms_delta": _r(h["added_p99_ms"] - x["added_p99_ms"])
-                if h["added_p99_ms"] is not None and x["added_p99_ms"] is not None else None,
-            }
-        )  # fmt: skip
-    return out
-
-
-def _kept_up(cell: dict[str, Any]) -> bool:
-    """Delivered (almost) every paced chunk, and the median chunk is not a whole pacing
-    interval late (a backlog)."""
-    p50 = cell["latency_ms"]["p50"]
-    return (cell["delivered_ratio"] or 0.0) >= KEPT_UP and (
-        p50 is not None and p50 < cell["pacing_ms"]
-    )
-
-
-def targets(cells: list[dict[str, Any]], ratio_rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The issue's targets, evaluated on the cells this run measured (None: not measured)."""
-    h = [c for c in cells if c["target"] == "headroom"]
-
-    def find(rows: list[dict[str, Any]], n: int, p: float) -> dict[str, Any] | None:
-        return next((r for r in rows if r["sessions"] == n and r["pacing_ms"] == p), None)
-
-    r500 = find([r for r in ratio_rows if r["target"] == "headroom"], 500, 40.0)
-    h1000 = find(h, 1000, 200.0)
-    setups = [c["setup_cpu_ms_per_session"] for c in h if c["setup_cpu_ms_per_session"]]
-    # A relay that fell behind holds the backlog in memory: that is saturation, not the
-    # per-session cost, so memory is judged on the cells that kept up.
-    kept_up = [c for c in h if _kept_up(c)]
-    mems = [c["mem_kb_per_session"] for c in kept_up if c["mem_kb_per_session"] is not None]
-
-    def check(value: float | None, limit: float) -> dict[str, Any]:
-        return {"value": value, "limit": limit,
-                "ok": None if value is None else bool(value <= limit)}  # fmt: skip
-
-    return {
-        "cpu_per_chunk_ratio_500x25": check(r500["cpu_per_chunk"] if r500 else None,
-                                            CPU_RATIO_MAX),
-        "added_p50_ms_1000x5": check(h1000["added_p50_ms"] if h1000 else None, ADDED_P50_MAX_MS),
-        "added_p99_ms_1000x5": check(h1000["added_p99_ms"] if h1000 else None, ADDED_P99_MAX_MS),
-        "setup_cpu_ms_per_session_worst": check(max(setups) if setups else None, SETUP_MAX_MS),
-        "mem_kb_per_session_worst": check(max(mems) if mems else None, MEM_MAX_KB),
-        "saturated_cells": [f"{c['sessions']}x{c['pacing_ms']:g}ms" for c in h
-                            if c not in kept_up],
-    }  # fmt: skip
+            c[f"added_{q}_ms"] = _r(mine - base) if mine is not None and base is not None else None
 
 
 def _fmt(value: Any, digits: int = 2) -> str:
@@ -465,67 +492,122 @@ def _cpu(c: dict[str, Any]) -> str:
     return f"{c['relay_cpu_us_per_chunk']:.1f}" + (f" ({share:.0%})" if share is not None else "")
 
 
-def markdown(result: dict[str, Any]) -> str:
+def cells_markdown(cells: list[dict[str, Any]]) -> str:
+    """Every cell of every round."""
     lines = [
-        "| sessions | pacing | chunks/s | target | p50 ms | p99 ms | added p50 | added p99 "
-        "| CPU us/chunk (sys) | relay cores | setup ms/sess | KB/sess (idle) | delivered "
-        "| other load |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| round | sessions | pacing | chunks/s | target | p50 ms | p99 ms | added p50 "
+        "| added p99 | CPU us/chunk (sys) | stat us/chunk | relay cores | setup ms/sess "
+        "| KB/sess (idle) | delivered | metered | other load |",
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for c in result["cells"]:
+    for c in cells:
         lines.append(
-            f"| {c['sessions']} | {c['pacing_ms']:g} ms | {_fmt(c['chunks_per_s'], 0)} "
-            f"| {c['target']} | {_fmt(c['latency_ms']['p50'])} | {_fmt(c['latency_ms']['p99'])} "
-            f"| {_fmt(c['added_p50_ms'])} | {_fmt(c['added_p99_ms'])} "
-            f"| {_cpu(c)} | {_fmt(c['relay_cpu_cores'])} "
+            f"| {int(c.get('round', 0)) + 1} | {c['sessions']} | {c['pacing_ms']:g} ms "
+            f"| {_fmt(c['chunks_per_s'], 0)} | {c['target']} | {_fmt(c['latency_ms']['p50'])} "
+            f"| {_fmt(c['latency_ms']['p99'])} | {_fmt(c['added_p50_ms'])} "
+            f"| {_fmt(c['added_p99_ms'])} | {_cpu(c)} "
+            f"| {_fmt(c['relay_cpu_us_per_chunk_stat'], 1)} | {_fmt(c['relay_cpu_cores'])} "
             f"| {_fmt(c['setup_cpu_ms_per_session'], 3)} "
             f"| {_fmt(c['mem_kb_per_session'], 1)} ({_fmt(c['mem_kb_per_session_connected'], 1)}) "
-            f"| {_fmt(c['delivered_ratio'])} | {_fmt(c['other_cpu_cores'], 1)} |"
+            f"| {_fmt(c['delivered_ratio'])} | {_fmt(c.get('metered_audio_ratio'))} "
+            f"| {_fmt(c['other_cpu_cores'], 1)} |"
         )
-    if result["ratios"]:
-        lines += [
-            "",
-            "| sessions | pacing | target | x nginx CPU per chunk | setup CPU | memory "
-            "| added p50 - nginx's (ms) | added p99 - nginx's (ms) |",
-            "|---:|---:|---|---:|---:|---:|---:|---:|",
-        ]
-        for r in result["ratios"]:
-            lines.append(
-                f"| {r['sessions']} | {r['pacing_ms']:g} ms | {r['target']} "
-                f"| {_fmt(r['cpu_per_chunk'])} "
-                f"| {_fmt(r['setup_cpu'])} | {_fmt(r['mem_per_session'])} "
-                f"| {_fmt(r['added_p50_ms_delta'])} | {_fmt(r['added_p99_ms_delta'])} |"
-            )
-    lines += ["", "| target (Headroom) | measured | limit | met |", "|---|---:|---:|---|"]
-    for name, t in result["targets"].items():
-        if name == "saturated_cells":
-            continue
-        ok = "not measured" if t["ok"] is None else ("yes" if t["ok"] else "NO")
-        lines.append(f"| {name} | {_fmt(t['value'])} | {t['limit']:g} | {ok} |")
-    if result["targets"]["saturated_cells"]:
-        lines += ["", "Headroom fell behind (memory not judged): "
-                  + ", ".join(result["targets"]["saturated_cells"])]  # fmt: skip
+    return "\n".join(lines)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The report: the summary and the issue's targets first, then the machine around
+    each cell, every cell, and what to distrust."""
+    cfg = result["config"]
+    lines = [
+        f"## bench/relay.py: {', '.join(cfg['targets'])}; "
+        f"{', '.join(f'{n}x{p:g}ms' for n, p in cfg['cells'])}; {cfg['rounds']} round(s)",
+        "",
+        f"Machine: {result['machine'].get('nproc')} cores, {result['machine'].get('cpu_model')}, "
+        f"nginx {result['machine'].get('nginx')}, Python {result['machine'].get('python')}; "
+        f"load average 1/5/15 at start {'/'.join(f'{x:.2f}' for x in result['load_start'])}, "
+        f"at end {'/'.join(f'{x:.2f}' for x in result['load_end'])}; "
+        f"{result['elapsed_s']:.0f} s.",
+        "",
+    ]
+    for t, info in result["trees"].items():
+        lines.append(f"- `{t}`: {info['revision']}, {info['build']}")
+    lines += ["", summary_markdown(result["summary"], result["checks"]), ""]
+    noisy = [c for c in result["cells"] if c.get("noisy")]
+    lines.append(
+        f"Noisy cells: {len(noisy)} of {len(result['cells'])} (load average 1 min >= "
+        f"{cfg['max_load']:g} after waiting {cfg['load_wait_s']:g} s, or more than "
+        f"{cfg['max_other_cores']:g} cores of other processes in the window)."
+    )
+    low, high = METERED_BAND
+    bad_meter = [
+        f"{c['target']} r{c['round'] + 1} ({c['metered_audio_ratio']})"
+        for c in result["cells"]
+        if c.get("metered_audio_ratio") is not None and not low <= c["metered_audio_ratio"] <= high
+    ]
+    if bad_meter:
+        lines.append("**Metered audio differs from relayed audio** in: " + ", ".join(bad_meter))
+    lines += ["", "### The machine around each cell", "", load_markdown(result["cells"]),
+              "", "### Every cell", "", cells_markdown(result["cells"])]  # fmt: skip
     bursts = [c for c in result["cells"] if len(c["setup_cpu_ms_per_session_bursts"]) > 1]
     if bursts:
-        lines += ["", "Set-up ms per session, each burst (the table gives their median):"]
+        lines += ["", "Set-up ms per session, each burst (the tables give their median):"]
         lines += [
-            f"- {c['target']} {c['sessions']}x{c['pacing_ms']:g}ms: "
+            f"- r{int(c.get('round', 0)) + 1} {c['target']} {c['sessions']}x{c['pacing_ms']:g}ms: "
             + " ".join(_fmt(x, 3) for x in c["setup_cpu_ms_per_session_bursts"])
             for c in bursts
         ]
-    build = result["machine"].get("headroom_build")
-    if build:
-        lines += ["", f"Headroom build: {build} (proxy/speedups.py)"]
     return "\n".join(lines)
+
+
+def _noisy(args: argparse.Namespace, gate: dict[str, Any], cell: dict[str, Any]) -> list[str]:
+    why = []
+    if not gate["quiet"]:
+        why.append(f"load {cell['load_before'][0]:.2f} >= {args.max_load:g}")
+    other = cell.get("other_cpu_cores")
+    if other is not None and other > args.max_other_cores:
+        why.append(f"other load {other:.2f} cores")
+    return why
+
+
+async def _gated_cell(
+    args: argparse.Namespace, procs: Processes, target: str, n: int, pacing: float,
+    upstream: list[Worker], port: int, run_dir: Path, trees: dict[str, Tree], r: int,
+) -> dict[str, Any]:  # fmt: skip
+    """One cell behind the load gate, with the machine's state before and after."""
+    gate = await wait_quiet(args.max_load, args.load_wait)
+    load_before = list(os.getloadavg())
+    busy_before = await busy_share(args.busy_sample)
+    cell = await run_cell(args, procs, target, n, pacing, upstream, port, run_dir, trees, r)
+    busy_after = await busy_share(args.busy_sample)
+    cell.update(
+        load_at_gate=[_r(x, 2) for x in gate["load_at_gate"]],
+        load_waited_s=_r(gate["load_waited_s"], 1),
+        load_before=[_r(x, 2) for x in load_before],
+        load_after=[_r(x, 2) for x in os.getloadavg()],
+        busy_before=_r(busy_before),
+        busy_after=_r(busy_after),
+    )
+    cell["noisy"] = _noisy(args, gate, cell)
+    return cell
+
+
+def _wanted(args: argparse.Namespace) -> list[str]:
+    wanted = [t.strip() for t in args.targets.split(",") if t.strip()]
+    if args.baseline:
+        wanted += [t for t in BASELINE_TARGETS if t not in wanted]
+    known = (*TARGETS, *BASELINE_TARGETS, QUEUE_FEEDBACK, INSTALLED, *PROTOTYPES)
+    for t in wanted:
+        if t not in known:
+            raise SystemExit(f"unknown target {t!r} (choose from {', '.join(known)})")
+        if t in BASELINE_TARGETS and not args.baseline:
+            raise SystemExit(f"target {t!r} needs --baseline REV")
+    return wanted
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     raise_fd_limit()
-    wanted = [t.strip() for t in args.targets.split(",") if t.strip()]
-    for t in wanted:
-        if t not in (*TARGETS, QUEUE_FEEDBACK, *PROTOTYPES):
-            choices = ", ".join((*TARGETS, QUEUE_FEEDBACK, *PROTOTYPES))
-            raise SystemExit(f"unknown target {t!r} (choose from {choices})")
+    wanted = _wanted(args)
     notes: list[str] = []
     no_nginx = "nginx" in wanted and nginx_binary() is None
     if no_nginx and (args.no_install or install_nginx() is None):
@@ -535,23 +617,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     run_dir = Path(args.run_dir or tempfile.mkdtemp(prefix="headroom-bench-"))
     cells: list[dict[str, Any]] = []
     started = time.monotonic()
+    load_start = list(os.getloadavg())
+    trees: dict[str, Tree] = {}
     try:
-        for pacing in args.pacing_ms:
-            upstream, port = await start_upstreams(
-                procs, args.upstream_procs, pacing, args.chunk_bytes
-            )
-            try:
-                for n in args.sessions:
-                    for target in wanted:
+        needed = [*wanted, "headroom"] if QUEUE_FEEDBACK in wanted else wanted
+        trees = prepare_trees(needed, run_dir, args.baseline)
+        for r in range(args.rounds):
+            order = rotated(wanted, r)
+            print(f"== round {r + 1} of {args.rounds}: {' '.join(order)}", file=sys.stderr)
+            for n, pacing in args.cells:
+                upstream, port = await start_upstreams(
+                    procs, args.upstream_procs, pacing, args.chunk_bytes
+                )
+                try:
+                    for target in order:
                         if time.monotonic() - started > args.max_total_s:
                             notes.append(f"time budget ({args.max_total_s:.0f} s) reached")
                             raise TimeoutError
-                        print(f"-- {target}: {n} sessions, {pacing:g} ms", file=sys.stderr)
+                        print(f"-- r{r + 1} {target}: {n} sessions, {pacing:g} ms",
+                              file=sys.stderr)  # fmt: skip
                         try:
-                            cell = await run_cell(args, procs, target, n, pacing, upstream,
-                                                  port, run_dir)  # fmt: skip
+                            cell = await _gated_cell(args, procs, target, n, pacing, upstream,
+                                                     port, run_dir, trees, r)  # fmt: skip
                         except RuntimeError as exc:
-                            notes.append(f"{target} {n}x{pacing:g}ms failed: {exc}")
+                            notes.append(f"r{r + 1} {target} {n}x{pacing:g}ms failed: {exc}")
                             print(f"   failed: {exc}", file=sys.stderr)
                             continue
                         cells.append(cell)
@@ -559,14 +648,18 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                             f"   p50 {cell['latency_ms']['p50']} ms, p99 "
                             f"{cell['latency_ms']['p99']} ms, cpu/chunk "
                             f"{cell['relay_cpu_us_per_chunk']} us, delivered "
-                            f"{cell['delivered_ratio']}",
+                            f"{cell['delivered_ratio']}, load {cell['load_before']}"
+                            + (f", noisy: {'; '.join(cell['noisy'])}" if cell["noisy"] else ""),
                             file=sys.stderr,
                         )
-            finally:
-                for w in upstream:
-                    await procs.stop(w.proc, grace_s=1.0)
+                finally:
+                    for w in upstream:
+                        await procs.stop(w.proc, grace_s=1.0)
     except TimeoutError:
         pass
+    except (RuntimeError, subprocess.SubprocessError) as exc:
+        notes.append(f"stopped: {exc}")
+        print(f"stopped: {exc}", file=sys.stderr)
     finally:
         await procs.stop_all()
         if not (args.run_dir or args.keep or notes):  # keep the logs when something failed
@@ -574,31 +667,51 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         elif notes:
             print(f"logs kept in {run_dir}", file=sys.stderr)
     _added(cells)
-    ratio_rows = ratios(cells)
+    rows = summarize(cells)
+    limits = {"cpu_x_baseline": LIMITS["cpu_x_baseline"] + args.baseline_tolerance}
     return {
         "benchmark": "relay",
         "machine": machine_facts(),
+        "trees": {t: {"revision": tree.revision, "build": tree.build} for t, tree in trees.items()},
         "config": {
             "targets": wanted,
-            "sessions": args.sessions,
-            "pacing_ms": args.pacing_ms,
+            "cells": [[n, p] for n, p in args.cells],
+            "rounds": args.rounds,
+            "baseline": args.baseline,
+            "baseline_tolerance": args.baseline_tolerance,
+            "max_load": args.max_load,
+            "load_wait_s": args.load_wait,
+            "max_other_cores": args.max_other_cores,
             "chunk_bytes": args.chunk_bytes,
             "protocol": args.protocol,
             "gc_freeze": args.gc_freeze,
             "nginx_buffer": args.nginx_buffer,
             "warmup_s": args.warmup,
+            "warmup_chunks": args.warmup_chunks,
+            "max_warmup_s": args.max_warmup,
             "window_s": args.window,
             "client_procs": args.client_procs,
             "setup_bursts": args.setup_bursts,
             "upstream_procs": args.upstream_procs,
             "command": " ".join(sys.argv),
         },
+        "load_start": [_r(x, 2) for x in load_start],
+        "load_end": [_r(x, 2) for x in os.getloadavg()],
         "elapsed_s": _r(time.monotonic() - started, 1),
         "cells": cells,
-        "ratios": ratio_rows,
-        "targets": targets(cells, ratio_rows),
+        "summary": rows,
+        "checks": targets_met(rows, limits),
         "notes": notes,
     }
+
+
+def _cells(args: argparse.Namespace) -> list[tuple[int, float]]:
+    """``--sessions`` x ``--pacing-ms`` when either is given, else the issue's matrix."""
+    if args.sessions is None and args.pacing_ms is None:
+        return list(DEFAULT_CELLS)
+    sessions = args.sessions or sorted({n for n, _ in DEFAULT_CELLS})
+    pacings = args.pacing_ms or sorted({p for _, p in DEFAULT_CELLS})
+    return [(n, p) for p in pacings for n in sessions]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -607,13 +720,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--targets", default=",".join(TARGETS),
-        help=f"direct,nginx,headroom (also {QUEUE_FEEDBACK}: queue-feedback sessions)",
+        help=f"comma-separated, from {', '.join(TARGETS)} (also {QUEUE_FEEDBACK}: "
+        f"queue-feedback sessions; {', '.join(BASELINE_TARGETS)} with --baseline)",
     )  # fmt: skip
-    p.add_argument("--sessions", type=int, nargs="+", default=[100, 500, 1000])
-    p.add_argument("--pacing-ms", type=float, nargs="+", default=[40.0, 200.0])
+    p.add_argument("--baseline", metavar="REV",
+                   help="also measure this git revision, interpreted and compiled")  # fmt: skip
+    p.add_argument(
+        "--baseline-tolerance", type=float, default=0.02,
+        help="per-chunk CPU may be this much above the baseline's (median ratio)",
+    )  # fmt: skip
+    p.add_argument("--sessions", type=int, nargs="+",
+                   help="sessions per cell (with --pacing-ms: every combination); default: "
+                   "500 x 40 ms and 1000 x 200 ms")  # fmt: skip
+    p.add_argument("--pacing-ms", type=float, nargs="+")
+    p.add_argument("--rounds", type=int, default=3, help="the matrix, targets rotated each round")
+    p.add_argument(
+        "--max-load", type=float, default=1.0,
+        help="wait before each cell for the 1-minute load average below this",
+    )  # fmt: skip
+    p.add_argument(
+        "--load-wait", type=float, default=60.0,
+        help="seconds to wait for --max-load at most (then the cell is noisy)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-other-cores", type=float, default=0.3,
+        help="other processes' cores in the window above which a cell is noisy",
+    )  # fmt: skip
+    p.add_argument(
+        "--busy-sample", type=float, default=1.0,
+        help="seconds of machine busy share sampled before and after each cell",
+    )  # fmt: skip
     p.add_argument("--chunk-bytes", type=int, default=9600)
     p.add_argument("--protocol", default="vllm-omni-speech-ws", help="Headroom route protocol")
     p.add_argument("--warmup", type=float, default=2.0, help="seconds streamed before the window")
+    p.add_argument("--warmup-chunks", type=int, default=520,
+                   help="stream this many chunks a session before the window when that "
+                   "takes at most --max-warmup seconds")  # fmt: skip
+    p.add_argument("--max-warmup", type=float, default=25.0)
     p.add_argument("--window", type=float, default=6.0, help="steady window, seconds")
     p.add_argument("--settle", type=float, default=0.5, help="seconds after connecting")
     p.add_argument("--prime", type=float, default=0.5, help="seconds of the priming session")
@@ -625,14 +768,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="connect bursts per cell; the set-up figure is their median (the first "
         "burst's sessions are the ones streamed)",
     )  # fmt: skip
-    p.add_argument("--max-total-s", type=float, default=900.0, help="stop starting cells after")
-    p.add_argument("--quick", action="store_true", help="smoke: 20 sessions, 40 ms, 1 s window")
+    p.add_argument("--max-total-s", type=float, default=3600.0, help="stop starting cells after")
+    p.add_argument(
+        "--quick", action="store_true",
+        help="smoke: 20 sessions, 40 ms, 1 round, 1 s window, short load wait",
+    )  # fmt: skip
     p.add_argument("--json", metavar="OUT", help="write the results as JSON")
+    p.add_argument("--markdown", metavar="OUT", help="write the report as Markdown")
     p.add_argument("--run-dir", help="working directory (default: a new temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the run dir and raw samples")
-    p.add_argument(
-        "--nginx-buffer", help="nginx proxy_buffer_size (default: nginx's own, 4k here)"
-    )
+    p.add_argument("--nginx-buffer", help="nginx proxy_buffer_size (default: nginx's own, 4k here)")
     p.add_argument(
         "--gc-trace", action="store_true",
         help="log Headroom's GC passes; the JSON gets those of the window and the set-up",
@@ -646,8 +791,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.sessions, args.pacing_ms = [20], [40.0]
         args.warmup, args.window, args.settle, args.prime = 0.3, 1.0, 0.2, 0.2
         args.client_procs, args.setup_bursts = 1, 2
+        args.warmup_chunks, args.busy_sample = 0, 0.2
+        args.load_wait = min(args.load_wait, 5.0)
+        if "--rounds" not in (argv if argv is not None else sys.argv[1:]):
+            args.rounds = 1
+    args.cells = _cells(args)
     if args.setup_bursts < 1:
         p.error("--setup-bursts must be at least 1")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if args.chunk_bytes < 8:
         p.error("--chunk-bytes must be at least 8 (the send stamp)")
     return args
@@ -656,11 +808,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = asyncio.run(run(args))
-    print(markdown(result))
+    report = markdown(result)
+    print(report)
     for note in result["notes"]:
         print(f"note: {note}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    if args.markdown:
+        notes = "".join(f"\nnote: {n}" for n in result["notes"])
+        Path(args.markdown).write_text(report + "\n" + notes + ("\n" if notes else ""))
     return 0 if result["cells"] else 1
 
 

@@ -2,8 +2,8 @@
 
     python bench/workers_scale.py --workers 1 2 --sessions 600 1200 1800 --pacing-ms 40
 
-Runs ``bench/relay.py``'s ``headroom`` cells (paced WebSocket upstream, client processes,
-one-way latency from CLOCK_MONOTONIC stamps, relay CPU over the supervisor and its
+Runs ``bench/relay.py``'s ``headroom-installed`` cells (paced WebSocket upstream, client
+processes, one-way latency from CLOCK_MONOTONIC stamps, relay CPU over the supervisor and its
 workers) against ``headroom serve --workers N`` with its caps in a local redis-server
 (started here on a free 127.0.0.1 port, no persistence, stopped at the end). Prints one
 row per (workers, sessions): latency p50/p99, chunks delivered / paced, relay CPU.
@@ -102,7 +102,8 @@ async def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         for workers in args.workers:
             _patch(workers, url)
-            argv = ["--targets", "headroom", "--sessions", *map(str, args.sessions),
+            argv = ["--targets", "headroom-installed", "--rounds", "1", "--load-wait", "0",
+                    "--warmup-chunks", "0", "--sessions", *map(str, args.sessions),
                     "--pacing-ms", str(args.pacing_ms), "--window", str(args.window),
                     "--client-procs", str(args.client_procs),
                     "--upstream-procs", str(args.upstream_procs),
