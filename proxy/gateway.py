@@ -26,7 +26,8 @@ from proxy.admin import ReloadAnswer, create_admin_app
 from proxy.app import create_app
 from proxy.errors import ConfigError, ListenError
 from proxy.relay.listener import client_listener
-from proxy.relay.ws_server import ASGIApp, WebSocketSessions
+from proxy.relay.ws_handshake import ASGIApp
+from proxy.relay.ws_server import WebSocketSessions
 from proxy.runtime import Runtime
 from proxy.serving import EmbeddedServer, bind_socket, make_config
 from proxy.settings import (

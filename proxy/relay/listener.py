@@ -52,16 +52,14 @@ import httptools
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
 
-from proxy.relay.ws_server import (
+from proxy.relay.ws_handshake import (
     ASGIApp,
-    ClientWebSocket,
-    WebSocketOptions,
-    WebSocketSessions,
     build_scope,
     handshake_key,
     http_response,
     refusal_for,
 )
+from proxy.relay.ws_server import ClientWebSocket, WebSocketOptions, WebSocketSessions
 from proxy.settings import LimitsSettings
 
 __all__ = ["LINGER_S", "ClientListener", "client_listener", "websocket_options"]

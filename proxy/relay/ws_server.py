@@ -14,10 +14,7 @@ refusals -- through plain ASGI messages, plus one extension:
 - ``...["gone"]()`` is a future done once the client's connection is lost: what a session
   not yet accepted races its waits against, without a task blocked in ``receive``.
 
-The handshake checks are RFC 6455 4.2.1's: ``Connection: Upgrade``, ``Upgrade:
-websocket``, exactly one ``Sec-WebSocket-Key`` of 16 bytes in base64, version 13. A
-request that fails one is answered by websockets' own handshake code (400, or 426 with
-the supported version) and closed.
+The handshake's checks and answers are in :mod:`proxy.relay.ws_handshake`.
 
 A connection the app accepts through ASGI (``websocket.accept``: queue feedback, where
 the client is told its place before it is admitted) gets websockets' sans-I/O
@@ -36,25 +33,25 @@ whichever path the app takes.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import email.utils
-import hashlib
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
-from urllib.parse import unquote
+from typing import Any
 
-from websockets.datastructures import Headers
 from websockets.frames import Frame, Opcode
-from websockets.http11 import Request
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 
-from proxy.relay.wsframes import BINARY, TEXT, frame
+from proxy.relay.ws_handshake import (
+    ASGIApp,
+    TakeOver,
+    client_frame,
+    fragment,
+    http_response,
+    whole_frames,
+)
 
 __all__ = [
     "EARLY_LIMIT",
@@ -63,48 +60,13 @@ __all__ = [
     "TakeOver",
     "WebSocketOptions",
     "WebSocketSessions",
-    "http_response",
-    "whole_frames",
 ]
 
 log = logging.getLogger("headroom.http")
 
-_GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
-
 #: Bytes a client may send between its handshake request and our response; beyond
 #: this the connection is dropped (the session ends as a client disconnect).
 EARLY_LIMIT = 256 * 1024
-
-_REASONS = {
-    101: b"Switching Protocols", 400: b"Bad Request", 403: b"Forbidden",
-    408: b"Request Timeout", 426: b"Upgrade Required",
-    431: b"Request Header Fields Too Large", 500: b"Internal Server Error",
-    503: b"Service Unavailable",
-}  # fmt: skip
-
-ASGIApp = Callable[
-    [dict[str, Any], Callable[[], Awaitable[dict[str, Any]]], Callable[[Any], Awaitable[None]]],
-    Awaitable[None],
-]
-
-
-class TakeOver(Protocol):
-    """``take_over(subprotocol, headers, protocol, on_shutdown, held=())`` -> (transport,
-    early bytes), or None if the client is already gone. ``protocol`` receives the
-    transport's callbacks from then on; ``on_shutdown`` is called if the server shuts
-    down while it runs. On a connection already accepted through ASGI, ``subprotocol``
-    and ``headers`` are not used (the handshake was answered) and ``held`` are the ASGI
-    ``websocket.receive`` messages the app read but did not relay: they lead the early
-    bytes, as client frames."""
-
-    def __call__(
-        self,
-        subprotocol: str | None,
-        headers: list[tuple[bytes, bytes]],
-        protocol: asyncio.Protocol,
-        on_shutdown: Callable[[], None],
-        held: Iterable[Mapping[str, Any]] = (),
-    ) -> tuple[asyncio.Transport, bytes] | None: ...
 
 
 class ClientDisconnected(OSError):
@@ -126,132 +88,6 @@ class WebSocketOptions:
     ping_timeout_s: float = 20.0
     #: How long a close handshake the app started may take before the socket is dropped.
     close_timeout_s: float = 10.0
-
-
-def whole_frames(data: bytes | bytearray, max_size: int | None) -> int:
-    """How many leading bytes of ``data`` (client frames from a frame boundary) are
-    whole frames. A frame still arriving that declares more than ``max_size`` bytes
-    counts as whole, so that the parser sees (and refuses) it at once."""
-    pos, end = 0, len(data)
-    while end - pos >= 2:
-        b1 = data[pos + 1]
-        length = b1 & 0x7F
-        head = 2
-        if length == 126:
-            head = 4
-            if end - pos < head:
-                break
-            length = int.from_bytes(data[pos + 2 : pos + 4], "big")
-        elif length == 127:
-            head = 10
-            if end - pos < head:
-                break
-            length = int.from_bytes(data[pos + 2 : pos + 10], "big")
-        if b1 & 0x80:
-            head += 4
-        if pos + head + length > end:
-            if max_size is not None and length > max_size:
-                return end
-            break
-        pos += head + length
-    return pos
-
-
-def _client_frame(message: Mapping[str, Any]) -> bytes:
-    """An ASGI ``websocket.receive`` message as the masked frame a client would send."""
-    text = message.get("text")
-    if text is not None:
-        return frame(TEXT, text.encode(), masked=True)
-    return frame(BINARY, message.get("bytes") or b"", masked=True)
-
-
-def _fragment(event: Frame) -> bytes:
-    """A received frame of a message still being assembled, as the client sent it
-    (masked, without FIN)."""
-    whole = frame(int(event.opcode), bytes(event.data), masked=True)
-    return bytes((whole[0] & 0x7F,)) + whole[1:]
-
-
-_date_cache: tuple[int, bytes] = (0, b"")
-
-
-def _date_header(now: float) -> bytes:
-    global _date_cache
-    second = int(now)
-    if _date_cache[0] != second:
-        _date_cache = (second, email.utils.formatdate(second, usegmt=True).encode())
-    return _date_cache[1]
-
-
-def http_response(
-    status: int, headers: Iterable[tuple[bytes, bytes]], body: bytes, now: float
-) -> bytes:
-    """A whole HTTP/1.1 response that ends the connection (``connection: close``), with
-    a ``date`` and, unless ``headers`` has one, a ``content-length``."""
-    reason = _REASONS.get(status, b"")
-    out = [b"HTTP/1.1 %d %s\r\ndate: %s\r\n" % (status, reason, _date_header(now))]
-    length = False
-    for name, value in headers:
-        lower = name.lower()
-        if lower == b"connection":
-            continue
-        length = length or lower == b"content-length"
-        out += [name, b": ", value, b"\r\n"]
-    if not length:
-        out.append(b"content-length: %d\r\n" % len(body))
-    out += [b"connection: close\r\n\r\n", body]
-    return b"".join(out)
-
-
-def handshake_key(headers: list[tuple[bytes, bytes]]) -> tuple[str, list[str]] | None:
-    """The ``Sec-WebSocket-Accept`` value and the offered subprotocols of a handshake
-    request's headers (names lower case) that meets RFC 6455 4.2.1; None if it does not."""
-    key: bytes | None = None
-    version: bytes | None = None
-    upgrade = connection = False
-    protocols: list[str] = []
-    for name, value in headers:
-        if name == b"sec-websocket-key":
-            if key is not None:
-                return None
-            key = value
-        elif name == b"sec-websocket-version":
-            if version is not None:
-                return None
-            version = value
-        elif name == b"upgrade":
-            if upgrade or value.strip().lower() != b"websocket":
-                return None
-            upgrade = True
-        elif name == b"connection":
-            connection = connection or any(
-                t.strip().lower() == b"upgrade" for t in value.split(b",")
-            )
-        elif name == b"sec-websocket-protocol":
-            protocols += [t.strip() for t in value.decode("latin-1").split(",") if t.strip()]
-    if not (upgrade and connection and version == b"13" and key is not None):
-        return None
-    try:
-        if len(base64.b64decode(key, validate=True)) != 16:
-            return None
-    except binascii.Error:
-        return None
-    return base64.b64encode(hashlib.sha1(key + _GUID).digest()).decode(), protocols
-
-
-def refusal_for(target: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
-    """websockets' answer (400 or 426, with its reason) to a handshake request that
-    fails a check, as bytes to write."""
-    conn = ServerProtocol()
-    request = Request(
-        target.decode("latin-1"),
-        Headers((n.decode("latin-1"), v.decode("latin-1")) for n, v in headers),
-    )
-    response = conn.accept(request)
-    if response.status_code == 101:  # the headers pass, the target does not
-        response = conn.reject(400, "Failed to open a WebSocket connection.\n")
-    conn.send_response(response)
-    return b"".join(conn.data_to_send())
 
 
 class WebSocketSessions:
@@ -669,13 +505,13 @@ class ClientWebSocket:
         the frame still arriving. None if the app closed or the client left."""
         if self.close_sent:
             return None
-        parts = [_client_frame(message) for message in held]
+        parts = [client_frame(message) for message in held]
         for message in self._messages:
             if message["type"] == "websocket.disconnect":
                 return None
-            parts.append(_client_frame(message))
+            parts.append(client_frame(message))
         self._messages.clear()
-        parts += [_fragment(event) for event in self._fragments]
+        parts += [fragment(event) for event in self._fragments]
         self._fragments = []
         parts.append(bytes(self._tail))
         self._tail = bytearray()
@@ -694,36 +530,3 @@ class ClientWebSocket:
         else:
             self._answer(503, [(b"content-type", b"text/plain; charset=utf-8")],
                          b"server shutting down")  # fmt: skip
-
-
-def build_scope(
-    *,
-    scheme: str,
-    server: tuple[str, int | None] | None,
-    client: tuple[str, int] | None,
-    root_path: str,
-    target: bytes,
-    headers: list[tuple[bytes, bytes]],
-    subprotocols: list[str],
-    state: dict[str, Any],
-) -> dict[str, Any] | None:
-    """The ASGI ``websocket`` scope of a handshake request (names lower case); None if
-    the target is not an absolute path in ASCII."""
-    if not target.isascii() or not target.startswith(b"/"):
-        return None
-    raw_path, _, query = target.partition(b"?")
-    return {
-        "type": "websocket",
-        "asgi": {"version": "3.0", "spec_version": "2.4"},
-        "http_version": "1.1",
-        "scheme": scheme,
-        "server": server,
-        "client": client,
-        "root_path": root_path,
-        "path": root_path + unquote(raw_path.decode("ascii")),
-        "raw_path": root_path.encode("ascii") + raw_path,
-        "query_string": query,
-        "headers": headers,
-        "subprotocols": subprotocols,
-        "state": state,
-    }
