@@ -3,6 +3,7 @@
     python bench/relay.py                       # the table: 500 x 40 ms, 1000 x 200 ms,
                                                 # both builds, 3 rounds (about 25 min)
     python bench/relay.py --baseline REV        # + the same two builds of REV
+    python bench/relay.py --source REV          # Headroom from REV, not the working tree
     python bench/relay.py --quick               # smoke: 20 sessions, 40 ms, 1 round
     python bench/relay.py --sessions 500 --pacing-ms 40 --json out.json --markdown out.md
 
@@ -621,7 +622,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     trees: dict[str, Tree] = {}
     try:
         needed = [*wanted, "headroom"] if QUEUE_FEEDBACK in wanted else wanted
-        trees = prepare_trees(needed, run_dir, args.baseline)
+        trees = prepare_trees(needed, run_dir, args.baseline, args.source)
         for r in range(args.rounds):
             order = rotated(wanted, r)
             print(f"== round {r + 1} of {args.rounds}: {' '.join(order)}", file=sys.stderr)
@@ -678,6 +679,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "cells": [[n, p] for n, p in args.cells],
             "rounds": args.rounds,
             "baseline": args.baseline,
+            "source": args.source,
             "baseline_tolerance": args.baseline_tolerance,
             "max_load": args.max_load,
             "load_wait_s": args.load_wait,
@@ -725,6 +727,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--baseline", metavar="REV",
                    help="also measure this git revision, interpreted and compiled")  # fmt: skip
+    p.add_argument(
+        "--source", metavar="REV",
+        help="Headroom's trees from this git revision instead of the working tree",
+    )  # fmt: skip
     p.add_argument(
         "--baseline-tolerance", type=float, default=0.02,
         help="per-chunk CPU may be this much above the baseline's (median ratio)",

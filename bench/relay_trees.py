@@ -3,7 +3,7 @@
 Every Headroom target runs from a tree of its own, a copy made in the run directory:
 
 - ``headroom``: the checkout as it is (tracked and untracked, not ignored, files of the
-  working tree), interpreted;
+  working tree), interpreted; or ``git archive REV`` with ``--source REV``;
 - ``headroom-compiled``: the same copy, then ``HEADROOM_MYPYC=1 python setup.py
   build_ext --inplace`` (docs/performance.md), checked with ``python -m proxy.speedups
   --require-compiled``;
@@ -137,8 +137,11 @@ def build_compiled(source: Path, dest: Path) -> None:
         raise RuntimeError(f"compiled build of {source} failed:\n{tail}")
 
 
-def prepare_trees(targets: list[str], run_dir: Path, baseline: str | None) -> dict[str, Tree]:
-    """The trees of the Headroom targets among ``targets``, made and checked."""
+def prepare_trees(
+    targets: list[str], run_dir: Path, baseline: str | None, source: str | None = None
+) -> dict[str, Tree]:
+    """The trees of the Headroom targets among ``targets``, made and checked: the
+    ``headroom`` ones from the working tree, or from ``git archive source`` when given."""
     sources: dict[str, tuple[Path, str]] = {}
     trees: dict[str, Tree] = {}
     for target in targets:
@@ -148,8 +151,10 @@ def prepare_trees(targets: list[str], run_dir: Path, baseline: str | None) -> di
         if origin not in sources:
             path = run_dir / "trees" / origin
             path.mkdir(parents=True, exist_ok=True)
-            if origin == "checkout":
+            if origin == "checkout" and source is None:
                 revision = copy_checkout(path)
+            elif origin == "checkout":
+                revision = export_revision(source, path)
             else:
                 if baseline is None:
                     raise RuntimeError(f"{target} needs --baseline REV")
