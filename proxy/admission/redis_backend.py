@@ -55,6 +55,9 @@ __all__ = [
 ]
 
 _SCRIPTS = ("acquire", "release", "leave", "renew", "relocate", "hold")
+#: Fragments a script needs after common.lua (Redis scripts cannot ``require``: each
+#: is loaded as the concatenation).
+_FRAGMENTS = {"acquire": ("newcomer",), "hold": ("newcomer",)}
 _KEYS = (
     "leases", "owner", "held", "queue", "beats", "gen", "seq", "flags", "tw", "lanes", "run",
     "shed",
@@ -118,6 +121,12 @@ class TickResult:
 
 def _load(name: str) -> str:
     return (importlib.resources.files("proxy.admission") / "lua" / f"{name}.lua").read_text()
+
+
+def _pool_script(name: str) -> str:
+    """The source of pool script ``name``: common.lua, the fragments it shares with
+    other scripts (:data:`_FRAGMENTS`), then its own."""
+    return "\n".join(_load(part) for part in ("common", *_FRAGMENTS.get(name, ()), name))
 
 
 def _view_args(view: Sequence[ReplicaView]) -> list[str | int]:
@@ -196,9 +205,8 @@ class RedisAdmission:
         self._closed = False
         self._clock_ms = clock_ms
         self._schedule: dict[str, tuple[float, tuple[Reserve, ...]]] = {}
-        prelude = _load("common")
         self._scripts = {
-            name: self._client.register_script(prelude + "\n" + _load(name)) for name in _SCRIPTS
+            name: self._client.register_script(_pool_script(name)) for name in _SCRIPTS
         }
         # Not a pool script: its keys are the tenants' (no prelude).
         self._tenants = self._client.register_script(_load("tenants"))
@@ -470,7 +478,7 @@ class RedisAdmission:
             retry=Retry(NoBackoff(), 0),
             health_check_interval=30,
         )
-        script = client.register_script(_load("common") + "\n" + _load("keep"))
+        script = client.register_script(_pool_script("keep"))
         return LeaseRenewer(client, script, self.keys, self.ttl_ms, self._clock_ms)
 
     async def ping(self) -> None:

@@ -7,9 +7,7 @@
 local id, ttl, prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local max_depth, beat = tonumber(ARGV[4]), tonumber(ARGV[5])
 local ctx, at = ctx_of(6)
-local tenant = tenant_of(ARGV[at] .. ' ' .. ARGV[at + 1] .. ' ' .. ARGV[at + 2] .. ' '
-  .. ARGV[at + 3])
-local view = view_of(at + 4, #ARGV - at - 3)
+local tenant, view = newcomer_of(at)
 local now = now_ms(ctx)
 -- Expired leases are gone first: a lease that lapsed is never confirmed below.
 purge(now, ctx)
@@ -26,28 +24,13 @@ end
 if redis.call('ZSCORE', K_SHED, id) then
   return {'reject', 'preempted_in_queue', 1}
 end
-local _, blocked_until = generation(now, ttl)
-if now < blocked_until then
-  return {'blocked', blocked_until - now}
-end
-assign(now, ttl, prefix, view, blocked_until, ctx)
-local waiting = redis.call('ZCARD', K_QUEUE) > 0
--- No barging: a free slot, only if nobody of this class or a higher one waits.
-if not (waiting and tq_waiting_at_or_above(tq_load(ctx), tenant.priority))
-    and may_take(tenant.priority, view, now, ctx) then
-  local replica = pick(view, now, nil)
-  if replica then
-    grant(id, replica, now, ttl)
-    tq_admitted(id, tenant, now)
-    return {'admit', replica}
-  end
+-- A free slot now (newcomer.lua), else a queue place.
+local taken, waiting = take_now(id, tenant, view, now, ttl, ttl, prefix, ctx)
+if taken then
+  return {taken, waiting}
 end
 local function refuse(reason)
-  local position = 1
-  if waiting then
-    position = rank_in(tq_order(tq_load(ctx), now / 1000, tenant), false)
-  end
-  return {'reject', reason, position}
+  return {'reject', reason, newcomer_position(waiting, tenant, now, ctx)}
 end
 if max_depth <= 0 then
   return refuse(full_reason(view, now))
