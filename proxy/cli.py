@@ -197,7 +197,7 @@ def _check(args: argparse.Namespace) -> int:
     if refusal is not None:
         say(f"headroom check: refused: {refusal}")
         return 2
-    gpu_lines, findings = check_gpus(settings)  # co-location (issue 19)
+    gpu_lines, findings = check_gpus(settings)  # co-location (proxy.colocation)
     for line in gpu_lines:
         print(line)
     for warning in settings.warnings():

@@ -1,4 +1,4 @@
-"""The co-location check of ``headroom check`` (issue 19): engines sharing one GPU.
+"""The co-location check of ``headroom check``: engines sharing one GPU.
 
 Each engine on a GPU is told a share of the GPU's memory (vLLM's
 ``--gpu-memory-utilization``). From that share it takes its weights and activation peak;

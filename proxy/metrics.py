@@ -20,8 +20,8 @@ too, with the same value, for one release (:data:`DEPRECATED_ALIASES`).
 
 The per-chunk metrics of a replica (gap and delivery-ratio histograms, audio-delivered and
 stream-active counters, and the underrun counters next to them) are not prometheus_client
-metrics either: a prometheus_client observation takes a lock per value and costs about a
-microsecond, and the relay makes four per audio chunk. :class:`ReplicaSeries` accumulates
+metrics either: a prometheus_client observation takes a lock per value, and the relay
+makes four per audio chunk. :class:`ReplicaSeries` accumulates
 them in plain Python (bucket counts found with ``bisect`` on the same upper bounds, sums and
 counter totals as floats, added in the same order, so every exported number is what
 prometheus_client would have exported) and a collector turns them into histogram and
@@ -623,9 +623,9 @@ class Metrics:
     def child(self, metric: _M, *labels: str) -> _M:
         """``metric.labels(*labels)``, looked up once: every session counts its decision,
         its duration, its time to first audio and its gap p99 under its pool, and
-        prometheus_client's labels() (a lock, the values turned to str, a check) cost
-        about 1 us each time. Children are never removed, so a cached one stays the
-        exported one (issue 17, set-up)."""
+        prometheus_client's labels() takes a lock, turns the values to str and checks
+        them each time. Children are never removed, so a cached one stays the exported
+        one."""
         key = (id(metric), labels)
         found = self._children.get(key)
         if found is None:

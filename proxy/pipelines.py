@@ -1,4 +1,4 @@
-"""Headroom left per pool, and the limiting stage of each configured pipeline (issue 19).
+"""Headroom left per pool, and the limiting stage of each configured pipeline.
 
 A voice agent uses several pools at once (ASR, then TTS); the call is only as good as the
 stage nearest its knee. This module measures, per pool, how much is left:

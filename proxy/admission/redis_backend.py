@@ -15,7 +15,7 @@ Redis Cluster slot):
 * a **queue** of waiters from every gateway, each kept alive by heartbeats; a freed
   slot is handed to the waiter served next inside the release script (no barging) and
   its gateway is woken by a push onto its wake list, which it reads with ``BLPOP``;
-* **tenants** (issue 18): each waiter and lease carries its key's class, weight,
+* **tenants**: each waiter and lease carries its key's class, weight,
   ``max_queued`` and name; the scripts apply the rules of
   :mod:`proxy.admission.tenants` (class first, fair share by session-seconds, FIFO
   within a lane, reserves, ``max_queued``, shedding a sheddable waiter, which its

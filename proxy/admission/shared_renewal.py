@@ -1,6 +1,6 @@
 """Renewal and self-fencing, for the shared gate.
 
-Every ``renew_interval_s`` one call per pool (tick.lua) renews this gateway's leases and
+Every ``renew_interval_s`` one call per pool (renew.lua) renews this gateway's leases and
 queue places, publishes its guard flags, and reads the pool-wide figures (sessions
 held per replica, the queue's depth) and its waiters' positions. If a pool's last
 successful renewal is older than ``lease_ttl_s - fence_margin_s`` on the monotonic

@@ -26,8 +26,8 @@ from proxy.protocols.sse import SseParser
 
 __all__ = ["CHARACTERS_PER_SECOND", "completion_body", "run_completion"]
 
-#: Speech rate used to size ``max_tokens`` from a text: the bundled workload's median text
-#: (about 110 characters) is about 8 s of speech.
+#: Speech rate used to size ``max_tokens`` from a text: characters of text per second of
+#: the speech it makes (a rate for the bundled workload's English texts).
 CHARACTERS_PER_SECOND = 14.0
 _MAX_ERROR_BODY = 4096
 _STALE_RESENDS = 2

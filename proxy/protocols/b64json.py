@@ -11,7 +11,7 @@ The fast path accepts a text only when the result provably equals what a full
 exactly once and neither the span nor the remainder holds a backslash. Anything else falls
 back to a full ``json.loads``; that includes payloads whose ``/`` an encoder escaped as
 ``\\/`` (PHP, some Java libraries): counting those escapes with ``str.count`` costs more than
-``json.loads``'s C scanner, which then unescapes them (measured: 23 vs 16 µs at 13 KB).
+``json.loads``'s C scanner, which then unescapes them.
 
 The base64 characters themselves are not validated (that would cost a pass over the
 payload): a string of the wrong length counts as zero bytes.
@@ -33,7 +33,7 @@ _WS = " \t\r\n"
 
 Event = dict[str, Any]
 
-# json.loads minus its Python-level wrapper (1.2 µs of the 3 µs a small event costs).
+# json.loads minus its Python-level wrapper, a sizeable part of a small event's cost.
 _scan_once: Callable[[str, int], tuple[Any, int]]
 _scan_once = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 

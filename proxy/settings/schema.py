@@ -267,7 +267,7 @@ class ReplicaSettings(_Frozen):
 
 
 class ReserveSettings(_Frozen):
-    """Slots of a pool only sessions of class ``priority`` or higher may take (issue 18):
+    """Slots of a pool only sessions of class ``priority`` or higher may take:
     ``slots`` over the whole pool, or ``per_replica`` on each replica that takes sessions
     (healthy, not guard-held). The classes below see a pool that many slots smaller."""
 
@@ -417,7 +417,7 @@ class ApiKeySettings(_Frozen):
     """One tenant's key, stored as its SHA-256. ``pools`` empty = every pool;
     ``max_sessions`` caps the tenant's concurrent sessions (429 ``tenant_limit``).
 
-    Scheduling (issue 18, README "Tenants and priorities"): ``priority`` is the key's
+    Scheduling (README "Tenants and priorities"): ``priority`` is the key's
     class (higher first; negative: sheddable), ``weight`` its share of session-seconds
     within the class (unset: the key shares its class's plain FIFO), ``max_queued`` its
     waiters in one pool's queue (429 ``tenant_limit`` past it). A key without them behaves
@@ -568,7 +568,7 @@ class ReservationSettings(_Frozen):
         return self
 
 
-# -- co-location: replicas sharing one GPU (issue 19) ----------------------------------
+# -- co-location: replicas sharing one GPU ----------------------------------------------
 # Optional. Read only by ``headroom check`` (proxy.colocation): the gateway routes the same
 # with or without it. Cross-references (replicas exist, each on one GPU) are checked in
 # proxy.settings.references (_gpu_problems), with the other cross-references.
@@ -681,8 +681,8 @@ class Settings(BaseModel):
     pools: tuple[PoolSettings, ...] = Field(min_length=1)
     routes: tuple[RouteSettings, ...] = Field(min_length=1)
     auth: AuthSettings | None = None
-    gpus: tuple[GpuSettings, ...] = ()  # co-location, read by `headroom check` (issue 19)
-    # stages whose headroom is compared, limiting stage reported (issue 19)
+    gpus: tuple[GpuSettings, ...] = ()  # co-location, read by `headroom check`
+    # stages whose headroom is compared, limiting stage reported (proxy.pipelines)
     pipelines: tuple[PipelineSettings, ...] = ()
     readiness: Readiness = "upstream"
     tracing: TracingSettings = TracingSettings()
