@@ -774,7 +774,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="connect bursts per cell; the set-up figure is their median (the first "
         "burst's sessions are the ones streamed)",
     )  # fmt: skip
-    p.add_argument("--max-total-s", type=float, default=3600.0, help="stop starting cells after")
+    p.add_argument("--max-total-s", type=float, default=5400.0, help="stop starting cells after")
     p.add_argument(
         "--quick", action="store_true",
         help="smoke: 20 sessions, 40 ms, 1 round, 1 s window, short load wait",
