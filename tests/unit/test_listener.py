@@ -257,11 +257,14 @@ async def test_a_malformed_head_is_answered_400_by_uvicorn() -> None:
     assert b"Invalid HTTP request received." in transport.out
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ClientListener._start_head reads the limits in on_message_complete of the previous "
-    "request, not when the next head starts: a reload between two requests of a kept-alive "
-    "connection does not apply to the second"
-))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "ClientListener._start_head reads the limits in on_message_complete of the previous "
+        "request, not when the next head starts: a reload between two requests of a kept-alive "
+        "connection does not apply to the second"
+    ),
+)
 async def test_a_reload_applies_to_the_next_head() -> None:
     limits = [LimitsSettings(max_headers=5)]
     listener, transport, _ = open_listener(lambda: limits[0])
@@ -310,11 +313,14 @@ async def test_trailers_over_the_head_limit_close_the_connection(pieces: int) ->
     assert not transport.out.startswith(b"HTTP/1.1 431")  # no answer of ours
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "listener._read counts trailer bytes only after httptools returns with the trailers "
-    "still open; when the read that crosses max_head_bytes also holds the trailers' end, "
-    "on_chunk_complete/on_message_complete have reset the count and nothing is refused"
-))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "listener._read counts trailer bytes only after httptools returns with the trailers "
+        "still open; when the read that crosses max_head_bytes also holds the trailers' end, "
+        "on_chunk_complete/on_message_complete have reset the count and nothing is refused"
+    ),
+)
 @pytest.mark.parametrize("pieces", [1, 7])
 async def test_trailers_over_the_head_limit_in_few_reads_close_the_connection(
     pieces: int,
@@ -338,3 +344,193 @@ async def test_head_and_trailer_lines_together_are_bounded_by_max_headers() -> N
     listener2, transport2, _ = open_listener(LimitsSettings(max_headers=4))
     listener2.data_received(_chunked(b"T1: 1\r\nT2: 2\r\n"))
     await _served(transport2)
+
+
+# -- WebSocket handshakes and other upgrades ------------------------------------------------
+
+#: What real clients send (python-websockets, Chrome, curl-style lower case).
+REAL_HEADS = [
+    b"GET /v1/audio/speech/stream HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nUpgrade: websocket\r\n"
+    b"Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    b"Sec-WebSocket-Version: 13\r\nSec-WebSocket-Extensions: permessage-deflate; "
+    b"client_max_window_bits\r\nUser-Agent: Python/3.11 websockets/15.0.1\r\n\r\n",
+    b"GET /chat?room=a%20b&x=1 HTTP/1.1\r\nHost: example.com\r\nConnection: Upgrade\r\n"
+    b"Pragma: no-cache\r\nCache-Control: no-cache\r\nUser-Agent: Mozilla/5.0 (X11; Linux "
+    b"x86_64) AppleWebKit/537.36 (KHTML, like Gecko) Chrome/131.0.0.0 Safari/537.36\r\n"
+    b"Upgrade: websocket\r\nOrigin: https://example.com\r\nSec-WebSocket-Version: 13\r\n"
+    b"Accept-Encoding: gzip, deflate, br, zstd\r\nAccept-Language: en-US,en;q=0.9\r\n"
+    b"Sec-WebSocket-Key: x3JJHMbDL1EzLkh9GBhXDw==\r\nSec-WebSocket-Protocol: a, b\r\n\r\n",
+    b"GET / HTTP/1.1\r\nhost: x\r\nupgrade: WebSocket\r\nconnection: keep-alive, upgrade\r\n"
+    b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n",
+]
+
+
+def _lower_headers(head: bytes) -> list[tuple[bytes, bytes]]:
+    lines = head.split(b"\r\n")[1:-2]
+    return [(n.lower(), v) for n, _, v in (line.partition(b": ") for line in lines)]
+
+
+class TakingApp:
+    """Takes every WebSocket session over at once, as the gateway's splice does."""
+
+    def __init__(self) -> None:
+        self.scopes: list[dict[str, Any]] = []
+        self.taken: list[tuple[asyncio.Transport, bytes] | None] = []
+        self.protocol = asyncio.Protocol()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.scopes.append({k: v for k, v in scope.items() if k != "extensions"})
+        take_over = scope["extensions"]["headroom.splice"]["take_over"]
+        self.taken.append(take_over(None, [], self.protocol, lambda: None))
+
+
+@pytest.mark.parametrize("head", REAL_HEADS)
+@pytest.mark.parametrize("cut", [None, 10, -1])
+async def test_an_upgrade_in_one_or_two_reads_goes_to_the_websocket_server(
+    head: bytes, cut: int | None
+) -> None:
+    """Real clients' handshakes, whole or split (the last byte alone too), with a frame
+    sent early in the same read: Headroom's WebSocket server runs the app, with the
+    target and the headers (names lower-cased) as sent, and the early bytes reach the
+    take-over."""
+    app = TakingApp()
+    listener, transport, timers = open_listener(LimitsSettings(handshake_timeout_s=7), app)
+    early = b"\x81\x82\x01\x02\x03\x04ik"
+    data = head + early
+    cut = len(head) + cut if cut is not None and cut < 0 else cut
+    for piece in [data] if cut is None else [data[:cut], data[cut:]]:
+        listener.data_received(piece)
+    assert isinstance(listener._ws, ClientWebSocket) and listener._inner is None
+    assert 7 not in timers.armed()  # the head deadline is disarmed
+    await settle(lambda: bool(app.taken))
+    (scope,) = app.scopes
+    target = head.split(b" ")[1]
+    assert (
+        scope["raw_path"] + (b"?" + scope["query_string"] if scope["query_string"] else b"")
+        == target
+    )
+    assert scope["headers"] == _lower_headers(head)
+    assert app.taken == [(transport, early)]
+    assert transport.protocol is app.protocol
+    assert transport.out.startswith(b"HTTP/1.1 101 Switching Protocols\r\n")
+
+
+async def test_limits_hold_for_an_upgrade_in_one_read() -> None:
+    head = REAL_HEADS[1]
+    app = TakingApp()
+    listener, transport, _ = open_listener(LimitsSettings(max_headers=4), app)
+    listener.data_received(head)
+    assert transport.out.startswith(b"HTTP/1.1 431 ") and b"more than 4 header" in transport.out
+    padded = head[:-2] + b"X-Pad: " + b"p" * 1100 + b"\r\n\r\n"
+    listener, transport, _ = open_listener(LimitsSettings(max_head_bytes=len(padded) - 1), app)
+    listener.data_received(padded)
+    assert transport.out.startswith(b"HTTP/1.1 431 ")
+    assert listener._ws is None and not app.scopes
+
+
+class HttpRecorder:
+    """Answers HTTP with 204 and records the scopes uvicorn gives it."""
+
+    def __init__(self) -> None:
+        self.scopes: list[dict[str, Any]] = []
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.scopes.append(scope)
+        if scope["type"] == "http":
+            await _app(scope, receive, send)
+        else:
+            await receive()
+            await send({"type": "websocket.close", "code": 1000})
+
+
+async def test_a_non_websocket_upgrade_is_served_by_uvicorn_as_http() -> None:
+    app = HttpRecorder()
+    listener, transport, _ = open_listener(app=app)
+    listener.data_received(
+        b"GET / HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n"
+    )
+    assert listener._ws is None and listener._inner is not None
+    await _served(transport)
+    assert [scope["type"] for scope in app.scopes] == ["http"]
+
+
+_WS_HEADERS = (
+    b"Connection: Upgrade\r\nUpgrade: websocket\r\n"
+    b"Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n"
+)
+
+
+async def test_a_post_upgrade_is_refused_by_uvicorns_websocket_server() -> None:
+    app = HttpRecorder()
+    listener, transport, _ = open_listener(app=app)
+    listener.data_received(b"POST / HTTP/1.1\r\nHost: x\r\n" + _WS_HEADERS + b"\r\n")
+    assert listener._ws is None and listener._inner is not None
+    await settle(lambda: bool(transport.out))
+    assert transport.out.startswith(b"HTTP/1.1 405 ") and not app.scopes
+
+
+async def test_an_http10_upgrade_is_left_to_uvicorns_websocket_server() -> None:
+    """Not Headroom's handshake (RFC 6455 wants HTTP/1.1): uvicorn's own WebSocket
+    protocol serves it, so the app sees no ``headroom.splice`` extension."""
+    app = HttpRecorder()
+    listener, transport, _ = open_listener(app=app)
+    listener.data_received(b"GET / HTTP/1.0\r\nHost: x\r\n" + _WS_HEADERS + b"\r\n")
+    assert listener._ws is None and listener._inner is not None
+    await settle(lambda: bool(transport.out))
+    (scope,) = app.scopes
+    assert scope["type"] == "websocket" and "headroom.splice" not in scope["extensions"]
+    assert transport.out.startswith(b"HTTP/1.1 403 ")  # the app closed it
+
+
+@pytest.mark.parametrize("pieces", [1, 2])
+async def test_a_listener_is_freed_at_the_take_over_without_the_garbage_collector(
+    pieces: int,
+) -> None:
+    """Once the relay has the connection and the app is done, nothing refers to the
+    listener or its WebSocket server (httptools' callbacks made it a cycle)."""
+    app = TakingApp()
+    sessions = WebSocketSessions()
+    listener, transport, timers = open_listener(app=app, sessions=sessions)
+    listener_ref = weakref.ref(listener)
+    gc.disable()
+    try:
+        _feed(listener, REAL_HEADS[0], pieces)
+        ws_ref = weakref.ref(listener._ws)  # type: ignore[arg-type]
+        await settle(lambda: bool(app.taken))
+        await settle(lambda: not sessions.live)
+        assert transport.protocol is app.protocol
+        timers.pending.clear()  # the cancelled head deadline (the loop drops it)
+        del listener
+        assert listener_ref() is None and ws_ref() is None
+    finally:
+        gc.enable()
+
+
+# -- the write-stall guard ------------------------------------------------------------------
+
+
+async def test_a_stalled_response_of_a_closing_connection_is_aborted() -> None:
+    listener, transport, timers = open_listener(LimitsSettings(client_write_timeout_s=9))
+    listener.data_received(GET)
+    await _served(transport)
+    listener.pause_writing()
+    assert timers.armed().count(9) == 1
+    listener.pause_writing()  # once is enough
+    assert timers.armed().count(9) == 1
+    timers.fire(9)  # not closing: the client may still read, keep waiting
+    assert not transport.aborted and timers.armed().count(9) == 1
+    transport.closed = True  # the response was ended; what is unsent is still queued
+    timers.fire(9)
+    assert transport.aborted
+
+
+async def test_resuming_writes_disarms_the_stall_guard() -> None:
+    listener, transport, timers = open_listener(LimitsSettings(client_write_timeout_s=9))
+    listener.data_received(GET)
+    await _served(transport)
+    listener.pause_writing()
+    listener.resume_writing()
+    assert 9 not in timers.armed()
+    transport.closed = True
+    timers.fire(9)
+    assert not transport.aborted
