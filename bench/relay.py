@@ -9,7 +9,9 @@
 
 A paced upstream (``bench/wsload.py upstream``) streams binary PCM chunks (9.6 KB =
 0.2 s of 24 kHz PCM16) whose first 8 bytes are the CLOCK_MONOTONIC send time; client
-processes (``bench/wsload.py clients``) compute latency = receive time - send time.
+processes (``bench/wsload.py clients``) compute latency = receive time - send time
+(helpers: bench/relay_trees.py builds and starts the trees, bench/relay_matrix.py runs
+the rounds and summarises them, bench/relay_report.py prints the report).
 Each cell (target x sessions x pacing) measures, in order: the relay idle, the connect
 phase (setup CPU per session), the connected RSS, then streaming: a warm-up, then a
 steady window in which latency samples and the relay's CPU are taken. Targets:
@@ -105,12 +107,13 @@ from harness import (  # type: ignore[import-not-found,unused-ignore]
 from relay_matrix import (  # type: ignore[import-not-found,unused-ignore]
     LIMITS,
     busy_share,
-    load_markdown,
     rotated,
     summarize,
-    summary_markdown,
     targets_met,
     wait_quiet,
+)
+from relay_report import (  # type: ignore[import-not-found,unused-ignore]
+    markdown,
 )
 from relay_trees import (  # type: ignore[import-not-found,unused-ignore]
     Tree,
@@ -134,10 +137,9 @@ INSTALLED = "headroom-installed"
 PROTOTYPES = ("splice", "splice-meter")
 NPROC = os.cpu_count() or 1
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 #: Bytes of audio per second in a chunk (24 kHz mono PCM16, the route's format).
 AUDIO_BYTES_PER_S = 48000
-#: Metered audio / relayed audio outside this band: the meter did not see the chunks.
-METERED_BAND = (0.97, 1.03)
 
 
 def _split(n: int, parts: int) -> list[int]:
@@ -429,6 +431,8 @@ async def _measure(
         else None,
         "relay_cpu_us_per_chunk_stat": _r((w1.stat_ns - w0.stat_ns) / 1e3 / chunks)
         if has_relay and chunks else None,
+        "relay_cpu_ticks": (w1.stat_ns - w0.stat_ns) * CLK_TCK // 1_000_000_000
+        if has_relay else None,
         "relay_sys_share": _r((w1.sys_ns - w0.sys_ns) / (w1.stat_ns - w0.stat_ns))
         if has_relay and w1.stat_ns > w0.stat_ns else None,
         "relay_cpu_cores": _r(relay_cpu_ns / (w1.at_ns - w0.at_ns)) if has_relay else None,
@@ -476,89 +480,6 @@ def _added(cells: list[dict[str, Any]]) -> None:
         for q in ("p50", "p99"):
             mine, base = c["latency_ms"][q], d["latency_ms"][q] if d else None
             c[f"added_{q}_ms"] = _r(mine - base) if mine is not None and base is not None else None
-
-
-def _fmt(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def _cpu(c: dict[str, Any]) -> str:
-    if c["relay_cpu_us_per_chunk"] is None:
-        return "-"
-    share = c["relay_sys_share"]
-    return f"{c['relay_cpu_us_per_chunk']:.1f}" + (f" ({share:.0%})" if share is not None else "")
-
-
-def cells_markdown(cells: list[dict[str, Any]]) -> str:
-    """Every cell of every round."""
-    lines = [
-        "| round | sessions | pacing | chunks/s | target | p50 ms | p99 ms | added p50 "
-        "| added p99 | CPU us/chunk (sys) | stat us/chunk | relay cores | setup ms/sess "
-        "| KB/sess (idle) | delivered | metered | other load |",
-        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for c in cells:
-        lines.append(
-            f"| {int(c.get('round', 0)) + 1} | {c['sessions']} | {c['pacing_ms']:g} ms "
-            f"| {_fmt(c['chunks_per_s'], 0)} | {c['target']} | {_fmt(c['latency_ms']['p50'])} "
-            f"| {_fmt(c['latency_ms']['p99'])} | {_fmt(c['added_p50_ms'])} "
-            f"| {_fmt(c['added_p99_ms'])} | {_cpu(c)} "
-            f"| {_fmt(c['relay_cpu_us_per_chunk_stat'], 1)} | {_fmt(c['relay_cpu_cores'])} "
-            f"| {_fmt(c['setup_cpu_ms_per_session'], 3)} "
-            f"| {_fmt(c['mem_kb_per_session'], 1)} ({_fmt(c['mem_kb_per_session_connected'], 1)}) "
-            f"| {_fmt(c['delivered_ratio'])} | {_fmt(c.get('metered_audio_ratio'))} "
-            f"| {_fmt(c['other_cpu_cores'], 1)} |"
-        )
-    return "\n".join(lines)
-
-
-def markdown(result: dict[str, Any]) -> str:
-    """The report: the summary and the issue's targets first, then the machine around
-    each cell, every cell, and what to distrust."""
-    cfg = result["config"]
-    lines = [
-        f"## bench/relay.py: {', '.join(cfg['targets'])}; "
-        f"{', '.join(f'{n}x{p:g}ms' for n, p in cfg['cells'])}; {cfg['rounds']} round(s)",
-        "",
-        f"Machine: {result['machine'].get('nproc')} cores, {result['machine'].get('cpu_model')}, "
-        f"nginx {result['machine'].get('nginx')}, Python {result['machine'].get('python')}; "
-        f"load average 1/5/15 at start {'/'.join(f'{x:.2f}' for x in result['load_start'])}, "
-        f"at end {'/'.join(f'{x:.2f}' for x in result['load_end'])}; "
-        f"{result['elapsed_s']:.0f} s.",
-        "",
-    ]
-    for t, info in result["trees"].items():
-        lines.append(f"- `{t}`: {info['revision']}, {info['build']}")
-    lines += ["", summary_markdown(result["summary"], result["checks"]), ""]
-    noisy = [c for c in result["cells"] if c.get("noisy")]
-    lines.append(
-        f"Noisy cells: {len(noisy)} of {len(result['cells'])} (load average 1 min >= "
-        f"{cfg['max_load']:g} after waiting {cfg['load_wait_s']:g} s, or more than "
-        f"{cfg['max_other_cores']:g} cores of other processes in the window)."
-    )
-    low, high = METERED_BAND
-    bad_meter = [
-        f"{c['target']} r{c['round'] + 1} ({c['metered_audio_ratio']})"
-        for c in result["cells"]
-        if c.get("metered_audio_ratio") is not None and not low <= c["metered_audio_ratio"] <= high
-    ]
-    if bad_meter:
-        lines.append("**Metered audio differs from relayed audio** in: " + ", ".join(bad_meter))
-    lines += ["", "### The machine around each cell", "", load_markdown(result["cells"]),
-              "", "### Every cell", "", cells_markdown(result["cells"])]  # fmt: skip
-    bursts = [c for c in result["cells"] if len(c["setup_cpu_ms_per_session_bursts"]) > 1]
-    if bursts:
-        lines += ["", "Set-up ms per session, each burst (the tables give their median):"]
-        lines += [
-            f"- r{int(c.get('round', 0)) + 1} {c['target']} {c['sessions']}x{c['pacing_ms']:g}ms: "
-            + " ".join(_fmt(x, 3) for x in c["setup_cpu_ms_per_session_bursts"])
-            for c in bursts
-        ]
-    return "\n".join(lines)
 
 
 def _noisy(args: argparse.Namespace, gate: dict[str, Any], cell: dict[str, Any]) -> list[str]:

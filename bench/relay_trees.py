@@ -151,14 +151,10 @@ def prepare_trees(
         if origin not in sources:
             path = run_dir / "trees" / origin
             path.mkdir(parents=True, exist_ok=True)
-            if origin == "checkout" and source is None:
-                revision = copy_checkout(path)
-            elif origin == "checkout":
-                revision = export_revision(source, path)
-            else:
-                if baseline is None:
-                    raise RuntimeError(f"{target} needs --baseline REV")
-                revision = export_revision(baseline, path)
+            rev = source if origin == "checkout" else baseline
+            if origin == "baseline" and rev is None:
+                raise RuntimeError(f"{target} needs --baseline REV")
+            revision = copy_checkout(path) if rev is None else export_revision(rev, path)
             sources[origin] = (path, revision)
         path, revision = sources[origin]
         if compiled:

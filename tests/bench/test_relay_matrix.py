@@ -216,3 +216,15 @@ def test_admin_listener_edit_keeps_the_configuration_valid() -> None:
     assert settings.admin.host == "127.0.0.1"
     with pytest.raises(RuntimeError, match="not once"):
         trees.enable_admin(text, 9902)
+
+
+def test_cpu_accountings_that_disagree_are_named() -> None:
+    _relay()
+    report = sys.modules["relay_report"]
+    agree = {"target": "nginx", "round": 0, "relay_cpu_us_per_chunk": 30.0,
+             "relay_cpu_us_per_chunk_stat": 31.0, "relay_cpu_ticks": 250}  # fmt: skip
+    exited = {**agree, "target": "headroom", "relay_cpu_us_per_chunk_stat": 36.0}
+    too_few_ticks = {**exited, "target": "headroom-compiled", "relay_cpu_ticks": 12}
+    assert report.accounting_gaps([agree, exited, too_few_ticks]) == [
+        "headroom r1 (30.0 / 36.0 us)"
+    ]
