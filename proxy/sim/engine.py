@@ -16,6 +16,8 @@ Step time (docs/sim.md §1)::
                + prefill of newly admitted prompts
                + vocoder_share x F_eff x chunk tokens / peak, per chunk emitted)
               x jitter
+              + a codec on the talker's GPU: its share of the frame work of the codec
+                calls started since the last step (proxy.sim.codec)
 
 Chunks follow each sequence's :class:`~proxy.sim.chunks.ChunkSchedule` (the initial
 sizes are fixed at admission, from the load when the schedule is load-dependent); without
@@ -24,7 +26,9 @@ it finishes. With
 a codec stage (``spec.codec``) a chunk the step completes goes to the codec's FIFO
 queue instead of out: the codec decodes up to ``batch`` queued chunks per call (each
 chunk's frames plus its left context) on its own timeline, overlapping later steps,
-and the chunk becomes visible when its call ends (:attr:`Emission.at`). Every chunk
+and the chunk becomes visible when its call ends (:attr:`Emission.at`); a codec
+sharing the talker's GPU pads its batched calls and lengthens the talker's next step
+(:class:`~proxy.sim.codec.SharedCodecSpec`). Every chunk
 may also wait a per-chunk random delay (``emit_jitter_s``), never overtaking the
 stream's previous chunk.
 
@@ -52,6 +56,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from proxy.sim.chunks import ChunkSchedule
+from proxy.sim.codec import call_time, talker_delay
 from proxy.sim.spec import EngineSpec, jitter_sigma
 
 __all__ = [
@@ -185,6 +190,7 @@ class Engine:
         self._count = _Counters()
         self._codec_jobs: deque[_CodecJob] = deque()
         self._codec_free_at = 0.0
+        self._codec_delay = 0.0  #: talker time the codec calls since the last step took
         self._emit_rng = random.Random(seed * 31 + 7)
         self._visible_at: dict[int, float] = {}  #: seq_id -> its latest chunk's ``at``
 
@@ -278,7 +284,9 @@ class Engine:
         """Decode every queued chunk now (the LM is idle, so no chunk can join them):
         the emissions, each with its ``at``. The runner calls this when
         :meth:`has_work` is false."""
-        return self._run_codec(math.inf)
+        emissions = self._run_codec(math.inf)
+        self._codec_delay = 0.0  # no talker step ran beside these calls
+        return emissions
 
     def contains(self, seq_id: int) -> bool:
         return seq_id in self._seqs
@@ -351,6 +359,8 @@ class Engine:
         duration += spec.mode_term(batch)
         duration += vocoder_tokens * spec.vocoder_share * spec.flops_per_token / spec.peak_flops
         duration *= self._jitter(duration)
+        duration += self._codec_delay
+        self._codec_delay = 0.0
         end = now + duration
         emissions = list(decoded)
         for seq, start, stop, final in made:
@@ -477,7 +487,8 @@ class Engine:
 
     def _run_codec(self, until: float) -> list[Emission]:
         """Run the codec calls that start by ``until``: FIFO, up to ``batch`` chunks per
-        call, each call taking the chunks ready when it starts."""
+        call, each call taking the chunks ready when it starts. A codec sharing the
+        talker's GPU lengthens the next talker step by what its calls took from it."""
         codec = self.spec.codec
         out: list[Emission] = []
         jobs = self._codec_jobs
@@ -488,8 +499,10 @@ class Engine:
             take: list[_CodecJob] = []
             while jobs and len(take) < codec.batch and jobs[0].ready_at <= start:
                 take.append(jobs.popleft())
-            end = start + codec.call_time(sum(j.frames for j in take))
+            seconds = call_time(codec, [j.frames for j in take])
+            end = start + seconds
             self._codec_free_at = end
+            self._codec_delay += talker_delay(codec, seconds)
             out.extend(self._visible(job.emission, end + job.delay) for job in take)
         return out
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from proxy.sim import validate
+from proxy.sim.codec import SharedCodecSpec
+from proxy.sim.codec_presets import get_validation_preset
 from proxy.sim.presets import get_preset
 from proxy.sim.validate import (
     BEGIN,
@@ -74,6 +76,20 @@ def test_the_table_covers_latency_rates_async_chunk_and_batching() -> None:
         assert _has(preset, "rtf", 1) and _has(preset, "ttfa", 1)
 
 
+def test_the_codec_batch_trade_off_is_reproduced_in_direction(rows: list[Row]) -> None:
+    codec = [r for r in rows if r.point.preset == "h20-qwen3tts-1.7b-base"]
+    assert {(r.point.metric, r.point.concurrency) for r in codec} == {
+        (metric, c) for metric in ("ttfa_p95", "aggregate") for c in (4, 8, 16)
+    }
+    for row in codec:
+        assert row.point.versus is not None and row.point.versus.codec_batch == 1
+        assert row.point.setup.codec_batch is not None and row.point.setup.codec_batch > 1
+        if row.point.metric == "ttfa_p95":  # batching relieves the batch-1 codec queue
+            assert row.point.value < 0.6 and row.simulated < 0.6
+        else:  # and buys no throughput: the padded calls slow the talker beside them
+            assert abs(row.point.value - 1) < 0.1 and abs(row.simulated - 1) < 0.2
+
+
 def test_each_run_uses_the_request_length_its_own_numbers_give() -> None:
     for point in PUBLISHED:
         if point.preset == "h200-qwen3tts-1.7b":
@@ -95,6 +111,17 @@ def test_a_drifted_preset_fails_the_check(monkeypatch: pytest.MonkeyPatch) -> No
     assert [row.within for row in rows] == [True, False]  # the cost is per sequence
 
 
+def test_a_drifted_codec_share_fails_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    h20 = get_validation_preset("h20-qwen3tts-1.7b-base")
+    codec = h20.engine.codec
+    assert isinstance(codec, SharedCodecSpec)
+    alone = replace(h20, engine=replace(h20.engine, codec=replace(codec, gpu_share=0.0)))
+    monkeypatch.setattr(validate, "get_preset", lambda name: alone)
+    throughput = [p for p in PUBLISHED if p.preset == h20.name and p.metric == "aggregate"]
+    rows = compare(seeds=(0,), points=tuple(throughput))
+    assert not all(row.within for row in rows)  # a codec with a card of its own
+
+
 def test_docs_show_the_table_the_code_gives(rows: list[Row]) -> None:
     doc = DOC.read_text(encoding="utf-8")
     section = doc.split(BEGIN, 1)[1].split(END, 1)[0]
@@ -106,8 +133,8 @@ def test_write_replaces_only_the_marked_section(
 ) -> None:
     monkeypatch.setattr(validate, "PUBLISHED", PUBLISHED[-1:])  # the quickest row
     doc = tmp_path / "sim.md"
-    doc.write_text(f"before\n{BEGIN}\nold\n{END}\nafter\n", encoding="utf-8")
+    doc.write_text(f"before\n{BEGIN}\nstale table\n{END}\nafter\n", encoding="utf-8")
     assert main(["--write", str(doc)]) == 0
     text = doc.read_text(encoding="utf-8")
     assert text.startswith(f"before\n{BEGIN}\n| preset |") and text.endswith(f"{END}\nafter\n")
-    assert "old" not in text
+    assert "stale table" not in text

@@ -1,0 +1,86 @@
+"""Presets fitted to a codec-batch comparison, for the validate table only.
+
+``h20-qwen3tts-1.7b-base`` is Qwen3-TTS 1.7B Base (voice clone) on one H20-3e with
+Code2Wav sharing the talker's GPU (:class:`~proxy.sim.codec.SharedCodecSpec`): the
+regime in which vLLM-Omni's cross-request Code2Wav batching was measured, where the
+codec at batch 1 is the bottleneck and first chunks queue behind every other stream's
+chunks. Its talker and codec costs are fitted to that comparison alone (docs/sim.md
+§2), so it is not one of :data:`proxy.sim.presets.PRESETS`: ``headroom sim`` does not
+serve it and ``describe()`` does not rate it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from proxy.sim.codec import SharedCodecSpec
+from proxy.sim.presets import (
+    GB,
+    KIB,
+    QWEN3_TTS_CHUNKS,
+    QWEN3_TTS_EAGER_STEP_S,
+    QWEN3_TTS_HANDOFF,
+    Gpu,
+    Preset,
+    _preset,
+    get_preset,
+)
+
+__all__ = ["CODEC_PRESETS", "H20_3E", "get_validation_preset"]
+
+#: The H20-3e: memory as its spec sheet gives it; bandwidth and dense BF16 compute [U].
+H20_3E = Gpu("H20-3e", 141 * GB, 4800 * GB, 148e12)
+
+CODEC_PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        _preset(
+            name="h20-qwen3tts-1.7b-base",
+            kind="tts",
+            model="Qwen/Qwen3-TTS-12Hz-1.7B-Base",
+            gpu=H20_3E,
+            description="Qwen3-TTS 12Hz 1.7B Base (voice clone) on one H20-3e, vllm-omni "
+            "async-chunk streaming, Code2Wav sharing the talker's GPU",
+            weight_bytes=4.9 * GB,
+            resident_bytes=4.5 * GB,
+            kv_per_token=112 * KIB,
+            # Fitted to the codec-batch comparison's effects [U]: the talker's
+            # per-stream cost and bend, and the codec's call latency, frame cost, share
+            # of the GPU and re-decoded context; hand-off and eager cost from the H200.
+            f_eff=0.019025 * H20_3E.peak_flops,
+            c0=0.00098985,
+            batch_exponent=0.91889,
+            fit_c0=False,
+            handoff=QWEN3_TTS_HANDOFF,
+            eager_step_s=QWEN3_TTS_EAGER_STEP_S,
+            vocoder_share=0.0,
+            codec=SharedCodecSpec(
+                batch=1, call_s=0.25818, frame_s=0.00094865, pad=True, gpu_share=0.82839
+            ),
+            max_num_seqs=16,  # [U]
+            prefill_params=1.7e9,
+            token_rate_hz=12.5,
+            sample_rate=24000,
+            first_chunk=2,
+            chunk=25,
+            schedule=replace(QWEN3_TTS_CHUNKS, left_context=44),  # [U, fitted]
+            prompt_overhead=32,
+            sources=(
+                "GPU: H20-3e 141 GB; ~4.8 TB/s, ~148 TF [U]",
+                "published: Code2Wav at batch 1 against cross-request batching, Base, "
+                "c=4/8/16: TTFA p95 3293/8313/12638 -> 1063/1927/6719 ms, audio "
+                "throughput 2.39/2.55/3.49x -> 2.34/2.74/3.36x (vllm-omni PR #3322)",
+                "chunking: codec_chunk_frames 25, load-dependent first chunk 2/4/8/16; "
+                "left context fitted [U]",
+            ),
+            published_rtf=None,
+            expected_ceiling="not rated",
+        ),
+    )
+}
+
+
+def get_validation_preset(name: str) -> Preset:
+    """A served preset (:func:`proxy.sim.presets.get_preset`) or one of
+    :data:`CODEC_PRESETS`."""
+    return CODEC_PRESETS.get(name) or get_preset(name)
