@@ -16,9 +16,9 @@ Two shells drive it:
 
 - the splice (:mod:`proxy.relay.splice`, :mod:`proxy.relay.splice_leg`): protocol
   callbacks on both sockets, frame by frame;
-- the ASGI relay (:mod:`proxy.relay.ws_pump`): tasks over uvicorn's ASGI messages and a
-  websockets client connection, message by message (that library and uvicorn run the
-  closing handshakes; the shell maps the actions onto their calls).
+- the ASGI relay (:mod:`proxy.relay.ws_pump`): tasks over the server's ASGI messages
+  and a websockets client connection, message by message (that library and the server
+  run the closing handshakes; the shell maps the actions onto their calls).
 
 The rules, each stated here only:
 

@@ -13,8 +13,9 @@ was sent yet; nothing is retried once bytes have flowed.
 
 A response that cannot be completed (the upstream failed mid-stream, a limit, drain)
 is aborted: :class:`ResponseAborted` is raised out of the ASGI app after the session
-is logged, so the server closes the connection without the end of the body. uvicorn
-logs an exception escaping an app at ERROR with a traceback; for this normal event
+is logged, so the server closes the connection without the end of the body (and the
+client listener drops what is still unsent if the client does not read,
+:mod:`proxy.relay.listener`). uvicorn logs an exception escaping an app at ERROR with a traceback; for this normal event
 that record is dropped (:func:`install_abort_filter`).
 """
 

@@ -1,7 +1,7 @@
 """The relay hot path: one admitted WebSocket session spliced in protocol callbacks.
 
-After both handshakes, the client's socket (taken over from uvicorn,
-:mod:`proxy.relay.ws_server`) and the upstream's (:mod:`proxy.relay.upstream_ws`)
+After both handshakes, the client's socket (taken over from Headroom's client
+WebSocket server, :mod:`proxy.relay.ws_server`) and the upstream's (:mod:`proxy.relay.upstream_ws`)
 forward bytes to each other as they are read: a server frame is valid unchanged on the
 client leg and a masked client frame on the upstream leg, so nothing is re-framed,
 copied into message objects or handed to a task. Each leg walks the frame headers of

@@ -4,8 +4,9 @@ Order: the client's handshake arrives -> the gate decides (while queued, the han
 is simply held: transparent to the client) -> connect to the chosen replica at the
 ws(s) form of its URL with the same path and query (failing over to another replica
 before any byte flows) -> accept the client with the subprotocol the upstream chose ->
-relay frames both ways (:mod:`proxy.relay.ws_pump`) -> release the slot when either
-side ends.
+relay frames both ways (the splice, :mod:`proxy.relay.splice`, when the server offers
+the take-over; the ASGI relay, :mod:`proxy.relay.ws_pump`, otherwise) -> release the
+slot when either side ends.
 
 Queue feedback (route ``queue_feedback: true``, opt-in): a client that must wait is
 accepted at once and told ``{"type": "headroom.queue", "position": N, "eta_s": X}`` on
@@ -15,8 +16,8 @@ chosen, so the subprotocol cannot be negotiated with it -- Headroom accepts the
 client's first offered subprotocol, and the upstream is asked for that one only.
 Frames the client sends while waiting are held (bounded by the message size limit and
 16 messages; beyond that, 1008) and relayed first, in order. So are frames a client
-sends before its handshake is answered (RFC 6455 says to wait; some do not) that
-uvicorn's own WebSocket protocol delivers as messages before the accept.
+sends before its handshake is answered (RFC 6455 says to wait; some do not), which the
+server holds until the accept.
 
 Close codes for the client: the upstream's own code when it closed cleanly (e.g.
 4001), 1014 when the upstream failed or could not be reached, 1008 for limits, 1013 for
@@ -99,8 +100,9 @@ async def relay_websocket(
 class _WebSocket:
     """The WebSocket half of a session (:class:`proxy.relay.lifecycle.Transport`): the
     client's handshake (accepted yet or not, how to refuse it), queue feedback, the
-    upstream handshake, and the choice of relay: the splice when uvicorn offers a take
-    over of a handshake still open, the ASGI relay otherwise."""
+    upstream handshake, and the choice of relay: the splice when the server offers the
+    take-over (Headroom's client listener, :mod:`proxy.relay.ws_server`), the ASGI
+    relay otherwise (any other ASGI server)."""
 
     kind: str = "ws"
     log: logging.Logger = log
@@ -239,8 +241,8 @@ class _WebSocket:
     async def open(self, lease: Lease, record: SessionRecord) -> Upstream:
         """The upstream WebSocket within one deadline for every attempt together
         (``limits.handshake_timeout_s``, on the injected clock): the splice's own
-        handshake (:mod:`proxy.relay.upstream_ws`) when uvicorn offers a take over,
-        otherwise a websockets client connection for the ASGI relay."""
+        handshake (:mod:`proxy.relay.upstream_ws`) when the server offers the
+        take-over, otherwise a websockets client connection for the ASGI relay."""
         if self.take_over is None:  # accepted early (queue feedback) or not: splice it
             extensions = self.scope.get("extensions", {})
             self.take_over = extensions.get("headroom.splice", {}).get("take_over")

@@ -1,11 +1,13 @@
-"""The ASGI relay of one WebSocket session (after both handshakes): the fallback when
-the splice cannot take the client's socket, and the queue-feedback path.
+"""The ASGI relay of one WebSocket session (after both handshakes): the path when the
+server offers no take-over of the client's socket -- the app under another ASGI server,
+or an upgrade uvicorn's own protocol took after a plain request on a kept-alive
+connection (:mod:`proxy.relay.listener`).
 
 Upstream -> client runs in the session's own task; client -> upstream in one extra
 task. Messages are relayed as they arrive, text as text and binary as binary. This
 module is a shell over the session's :class:`~proxy.relay.core.RelayCore`, like the
 splice: the core decides what is forwarded and metered, when a limit or timeout ends
-the session and with which close codes; the shell feeds it uvicorn's ASGI messages, the
+the session and with which close codes; the shell feeds it the server's ASGI messages, the
 websockets client connection's messages and closes, and its one timer, and maps the
 core's actions onto those libraries' calls (they run the closing handshakes and the
 keepalive pings themselves).
