@@ -227,6 +227,18 @@ async def test_the_size_limit_holds_however_the_head_is_split(pieces: int, over:
         await _served(transport)
 
 
+@pytest.mark.parametrize("split", [1, 2, 3])
+async def test_a_body_after_a_blank_line_split_across_reads_is_not_counted(split: int) -> None:
+    """The head ends where its blank line ends, also when the blank line spans two reads
+    and the body follows in the second."""
+    head = b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\nX-Pad: " + b"a" * 1000
+    head += b"\r\n\r\n"
+    listener, transport, _ = open_listener(LimitsSettings(max_head_bytes=len(head)))
+    listener.data_received(head[:-split])
+    listener.data_received(head[-split:] + b"b" * 2000)
+    await _served(transport)
+
+
 async def test_a_head_never_ending_is_refused_at_the_limit_not_buffered() -> None:
     listener, transport, _ = open_listener(LimitsSettings(max_head_bytes=1024))
     listener.data_received(b"GET / HTTP/1.1\r\nX-Pad: ")

@@ -491,8 +491,22 @@ async def test_take_over_after_accept_carries_everything_over_in_order() -> None
     texts = [value for kind, value in harness.adapter.events if kind == "client_text"]
     assert texts == ["held-1", "frag-end"]
     assert app.take_over(None, [], harness.splice.client, lambda: None) is None  # once
+    assert session.ws._conn is None  # websockets' protocol is not kept for the session
     with pytest.raises(RuntimeError):
         await app.send({"type": "websocket.send", "text": "stray"})
+    await app.end(session.ws)
+
+
+@pytest.mark.parametrize("cut", [1, 2, 5, 8, 100, 299])
+async def test_a_frame_still_arriving_at_the_take_over_is_carried_whole(cut: int) -> None:
+    app = App()
+    session = await accepted(app)
+    raw = masked(2, b"z" * 300)
+    session.listener.data_received(masked(1, b"whole") + raw[:cut])
+    taken = app.take_over(None, [], asyncio.Protocol(), lambda: None)
+    assert taken is not None
+    assert taken[1].endswith(raw[:cut])
+    assert parse_frames(taken[1][:-cut]) == [(1, True, b"whole")]
     await app.end(session.ws)
 
 
