@@ -17,6 +17,7 @@ from uvicorn.server import ServerState
 
 from proxy.relay.listener import LINGER_S, ClientListener, client_listener
 from proxy.relay.ws_server import ClientWebSocket, WebSocketSessions
+from proxy.serving import running_server
 from proxy.settings import LimitsSettings
 
 __all__ = ["Timers", "Transport", "open_listener", "settle"]
@@ -546,3 +547,30 @@ async def test_resuming_writes_disarms_the_stall_guard() -> None:
     transport.closed = True
     timers.fire(9)
     assert not transport.aborted
+
+
+# -- on a real socket -----------------------------------------------------------------------
+
+
+async def test_a_real_client_reads_the_431_then_is_served_on_a_new_connection() -> None:
+    """End to end on 127.0.0.1: a client still sending its oversized head reads the 431
+    (the connection lingers rather than resets), and a keep-alive connection is served
+    request after request."""
+    limits = LimitsSettings(max_head_bytes=1024)
+    listener = client_listener(_app, lambda: limits, WebSocketSessions())
+    async with running_server(_app, http=listener, lifespan="off") as server:
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        try:
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 4000)
+            answer = await asyncio.wait_for(reader.read(), 30)  # until the server closes
+            assert answer.startswith(b"HTTP/1.1 431 Request Header Fields Too Large\r\n")
+        finally:
+            writer.close()
+        reader, writer = await asyncio.open_connection(server.host, server.port)
+        try:
+            for _ in range(2):
+                writer.write(GET)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+                assert head.startswith(b"HTTP/1.1 204 ")
+        finally:
+            writer.close()
