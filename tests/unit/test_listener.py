@@ -495,6 +495,25 @@ async def test_an_http10_upgrade_is_left_to_uvicorns_websocket_server() -> None:
     assert transport.out.startswith(b"HTTP/1.1 403 ")  # the app closed it
 
 
+async def test_an_upgrade_on_a_kept_alive_connection_is_left_to_uvicorn() -> None:
+    """Only a connection's first head can be Headroom's handshake: a later one is
+    uvicorn's (its own WebSocket protocol, no ``headroom.splice``), after the limits
+    were checked on its head."""
+    app = HttpRecorder()
+    listener, transport, _ = open_listener(LimitsSettings(max_headers=3), app=app)
+    listener.data_received(GET)
+    await _served(transport)
+    listener.data_received(REAL_HEADS[2])
+    assert transport.closed  # five header lines: over the limit, closed
+    listener, transport, _ = open_listener(app=app)
+    listener.data_received(GET)
+    await _served(transport)
+    listener.data_received(REAL_HEADS[2])
+    await settle(lambda: len(app.scopes) == 3)
+    assert listener._ws is None and app.scopes[-1]["type"] == "websocket"
+    assert "headroom.splice" not in app.scopes[-1]["extensions"]
+
+
 @pytest.mark.parametrize("pieces", [1, 2])
 async def test_a_listener_is_freed_at_the_take_over_without_the_garbage_collector(
     pieces: int,
