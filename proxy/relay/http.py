@@ -15,8 +15,9 @@ A response that cannot be completed (the upstream failed mid-stream, a limit, dr
 is aborted: :class:`ResponseAborted` is raised out of the ASGI app after the session
 is logged, so the server closes the connection without the end of the body (and the
 client listener drops what is still unsent if the client does not read,
-:mod:`proxy.relay.listener`). uvicorn logs an exception escaping an app at ERROR with a traceback; for this normal event
-that record is dropped (:func:`install_abort_filter`).
+:mod:`proxy.relay.listener`). uvicorn logs an exception escaping an app at ERROR
+with a traceback; for this normal event that record is dropped
+(:func:`install_abort_filter`).
 """
 
 from __future__ import annotations

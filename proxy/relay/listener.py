@@ -122,6 +122,8 @@ class ClientListener(asyncio.Protocol):
         self._head_tail = b""  # the head's last 3 bytes: its blank line may span reads
         self._header_count = 0
         self._too_many = False
+        self._trailer_fields = 0  # bytes of the trailer fields read whole
+        self._trailers_over = False
         self._head_done = False
         self._body_bytes = 0
         self._maybe_trailers = False
@@ -136,11 +138,14 @@ class ClientListener(asyncio.Protocol):
 
     # -- the head's life ------------------------------------------------------------------
 
-    def _start_head(self) -> None:
+    def _read_limits(self) -> None:
         limits = type(self).limits_source()
         self._max_head_bytes = limits.max_head_bytes
         self._max_headers = limits.max_headers
         self._head_timeout_s = limits.handshake_timeout_s
+
+    def _start_head(self) -> None:
+        self._read_limits()
         self._head_open = True
         self._head_bytes = 0
         self._head_tail = b""
@@ -211,6 +216,7 @@ class ClientListener(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         if not self._first:
+            self._read_limits()  # a reload applies from this head on
             self._arm()
 
     def on_url(self, url: bytes) -> None:
@@ -222,8 +228,15 @@ class ClientListener(asyncio.Protocol):
         if self._header_count > self._max_headers:
             self._too_many = True
             raise _TooManyHeaders
-        if self._first and self._head_open:
-            self._headers.append((name.lower(), value))
+        if self._head_open:
+            if self._first:
+                self._headers.append((name.lower(), value))
+            return
+        # a trailer field: bounded with the bytes of the trailers still arriving
+        self._trailer_fields += len(name) + len(value) + 4
+        if self._trailer_fields > self._max_head_bytes:
+            self._trailers_over = True
+            raise _TooManyHeaders
 
     def on_headers_complete(self) -> None:
         self._head_open = False
@@ -245,6 +258,7 @@ class ClientListener(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._first = False
+        self._trailer_fields = 0
         self._start_head()
 
     # -- the transport's callbacks ---------------------------------------------------------
@@ -299,6 +313,9 @@ class ClientListener(asyncio.Protocol):
                 self._parser = None  # uvicorn's protocol upgrades the connection itself
             return
         except httptools.HttpParserError:
+            if self._trailers_over:
+                self._violation(f"request trailers over {self._max_head_bytes} bytes")
+                return
             if self._too_many:
                 self._over(f"more than {self._max_headers} header lines")
                 return

@@ -15,6 +15,7 @@ import base64
 import binascii
 import email.utils
 import hashlib
+import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Protocol
 from urllib.parse import unquote
@@ -116,7 +117,7 @@ def fragment(event: Frame) -> bytes:
     return bytes((whole[0] & 0x7F,)) + whole[1:]
 
 
-_date_cache: tuple[int, bytes] = (0, b"")
+_date_cache: tuple[int, bytes] = (-1, b"")
 
 
 def _date_header(now: float) -> bytes:
@@ -147,6 +148,10 @@ def http_response(
     return b"".join(out)
 
 
+#: An HTTP token (RFC 9110 5.6.2).
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
 def handshake_key(headers: list[tuple[bytes, bytes]]) -> tuple[str, list[str]] | None:
     """The ``Sec-WebSocket-Accept`` value and the offered subprotocols of a handshake
     request's headers (names lower case) that meets RFC 6455 4.2.1; None if it does not."""
@@ -172,7 +177,10 @@ def handshake_key(headers: list[tuple[bytes, bytes]]) -> tuple[str, list[str]] |
                 t.strip().lower() == b"upgrade" for t in value.split(b",")
             )
         elif name == b"sec-websocket-protocol":
-            protocols += [t.strip() for t in value.decode("latin-1").split(",") if t.strip()]
+            offered = [t for t in (t.strip() for t in value.decode("latin-1").split(",")) if t]
+            if not offered or not all(_TOKEN.fullmatch(t) for t in offered):
+                return None  # RFC 6455 4.1: a list of tokens
+            protocols += offered
     if not (upgrade and connection and version == b"13" and key is not None):
         return None
     try:

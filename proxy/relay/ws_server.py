@@ -156,7 +156,7 @@ class ClientWebSocket:
         self._gone: asyncio.Future[None] | None = None
         self._response: tuple[int, list[tuple[bytes, bytes]], bytearray] | None = None
         self._timer: asyncio.TimerHandle | None = None  # keepalive or close deadline
-        self._ping: bytes | None = None
+        self._ping: bytes | None = None  # the payload of a ping without its pong yet
         self.on_shutdown: Callable[[], None] | None = None
 
     # -- start ---------------------------------------------------------------------------
@@ -277,7 +277,7 @@ class ClientWebSocket:
                     self._message(first, data)
             elif opcode is Opcode.PONG:
                 if self._ping is not None and bytes(event.data) == self._ping:
-                    self._ping = None
+                    self._pong()
             elif opcode is Opcode.CLOSE:
                 close = conn.close_rcvd
                 self.close_code = close.code if close is not None else 1005
@@ -328,19 +328,36 @@ class ClientWebSocket:
         self._timer = self.loop.call_later(self.options.close_timeout_s, self.transport.abort)
 
     def _keepalive(self) -> None:
+        """Time for a ping: send it, then give its pong ``ping_timeout_s`` (0: no
+        deadline, the next ping follows after ``ping_interval_s``)."""
         self._timer = None
         conn = self._conn
         if conn is None or self.taken or self.close_sent or conn.state is not State.OPEN:
             return
-        if self._ping is not None:  # the last ping had no pong in time
-            conn.fail(1011, "keepalive ping timeout")
-            self._flush(conn)
-            return
         self._ping = self.loop.time().hex().encode()
         conn.send_ping(self._ping)
         self._flush(conn)
-        wait = min(self.options.ping_interval_s, self.options.ping_timeout_s or 1e9)
-        self._timer = self.loop.call_later(wait, self._keepalive)
+        options = self.options
+        if options.ping_timeout_s > 0:
+            self._timer = self.loop.call_later(options.ping_timeout_s, self._pong_overdue)
+        else:
+            self._timer = self.loop.call_later(options.ping_interval_s, self._keepalive)
+
+    def _pong(self) -> None:
+        """The pong of the last ping: the next ping ``ping_interval_s`` from now."""
+        self._ping = None
+        if self.close_sent or self.taken:
+            return
+        self._cancel_timer()
+        self._timer = self.loop.call_later(self.options.ping_interval_s, self._keepalive)
+
+    def _pong_overdue(self) -> None:
+        self._timer = None
+        conn = self._conn
+        if conn is None or self.taken or self.close_sent or self._ping is None:
+            return
+        conn.fail(1011, "keepalive ping timeout")
+        self._flush(conn)
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:

@@ -248,7 +248,8 @@ async def test_the_limits_are_read_live_for_each_head() -> None:
             await send({"type": "http.response.body", "body": b""})
 
     request = get("/", b"Connection: close\r\nX-Pad: " + b"a" * 8000 + b"\r\n")
-    async with running_server(app, http=client_listener(app, lambda: current[0], WebSocketSessions()), lifespan="off") as s:
+    listener = client_listener(app, lambda: current[0], WebSocketSessions())
+    async with running_server(app, http=listener, lifespan="off") as s:
         status, _ = await send_and_read_head(s.port, request)
         assert status == 431
         current[0] = LimitsSettings(max_head_bytes=16384)

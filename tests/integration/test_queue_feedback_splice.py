@@ -1,5 +1,5 @@
 """A session that waited with queue feedback is relayed by the splice once admitted
-(proxy/relay/uvicorn_ws.py takes over the connection uvicorn accepted): the queue notes
+(proxy/relay/ws_server.py hands over the connection the app accepted through ASGI): the queue notes
 and ``headroom.admitted`` come first, then what the client sent while it waited -- whole
 messages, the first fragment of a message and half a frame -- reaches the upstream in
 order, and the rest of the stream follows. Real sockets on 127.0.0.1: raw clients
@@ -23,8 +23,8 @@ from bench.wsraw import (
     read_frames,
     read_head,
 )
-from proxy.serving import UVICORN_ONLY
 from proxy.relay.ws import _WebSocket
+from proxy.serving import UVICORN_ONLY
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_frame_violations import RecordingUpstream, recording_upstream
 from tests.integration.test_ws_relay import wait_until

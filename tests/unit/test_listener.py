@@ -270,14 +270,6 @@ async def test_a_malformed_head_is_answered_400_by_uvicorn() -> None:
     assert b"Invalid HTTP request received." in transport.out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "ClientListener._start_head reads the limits in on_message_complete of the previous "
-        "request, not when the next head starts: a reload between two requests of a kept-alive "
-        "connection does not apply to the second"
-    ),
-)
 async def test_a_reload_applies_to_the_next_head() -> None:
     limits = [LimitsSettings(max_headers=5)]
     listener, transport, _ = open_listener(lambda: limits[0])
@@ -326,14 +318,6 @@ async def test_trailers_over_the_head_limit_close_the_connection(pieces: int) ->
     assert not transport.out.startswith(b"HTTP/1.1 431")  # no answer of ours
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "listener._read counts trailer bytes only after httptools returns with the trailers "
-        "still open; when the read that crosses max_head_bytes also holds the trailers' end, "
-        "on_chunk_complete/on_message_complete have reset the count and nothing is refused"
-    ),
-)
 @pytest.mark.parametrize("pieces", [1, 7])
 async def test_trailers_over_the_head_limit_in_few_reads_close_the_connection(
     pieces: int,

@@ -8,6 +8,7 @@ import contextlib
 import socket
 from typing import Any
 
+import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -82,17 +83,16 @@ class Waiting:
 async def test_the_shutdown_closes_accepted_sessions_with_1012() -> None:
     app = Waiting()
     listener = client_listener(app, LimitsSettings, WebSocketSessions())
-    async with running_server(app, http=listener, lifespan="off") as server:
-        async with connect(f"{server.ws_url}/accept", compression=None) as ws:
-            await app.started.wait()
-            stopping = asyncio.ensure_future(server.stop())
-            try:
-                await asyncio.wait_for(ws.recv(), 30)
-            except ConnectionClosed as closed:
-                assert closed.rcvd is not None and closed.rcvd.code == 1012
-            else:
-                raise AssertionError("the session was not closed")
-            await stopping
+    async with (
+        running_server(app, http=listener, lifespan="off") as server,
+        connect(f"{server.ws_url}/accept", compression=None) as ws,
+    ):
+        await app.started.wait()
+        stopping = asyncio.ensure_future(server.stop())
+        with pytest.raises(ConnectionClosed) as closed:
+            await asyncio.wait_for(ws.recv(), 30)
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1012
+        await stopping
 
 
 async def test_the_shutdown_answers_an_open_handshake_503() -> None:
@@ -102,9 +102,6 @@ async def test_the_shutdown_answers_an_open_handshake_503() -> None:
         opening = asyncio.ensure_future(connect(f"{server.ws_url}/wait", compression=None))
         await app.started.wait()
         await server.stop()
-        try:
+        with pytest.raises(InvalidStatus) as refused:
             await asyncio.wait_for(opening, 30)
-        except InvalidStatus as refused:
-            assert refused.response.status_code == 503
-        else:
-            raise AssertionError("the handshake was accepted")
+        assert refused.value.response.status_code == 503

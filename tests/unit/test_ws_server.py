@@ -697,11 +697,6 @@ async def test_no_keepalive_when_the_interval_is_zero() -> None:
     await app.end(session.ws)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ClientWebSocket._keepalive re-arms with min(ping_interval_s, ping_timeout_s): with a "
-    "timeout longer than the interval, a pong is given only ping_interval_s, and a "
-    "connection whose pong takes longer fails with 1011"
-))  # fmt: skip
 async def test_a_pong_may_take_the_whole_ping_timeout() -> None:
     app = App()
     session = await accepted(app, ping_interval_s=5, ping_timeout_s=20)
@@ -713,10 +708,6 @@ async def test_a_pong_may_take_the_whole_ping_timeout() -> None:
     await app.end(session.ws)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ClientWebSocket._keepalive re-arms with min(ping_interval_s, ping_timeout_s): with a "
-    "timeout shorter than the interval, pings are sent every ping_timeout_s"
-))  # fmt: skip
 async def test_pings_are_sent_every_ping_interval() -> None:
     app = App()
     session = await accepted(app, ping_interval_s=20, ping_timeout_s=5)
