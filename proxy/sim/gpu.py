@@ -23,6 +23,7 @@ from typing import Any
 from proxy.serving import EmbeddedServer, make_config
 from proxy.sim.app import build_app
 from proxy.sim.bypass import BypassStreams
+from proxy.sim.connections import ConnectionTable, tracked_http
 from proxy.sim.engine import Engine
 from proxy.sim.faults import Faults, StreamFaults
 from proxy.sim.metrics import EngineMetrics
@@ -50,14 +51,6 @@ class Timeouts:
 
     speech_config_s: float = 10.0
     speech_idle_s: float = 30.0
-
-
-def _serves(protocol: object, scope: Mapping[str, Any]) -> bool:
-    """Whether uvicorn's connection ``protocol`` is serving ``scope`` right now (the
-    HTTP protocols keep the request in flight on ``cycle``, the WebSocket ones on
-    ``scope``)."""
-    cycle = getattr(protocol, "cycle", None)
-    return getattr(protocol, "scope", None) is scope or getattr(cycle, "scope", None) is scope
 
 
 def _placeholder(host: str, port: int) -> socket.socket:
@@ -101,6 +94,7 @@ class SimGpu:
         self._faults = faults or Faults()
         self._sock: socket.socket | None = None
         self._servers: list[tuple[EmbeddedServer, asyncio.Task[None]]] = []
+        self._connections = ConnectionTable()
         self._refuse_timer: asyncio.TimerHandle | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._sessions = 0
@@ -167,8 +161,9 @@ class SimGpu:
         # proxy_headers=False: scope["client"] stays the socket's peer even when a
         # gateway in front sends X-Forwarded-For (faults find connections by it).
         config = make_config(
-            self.app, timeout_graceful_shutdown=2, lifespan="off", proxy_headers=False
-        )
+            self.app, timeout_graceful_shutdown=2, lifespan="off", proxy_headers=False,
+            http=tracked_http(self._connections),
+        )  # fmt: skip
         server = EmbeddedServer(config)
         sock = self._sock
         task = asyncio.create_task(server.serve(sockets=[sock]), name=f"sim-http{self.index}")
@@ -232,22 +227,11 @@ class SimGpu:
         """Abort the TCP connection of ``scope``: no WebSocket close frame, no end of
         HTTP body. ``False`` if the connection is already gone.
 
-        The connection is found by the scope object uvicorn handed to the app (the
-        request in flight on that connection), not by ``scope["client"]``: behind a
-        proxy that address is whatever ``X-Forwarded-For`` said, shared by many
-        connections or by none. The peer address is only a fallback, and it is the
-        socket's own peer because the simulator serves with ``proxy_headers=False``.
+        The connection is found by ``scope["client"]``, the socket's own peer address
+        (the simulator serves with ``proxy_headers=False``), in the table its HTTP
+        protocol keeps (:mod:`proxy.sim.connections`).
         """
-        protocols = [p for server, _ in self._servers for p in server.server_state.connections]
-        match = next((p for p in protocols if _serves(p, scope)), None)
-        if match is None:
-            peer = scope.get("client")
-            match = next((p for p in protocols if getattr(p, "client", None) == peer), None)
-        transport = getattr(match, "transport", None)
-        if transport is None or transport.is_closing():
-            return False
-        transport.abort()
-        return True
+        return self._connections.abort(scope.get("client"))
 
     async def drop(self, scope: Mapping[str, Any]) -> bool:
         """:meth:`abort`, then let the server notice, so later sends are no-ops.
