@@ -27,11 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
+from proxy.admission.gate import Gate, Lease
 from proxy.admission.redis_backend import RedisAdmission
+from proxy.admission.shared_gate import SharedGate, SharedLease, SharedPoolSpec
 from proxy.clock import LoopClock
 from proxy.errors import Refused
-from proxy.gate import Gate, Lease
-from proxy.shared_gate import SharedGate, SharedLease, SharedPoolSpec
 
 
 def _free_port() -> int:

@@ -30,9 +30,9 @@ if __package__ in (None, ""):  # `python bench/meter_cost.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from proxy.meter import PrometheusReplicaSink, SessionMeter
+from proxy.metering import AudioFormat, http_adapter, ws_adapter
 from proxy.metrics import Metrics
-from proxy.protocols import AudioFormat, http_adapter, ws_adapter
-from proxy.signals import ReplicaSignals
+from proxy.replica_signals import ReplicaSignals
 
 FORMAT = AudioFormat(24000, 1, 2)
 FRAME = bytes(range(256)) * 37 + bytes(128)  # 9600 bytes = 0.2 s of 24 kHz PCM16

@@ -59,8 +59,8 @@ from proxy.probe.analysis import (
     level_stats,
     quantile,
 )
-from proxy.probe.runner import ProbeSettings, run_probe
-from proxy.probe.session import ClientOptions, endpoint_url
+from proxy.probe.probe_session import ClientOptions, endpoint_url
+from proxy.probe.ramp import ProbeSettings, run_probe
 from proxy.probe.workload import bundled
 from proxy.sim.capacity import describe
 from proxy.sim.chunks import parse_ramp

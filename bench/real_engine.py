@@ -43,8 +43,8 @@ from bench.llama_engine import default_cache, ensure_llama_server, llama_server
 from bench.overload import _child, _figures, _trace_from, run_worker, wait_workers, worker_processes
 from bench.tiny_model import TinyModel, ensure_model
 from proxy.probe.analysis import LevelWindow, SessionTrace, level_stats
-from proxy.probe.runner import ProbeSettings
-from proxy.probe.session import ClientOptions, endpoint_url
+from proxy.probe.probe_session import ClientOptions, endpoint_url
+from proxy.probe.ramp import ProbeSettings
 from proxy.probe.workload import bundled
 
 __all__ = ["engine_figures", "main", "render", "run_on_engine"]

@@ -24,10 +24,10 @@ from typing import Any
 from bench.admission_redis import Redis, _pct
 from proxy.admission import QueuePolicy, ReplicaSpec
 from proxy.admission.redis_backend import RedisAdmission
+from proxy.admission.reservations import Reservations
+from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
 from proxy.clock import LoopClock
-from proxy.reservations import Reservations
 from proxy.settings import ApiKeySettings
-from proxy.shared_gate import SharedGate, SharedPoolSpec
 
 POOLS = ("asr", "tts")
 

@@ -198,7 +198,7 @@ class SpliceRelay:
         if meter:
             from proxy.meter import PrometheusReplicaSink
             from proxy.metrics import Metrics
-            from proxy.signals import ReplicaSignals
+            from proxy.replica_signals import ReplicaSignals
 
             self._sink = PrometheusReplicaSink(Metrics(), "bench", "up0", ReplicaSignals())
 

@@ -63,8 +63,8 @@ from bench.overload import (
     worker_processes,
 )
 from proxy.probe.analysis import LevelWindow, SessionTrace, level_stats, quantile
-from proxy.probe.runner import ProbeSettings
-from proxy.probe.session import ClientOptions, endpoint_url
+from proxy.probe.probe_session import ClientOptions, endpoint_url
+from proxy.probe.ramp import ProbeSettings
 from proxy.probe.workload import bundled
 
 __all__ = ["jain", "main"]

@@ -71,7 +71,7 @@ from bench.overload import (
 )
 from proxy.probe.analysis import quantile
 from proxy.probe.clients import run_session
-from proxy.probe.session import ClientOptions, Refusal, SessionFailed, SessionRecorder
+from proxy.probe.probe_session import ClientOptions, Refusal, SessionFailed, SessionRecorder
 from proxy.probe.workload import ASR_SAMPLE_RATE, SpeechRequest, bundled
 from proxy.sim.presets import get_preset
 

@@ -2,7 +2,7 @@
 
 * ``GET /admin/status``  -- pools, replicas (active/cap/health/guard), queue, draining;
   each pool's headroom left and each configured pipeline's limiting stage, with the
-  figures behind it (:mod:`proxy.pipelines`).
+  figures behind it (:mod:`proxy.pool_headroom`).
 * ``POST /admin/reload`` -- re-read the configuration file and apply it live (as SIGHUP
   does); an invalid file is refused with 400 and the problems, the old one stays. Under
   ``serve --workers`` the listener runs in worker 0 and a reload is applied by every
@@ -36,7 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy.errors import ConfigError
-from proxy.pipelines import headroom_of
+from proxy.pool_headroom import headroom_of
 from proxy.relay.http_body import control_body, replay
 from proxy.runtime import Runtime
 

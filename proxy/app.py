@@ -1,10 +1,10 @@
 """The ASGI application: relays on the configured routes, operations endpoints on
 the rest.
 
-* A WebSocket on a WebSocket route -> :func:`proxy.relay.ws.relay_websocket`.
-* An HTTP request on an HTTP route -> :func:`proxy.relay.http.relay_http`.
+* A WebSocket on a WebSocket route -> :func:`proxy.relay.ws_session.relay_websocket`.
+* An HTTP request on an HTTP route -> :func:`proxy.relay.http_session.relay_http`.
 * ``POST /v1/headroom/reservations`` and ``DELETE /v1/headroom/reservations/{token}``:
-  gang admission across stages (:mod:`proxy.reservations`, docs/voice-agents.md).
+  gang admission across stages (:mod:`proxy.admission.reservations`, docs/voice-agents.md).
 * ``/healthz`` (alive), ``/readyz`` (config loaded, not draining and, with ``readiness:
   upstream``, the admission backend answering and at least one healthy replica; 503
   otherwise), ``/ping`` (the same, for SageMaker's container contract), ``/metrics``
@@ -28,14 +28,14 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from proxy import __version__
-from proxy.auth import identify
+from proxy.admission.auth import identify
+from proxy.admission.refusal import http_error
+from proxy.admission.reservations import ReservationUnknown, key_of, parse_request
 from proxy.errors import HeadroomError, PolicyViolation, Refused, Unauthorized
 from proxy.logs import install_denial_filter
-from proxy.refusal import http_error
-from proxy.relay.http import install_abort_filter, relay_http
 from proxy.relay.http_body import control_body, refuse, replay
-from proxy.relay.ws import relay_websocket
-from proxy.reservations import ReservationUnknown, key_of, parse_request
+from proxy.relay.http_session import install_abort_filter, relay_http
+from proxy.relay.ws_session import relay_websocket
 from proxy.runtime import Runtime
 
 __all__ = ["HeadroomApp", "create_app"]

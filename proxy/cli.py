@@ -78,12 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_healthcheck_arguments(healthcheck)
 
-    from proxy.sim.cli import add_arguments as add_sim_arguments
+    from proxy.sim.sim_command import add_arguments as add_sim_arguments
 
     sim = sub.add_parser("sim", help="serve simulated GPUs speaking the upstream protocols")
     add_sim_arguments(sim)
 
-    from proxy.probe.cli import add_arguments as add_probe_arguments
+    from proxy.probe.probe_command import add_arguments as add_probe_arguments
 
     probe = sub.add_parser(
         "probe", help="find a GPU's real ceiling: ramp concurrency, measure p99 delivery"
@@ -224,11 +224,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_healthcheck(args)
         if args.command == "sim":
-            from proxy.sim.cli import run as run_sim
+            from proxy.sim.sim_command import run as run_sim
 
             return run_sim(args)
         if args.command == "probe":
-            from proxy.probe.cli import run as run_probe
+            from proxy.probe.probe_command import run as run_probe
 
             return run_probe(args)
         if args.command == "demo":

@@ -63,7 +63,7 @@ def uvicorn_options(
         # on to uvicorn's own HTTP protocol.
         "http": client_listener(app, live_limits or (lambda: limits), WebSocketSessions()),
         # A WebSocket upgrade that comes after a plain request on a kept-alive
-        # connection is uvicorn's, served through ASGI (proxy.relay.ws_pump).
+        # connection is uvicorn's, served through ASGI (proxy.relay.asgi_relay).
         "ws": "websockets-sansio",
         # Headroom checks message sizes itself (1008); websockets' own check (1009) is a
         # backstop for frames far beyond the limit.

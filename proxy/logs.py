@@ -45,7 +45,7 @@ def install_denial_filter() -> None:
     filter, and the redaction of ``api_key`` and ``headroom_reservation`` query values
     (uvicorn logs each WebSocket's path with its query string, refusals included, and
     its access log, when turned on, each request's)."""
-    from proxy.auth import KeyRedactionFilter
+    from proxy.admission.auth import KeyRedactionFilter
 
     logger = logging.getLogger("uvicorn.error")
     if not any(isinstance(f, DenialNoiseFilter) for f in logger.filters):

@@ -1,8 +1,8 @@
 """The per-session meter: gaps, delivery ratio, time to first audio, playback stalls.
 
 Pure: no clock reads, no asyncio; every call takes the arrival time ``now``. A protocol
-adapter (:mod:`proxy.protocols`) feeds a :class:`SessionMeter` as its
-:class:`~proxy.protocols.MeterSink`; the meter pushes per-chunk observations to a
+adapter (:mod:`proxy.metering`) feeds a :class:`SessionMeter` as its
+:class:`~proxy.metering.MeterSink`; the meter pushes per-chunk observations to a
 :class:`ReplicaSink` (Prometheus and the guard's rolling signals in production, a
 :class:`RecordingReplicaSink` in tests) and returns a :class:`SessionSummary` at the end.
 
@@ -34,7 +34,7 @@ Definitions (per session):
 - **finalize latency** (ASR): the earliest unanswered ``commit_final`` to the next
   ``transcript_final``; each answered commit is observed once. The summary keeps the worst.
 - **session p99 gap / worst-1% ratio**: nearest-rank quantiles over the session's samples
-  with :class:`proxy.signals.QuantileSketch` (exact for the first 512 samples, then
+  with :class:`proxy.replica_signals.QuantileSketch` (exact for the first 512 samples, then
   log buckets with <= 1.96 % error): bounded memory per session.
 
 Audio of zero, negative, infinite or NaN length, and anything fed after :meth:`SessionMeter.finish`
@@ -52,7 +52,7 @@ from prometheus_client import Histogram
 
 from proxy.metrics import Metrics
 from proxy.playback import PlaybackBuffer
-from proxy.signals import QuantileSketch, ReplicaSignals
+from proxy.replica_signals import QuantileSketch, ReplicaSignals
 
 __all__ = [
     "RATIO_CAP",
@@ -293,7 +293,7 @@ class RecordingReplicaSink:
 
 
 class SessionMeter:
-    """Meters one admitted session; implements :class:`proxy.protocols.MeterSink`."""
+    """Meters one admitted session; implements :class:`proxy.metering.MeterSink`."""
 
     __slots__ = (
         "_active",

@@ -62,7 +62,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
-    from proxy.pipelines import Headroom
+    from proxy.pool_headroom import Headroom
 
 _M = TypeVar("_M", bound=MetricWrapperBase)
 
@@ -288,7 +288,7 @@ class _StateCollector(Collector):
 
 
 class _HeadroomCollector(Collector):
-    """Headroom left per pool and each pipeline's limiting stage (:mod:`proxy.pipelines`),
+    """Headroom left per pool and each pipeline's limiting stage (:mod:`proxy.pool_headroom`),
     computed at scrape time like the state gauges above."""
 
     def __init__(self, headroom: Callable[[], Headroom]) -> None:
@@ -652,5 +652,5 @@ class Metrics:
 
     def bind_headroom(self, headroom: Callable[[], Headroom]) -> None:
         """Report each pool's headroom left and each pipeline's limiting stage at scrape
-        time (:mod:`proxy.pipelines`). Call once per registry."""
+        time (:mod:`proxy.pool_headroom`). Call once per registry."""
         self.registry.register(_HeadroomCollector(headroom))

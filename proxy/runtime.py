@@ -3,7 +3,7 @@ per-replica signals and meters, the list of live sessions (for drain), and live 
 
 It composes the parts that run on their own: :class:`~proxy.upstreams.Upstreams` (the
 upstream HTTP client, health checks and re-checks, engine scraping) and
-:class:`~proxy.guard.GuardLoop` (the guard's evaluation loop). The session relays see
+:class:`~proxy.admission.guard.GuardLoop` (the guard's evaluation loop). The session relays see
 only :class:`~proxy.relay.services.RelayServices`, which this class provides (the
 upstream members delegate to :attr:`Runtime.upstreams`).
 
@@ -28,22 +28,22 @@ from proxy.admission import (
     ReplicaSpec,
     Reserve,
 )
+from proxy.admission.auth import NO_KEY, Authorization, TenantQuotas, authenticate, tenant_spec
+from proxy.admission.gate import Gate, count_decision
+from proxy.admission.guard import GuardLoop, GuardPolicy
 from proxy.admission.interface import AdmissionGate, TenantQuota
-from proxy.auth import NO_KEY, Authorization, TenantQuotas, authenticate, tenant_spec
+from proxy.admission.reconcile import EngineReconciler
+from proxy.admission.reservations import Reservations, reservation_token
+from proxy.admission.shared_gate import build_shared_gate
 from proxy.clock import Clock, LoopClock
 from proxy.errors import Refused
-from proxy.gate import Gate, count_decision
-from proxy.guard import GuardLoop, GuardPolicy
 from proxy.loop_watch import LoopWatch
 from proxy.meter import PrometheusReplicaSink, SessionMeter
+from proxy.metering import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
 from proxy.metrics import Metrics
-from proxy.pipelines import headroom_of
-from proxy.protocols import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
-from proxy.reconcile import EngineReconciler
-from proxy.reservations import Reservations, reservation_token
+from proxy.pool_headroom import headroom_of
+from proxy.replica_signals import ReplicaSignals
 from proxy.settings import GuardSettings, PoolSettings, RouteSettings, Settings
-from proxy.shared_gate import build_shared_gate
-from proxy.signals import ReplicaSignals
 from proxy.tracing import SessionTracer, make_tracer
 from proxy.upstreams import Upstreams
 
@@ -296,7 +296,7 @@ class Runtime:
 
     def authorize(self, scope: dict[str, Any], pool: str) -> Authorization:
         """Check the client's key for ``pool`` and reserve one session of its quota.
-        Returns the session's :class:`~proxy.auth.Authorization`: its ``token`` for
+        Returns the session's :class:`~proxy.admission.auth.Authorization`: its ``token`` for
         :meth:`release_tenant` (call it on every exit path), and the tenant and quota
         the lifecycle passes to the gate's ``admit``. Raises Unauthorized / Forbidden /
         TenantLimitRefused. Runs before the gate."""
@@ -327,7 +327,7 @@ class Runtime:
 
     @property
     def reservations(self) -> Reservations:
-        """This gateway's gang reservations (:mod:`proxy.reservations`), made on first
+        """This gateway's gang reservations (:mod:`proxy.admission.reservations`), made on first
         use (their metric families then follow the others in the exposition)."""
         if self._reservations is None:
             self._reservations = Reservations(

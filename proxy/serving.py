@@ -24,7 +24,7 @@ from proxy.relay.ws_server import WebSocketSessions
 __all__ = ["UVICORN_ONLY", "EmbeddedServer", "RunningServer", "bind_socket", "running_server"]
 
 #: uvicorn options that serve an app with uvicorn's own protocols only: WebSocket
-#: sessions are then relayed through ASGI messages (proxy.relay.ws_pump), not spliced.
+#: sessions are then relayed through ASGI messages (proxy.relay.asgi_relay), not spliced.
 UVICORN_ONLY: dict[str, Any] = {"http": "httptools", "ws": "websockets-sansio"}
 
 

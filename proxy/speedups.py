@@ -36,12 +36,12 @@ __all__ = ["HOT_MODULES", "STALE_AFTER_S", "BuildStatus", "build_status", "main"
 HOT_MODULES: tuple[str, ...] = (
     "proxy.relay.splice_leg",
     "proxy.relay.splice",
-    "proxy.relay.core",
-    "proxy.relay.session",
-    "proxy.protocols.speech_ws",
+    "proxy.relay.session_rules",
+    "proxy.relay.session_record",
+    "proxy.metering.speech_ws_audio",
     "proxy.meter",
     "proxy.playback",
-    "proxy.signals",
+    "proxy.replica_signals",
     "proxy.metrics",
 )
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.trace import Span
 
-    from proxy.relay.session import SessionRecord
+    from proxy.relay.session_record import SessionRecord
     from proxy.settings.observability import TracingSettings
 
 __all__ = ["NO_OTEL", "SessionTrace", "SessionTracer", "make_tracer", "otel_available"]

@@ -3,7 +3,6 @@ between tenants, reserves). Imports neither asyncio nor time; the clock is passe
 
 from __future__ import annotations
 
-from proxy.admission.core import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, PoolCore
 from proxy.admission.decisions import (
     Admit,
     Decision,
@@ -14,6 +13,7 @@ from proxy.admission.decisions import (
     ReplicaSpec,
     ReplicaStatistics,
 )
+from proxy.admission.pool_core import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, PoolCore
 from proxy.admission.tenants import ANONYMOUS, Reserve, TenantQueue, TenantSpec
 
 __all__ = [

@@ -2,8 +2,8 @@
 
 :class:`AdmissionGate` is what the runtime, the relays, the health checks, the guard,
 the engine reconciler, the gang reservations and the workers use of a gate. Two gates
-implement it: :class:`proxy.gate.Gate` (``admission.backend: memory``, every decision in
-this process) and :class:`proxy.shared_gate.SharedGate` (``redis``, every slot and queue
+implement it: :class:`proxy.admission.gate.Gate` (``admission.backend: memory``, every decision in
+this process) and :class:`proxy.admission.shared_gate.SharedGate` (``redis``, every slot and queue
 place decided in Redis over every gateway). What only one of them has to do is a
 method both have: the in-process gate's :meth:`~AdmissionGate.start`,
 :meth:`~AdmissionGate.stop` and :meth:`~AdmissionGate.quiesce` return at once, it never
@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from proxy.admission.auth import TenantQuotas
     from proxy.admission.decisions import PoolStatistics, QueuePolicy, ReplicaSpec
+    from proxy.admission.gate import Lease, PositionCallback, Waiting
     from proxy.admission.tenants import Reserve, TenantSpec
-    from proxy.auth import TenantQuotas
     from proxy.clock import Clock, TimerHandle
     from proxy.errors import FallbackHint
-    from proxy.gate import Lease, PositionCallback, Waiting
     from proxy.metrics import ReplicaGauges, TenantGauges
     from proxy.settings import ApiKeySettings
 
@@ -54,7 +54,7 @@ SlotCallback = Callable[[str, str], None]
 @dataclass(frozen=True, slots=True)
 class TenantQuota:
     """An API key's ``max_sessions``: the shared gate counts a session against it over
-    every gateway (this process's own part is :class:`proxy.auth.TenantQuotas`)."""
+    every gateway (this process's own part is :class:`proxy.admission.auth.TenantQuotas`)."""
 
     name: str
     max_sessions: int
@@ -85,7 +85,7 @@ class Reservation:
 
 
 class ReservationStore(Protocol):
-    """One gateway's gang reservations (:mod:`proxy.reservations` keeps the rules
+    """One gateway's gang reservations (:mod:`proxy.admission.reservations` keeps the rules
     common to both stores: metrics, refusal types)."""
 
     async def reserve(
@@ -140,8 +140,8 @@ class AdmissionGate(Protocol):
         tenant: TenantSpec | None = None,
         quota: TenantQuota | None = None,
     ) -> Lease | Waiting:
-        """A :class:`~proxy.gate.Lease` if admitted at once, a
-        :class:`~proxy.gate.Waiting` already in the queue, or raises
+        """A :class:`~proxy.admission.gate.Lease` if admitted at once, a
+        :class:`~proxy.admission.gate.Waiting` already in the queue, or raises
         :class:`~proxy.errors.Refused`. ``tenant``: the session's key's scheduling
         identity (None: no key); ``quota``: its ``max_sessions``, where the gate counts
         it; ``queue=False``: a slot now or a refusal."""

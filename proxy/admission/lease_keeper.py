@@ -4,7 +4,7 @@ A gateway's leases must outlive any stall of its event loop -- a large input par
 the loop, a long garbage-collector pass, a starved CPU. While the process is alive and
 reaches Redis, its leases stay held, so no other gateway can reuse a slot whose stream
 is still running here; and the gateway does not end its own sessions (the fence of
-:class:`proxy.shared_gate.SharedGate`) only because its loop ran late. A process that
+:class:`proxy.admission.shared_gate.SharedGate`) only because its loop ran late. A process that
 is gone or cut off from Redis stops renewing, and its leases lapse within one TTL.
 
 :class:`LeaseKeeper` runs ``keep.lua`` (:class:`~proxy.admission.redis_backend.LeaseRenewer`)

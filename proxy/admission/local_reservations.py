@@ -1,14 +1,14 @@
 """Gang reservations on the in-process gate (``admission.backend: memory``): every
 reservation is this gateway's, its unclaimed slots are leases of
-:class:`proxy.gate.Gate` held here (docs/voice-agents.md).
+:class:`proxy.admission.gate.Gate` held here (docs/voice-agents.md).
 
 The pools are taken one after another in the order given, each *without queueing*
-(:meth:`proxy.gate.Gate.take_now`): a pool with no free slot the key's class may take,
+(:meth:`proxy.admission.gate.Gate.take_now`): a pool with no free slot the key's class may take,
 with a waiter of that class or a higher one in its queue (no barging), or with a full
 queue, refuses at once and the slots already taken are released in the same step.
 Slots not claimed within ``hold_s`` (the injected clock) are released; a gateway
 shutting down releases every unclaimed slot. The rules common to both stores (metrics,
-refusal types) are :mod:`proxy.reservations`'.
+refusal types) are :mod:`proxy.admission.reservations`'.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from proxy.admission.interface import Reservation, SlotCallback, Unclaimable
 from proxy.errors import TenantLimitRefused
 
 if TYPE_CHECKING:
+    from proxy.admission.auth import TenantQuotas
+    from proxy.admission.gate import Gate, Lease
     from proxy.admission.tenants import TenantSpec
-    from proxy.auth import TenantQuotas
     from proxy.clock import Clock
-    from proxy.gate import Gate, Lease
     from proxy.settings import ApiKeySettings
 
 __all__ = ["LocalReservations"]

@@ -3,7 +3,7 @@
 A thin client over the atomic Lua scripts of ``proxy/admission/lua``, loaded once and
 called by their SHA (redis-py's ``register_script``: EVALSHA, falling back to EVAL
 only when the server lost its script cache). It holds no admission state of its own;
-the asyncio shell :class:`proxy.shared_gate.SharedGate` keeps the gateway's side.
+the asyncio shell :class:`proxy.admission.shared_gate.SharedGate` keeps the gateway's side.
 
 Model, per pool (every key under the hash tag ``{pool}`` so one script touches one
 Redis Cluster slot):

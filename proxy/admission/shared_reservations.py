@@ -17,7 +17,7 @@ gateway that issued it and its slots lapse on their own at the deadline.
   atomically (a second claim finds it gone: ``already in use``) and moves its quota
   entry to the session; the claiming gateway then confirms the lease in the pool
   (``leave.lua`` extends a granted lease by one TTL and never grants anything) and adopts
-  it (:meth:`~proxy.shared_gate.SharedGate.adopt`): from then on it is that gateway's
+  it (:meth:`~proxy.admission.shared_gate.SharedGate.adopt`): from then on it is that gateway's
   lease, renewed and fenced with its sessions, released when the session ends. A lease
   that lapsed meanwhile refuses the claim (``expired``).
 * **Release and expiry**: ``release`` takes every unclaimed slot out at once (DELETE, or
@@ -40,9 +40,9 @@ from proxy.clock import Clock, TimerHandle
 from proxy.errors import Refused, TenantLimitRefused, refusal_for
 
 if TYPE_CHECKING:
-    from proxy.gate import Lease
+    from proxy.admission.gate import Lease
+    from proxy.admission.shared_gate import SharedGate
     from proxy.settings import ApiKeySettings
-    from proxy.shared_gate import SharedGate
 
 __all__ = ["KEEP_S", "SharedReservations", "Unclaimable", "token_digest"]
 

@@ -1,5 +1,5 @@
 """The shared gate's state and what each of its jobs uses
-(:class:`proxy.shared_gate.SharedGate`, ``admission.backend: redis``).
+(:class:`proxy.admission.shared_gate.SharedGate`, ``admission.backend: redis``).
 
 What this gateway keeps locally of each pool (:class:`PoolState`: its configuration
 view, its leases, its waiters and their futures, the last renewal's pool-wide figures),
@@ -11,7 +11,7 @@ shedding a waiter. The jobs build on it: tenant quotas
 (:mod:`proxy.admission.shared_tenants`), renewal and fencing
 (:mod:`proxy.admission.shared_renewal`), wake-ups and queue deadlines
 (:mod:`proxy.admission.shared_wakeups`), and the asyncio shell that admits
-(:mod:`proxy.shared_gate`).
+(:mod:`proxy.admission.shared_gate`).
 """
 
 from __future__ import annotations
@@ -35,6 +35,13 @@ from proxy.admission import (
     Reserve,
     TenantSpec,
 )
+from proxy.admission.gate import (
+    Lease,
+    PositionCallback,
+    Waiting,
+    count_decision,
+    observe_queue_wait,
+)
 from proxy.admission.interface import FenceCallback
 from proxy.admission.lease_keeper import LeaseKeeper
 from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission, ReplicaView
@@ -46,11 +53,10 @@ from proxy.admission.retry_after import (
 )
 from proxy.clock import Clock, TimerHandle
 from proxy.errors import FallbackHint, Refused, refusal_for
-from proxy.gate import Lease, PositionCallback, Waiting, count_decision, observe_queue_wait
 from proxy.metrics import Metrics
 
 if TYPE_CHECKING:
-    from proxy.shared_gate import SharedGate
+    from proxy.admission.shared_gate import SharedGate
 
 __all__ = [
     "EWMA_ALPHA",
@@ -212,7 +218,7 @@ class SharedWaiting(Waiting):
 
 
 class SharedGateState:
-    """The shared gate's attributes (set by :class:`proxy.shared_gate.SharedGate`'s
+    """The shared gate's attributes (set by :class:`proxy.admission.shared_gate.SharedGate`'s
     constructor) and the helpers every one of its jobs uses."""
 
     backend: RedisAdmission

@@ -1,7 +1,7 @@
 """Tenant quotas over every gateway, for the shared gate.
 
 A key's ``max_sessions`` is counted in Redis (tenants.lua) before its session asks for
-a slot, as :class:`proxy.auth.TenantQuotas` counts it in process: one entry per lease
+a slot, as :class:`proxy.admission.auth.TenantQuotas` counts it in process: one entry per lease
 or waiter id, renewed with this gateway's leases, dropped (retried until it lands or
 would have expired anyway) when the session ends. A lapse does not fence: a tenant
 quota is fairness, not a GPU's cap.
@@ -36,7 +36,7 @@ class SharedTenants(SharedGateState):
         self, p: PoolState, reservation_id: str, quota: TenantQuota, spec: TenantSpec | None
     ) -> None:
         """Count this session against ``quota`` in Redis (tenants.lua), before it asks
-        for a slot, as :meth:`proxy.auth.TenantQuotas.reserve` does in process. Raises
+        for a slot, as :meth:`proxy.admission.auth.TenantQuotas.reserve` does in process. Raises
         TenantLimitRefused (429) past the quota, or ``backend_unavailable``."""
         tenant, max_sessions = quota.name, quota.max_sessions
         call = asyncio.ensure_future(

@@ -1,7 +1,7 @@
 """Which waiter gets a freed slot: priority classes, weighted fair share, reserves.
 
-Pure, like :mod:`proxy.admission.core` (no asyncio, no clock: every method takes
-``now``). :class:`~proxy.admission.core.PoolCore` keeps its waiters here and asks
+Pure, like :mod:`proxy.admission.pool_core` (no asyncio, no clock: every method takes
+``now``). :class:`~proxy.admission.pool_core.PoolCore` keeps its waiters here and asks
 :meth:`TenantQueue.head` whom to serve next; the rules are decided in this module and
 nowhere else.
 

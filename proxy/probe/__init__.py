@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from proxy.probe.analysis import LevelStats, LevelWindow, SessionTrace, level_stats
 from proxy.probe.ceiling import CeilingSearch, ProbeSummary, ceiling_of, summarize
-from proxy.probe.runner import ProbeError, ProbeResult, ProbeSettings, run_probe
-from proxy.probe.session import ClientOptions, endpoint_url
+from proxy.probe.probe_session import ClientOptions, endpoint_url
+from proxy.probe.ramp import ProbeError, ProbeResult, ProbeSettings, run_probe
 from proxy.probe.workload import Workload, bundled, load_workload, open_workload
 
 __all__ = [

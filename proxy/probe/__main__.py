@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from proxy.probe.cli import main
+from proxy.probe.probe_command import main
 
 if __name__ == "__main__":
     sys.exit(main())

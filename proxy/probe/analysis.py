@@ -2,7 +2,7 @@
 
 Input: the :class:`SessionTrace` of every session a level opened (arrival times as the
 client saw them, metered by :class:`proxy.meter.SessionMeter` with the adapters of
-:mod:`proxy.protocols`) and the level's :class:`LevelWindow`. Output: the level's
+:mod:`proxy.metering`) and the level's :class:`LevelWindow`. Output: the level's
 :class:`LevelStats` (:mod:`proxy.probe.ceiling` turns the levels into a ceiling).
 
 Definitions (a level's *window* runs from the end of its warm-up to its end; only what
@@ -26,7 +26,7 @@ arrives inside it counts):
   deltas are judged over spans as long as a TTS chunk's. A finished session's last event
   carries only the clip's remainder: it has no ratio.
 - **worst-1%**: the nearest-rank 1st percentile (:func:`quantile`) of every ratio in the
-  window, all streams pooled; the same rank rule as the guard (:mod:`proxy.signals`).
+  window, all streams pooled; the same rank rule as the guard (:mod:`proxy.replica_signals`).
 - **stream ratio**: one stream's own speed in the window, ``sum(audio) / sum(spans)``
   over its ratio samples; the level reports their distribution.
 - **throughput**: audio seconds delivered (ASR: transcribed) in the window / its length.

@@ -1,7 +1,7 @@
 """One probe session per protocol, as a client: send a request, meter what comes back.
 
-Every arrival goes through Headroom's own adapters (:func:`proxy.protocols.ws_adapter`,
-:func:`proxy.protocols.http_adapter`) into a :class:`proxy.meter.SessionMeter`, so the
+Every arrival goes through Headroom's own adapters (:func:`proxy.metering.ws_adapter`,
+:func:`proxy.metering.http_adapter`) into a :class:`proxy.meter.SessionMeter`, so the
 probe measures with exactly the definitions the gateway uses; a :class:`SessionRecorder`
 turns the meter's observations into an :class:`~proxy.probe.analysis.SessionTrace`.
 
@@ -14,7 +14,7 @@ turns the meter's observations into an :class:`~proxy.probe.analysis.SessionTrac
                                 to ``transcription.done``
 ``openai-transcription-sse``    POST multipart WAV upload with ``stream=true``; reads to ``[DONE]``
 ``openai-completions-tokens``   POST a streaming completion; reads to ``[DONE]``
-                                (:mod:`proxy.probe.completions`)
+                                (:mod:`proxy.probe.completions_session`)
 ==============================  ==============================================================
 
 Outcomes: a 503/429 response or handshake, or a WebSocket closed with 1013, raises
@@ -40,11 +40,11 @@ import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-from proxy.probe.completions import run_completion
-from proxy.probe.session import ClientOptions, Refusal, SessionFailed, SessionRecorder
+from proxy.metering import AudioFormat, http_adapter, ws_adapter
+from proxy.metering.sse import SseParser
+from proxy.probe.completions_session import run_completion
+from proxy.probe.probe_session import ClientOptions, Refusal, SessionFailed, SessionRecorder
 from proxy.probe.workload import ASR_SAMPLE_RATE, AudioRequest, Request, SpeechRequest
-from proxy.protocols import AudioFormat, http_adapter, ws_adapter
-from proxy.protocols.sse import SseParser
 
 __all__ = ["run_session"]
 _MAX_ERROR_BODY = 4096

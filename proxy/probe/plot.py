@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from proxy.probe.runner import ProbeResult
+from proxy.probe.ramp import ProbeResult
 
 __all__ = ["FORMATS", "PlotUnavailable", "require_matplotlib", "write_plot"]
 

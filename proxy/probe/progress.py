@@ -10,7 +10,7 @@ import sys
 from typing import TextIO
 
 from proxy.probe.analysis import LevelStats
-from proxy.probe.runner import LiveFigures
+from proxy.probe.ramp import LiveFigures
 
 __all__ = ["TerminalProgress"]
 
@@ -20,7 +20,7 @@ def _ratio(value: float | None, digits: int = 2) -> str:
 
 
 class TerminalProgress:
-    """Implements :class:`proxy.probe.runner.Progress` on a text stream (stderr)."""
+    """Implements :class:`proxy.probe.ramp.Progress` on a text stream (stderr)."""
 
     def __init__(self, out: TextIO | None = None, *, tty: bool | None = None, width: int = 24):
         self.out = out or sys.stderr

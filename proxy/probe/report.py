@@ -18,7 +18,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from proxy.probe.analysis import LevelStats
 from proxy.probe.ceiling import ProbeSummary
-from proxy.probe.runner import ProbeResult
+from proxy.probe.ramp import ProbeResult
 
 __all__ = [
     "CSV_COLUMNS",

@@ -18,9 +18,9 @@ names the fallback in its body. The route's pool counts step 1's answer as a ref
 when the session goes on, as it counts step 3's.
 
 A connection presenting a gang reservation (header ``X-Headroom-Reservation`` or query
-parameter ``headroom_reservation``, :mod:`proxy.reservations`) uses its reserved slot of
+parameter ``headroom_reservation``, :mod:`proxy.admission.reservations`) uses its reserved slot of
 the route's pool instead: no queue, no fallback; a token without an unused slot for
-that pool is refused (:class:`~proxy.reservations.ReservationRefused`, 409 / 1008).
+that pool is refused (:class:`~proxy.admission.reservations.ReservationRefused`, 409 / 1008).
 A token presented but not usable as one -- empty or only whitespace, or two that differ
 (header and query parameter, or either given twice) -- is refused as malformed
 (:class:`ReservationMalformed`, 400 / 1008): never taken as "no token" and admitted the
@@ -32,10 +32,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode
 
-from proxy.auth import NO_KEY, Authorization, authenticate
+from proxy.admission.auth import NO_KEY, Authorization, authenticate
+from proxy.admission.gate import Lease, PositionCallback, Waiting
+from proxy.admission.reservation_requests import ReservationMalformed, reservation_token
 from proxy.errors import Refused
-from proxy.gate import Lease, PositionCallback, Waiting
-from proxy.reservation_requests import ReservationMalformed, reservation_token
 
 if TYPE_CHECKING:
     from proxy.relay.services import RelayServices

@@ -18,9 +18,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from proxy.admission.refusal import http_error
 from proxy.clock import Clock, clock_timeout
 from proxy.errors import HeadroomError, MessageTooLarge, RequestTimeout
-from proxy.refusal import http_error
 from proxy.settings import LimitsSettings
 
 __all__ = ["ClientGone", "control_body", "read_body", "refuse", "replay"]

@@ -17,7 +17,7 @@ The steps, in order (docs/architecture.md, "The path of one session"):
    gateway's live sessions (:class:`SessionStop`: drain, or a fence of its pool, ends
    it), both made here for either transport; the meter is finished here too;
 7. **release and log**: the slot and the tenant token are released and one
-   :class:`~proxy.relay.session.SessionRecord` line is logged, exactly once, on every
+   :class:`~proxy.relay.session_record.SessionRecord` line is logged, exactly once, on every
    exit path (a refusal, the client leaving, an upstream failure, cancellation, an
    internal error).
 
@@ -44,6 +44,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from proxy.admission import RETRY_AFTER_MIN_S
+from proxy.admission.gate import Lease, PositionCallback, Waiting
 from proxy.errors import (
     HeadroomError,
     MessageTooLarge,
@@ -53,9 +54,8 @@ from proxy.errors import (
     UpstreamConnectTimeout,
     refusal_for,
 )
-from proxy.gate import Lease, PositionCallback, Waiting
 from proxy.relay.admit import enter
-from proxy.relay.session import SessionRecord, new_session_id
+from proxy.relay.session_record import SessionRecord, new_session_id
 
 if TYPE_CHECKING:
     from proxy.meter import SessionMeter

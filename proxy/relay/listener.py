@@ -399,26 +399,32 @@ class ClientListener(asyncio.Protocol):
         inner.data_received(buffered)
 
     def _upgrade(self, early: bytes) -> None:
-        """The first head asked to upgrade: a WebSocket handshake is served here, any
-        other upgrade is uvicorn's to answer."""
+        """The first head asked to upgrade: a WebSocket handshake is served (or refused)
+        here, any other upgrade is uvicorn's to answer."""
         parser = self._parser
         assert parser is not None and self.transport is not None and self.loop is not None
         self._parser = None  # it holds this object's callbacks
         self._cancel_timer()
         headers, target = self._headers, self._url
-        websocket = (
-            parser.get_method() == b"GET"
-            and parser.get_http_version() == "1.1"
-            and any(
-                name == b"upgrade" and value.strip().lower() == b"websocket"
-                for name, value in headers
-            )
+        websocket = any(
+            name == b"upgrade" and value.strip().lower() == b"websocket" for name, value in headers
         )
         if not websocket:
             self._hand_over()
             return
         transport = self.transport
         self._buffer = bytearray()
+        method, version = parser.get_method(), parser.get_http_version()
+        if method != b"GET" or version != "1.1":  # RFC 6455 4.1: a GET, HTTP/1.1 or later
+            self._refused = True
+            answer = [(b"content-type", b"text/plain; charset=utf-8")]
+            if method != b"GET":
+                answer.append((b"allow", b"GET"))
+            reason = b"a WebSocket handshake is a GET request over HTTP/1.1"
+            transport.write(http_response(405 if method != b"GET" else 400, answer, reason,
+                                          time.time()))  # fmt: skip
+            transport.close()
+            return
         checked = handshake_key(headers)
         scope = None
         if checked is not None:

@@ -2,10 +2,10 @@
 :class:`~proxy.runtime.Runtime`.
 
 Every module of :mod:`proxy.relay` is written against :class:`RelayServices`: the
-entry points (:mod:`proxy.relay.ws`, :mod:`proxy.relay.http`), the session lifecycle
+entry points (:mod:`proxy.relay.ws_session`, :mod:`proxy.relay.http_session`), the session lifecycle
 they share (:mod:`proxy.relay.lifecycle`), admission (:mod:`proxy.relay.admit`, which
 reaches the gang reservations through :attr:`RelayServices.reservations`), the splice
-(:mod:`proxy.relay.splice`), the ASGI relay (:mod:`proxy.relay.ws_pump`) and the HTTP
+(:mod:`proxy.relay.splice`), the ASGI relay (:mod:`proxy.relay.asgi_relay`) and the HTTP
 exchange (:mod:`proxy.relay.http_exchange`). ``Runtime`` provides it: mypy checks that
 where :mod:`proxy.app` hands the runtime to the relays, and
 ``tests/unit/test_relay_services.py`` checks the members and that no relay module
@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 if TYPE_CHECKING:
     import httpx
 
+    from proxy.admission.auth import Authorization
     from proxy.admission.interface import AdmissionGate
-    from proxy.auth import Authorization
+    from proxy.admission.reservations import Reservations
     from proxy.clock import Clock
     from proxy.errors import Refused
     from proxy.meter import SessionMeter
-    from proxy.protocols import HttpAdapter, WsAdapter
-    from proxy.reservations import Reservations
+    from proxy.metering import HttpAdapter, WsAdapter
     from proxy.settings import RouteSettings, Settings
     from proxy.tracing import SessionTracer
 

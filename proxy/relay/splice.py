@@ -1,7 +1,8 @@
 """The relay hot path: one admitted WebSocket session spliced in protocol callbacks.
 
 After both handshakes, the client's socket (taken over from Headroom's client
-WebSocket server, :mod:`proxy.relay.ws_server`) and the upstream's (:mod:`proxy.relay.upstream_ws`)
+WebSocket server, :mod:`proxy.relay.ws_server`) and the upstream's
+(:mod:`proxy.relay.upstream_handshake`)
 forward bytes to each other as they are read: a server frame is valid unchanged on the
 client leg and a masked client frame on the upstream leg, so nothing is re-framed,
 copied into message objects or handed to a task. Each leg walks the frame headers of
@@ -9,7 +10,7 @@ what it reads, incrementally (:mod:`proxy.relay.splice_leg`).
 
 This module is a shell: every session rule -- limits, timeouts, the write watchdog,
 the closing handshake and its codes, metering, keepalive, back-pressure -- is decided
-by the session's :class:`~proxy.relay.core.RelayCore`; :class:`Splice` feeds it the
+by the session's :class:`~proxy.relay.session_rules.RelayCore`; :class:`Splice` feeds it the
 socket events and carries out its actions on the two transports: close frames and
 pings are written at a frame boundary of the forwarded stream, sockets are paused,
 resumed, closed or dropped. One timer per session stands for the core's next
@@ -26,7 +27,8 @@ import os
 import weakref
 from typing import TYPE_CHECKING, Protocol
 
-from proxy.relay.core import (
+from proxy.relay.frames import PING, close_frame, frame
+from proxy.relay.session_rules import (
     CLOSE_TIMEOUT_S,
     CloseSocket,
     Done,
@@ -41,14 +43,13 @@ from proxy.relay.core import (
     Wake,
 )  # fmt: skip
 from proxy.relay.splice_leg import Leg
-from proxy.relay.wsframes import PING, close_frame, frame
 
 if TYPE_CHECKING:
+    from proxy.admission.gate import Lease
     from proxy.clock import Clock, TimerHandle
-    from proxy.gate import Lease
-    from proxy.protocols.base import WsAdapter
+    from proxy.metering.base import WsAdapter
     from proxy.relay.services import RelayServices
-    from proxy.relay.session import SessionRecord
+    from proxy.relay.session_record import SessionRecord
     from proxy.settings import LimitsSettings
 
 __all__ = ["CLOSE_TIMEOUT_S", "Splice", "close_frame", "frame"]

@@ -12,12 +12,13 @@ extension is ever negotiated on either leg), a reserved opcode, the wrong maskin
 its direction (5.1: client frames masked, server frames not), a continuation frame with
 no message in progress or a new message inside a fragmented one (5.4), an invalid
 control frame (5.5). The frames before it are forwarded; the session ends at once
-(:meth:`proxy.relay.core.RelayCore.protocol_error`: 1002 for a client, 1014 for the
+(:meth:`proxy.relay.session_rules.RelayCore.protocol_error`: 1002 for a client, 1014 for the
 client when its upstream is at fault).
 
 Whether a data frame is forwarded (the size limit, a leg that is closing) and what a
 complete message means (metering, text validity) are the core's decisions
-(:meth:`~proxy.relay.core.RelayCore.data_frame`, :meth:`~proxy.relay.core.RelayCore.message`).
+(:meth:`~proxy.relay.session_rules.RelayCore.data_frame`,
+:meth:`~proxy.relay.session_rules.RelayCore.message`).
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from proxy.relay.core import Side
-from proxy.relay.wsframes import CLOSE, TEXT, apply_mask
+from proxy.relay.frames import CLOSE, TEXT, apply_mask
+from proxy.relay.session_rules import Side
 
 if TYPE_CHECKING:
-    from proxy.relay.core import LegStatus
+    from proxy.relay.session_rules import LegStatus
     from proxy.relay.splice import Splice
 
 __all__ = ["RESERVED_OPCODES", "Leg", "violation"]
@@ -73,7 +74,7 @@ def violation(b0: int, b1: int, is_client: bool, in_message: bool) -> str | None
 class Leg(asyncio.Protocol):
     """One socket of the session. It reads frames from its endpoint and forwards them
     into :attr:`peer`'s transport; the frame walk's state lives here, the leg's place
-    in the session (:class:`~proxy.relay.core.LegStatus`) in the session's core."""
+    in the session (:class:`~proxy.relay.session_rules.LegStatus`) in the session's core."""
 
     __slots__ = (
         "abort_at",

@@ -25,7 +25,7 @@ from websockets.frames import Frame
 from websockets.http11 import Request
 from websockets.server import ServerProtocol
 
-from proxy.relay.wsframes import BINARY, TEXT, frame
+from proxy.relay.frames import BINARY, TEXT, frame
 
 __all__ = [
     "ASGIApp",
@@ -42,7 +42,7 @@ __all__ = [
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 
 _REASONS = {
-    101: b"Switching Protocols", 400: b"Bad Request", 403: b"Forbidden",
+    101: b"Switching Protocols", 400: b"Bad Request", 403: b"Forbidden", 405: b"Method Not Allowed",
     408: b"Request Timeout", 426: b"Upgrade Required",
     431: b"Request Header Fields Too Large", 500: b"Internal Server Error",
     503: b"Service Unavailable",

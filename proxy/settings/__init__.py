@@ -28,7 +28,7 @@ Import from ``proxy.settings``; the names below are its public interface.
 
 from __future__ import annotations
 
-from proxy.protocols.table import HTTP_PROTOCOLS, WS_PROTOCOLS, Protocol
+from proxy.metering.table import HTTP_PROTOCOLS, WS_PROTOCOLS, Protocol
 from proxy.settings.loading import (
     cut_short_problems,
     load_settings,

@@ -28,8 +28,8 @@ from pydantic import (
 )
 
 from proxy.errors import FallbackHint
-from proxy.protocols.base import MAX_TOKENS_PER_SECOND
-from proxy.protocols.table import (
+from proxy.metering.base import MAX_TOKENS_PER_SECOND
+from proxy.metering.table import (
     PROTOCOL_TABLE,
     Protocol,
     inner_protocols,
@@ -215,7 +215,7 @@ class GuardSettings(_Frozen):
     hysteresis: Annotated[float, Field(ge=0)] = 0.1
     hold_s: Seconds = 10
     min_samples: int = Field(50, ge=1)
-    # Start-up signals (proxy/guard.py), off unless set: the share of first seams that
+    # Start-up signals (proxy/admission/guard.py), off unless set: the share of first seams that
     # may stall, and the TTFA p99 limit in seconds, judged once the window holds
     # startup_min_streams first seams (first audios).
     startup_stall_share: Annotated[float, Field(ge=0, lt=1)] | None = None
@@ -292,7 +292,7 @@ class PoolSettings(_Frozen):
     session_estimate_s: PositiveSeconds = 20  # seeds Retry-After before any session ended
     reserve: tuple[ReserveSettings, ...] = ()
     # Streams the engine runs that Headroom did not admit take slots off the caps
-    # (proxy/reconcile.py); needs health.engine_metrics_interval_s > 0.
+    # (proxy/admission/reconcile.py); needs health.engine_metrics_interval_s > 0.
     engine_reconcile: bool = False
     engine_reconcile_hold_s: PositiveSeconds = 30  # a reduction not confirmed lapses
 
@@ -350,7 +350,7 @@ class RouteSettings(_Frozen):
     protocol that carries another (``sagemaker-bidi``); ``tokens_per_audio_second`` is
     required for, and only for, a protocol that counts generated tokens as audio
     (``openai-completions-tokens``); ``upstream_path`` relays to a different upstream
-    path. What each protocol is: :mod:`proxy.protocols.table`.
+    path. What each protocol is: :mod:`proxy.metering.table`.
     """
 
     path: UrlPath
@@ -682,7 +682,7 @@ class Settings(BaseModel):
     routes: tuple[RouteSettings, ...] = Field(min_length=1)
     auth: AuthSettings | None = None
     gpus: tuple[GpuSettings, ...] = ()  # co-location, read by `headroom check`
-    # stages whose headroom is compared, limiting stage reported (proxy.pipelines)
+    # stages whose headroom is compared, limiting stage reported (proxy.pool_headroom)
     pipelines: tuple[PipelineSettings, ...] = ()
     readiness: Readiness = "upstream"
     tracing: TracingSettings = TracingSettings()

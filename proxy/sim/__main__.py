@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from proxy.sim.cli import main
+from proxy.sim.sim_command import main
 
 sys.exit(main())

@@ -11,7 +11,7 @@ slow the batch like any other. Setting the count lower ends the extra streams at
 
 ``POST /sim/bypass[?gpu=N] {"streams": K[, "audio_s": S]}`` sets the count (and the
 length of the utterances started from then on), ``GET`` reads it, ``DELETE`` sets it to
-0 (:mod:`proxy.sim.app`).
+0 (:mod:`proxy.sim.gpu_app`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING
 
-from proxy.sim.runner import EngineStopped, SeqStream
+from proxy.sim.engine_runner import EngineStopped, SeqStream
 
 if TYPE_CHECKING:
     from proxy.sim.gpu import SimGpu

@@ -5,7 +5,7 @@ with the time the step starts; the engine admits waiting sequences, advances eve
 ready running sequence by one token, and returns a :class:`Step` saying how long
 the step takes and which chunks it emits. The emissions become visible at
 ``step.started_at + step.duration``; the next step may start then. Tests drive it on
-a virtual clock; :mod:`proxy.sim.runner` drives it in real time, one loop per GPU.
+a virtual clock; :mod:`proxy.sim.engine_runner` drives it in real time, one loop per GPU.
 
 Step time (docs/sim.md §1)::
 

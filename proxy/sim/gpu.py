@@ -21,14 +21,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from proxy.serving import EmbeddedServer, make_config
-from proxy.sim.app import build_app
 from proxy.sim.bypass import BypassStreams
 from proxy.sim.connections import ConnectionTable, tracked_http
 from proxy.sim.engine import Engine
+from proxy.sim.engine_metrics import EngineMetrics
+from proxy.sim.engine_runner import Runner, SeqStream
 from proxy.sim.faults import Faults, StreamFaults
-from proxy.sim.metrics import EngineMetrics
+from proxy.sim.gpu_app import build_app
 from proxy.sim.presets import Preset
-from proxy.sim.runner import Runner, SeqStream
 
 __all__ = ["SimGpu", "Timeouts"]
 

@@ -22,8 +22,8 @@ from starlette.responses import Response, StreamingResponse
 
 from proxy.sim.audio import wav_header
 from proxy.sim.common import error_body, error_response, unavailable_response
+from proxy.sim.engine_runner import EngineStopped
 from proxy.sim.faults import StreamFaults
-from proxy.sim.runner import EngineStopped
 from proxy.sim.tts import InjectedDrop, InjectedError, SpeechPlan, plan_speech, speak
 
 if TYPE_CHECKING:

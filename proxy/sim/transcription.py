@@ -23,8 +23,8 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 
 from proxy.sim.audio import words_for_tokens
 from proxy.sim.common import error_body, error_response, unavailable_response
+from proxy.sim.engine_runner import EngineStopped
 from proxy.sim.multipart import MultipartError, parse_multipart
-from proxy.sim.runner import EngineStopped
 
 if TYPE_CHECKING:
     from proxy.sim.gpu import SimGpu

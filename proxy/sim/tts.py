@@ -94,7 +94,7 @@ async def speak(
     (drop, error, stall) apply before each chunk is yielded.
 
     Raises :class:`InjectedDrop` / :class:`InjectedError` when a fault fires,
-    :class:`~proxy.sim.runner.EngineStopped` if the GPU shuts down, ``ValueError`` if
+    :class:`~proxy.sim.engine_runner.EngineStopped` if the GPU shuts down, ``ValueError`` if
     the prompt can never fit the KV cache. The engine sequence is cancelled when the
     generator is closed: consume it under ``contextlib.aclosing``.
     """

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from bench.voice_agent import build_parser, caps, classify, main, summarize
-from proxy.probe.session import Refusal, SessionFailed
+from proxy.probe.probe_session import Refusal, SessionFailed
 from proxy.sim.capacity import describe
 
 

@@ -496,7 +496,7 @@ async def test_sim_realtime_generation_killed_by_a_drop_is_not_left_unretrieved(
 
     from proxy.sim import Faults, get_preset, running_cluster
     from proxy.sim.common import ChannelClosed
-    from proxy.sim.realtime import RealtimeSession
+    from proxy.sim.realtime_api import RealtimeSession
 
     loop = asyncio.get_running_loop()
     unretrieved: list[str] = []

@@ -15,11 +15,11 @@ import pytest
 import yaml
 from prometheus_client import Counter, Histogram
 
+from proxy.admission.reservations import ReservationMetrics
+from proxy.admission.shared_gate import SharedAdmissionMetrics
 from proxy.loop_watch import LoopWatch
 from proxy.metrics import Metrics, ReplicaGauges, TenantGauges
-from proxy.pipelines import Headroom, PipelineHeadroom, PoolHeadroom
-from proxy.reservations import ReservationMetrics
-from proxy.shared_gate import SharedAdmissionMetrics
+from proxy.pool_headroom import Headroom, PipelineHeadroom, PoolHeadroom
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -33,13 +33,13 @@ with atheris.instrument_imports():
     import yaml
     from websockets.uri import parse_uri
 
-    from proxy.auth import presented_key
+    from proxy.admission.auth import presented_key
     from proxy.errors import ConfigError
-    from proxy.protocols import AudioFormat, http_adapter, ws_adapter
-    from proxy.protocols.b64json import scan_event
-    from proxy.protocols.http import request_fields
-    from proxy.protocols.sse import SseParser
-    from proxy.protocols.wav import WavStream
+    from proxy.metering import AudioFormat, http_adapter, ws_adapter
+    from proxy.metering.b64json import scan_event
+    from proxy.metering.http_streams import request_fields
+    from proxy.metering.sse import SseParser
+    from proxy.metering.wav import WavStream
     from proxy.relay.admit import upstream_query, wants_fallback
     from proxy.relay.headers import forwarded_request_headers, response_headers
     from proxy.settings import settings_from_mapping

@@ -24,8 +24,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.protocols import HTTP_PROTOCOLS, WS_PROTOCOLS, AudioFormat, http_adapter, ws_adapter
-from proxy.protocols.http import media_type, request_fields
+from proxy.metering import HTTP_PROTOCOLS, WS_PROTOCOLS, AudioFormat, http_adapter, ws_adapter
+from proxy.metering.http_streams import media_type, request_fields
 from tests.fuzz.conftest import fuzz_settings
 
 DEFAULT = AudioFormat(24000, 1, 2)

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from websockets.uri import parse_uri
 
-from proxy.auth import presented_key
+from proxy.admission.auth import presented_key
 from proxy.relay.admit import upstream_query, wants_fallback
 from proxy.relay.headers import HOP_BY_HOP, forwarded_request_headers, response_headers
 from tests.fuzz.conftest import fuzz_settings

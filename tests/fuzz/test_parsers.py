@@ -17,10 +17,10 @@ import struct
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.protocols.b64json import B64Span, b64_decoded_len, scan_event
-from proxy.protocols.base import AudioFormat
-from proxy.protocols.sse import SseParser
-from proxy.protocols.wav import WavStream
+from proxy.metering.b64json import B64Span, b64_decoded_len, scan_event
+from proxy.metering.base import AudioFormat
+from proxy.metering.sse import SseParser
+from proxy.metering.wav import WavStream
 from tests.fuzz.conftest import fuzz_settings
 
 

@@ -23,7 +23,7 @@ from bench.wsraw import (
     read_frames,
     read_head,
 )
-from proxy.relay.ws import _WebSocket
+from proxy.relay.ws_session import _WebSocket
 from proxy.serving import UVICORN_ONLY
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_frame_violations import RecordingUpstream, recording_upstream
@@ -98,15 +98,16 @@ async def test_a_queue_feedback_session_is_spliced_after_admission(
         (OP_TEXT, b"held-1"), (OP_BINARY, b"held-2"), (OP_TEXT, b"frag"), (OP_CONT, b"-end"),
         (OP_TEXT, b"after"), (OP_CONT, b"-done"), (OP_CLOSE, (4000).to_bytes(2, "big")),
     ]  # fmt: skip
-    tracked = proxy.server.server.server_state.connections
-    await wait_until(lambda: not tracked)  # the taken-over connection was released
+    sessions = proxy.server.server.sessions
+    assert sessions is not None
+    await wait_until(lambda: not sessions.live)  # the taken-over session was released
 
 
 async def test_without_the_splice_queue_feedback_uses_the_asgi_relay(
     start_proxy: Any, recording_upstream: RecordingUpstream
 ) -> None:
-    """uvicorn's own protocol (the fence's fallback): the same stream, relayed as whole
-    messages."""
+    """uvicorn's own protocols (no take-over offered): the same stream, relayed as whole
+    messages by the ASGI relay."""
     proxy: Proxy = await start_proxy(_settings(recording_upstream.port), **UVICORN_ONLY)
     holder_r, holder_w, _ = await _open(proxy)
     ours = len(recording_upstream.conns)

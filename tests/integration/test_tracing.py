@@ -163,7 +163,7 @@ def test_the_configured_tracer_exports_over_otlp_with_the_settings() -> None:
 
 
 def test_session_end_json_carries_tenant_client_and_trace() -> None:
-    from proxy.relay.session import SessionRecord
+    from proxy.relay.session_record import SessionRecord
 
     record = SessionRecord("s-1", "/ws", "main", "ws", 0.0)
     record.tenant, record.client, record.trace_id = "team-a", "10.0.0.9", TRACE_ID

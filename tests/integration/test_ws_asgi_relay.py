@@ -1,4 +1,4 @@
-"""The ASGI relay (proxy/relay/ws_pump.py), the shell sessions use when the splice cannot
+"""The ASGI relay (proxy/relay/asgi_relay.py), the shell sessions use when the splice cannot
 run (the uvicorn fence's fallback protocol), applies the relay core's rules like the
 splice: limits, timeouts and close codes. Real sockets, uvicorn's own protocol; each
 session waits in a queue-feedback route's queue first (the early accept the ASGI relay

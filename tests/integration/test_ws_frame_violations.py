@@ -116,7 +116,7 @@ VIOLATIONS: dict[str, tuple[bytes, bytes]] = {
 
 async def _admitted_via_queue(proxy: Proxy, path: str) -> tuple[Any, Any, bytes]:
     """A client that waited with queue feedback and was then admitted (on uvicorn's own
-    protocol its frames then go through the ASGI relay, proxy.relay.ws_pump)."""
+    protocol its frames then go through the ASGI relay, proxy.relay.asgi_relay)."""
     holder_r, holder_w = await asyncio.open_connection("127.0.0.1", proxy.server.port)
     holder_w.write(handshake_request(path))
     head = await read_head(holder_r)

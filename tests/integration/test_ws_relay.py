@@ -246,7 +246,7 @@ async def test_a_plain_ws_upstream_is_connected_by_the_event_loop(
     """A spliced session to a ws:// replica lets the loop make and connect the socket
     (open_tcp_transport): a socket of the relay's own, handed over afterwards, cost
     13 more system calls a session. wss:// keeps open_tcp (TLS starts over it)."""
-    from proxy.relay import ws as relay_ws
+    from proxy.relay import ws_session as relay_ws
 
     server, _ = upstream
     opened: list[str] = []
@@ -319,7 +319,7 @@ async def test_a_wss_upstream_is_spliced_over_tls(
 
     import trustme
 
-    from proxy.relay import upstream_ws
+    from proxy.relay import upstream_handshake as upstream_ws
 
     ca = trustme.CA()
     server_cert = ca.issue_cert("localhost")

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from proxy.metering import AudioFormat, ws_adapter
 from proxy.probe.analysis import LevelStats, LevelWindow, SessionTrace, level_stats
 from proxy.probe.ceiling import summarize
-from proxy.probe.runner import LevelRun, ProbeResult, ProbeSettings
-from proxy.probe.session import ClientOptions, SessionRecorder
+from proxy.probe.probe_session import ClientOptions, SessionRecorder
+from proxy.probe.ramp import LevelRun, ProbeResult, ProbeSettings
 from proxy.probe.traces import read_traces
 from proxy.probe.workload import bundled
-from proxy.protocols import AudioFormat, ws_adapter
 
 DATA = Path(__file__).parent / "data"
 

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from proxy.probe.cli import main
-from proxy.probe.completions import CHARACTERS_PER_SECOND, completion_body
-from proxy.probe.session import ClientOptions, endpoint_url
+from proxy.probe.completions_session import CHARACTERS_PER_SECOND, completion_body
+from proxy.probe.probe_command import main
+from proxy.probe.probe_session import ClientOptions, endpoint_url
 from proxy.probe.workload import SpeechRequest
 
 URL = "http://127.0.0.1:9/v1/completions"

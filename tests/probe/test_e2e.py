@@ -25,9 +25,9 @@ import yaml
 
 from proxy.probe import ClientOptions, ProbeSettings, bundled, endpoint_url, run_probe
 from proxy.probe.analysis import LevelStats
-from proxy.probe.cli import main
-from proxy.probe.runner import LiveFigures
-from proxy.probe.session import PROTOCOL_KINDS
+from proxy.probe.probe_command import main
+from proxy.probe.probe_session import PROTOCOL_KINDS
+from proxy.probe.ramp import LiveFigures
 from proxy.sim import Faults, describe, running_cluster
 from proxy.sim.presets import PRESETS, get_preset
 from tests.conftest import proxy_settings

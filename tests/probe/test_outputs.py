@@ -18,10 +18,11 @@ import pytest
 import yaml
 
 from proxy.probe.ceiling import summarize
-from proxy.probe.cli import add_arguments, main, parse_levels, settings_from_args
 from proxy.probe.config_edit import ConfigEditError, set_max_sessions, write_max_sessions
 from proxy.probe.plot import PlotUnavailable, write_plot
+from proxy.probe.probe_command import add_arguments, main, parse_levels, settings_from_args
 from proxy.probe.progress import TerminalProgress
+from proxy.probe.ramp import LiveFigures
 from proxy.probe.report import (
     CSV_COLUMNS,
     config_snippet,
@@ -30,7 +31,6 @@ from proxy.probe.report import (
     format_table,
     result_json,
 )
-from proxy.probe.runner import LiveFigures
 from proxy.settings import settings_from_mapping
 from tests.probe.helpers import recorded_result
 

@@ -13,12 +13,12 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec, Reserve
+from proxy.admission.gate import Gate
 from proxy.admission.redis_backend import RedisAdmission
+from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
 from proxy.clock import FakeClock
 from proxy.errors import FallbackHint
-from proxy.gate import Gate
 from proxy.metrics import Metrics
-from proxy.shared_gate import SharedGate, SharedPoolSpec
 from tests.redis_support import RedisServer
 
 __all__ = ["Backend", "eventually", "seed_generation"]

@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
+from proxy.admission.gate import Lease, Waiting
 from proxy.errors import CapacityRefused, DrainingRefused, Refused
-from proxy.gate import Lease, Waiting
 from tests.shared_admission.conftest import Backend, eventually
 
 

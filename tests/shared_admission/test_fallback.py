@@ -13,13 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
+from proxy.admission.gate import Gate, Lease, Waiting
 from proxy.admission.redis_backend import RedisAdmission
+from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
 from proxy.errors import FallbackHint
-from proxy.gate import Gate, Lease, Waiting
 from proxy.metrics import Metrics
 from proxy.relay.admit import enter
 from proxy.settings import RouteSettings
-from proxy.shared_gate import SharedGate, SharedPoolSpec
 from tests.shared_admission.conftest import Backend, seed_generation
 
 OPTED_IN = {"type": "http", "headers": [(b"x-headroom-allow-fallback", b"1")], "query_string": b""}

@@ -9,10 +9,10 @@ import pytest
 
 from proxy.admission import QueuePolicy, ReplicaSpec
 from proxy.admission.redis_backend import RedisAdmission
+from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
 from proxy.clock import FakeClock
 from proxy.errors import Refused
 from proxy.metrics import Metrics
-from proxy.shared_gate import SharedGate, SharedPoolSpec
 from tests.redis_support import RedisServer
 from tests.shared_admission.conftest import seed_generation
 

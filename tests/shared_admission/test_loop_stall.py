@@ -18,9 +18,9 @@ import redis
 from proxy.admission import QueuePolicy, ReplicaSpec
 from proxy.admission.lease_keeper import LeaseKeeper
 from proxy.admission.redis_backend import RedisAdmission
+from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
 from proxy.clock import FakeClock, LoopClock
 from proxy.errors import Refused
-from proxy.shared_gate import SharedGate, SharedPoolSpec
 from tests.redis_support import RedisServer
 from tests.shared_admission.conftest import seed_generation
 

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 
+from proxy.admission.reconcile import EngineReconciler
 from proxy.errors import Refused
-from proxy.reconcile import EngineReconciler
 from proxy.settings import settings_from_mapping
 from tests.redis_support import RedisServer
 from tests.shared_admission.conftest import Backend, seed_generation

@@ -16,11 +16,10 @@ from typing import Any
 import pytest
 
 from proxy.admission import Reserve
+from proxy.admission.auth import TenantQuotas
+from proxy.admission.gate import Lease
 from proxy.admission.interface import TenantQuota
-from proxy.auth import TenantQuotas
-from proxy.errors import Refused, TenantLimitRefused
-from proxy.gate import Lease
-from proxy.reservations import (
+from proxy.admission.reservations import (
     BadReservation,
     ReservationExpired,
     ReservationPool,
@@ -28,8 +27,9 @@ from proxy.reservations import (
     ReservationUnknown,
     parse_request,
 )
+from proxy.admission.shared_gate import SharedGate
+from proxy.errors import Refused, TenantLimitRefused
 from proxy.settings import ApiKeySettings, ReservationSettings
-from proxy.shared_gate import SharedGate
 from tests.redis_support import RedisServer
 from tests.shared_admission.conftest import Backend, seed_generation
 

@@ -1,4 +1,4 @@
-"""Gang reservations (issue 19, proxy/reservations.py) on both admission backends: the
+"""Gang reservations (issue 19, proxy/admission/reservations.py) on both admission backends: the
 in-process gate and the shared gate on a real redis-server."""
 
 from __future__ import annotations
@@ -12,19 +12,19 @@ from typing import Any
 import pytest
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
+from proxy.admission.gate import Gate, Lease
 from proxy.admission.redis_backend import RedisAdmission
-from proxy.clock import FakeClock
-from proxy.errors import FallbackHint, Refused
-from proxy.gate import Gate, Lease
-from proxy.metrics import Metrics
-from proxy.reservations import (
+from proxy.admission.reservations import (
     ReservationExpired,
     ReservationPool,
     Reservations,
     ReservationUnknown,
 )
+from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
+from proxy.clock import FakeClock
+from proxy.errors import FallbackHint, Refused
+from proxy.metrics import Metrics
 from proxy.settings import ApiKeySettings
-from proxy.shared_gate import SharedGate, SharedPoolSpec
 from tests.redis_support import RedisServer
 from tests.shared_admission.conftest import seed_generation
 

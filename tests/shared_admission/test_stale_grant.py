@@ -15,11 +15,11 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy.admission import QueuePolicy, ReplicaSpec
+from proxy.admission.gate import Lease
 from proxy.admission.redis_backend import RedisAdmission
+from proxy.admission.shared_gate import SharedGate, SharedLease, SharedPoolSpec, SharedWaiting
 from proxy.clock import FakeClock
 from proxy.errors import Refused
-from proxy.gate import Lease
-from proxy.shared_gate import SharedGate, SharedLease, SharedPoolSpec, SharedWaiting
 from tests.redis_support import RedisServer
 from tests.shared_admission.conftest import seed_generation
 

@@ -1,4 +1,4 @@
-"""The tenant rules are decided twice -- in Python (:class:`~proxy.admission.core.PoolCore`
+"""The tenant rules are decided twice -- in Python (:class:`~proxy.admission.pool_core.PoolCore`
 with :class:`~proxy.admission.tenants.TenantQueue`) and in the Lua scripts of the shared
 backend -- so the Lua port is checked against the Python, not trusted (issue 18).
 

@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 
 from proxy.admission import QueuePolicy, ReplicaSpec, Reserve, TenantSpec
+from proxy.admission.gate import Lease, Waiting
 from proxy.admission.interface import TenantQuota
+from proxy.admission.shared_gate import SharedGate
 from proxy.errors import Refused, TenantLimitRefused
-from proxy.gate import Lease, Waiting
 from proxy.runtime import Runtime
 from proxy.settings import settings_from_mapping
-from proxy.shared_gate import SharedGate
 from tests.shared_admission.conftest import Backend, eventually, seed_generation
 
 GOLD = TenantSpec("gold", priority=1)

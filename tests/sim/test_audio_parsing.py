@@ -15,7 +15,7 @@ from proxy.sim.audio import (
     words_for_tokens,
 )
 from proxy.sim.multipart import MultipartError, parse_multipart
-from proxy.sim.speech_ws import TextSplitter
+from proxy.sim.speech_ws_api import TextSplitter
 from proxy.sim.transcription import audio_duration_s
 
 

@@ -13,7 +13,7 @@ import sys
 import httpx
 import pytest
 
-from proxy.sim import cli
+from proxy.sim import sim_command as cli
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -7,9 +7,9 @@ import httpx
 import pytest
 
 from proxy.meter import RecordingReplicaSink, SessionMeter
-from proxy.protocols import AudioFormat, http_adapter
+from proxy.metering import AudioFormat, http_adapter
 from proxy.sim.cluster import Cluster
-from proxy.sim.completions import token_text
+from proxy.sim.completions_api import token_text
 from tests.sim.helpers import sse_events
 
 TEXT = "Hello there. This is the simulator speaking."

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 
 from proxy.sim.engine import Engine, Step
-from proxy.sim.runner import EngineStopped, Runner, SeqStream
+from proxy.sim.engine_runner import EngineStopped, Runner, SeqStream
 from tests.sim.conftest import FAST_TTS
 
 SPEC = replace(FAST_TTS.engine, jitter_p95=1.0)

@@ -9,8 +9,8 @@ import socket
 import pytest
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
+from proxy.admission.gate import Gate
 from proxy.clock import FakeClock
-from proxy.gate import Gate
 from proxy.relay.failover import Failover, Unreachable, describe, open_tcp, open_tcp_transport
 from proxy.serving import bind_socket
 

@@ -8,9 +8,9 @@ import pytest
 from prometheus_client import generate_latest
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
+from proxy.admission.gate import Gate, Lease
 from proxy.clock import FakeClock
 from proxy.errors import CapacityRefused, DrainingRefused, FallbackHint, Refused
-from proxy.gate import Gate, Lease
 from proxy.metrics import Metrics
 
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from proxy.guard import GuardPolicy, ReplicaGuard
-from proxy.signals import StartupSignals
+from proxy.admission.guard import GuardPolicy, ReplicaGuard
+from proxy.replica_signals import StartupSignals
 
 POLICY = GuardPolicy(threshold=1.2, hysteresis=0.1, hold_s=10.0, min_samples=50)
 

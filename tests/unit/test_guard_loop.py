@@ -1,15 +1,15 @@
-"""The guard loop (:class:`proxy.guard.GuardLoop`) on a fake clock, against a real
+"""The guard loop (:class:`proxy.admission.guard.GuardLoop`) on a fake clock, against a real
 in-process gate: it evaluates every replica once per interval while started and not
 ``off``, passes changes to the gate only in ``enforce``, and a reload keeps the guards'
 state, drops removed replicas and hands guarded ones back when leaving ``enforce``."""
 
 from __future__ import annotations
 
+from proxy.admission.gate import Gate
+from proxy.admission.guard import GUARD_INTERVAL_S, GuardLoop, GuardPolicy
 from proxy.clock import FakeClock
-from proxy.gate import Gate
-from proxy.guard import GUARD_INTERVAL_S, GuardLoop, GuardPolicy
+from proxy.replica_signals import ReplicaSignals
 from proxy.runtime import build_gate
-from proxy.signals import ReplicaSignals
 from tests.conftest import proxy_settings
 
 POLICY = GuardPolicy(threshold=1.2, hysteresis=0.1, hold_s=5, min_samples=10)

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
-from proxy.auth import Authorization
+from proxy.admission.auth import Authorization
+from proxy.admission.gate import Gate, Lease
+from proxy.admission.reservations import Reservations
 from proxy.clock import FakeClock
 from proxy.errors import (
     DrainingRefused,
@@ -25,13 +27,11 @@ from proxy.errors import (
     Unauthorized,
     UpstreamConnectError,
 )
-from proxy.gate import Gate, Lease
 from proxy.meter import RecordingReplicaSink, SessionMeter
 from proxy.relay.failover import AttemptFailed, walk
 from proxy.relay.lifecycle import Declined, SessionStop, race_client, run_session
 from proxy.relay.services import StopSession
-from proxy.relay.session import SessionRecord
-from proxy.reservations import Reservations
+from proxy.relay.session_record import SessionRecord
 from proxy.settings import RouteSettings, Settings
 from tests.conftest import proxy_settings
 

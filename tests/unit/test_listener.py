@@ -457,26 +457,23 @@ _WS_HEADERS = (
 )
 
 
-async def test_a_post_upgrade_is_refused_by_uvicorns_websocket_server() -> None:
+async def test_a_post_websocket_upgrade_is_refused_405() -> None:
     app = HttpRecorder()
     listener, transport, _ = open_listener(app=app)
     listener.data_received(b"POST / HTTP/1.1\r\nHost: x\r\n" + _WS_HEADERS + b"\r\n")
-    assert listener._ws is None and listener._inner is not None
-    await settle(lambda: bool(transport.out))
-    assert transport.out.startswith(b"HTTP/1.1 405 ") and not app.scopes
+    assert listener._ws is None and listener._inner is None
+    assert transport.out.startswith(b"HTTP/1.1 405 ") and b"\r\nallow: GET\r\n" in transport.out
+    assert transport.closed and not app.scopes
 
 
-async def test_an_http10_upgrade_is_left_to_uvicorns_websocket_server() -> None:
-    """Not Headroom's handshake (RFC 6455 wants HTTP/1.1): uvicorn's own WebSocket
-    protocol serves it, so the app sees no ``headroom.splice`` extension."""
+async def test_an_http10_websocket_upgrade_is_refused_400() -> None:
+    """RFC 6455 4.1: a handshake is a GET over HTTP/1.1 or later."""
     app = HttpRecorder()
     listener, transport, _ = open_listener(app=app)
     listener.data_received(b"GET / HTTP/1.0\r\nHost: x\r\n" + _WS_HEADERS + b"\r\n")
-    assert listener._ws is None and listener._inner is not None
-    await settle(lambda: bool(transport.out))
-    (scope,) = app.scopes
-    assert scope["type"] == "websocket" and "headroom.splice" not in scope["extensions"]
-    assert transport.out.startswith(b"HTTP/1.1 403 ")  # the app closed it
+    assert listener._ws is None and listener._inner is None
+    assert transport.out.startswith(b"HTTP/1.1 400 ") and transport.closed
+    assert not app.scopes
 
 
 async def test_an_upgrade_on_a_kept_alive_connection_is_left_to_uvicorn() -> None:

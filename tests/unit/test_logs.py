@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from proxy.logs import JsonFormatter, TextFormatter
-from proxy.relay.session import SessionRecord
+from proxy.relay.session_record import SessionRecord
 
 PAIR = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\S+)')
 

@@ -16,9 +16,9 @@ from proxy.meter import (
     SessionMeter,
     SessionSummary,
 )
+from proxy.metering import AudioFormat, http_adapter, ws_adapter
 from proxy.metrics import Metrics
-from proxy.protocols import AudioFormat, http_adapter, ws_adapter
-from proxy.signals import ReplicaSignals
+from proxy.replica_signals import ReplicaSignals
 
 
 def meter(

@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 
 from proxy.meter import PrometheusReplicaSink, SessionMeter
 from proxy.metrics import Metrics
-from proxy.signals import ReplicaSignals
+from proxy.replica_signals import ReplicaSignals
 from tests.hypothesis_profiles import examples
 
 REPLICA_FAMILIES = (

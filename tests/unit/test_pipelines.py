@@ -1,4 +1,4 @@
-"""Headroom left per pool and each pipeline's limiting stage (proxy.pipelines, issue 19)."""
+"""Headroom left per pool and each pipeline's limiting stage (proxy.pool_headroom, issue 19)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from proxy.admission import PoolStatistics, ReplicaStatistics
+from proxy.admission.gate import Lease
 from proxy.clock import FakeClock
 from proxy.errors import ConfigError
-from proxy.gate import Lease
-from proxy.pipelines import PoolHeadroom, headroom_of, limiting_stage, pool_headroom
+from proxy.pool_headroom import PoolHeadroom, headroom_of, limiting_stage, pool_headroom
 from proxy.runtime import Runtime
 from proxy.settings import load_settings, settings_from_mapping, summary
 

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.protocols import HTTP_PROTOCOLS, AudioFormat, HttpAdapter, http_adapter
-from proxy.protocols.http import media_type, request_fields
-from proxy.protocols.sse import SseParser
+from proxy.metering import HTTP_PROTOCOLS, AudioFormat, HttpAdapter, http_adapter
+from proxy.metering.http_streams import media_type, request_fields
+from proxy.metering.sse import SseParser
 
 DEFAULT = AudioFormat(24000, 1, 2)
 JSON = "application/json"

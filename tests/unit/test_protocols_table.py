@@ -1,4 +1,4 @@
-"""The protocol table (proxy/protocols/table.py): every route protocol the settings accept
+"""The protocol table (proxy/metering/table.py): every route protocol the settings accept
 has one complete entry, and every place that varies by protocol reads it."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ from typing import Any, get_args
 
 import pytest
 
+from proxy.admission.refusal import error_event
 from proxy.errors import CapacityRefused, ConfigError, FallbackHint
-from proxy.protocols import (
+from proxy.metering import (
     HTTP_PROTOCOLS,
     PROTOCOL_TABLE,
     PROTOCOLS,
@@ -18,8 +19,7 @@ from proxy.protocols import (
     http_adapter,
     ws_adapter,
 )
-from proxy.protocols.table import inner_protocols
-from proxy.refusal import error_event
+from proxy.metering.table import inner_protocols
 from proxy.settings import Protocol, RouteSettings, settings_from_mapping
 from tests.unit.test_protocols_ws import Recorder
 

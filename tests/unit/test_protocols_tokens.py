@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.meter import RecordingReplicaSink, SessionMeter
-from proxy.protocols import AudioFormat, HttpAdapter, http_adapter
-from proxy.protocols.tokens import event_tokens
+from proxy.metering import AudioFormat, HttpAdapter, http_adapter
+from proxy.metering.tokens import event_tokens
 from tests.unit.test_protocols_http import Recorder
 
 ORPHEUS = AudioFormat(24000, 1, 2, tokens_per_second=84.0)

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.protocols.base import AudioFormat
-from proxy.protocols.wav import WavStream
+from proxy.metering.base import AudioFormat
+from proxy.metering.wav import WavStream
 
 DEFAULT = AudioFormat(24000, 1, 2)
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.protocols import WS_PROTOCOLS, AudioFormat, WsAdapter, http_adapter, ws_adapter
+from proxy.metering import WS_PROTOCOLS, AudioFormat, WsAdapter, http_adapter, ws_adapter
 
 DEFAULT = AudioFormat(24000, 1, 2)
 

@@ -1,4 +1,4 @@
-"""Streams the engine runs that Headroom did not admit (proxy/reconcile.py), on a fake
+"""Streams the engine runs that Headroom did not admit (proxy/admission/reconcile.py), on a fake
 clock with the in-process gate: the configuration's rules, the sustained difference,
 the floors, the hold time, a reload, and what a refusal says. The end-to-end run
 against a simulated engine is tests/integration/test_engine_reconcile.py."""

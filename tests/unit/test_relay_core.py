@@ -1,4 +1,4 @@
-"""The relay core (proxy.relay.core) as a playbook: sequences of events at explicit
+"""The relay core (proxy.relay.session_rules) as a playbook: sequences of events at explicit
 times, and the actions each must produce, in order. No sockets, no clock, no loop:
 every session rule both relays share is pinned here once."""
 
@@ -10,7 +10,9 @@ from typing import Any
 
 import pytest
 
-from proxy.relay.core import (
+from proxy.relay.frames import BINARY, TEXT
+from proxy.relay.session_record import SessionRecord
+from proxy.relay.session_rules import (
     CLOSE_TIMEOUT_S,
     Action,
     CloseSocket,
@@ -29,8 +31,6 @@ from proxy.relay.core import (
     Side,
     Wake,
 )  # fmt: skip
-from proxy.relay.session import SessionRecord
-from proxy.relay.wsframes import BINARY, TEXT
 from proxy.settings import LimitsSettings
 
 C, U = Side.CLIENT, Side.UPSTREAM

@@ -32,6 +32,8 @@ from proxy.admission import (
     Reject,
     ReplicaSpec,
 )
+from proxy.admission.gate import Gate
+from proxy.admission.refusal import close_reason, error_event, http_error
 from proxy.admission.retry_after import (
     JITTER_FRACTION,
     JITTER_MIN_S,
@@ -42,8 +44,6 @@ from proxy.admission.retry_after import (
 )
 from proxy.clock import FakeClock
 from proxy.errors import CapacityRefused, Refused, TenantLimitRefused, refusal_for
-from proxy.gate import Gate
-from proxy.refusal import close_reason, error_event, http_error
 from proxy.runtime import Runtime
 from tests.conftest import proxy_settings
 

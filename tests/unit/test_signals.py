@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.signals import GAMMA, LogHistogram, QuantileSketch, ReplicaSignals
+from proxy.replica_signals import GAMMA, LogHistogram, QuantileSketch, ReplicaSignals
 
 ERROR = (GAMMA - 1) / (GAMMA + 1) + 1e-9
 

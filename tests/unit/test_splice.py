@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.clock import FakeClock
-from proxy.relay.session import SessionRecord
+from proxy.relay.session_record import SessionRecord
 from proxy.relay.splice import Splice, _Keepalive, close_frame, frame
 from proxy.settings import LimitsSettings
 from tests.hypothesis_profiles import examples

@@ -16,9 +16,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec, Reserve, TenantSpec
+from proxy.admission.gate import Gate, Lease
 from proxy.clock import FakeClock
 from proxy.errors import ConfigError, Refused, TenantLimitRefused
-from proxy.gate import Gate, Lease
 from proxy.metrics import Metrics
 from proxy.settings import Settings, settings_from_mapping
 from tests.conftest import Proxy

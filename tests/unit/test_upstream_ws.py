@@ -1,4 +1,4 @@
-"""The splice's lean upstream handshake (proxy/relay/upstream_ws.py), against a real
+"""The splice's lean upstream handshake (proxy/relay/upstream_handshake.py), against a real
 socket that answers it."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from contextlib import asynccontextmanager
 import pytest
 from websockets.exceptions import InvalidURI
 
-from proxy.relay import upstream_ws
-from proxy.relay.upstream_ws import open_upstream, upstream_uri
+from proxy.relay import upstream_handshake as upstream_ws
+from proxy.relay.upstream_handshake import open_upstream, upstream_uri
 
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
 

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from proxy import upstreams as upstreams_module
+from proxy.admission.gate import Gate
 from proxy.clock import FakeClock
-from proxy.gate import Gate
 from proxy.runtime import build_gate
 from proxy.serving import bind_socket, running_server
 from proxy.settings import Settings

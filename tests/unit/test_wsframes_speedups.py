@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-import proxy.relay.wsframes as wsframes
+import proxy.relay.frames as wsframes
 
 
 def test_frames_are_masked_without_websockets_speedups(monkeypatch: pytest.MonkeyPatch) -> None:

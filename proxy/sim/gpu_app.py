@@ -36,10 +36,10 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from proxy.sim.common import ChannelClosed, WsChannel, error_response, unavailable_response
-from proxy.sim.completions import create_completion
-from proxy.sim.realtime import realtime
+from proxy.sim.completions_api import create_completion
+from proxy.sim.realtime_api import realtime
 from proxy.sim.speech_http import create_speech
-from proxy.sim.speech_ws import speech_stream
+from proxy.sim.speech_ws_api import speech_stream
 from proxy.sim.transcription import create_transcription
 
 if TYPE_CHECKING:

@@ -10,7 +10,7 @@ stage nearest its knee. This module measures, per pool, how much is left:
   gateway's sessions; never less than this gateway's own), so every gateway reports the
   same figure.
 * **delivery**: the lowest rolling worst-1% delivery ratio among those replicas (the
-  guard's signal, :class:`proxy.signals.ReplicaSignals`; None without recent audio, e.g.
+  guard's signal, :class:`proxy.replica_signals.ReplicaSignals`; None without recent audio, e.g.
   an ASR pool) against ``guard.threshold``: ``delivery_margin = ratio / threshold - 1``
   (0 at the threshold, negative below it). On the ``redis`` backend it is this gateway's
   sessions' view.

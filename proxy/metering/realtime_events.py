@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.protocols.b64json import scan_event
-from proxy.protocols.base import AudioFormat, MeterSink
+from proxy.metering.b64json import scan_event
+from proxy.metering.base import AudioFormat, MeterSink
 
 __all__ = ["RealtimeAdapter"]
 

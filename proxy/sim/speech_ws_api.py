@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from proxy.sim.audio import wav_header
 from proxy.sim.common import ChannelClosed, WsChannel
+from proxy.sim.engine_runner import EngineStopped
 from proxy.sim.faults import StreamFaults
-from proxy.sim.runner import EngineStopped
 from proxy.sim.tts import InjectedDrop, InjectedError, plan_speech, speak
 
 if TYPE_CHECKING:

@@ -19,10 +19,10 @@ from typing import Any
 
 import httpx
 
-from proxy.probe.session import ClientOptions, Refusal, SessionFailed, SessionRecorder
+from proxy.metering import AudioFormat, http_adapter
+from proxy.metering.sse import SseParser
+from proxy.probe.probe_session import ClientOptions, Refusal, SessionFailed, SessionRecorder
 from proxy.probe.workload import SpeechRequest
-from proxy.protocols import AudioFormat, http_adapter
-from proxy.protocols.sse import SseParser
 
 __all__ = ["CHARACTERS_PER_SECOND", "completion_body", "run_completion"]
 

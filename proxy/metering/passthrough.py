@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from proxy.protocols.base import MeterSink
+from proxy.metering.base import MeterSink
 
 __all__ = ["PassthroughHttpAdapter", "PassthroughWsAdapter"]
 

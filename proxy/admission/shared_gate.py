@@ -1,12 +1,13 @@
 """Admission shared by several gateway processes through Redis (``admission.backend: redis``).
 
 :class:`SharedGate` offers what the relays and the runtime use of
-:class:`~proxy.gate.Gate` -- :meth:`admit` giving a :class:`~proxy.gate.Lease` or a
-:class:`~proxy.gate.Waiting`, idempotent release, drain, live pool changes, health and
-guard, statistics -- but every slot and queue place is decided by the atomic scripts
-of :mod:`proxy.admission.redis_backend`, so one cap per replica holds over every
-gateway. What stays local: this gateway's configuration view (caps, health, its own
-guard, retired replicas), its sessions, its waiters' futures and deadlines.
+:class:`~proxy.admission.gate.Gate` -- :meth:`admit` giving a
+:class:`~proxy.admission.gate.Lease` or a :class:`~proxy.admission.gate.Waiting`,
+idempotent release, drain, live pool changes, health and guard, statistics -- but
+every slot and queue place is decided by the atomic scripts of
+:mod:`proxy.admission.redis_backend`, so one cap per replica holds over every gateway.
+What stays local: this gateway's configuration view (caps, health, its own guard,
+retired replicas), its sessions, its waiters' futures and deadlines.
 
 Safety rules:
 
@@ -62,6 +63,7 @@ from proxy.admission import (
     Reserve,
     TenantSpec,
 )
+from proxy.admission.gate import Lease, PositionCallback, Waiting
 from proxy.admission.interface import FenceCallback, ReservationStore, SlotCallback, TenantQuota
 from proxy.admission.lease_keeper import LeaseKeeper
 from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission, ReplicaView
@@ -81,11 +83,10 @@ from proxy.admission.shared_state import (
 from proxy.admission.shared_wakeups import SharedWakeups
 from proxy.clock import Clock
 from proxy.errors import FallbackHint
-from proxy.gate import Lease, PositionCallback, Waiting
 from proxy.metrics import Metrics, ReplicaGauges, TenantGauges
 
 if TYPE_CHECKING:
-    from proxy.auth import TenantQuotas
+    from proxy.admission.auth import TenantQuotas
     from proxy.settings import Settings
 
 __all__ = [
@@ -695,7 +696,7 @@ class SharedGate(SharedRenewal, SharedWakeups):
     def tenant_gauges(self) -> list[TenantGauges]:
         """Per API key and pool, this gateway's part (sum over gateways): sessions
         active and queued, and session-seconds held (finished plus running so far), as
-        :meth:`proxy.gate.Gate.tenant_gauges` reports them in process."""
+        :meth:`proxy.admission.gate.Gate.tenant_gauges` reports them in process."""
         out: list[TenantGauges] = []
         now = self.clock.now()
         for name, p in self._pools.items():

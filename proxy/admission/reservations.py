@@ -50,12 +50,10 @@ from typing import ClassVar
 from prometheus_client import CollectorRegistry, Counter
 
 from proxy.admission import TenantSpec
+from proxy.admission.auth import TenantQuotas, tenant_spec
+from proxy.admission.gate import Lease
 from proxy.admission.interface import AdmissionGate, Reservation, ReservationStore, Unclaimable
-from proxy.auth import TenantQuotas, tenant_spec
-from proxy.clock import Clock
-from proxy.errors import PolicyViolation, Refused
-from proxy.gate import Lease
-from proxy.reservation_requests import (
+from proxy.admission.reservation_requests import (
     MAX_POOLS,
     QUERY_PARAMETER,
     RESERVATION_HEADER,
@@ -64,6 +62,8 @@ from proxy.reservation_requests import (
     parse_request,
     reservation_token,
 )
+from proxy.clock import Clock
+from proxy.errors import PolicyViolation, Refused
 from proxy.settings import ApiKeySettings, ReservationSettings
 
 __all__ = [

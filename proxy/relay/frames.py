@@ -10,7 +10,7 @@ try:  # websockets ships its C speedups optionally (a pure wheel or source build
 except ImportError:  # pragma: no cover - exercised by tests/unit/test_wsframes_speedups.py
     from websockets.utils import apply_mask
 
-from proxy.refusal import truncate_reason
+from proxy.admission.refusal import truncate_reason
 
 __all__ = [
     "apply_mask", "BINARY", "CLOSE", "CONT", "PING", "TEXT", "client_code_for_upstream_close",

@@ -33,11 +33,11 @@ from proxy.relay.http_exchange import HttpExchange, send_error
 from proxy.relay.lifecycle import Declined, run_session
 
 if TYPE_CHECKING:
-    from proxy.gate import Lease, PositionCallback
+    from proxy.admission.gate import Lease, PositionCallback
     from proxy.meter import SessionMeter
     from proxy.relay.lifecycle import SessionStop
     from proxy.relay.services import RelayServices
-    from proxy.relay.session import SessionRecord
+    from proxy.relay.session_record import SessionRecord
     from proxy.settings import RouteSettings
 
 __all__ = ["ResponseAborted", "install_abort_filter", "relay_http", "send_error"]

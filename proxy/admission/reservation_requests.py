@@ -1,4 +1,4 @@
-"""A gang reservation request as the client sends it (:mod:`proxy.reservations`): the
+"""A gang reservation request as the client sends it (:mod:`proxy.admission.reservations`): the
 token a stage connection presents, the body of ``POST /v1/headroom/reservations``, the
 key that makes it."""
 
@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl
 
-from proxy.auth import authenticate
+from proxy.admission.auth import authenticate
 from proxy.errors import PolicyViolation
 from proxy.settings import ApiKeySettings, AuthSettings, ReservationSettings
 

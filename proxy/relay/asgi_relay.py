@@ -5,7 +5,7 @@ connection (:mod:`proxy.relay.listener`).
 
 Upstream -> client runs in the session's own task; client -> upstream in one extra
 task. Messages are relayed as they arrive, text as text and binary as binary. This
-module is a shell over the session's :class:`~proxy.relay.core.RelayCore`, like the
+module is a shell over the session's :class:`~proxy.relay.session_rules.RelayCore`, like the
 splice: the core decides what is forwarded and metered, when a limit or timeout ends
 the session and with which close codes; the shell feeds it the server's ASGI messages, the
 websockets client connection's messages and closes, and its one timer, and maps the
@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, PayloadTooBig
 
-from proxy.gate import Lease
-from proxy.refusal import truncate_reason
-from proxy.relay.core import (
+from proxy.admission.gate import Lease
+from proxy.admission.refusal import truncate_reason
+from proxy.relay.session_record import SessionRecord
+from proxy.relay.session_rules import (
     DropSocket,
     RelayClose,
     RelayCore,
@@ -35,7 +36,6 @@ from proxy.relay.core import (
     Side,
     Wake,
 )  # fmt: skip
-from proxy.relay.session import SessionRecord
 
 if TYPE_CHECKING:
     from proxy.meter import SessionMeter

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from proxy.sim.audio import LEXICON, SpeechAudio, words_for_tokens
 from proxy.sim.common import ChannelClosed, WsChannel
-from proxy.sim.runner import EngineStopped, SeqStream
+from proxy.sim.engine_runner import EngineStopped, SeqStream
 
 if TYPE_CHECKING:
     from proxy.sim.gpu import SimGpu

@@ -16,7 +16,7 @@ Two shells drive it:
 
 - the splice (:mod:`proxy.relay.splice`, :mod:`proxy.relay.splice_leg`): protocol
   callbacks on both sockets, frame by frame;
-- the ASGI relay (:mod:`proxy.relay.ws_pump`): tasks over the server's ASGI messages
+- the ASGI relay (:mod:`proxy.relay.asgi_relay`): tasks over the server's ASGI messages
   and a websockets client connection, message by message (that library and the server
   run the closing handshakes; the shell maps the actions onto their calls).
 
@@ -53,7 +53,7 @@ import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from proxy.relay.wsframes import (
+from proxy.relay.frames import (
     BINARY,
     client_code_for_upstream_close,
     close_fields,
@@ -61,8 +61,8 @@ from proxy.relay.wsframes import (
 )  # fmt: skip
 
 if TYPE_CHECKING:
-    from proxy.protocols.base import WsAdapter
-    from proxy.relay.session import SessionRecord
+    from proxy.metering.base import WsAdapter
+    from proxy.relay.session_record import SessionRecord
     from proxy.settings import LimitsSettings
 
 __all__ = [

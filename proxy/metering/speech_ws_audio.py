@@ -21,9 +21,9 @@ is not the upstream's stall. Client frames are otherwise unmetered; other events
 
 from __future__ import annotations
 
-from proxy.protocols.b64json import scan_event
-from proxy.protocols.base import AudioFormat, MeterSink
-from proxy.protocols.wav import WavStream
+from proxy.metering.b64json import scan_event
+from proxy.metering.base import AudioFormat, MeterSink
+from proxy.metering.wav import WavStream
 
 __all__ = ["OmniSpeechWsAdapter"]
 

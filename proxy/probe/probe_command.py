@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
+from proxy.metering.base import MAX_TOKENS_PER_SECOND
 from proxy.probe.config_edit import (
     ConfigEditError,
     replica_url,
@@ -29,14 +30,13 @@ from proxy.probe.config_edit import (
     write_max_sessions,
 )
 from proxy.probe.plot import PlotUnavailable, require_matplotlib, write_plot
+from proxy.probe.probe_session import PROTOCOL_KINDS, ClientOptions, endpoint_url
 from proxy.probe.progress import TerminalProgress
+from proxy.probe.ramp import ProbeError, ProbeResult, ProbeSettings, run_probe
 from proxy.probe.report import config_snippet, csv_text, format_summary, format_table, result_json
 from proxy.probe.report import replica_url as probed_url
-from proxy.probe.runner import ProbeError, ProbeResult, ProbeSettings, run_probe
-from proxy.probe.session import PROTOCOL_KINDS, ClientOptions, endpoint_url
 from proxy.probe.traces import RecordedLevel, write_traces
 from proxy.probe.workload import open_workload
-from proxy.protocols.base import MAX_TOKENS_PER_SECOND
 from proxy.serving import signal_handlers
 
 __all__ = ["add_arguments", "main", "parse_levels", "run", "settings_from_args"]

@@ -16,8 +16,8 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 from proxy.meter import RecordingReplicaSink, SessionMeter
+from proxy.metering.table import PROTOCOL_TABLE
 from proxy.probe.analysis import Arrival, Outcome, SessionTrace
-from proxy.protocols.table import PROTOCOL_TABLE
 
 __all__ = [
     "PATHS",

@@ -2,8 +2,9 @@
 
 Every place that varies by protocol looks it up here: the settings (which names a route
 may use, which need a WebSocket, which carry another protocol inside), the adapter
-factories (:func:`proxy.protocols.ws_adapter`, :func:`proxy.protocols.http_adapter`) and
-the in-band error event a ``refusal: close`` route sends (:func:`proxy.refusal.error_event`).
+factories (:func:`proxy.metering.ws_adapter`, :func:`proxy.metering.http_adapter`) and
+the in-band error event a ``refusal: close`` route sends
+(:func:`proxy.admission.refusal.error_event`).
 Adding a protocol is one :class:`ProtocolSpec` here (plus its adapter module); the contract
 each one follows is in docs/protocols.md.
 """
@@ -15,12 +16,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final, Literal, get_args
 
-from proxy.protocols.base import AudioFormat, HttpAdapter, MeterSink, WsAdapter
-from proxy.protocols.http import SpeechHttpAdapter, TranscriptionSseAdapter
-from proxy.protocols.passthrough import PassthroughHttpAdapter, PassthroughWsAdapter
-from proxy.protocols.realtime import RealtimeAdapter
-from proxy.protocols.speech_ws import OmniSpeechWsAdapter
-from proxy.protocols.tokens import TokenStreamAdapter
+from proxy.metering.base import AudioFormat, HttpAdapter, MeterSink, WsAdapter
+from proxy.metering.http_streams import SpeechHttpAdapter, TranscriptionSseAdapter
+from proxy.metering.passthrough import PassthroughHttpAdapter, PassthroughWsAdapter
+from proxy.metering.realtime_events import RealtimeAdapter
+from proxy.metering.speech_ws_audio import OmniSpeechWsAdapter
+from proxy.metering.tokens import TokenStreamAdapter
 
 __all__ = [
     "HTTP_PROTOCOLS",

@@ -215,7 +215,7 @@ def _require_no_running_loop() -> None:
     except RuntimeError:
         return
     raise RuntimeError(
-        "proxy.sim.cli.run() serves from its own event loop; inside a running loop use "
+        "proxy.sim.sim_command.run() serves from its own event loop; inside a running loop use "
         "proxy.sim.running_cluster() instead"
     )
 

@@ -40,7 +40,7 @@ from proxy.probe.analysis import (
 )
 from proxy.probe.ceiling import CeilingSearch, ProbeSummary, summarize
 from proxy.probe.clients import run_session
-from proxy.probe.session import (
+from proxy.probe.probe_session import (
     PROTOCOL_KINDS,
     ClientOptions,
     Refusal,

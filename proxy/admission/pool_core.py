@@ -1,7 +1,7 @@
 """The pure admission core of one pool: caps, placement and a strict FIFO queue.
 
 No asyncio, no clock: every method takes ``now`` (seconds, monotonic) and returns
-decisions (:mod:`proxy.admission.decisions`). The asyncio :class:`~proxy.gate.Gate`
+decisions (:mod:`proxy.admission.decisions`). The asyncio :class:`~proxy.admission.gate.Gate`
 is a thin shell that turns them into awaits.
 
 Rules, all enforced here and nowhere else:

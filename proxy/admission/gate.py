@@ -46,13 +46,13 @@ from proxy.errors import FallbackHint, Refused, refusal_for
 from proxy.metrics import Metrics, ReplicaGauges, TenantGauges
 
 if TYPE_CHECKING:
+    from proxy.admission.auth import TenantQuotas
     from proxy.admission.interface import (
         FenceCallback,
         ReservationStore,
         SlotCallback,
         TenantQuota,
     )
-    from proxy.auth import TenantQuotas
 
 __all__ = ["Gate", "Lease", "PositionCallback", "Waiting"]
 
@@ -251,7 +251,7 @@ class Gate:
     ) -> Lease | Waiting:
         """:meth:`enter`, awaitable as the interface has it (the shared gate's
         ``admit`` awaits Redis). ``quota`` is not counted here: this process's count of
-        the key's sessions is the runtime's :class:`~proxy.auth.TenantQuotas`."""
+        the key's sessions is the runtime's :class:`~proxy.admission.auth.TenantQuotas`."""
         return self.enter(pool, on_position=on_position, tenant=tenant, queue=queue)
 
     async def acquire(

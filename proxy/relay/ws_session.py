@@ -5,7 +5,7 @@ is simply held: transparent to the client) -> connect to the chosen replica at t
 ws(s) form of its URL with the same path and query (failing over to another replica
 before any byte flows) -> accept the client with the subprotocol the upstream chose ->
 relay frames both ways (the splice, :mod:`proxy.relay.splice`, when the server offers
-the take-over; the ASGI relay, :mod:`proxy.relay.ws_pump`, otherwise) -> release the
+the take-over; the ASGI relay, :mod:`proxy.relay.asgi_relay`, otherwise) -> release the
 slot when either side ends.
 
 Queue feedback (route ``queue_feedback: true``, opt-in): a client that must wait is
@@ -39,10 +39,11 @@ from websockets.exceptions import InvalidHandshake, InvalidStatus
 from websockets.protocol import State
 from websockets.typing import Subprotocol
 
+from proxy.admission.refusal import close_reason, error_event, http_error
 from proxy.clock import clock_timeout
 from proxy.errors import HeadroomError, MessageTooLarge, UpstreamConnectTimeout
-from proxy.refusal import close_reason, error_event, http_error
 from proxy.relay.admit import FALLBACK_RESPONSE_HEADER, upstream_query
+from proxy.relay.asgi_relay import relay_frames
 from proxy.relay.failover import (
     AttemptFailed,
     Unreachable,
@@ -54,7 +55,7 @@ from proxy.relay.failover import (
 from proxy.relay.headers import forwarded_request_headers
 from proxy.relay.lifecycle import run_session
 from proxy.relay.splice import Splice
-from proxy.relay.upstream_ws import (
+from proxy.relay.upstream_handshake import (
     HandshakeProtocol,
     UpstreamSocket,
     UpstreamStatus,
@@ -62,15 +63,14 @@ from proxy.relay.upstream_ws import (
     upgrade,
     upstream_uri,
 )
-from proxy.relay.ws_pump import relay_frames
 from proxy.relay.ws_server import TakeOver
 
 if TYPE_CHECKING:
-    from proxy.gate import Lease, PositionCallback
+    from proxy.admission.gate import Lease, PositionCallback
     from proxy.meter import SessionMeter
     from proxy.relay.lifecycle import SessionStop
     from proxy.relay.services import RelayServices
-    from proxy.relay.session import SessionRecord
+    from proxy.relay.session_record import SessionRecord
     from proxy.settings import RouteSettings
 
 __all__ = ["relay_websocket"]
@@ -241,7 +241,7 @@ class _WebSocket:
     async def open(self, lease: Lease, record: SessionRecord) -> Upstream:
         """The upstream WebSocket within one deadline for every attempt together
         (``limits.handshake_timeout_s``, on the injected clock): the splice's own
-        handshake (:mod:`proxy.relay.upstream_ws`) when the server offers the
+        handshake (:mod:`proxy.relay.upstream_handshake`) when the server offers the
         take-over, otherwise a websockets client connection for the ASGI relay."""
         if self.take_over is None:  # accepted early (queue feedback) or not: splice it
             extensions = self.scope.get("extensions", {})

@@ -37,10 +37,10 @@ import math
 from collections.abc import Mapping
 from urllib.parse import parse_qsl
 
-from proxy.protocols.b64json import scan_event
-from proxy.protocols.base import AudioFormat, MeterSink, header
-from proxy.protocols.sse import SseParser
-from proxy.protocols.wav import WavStream
+from proxy.metering.b64json import scan_event
+from proxy.metering.base import AudioFormat, MeterSink, header
+from proxy.metering.sse import SseParser
+from proxy.metering.wav import WavStream
 
 __all__ = ["SpeechHttpAdapter", "TranscriptionSseAdapter", "media_type", "request_fields"]
 

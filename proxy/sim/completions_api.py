@@ -32,7 +32,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from proxy.sim.chunks import ChunkSchedule
 from proxy.sim.common import error_body, error_response, unavailable_response
-from proxy.sim.runner import EngineStopped
+from proxy.sim.engine_runner import EngineStopped
 from proxy.sim.tts import plan_speech
 
 if TYPE_CHECKING:

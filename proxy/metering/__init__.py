@@ -28,8 +28,8 @@ Building blocks: :mod:`.b64json` (base64 length from JSON without decoding), :mo
 
 from __future__ import annotations
 
-from proxy.protocols.base import AudioFormat, HttpAdapter, MeterSink, WsAdapter
-from proxy.protocols.table import (
+from proxy.metering.base import AudioFormat, HttpAdapter, MeterSink, WsAdapter
+from proxy.metering.table import (
     HTTP_PROTOCOLS,
     PROTOCOL_TABLE,
     PROTOCOLS,
