@@ -90,6 +90,42 @@ def test_the_codec_batch_trade_off_is_reproduced_in_direction(rows: list[Row]) -
             assert abs(row.point.value - 1) < 0.1 and abs(row.simulated - 1) < 0.2
 
 
+#: An effect smaller than this (as a ratio's distance from 1) has no direction to check.
+DIRECTION_MARGIN = 0.01
+#: Effect rows the simulator gets the wrong way round today: batching the shared codec
+#: raises the simulated throughput at every concurrency; the published run lost some at
+#: the lowest and the highest (docs/sim.md, the codec batch trade-off).
+WRONG_WAY = {
+    ("h20-qwen3tts-1.7b-base", "aggregate", 4),
+    ("h20-qwen3tts-1.7b-base", "aggregate", 16),
+}
+
+
+def _wrong_way(rows: list[Row]) -> set[tuple[str, str, int]]:
+    """The effect rows whose simulated ratio is on the other side of 1 from the
+    published one (effects under DIRECTION_MARGIN left out)."""
+    return {
+        (r.point.preset, r.point.metric, r.point.concurrency)
+        for r in rows
+        if r.point.versus is not None
+        and abs(r.point.value - 1.0) > DIRECTION_MARGIN
+        and (r.point.value - 1.0) * (r.simulated - 1.0) <= 0.0
+    }
+
+
+def test_every_other_effect_row_has_the_published_direction(rows: list[Row]) -> None:
+    checked = [r for r in rows if r.point.versus is not None]
+    assert len(checked) > len(WRONG_WAY)
+    assert _wrong_way(rows) - WRONG_WAY == set()
+
+
+@pytest.mark.xfail(strict=True, reason="the shared codec's throughput effect, WRONG_WAY")
+def test_the_codec_batch_throughput_rows_have_the_published_direction(
+    rows: list[Row],
+) -> None:
+    assert _wrong_way(rows) & WRONG_WAY == set()
+
+
 def test_each_run_uses_the_request_length_its_own_numbers_give() -> None:
     for point in PUBLISHED:
         if point.preset == "h200-qwen3tts-1.7b":
