@@ -31,6 +31,7 @@ from proxy import __version__
 from proxy.admission.auth import identify
 from proxy.admission.refusal import http_error
 from proxy.admission.reservations import ReservationUnknown, key_of, parse_request
+from proxy.client_request import ClientRequest
 from proxy.errors import HeadroomError, PolicyViolation, Refused, Unauthorized
 from proxy.logs import install_denial_filter
 from proxy.relay.http_body import control_body, refuse, replay
@@ -100,7 +101,7 @@ def _ops_app(rt: Runtime) -> FastAPI:
             except (ValueError, RecursionError):
                 doc = None
             pools, hold_s = parse_request(doc, rt.gate.pools(), rt.settings.reservations)
-            key = key_of(rt.settings.auth, dict(request.scope), pools)
+            key = key_of(rt.settings.auth, ClientRequest.of(dict(request.scope)), pools)
         except PolicyViolation as err:
             store.count_invalid()
             return error_response(err)
@@ -123,7 +124,7 @@ def _ops_app(rt: Runtime) -> FastAPI:
         try:
             # Only the key that reserved may release: any other gets the 404 of an
             # unknown token (never a 403 that would tell the token exists).
-            key = identify(rt.settings.auth, dict(request.scope))
+            key = identify(rt.settings.auth, ClientRequest.of(dict(request.scope)))
         except PolicyViolation as err:
             return error_response(err)
         try:
@@ -184,7 +185,7 @@ class HeadroomApp:
         rt = self.runtime
         if scope["path"].startswith(RESERVATIONS_PATH):
             try:
-                identify(rt.settings.auth, scope)
+                identify(rt.settings.auth, ClientRequest.of(scope))
             except Unauthorized as err:
                 await refuse(send, err)
                 return

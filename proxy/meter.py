@@ -336,6 +336,11 @@ class SessionMeter:
         self._finalize: float | None = None
         self._summary: SessionSummary | None = None
 
+    def move_to(self, sink: ReplicaSink) -> None:
+        """Observe into ``sink`` from now on: the session's upstream moved to another
+        replica (an HTTP request failing over before anything flowed)."""
+        self._sink = sink
+
     @property
     def finished(self) -> bool:
         return self._summary is not None

@@ -33,8 +33,9 @@ from proxy.admission.gate import Gate, count_decision
 from proxy.admission.guard import GuardLoop, GuardPolicy
 from proxy.admission.interface import AdmissionGate, TenantQuota
 from proxy.admission.reconcile import EngineReconciler
-from proxy.admission.reservations import Reservations, reservation_token
+from proxy.admission.reservations import Reservations
 from proxy.admission.shared_gate import build_shared_gate
+from proxy.client_request import ClientRequest
 from proxy.clock import Clock, LoopClock
 from proxy.errors import Refused
 from proxy.loop_watch import LoopWatch
@@ -294,13 +295,13 @@ class Runtime:
     def http_url(self, pool: str, replica: str) -> str:
         return self.upstreams.http_url(pool, replica)
 
-    def authorize(self, scope: dict[str, Any], pool: str) -> Authorization:
+    def authorize(self, request: ClientRequest, pool: str) -> Authorization:
         """Check the client's key for ``pool`` and reserve one session of its quota.
         Returns the session's :class:`~proxy.admission.auth.Authorization`: its ``token`` for
         :meth:`release_tenant` (call it on every exit path), and the tenant and quota
         the lifecycle passes to the gate's ``admit``. Raises Unauthorized / Forbidden /
         TenantLimitRefused. Runs before the gate."""
-        key = authenticate(self.settings.auth, scope, pool)
+        key = authenticate(self.settings.auth, request, pool)
         if key is None:
             return NO_KEY
         # Past max_sessions only one of the key's own sessions ending helps.
@@ -311,7 +312,7 @@ class Runtime:
         try:
             # A stage connection claiming a reserved slot takes over the count the slot
             # holds (its reservation was checked against max_sessions).
-            claims = reservation_token(scope) is not None
+            claims = bool(request.reservation_tokens)
             token = self.tenants.reserve(key, pool, retry, enforce=not claims)
         except Refused:
             count_decision(self.metrics, pool, "rejected_tenant_limit", tenant)
@@ -320,7 +321,7 @@ class Runtime:
         # gate counts the quota over every gateway too (the count above is this
         # process's part).
         quota = None if key.max_sessions is None else TenantQuota(key.name, key.max_sessions)
-        return Authorization(token, tenant, quota)
+        return Authorization(token, tenant, quota, key)
 
     def release_tenant(self, token: str | None) -> None:
         self.tenants.release(token)
@@ -335,14 +336,6 @@ class Runtime:
                 limits=lambda: self.settings.reservations,
             )  # fmt: skip
         return self._reservations
-
-    def key_allows(self, scope: dict[str, Any], pool: str) -> bool:
-        """Whether the (already authenticated) caller may use ``pool`` (fallback)."""
-        try:
-            authenticate(self.settings.auth, scope, pool)
-        except Exception:
-            return False
-        return True
 
     def upstream_error(self, pool: str, replica: str, kind: str) -> None:
         self.metrics.upstream_errors.labels(pool, replica, kind).inc()
@@ -386,6 +379,9 @@ class Runtime:
             sink = PrometheusReplicaSink(self.metrics, pool, replica, self.signals[key])
             self._sinks[key] = sink
         return sink
+
+    def replica_sink(self, pool: str, replica: str) -> PrometheusReplicaSink:
+        return self._sink(pool, replica)
 
     def new_meter(self, pool: str, replica: str, admitted_at: float) -> SessionMeter:
         return SessionMeter(

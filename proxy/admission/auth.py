@@ -20,11 +20,10 @@ import hashlib
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any
-from urllib.parse import parse_qsl
 
 from proxy.admission.interface import TenantQuota
 from proxy.admission.tenants import TenantSpec
+from proxy.client_request import ClientRequest
 from proxy.errors import Forbidden, TenantLimitRefused, Unauthorized
 from proxy.settings import ApiKeySettings, AuthSettings
 
@@ -35,7 +34,6 @@ __all__ = [
     "TenantQuotas",
     "authenticate",
     "identify",
-    "presented_key",
     "tenant_spec",
 ]
 
@@ -46,27 +44,12 @@ _SECRET_RE = re.compile(
 )
 
 
-def presented_key(scope: dict[str, Any]) -> str | None:
-    """The key the client presented (Bearer header first, then ``api_key``)."""
-    for name, value in scope["headers"]:
-        if name == b"authorization":
-            scheme, _, token = str(value.decode("latin-1")).partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-    query = scope.get("query_string", b"")
-    if b"api_key=" in query:
-        for key, value in parse_qsl(query.decode("latin-1")):
-            if key == "api_key" and value:
-                return str(value)
-    return None
-
-
-def identify(auth: AuthSettings | None, scope: dict[str, Any]) -> ApiKeySettings | None:
+def identify(auth: AuthSettings | None, request: ClientRequest) -> ApiKeySettings | None:
     """The caller's key settings (None when auth is off), from the request head alone:
     what runs before any body is read. Raises Unauthorized (401)."""
     if auth is None:
         return None
-    key = presented_key(scope)
+    key = request.api_key
     if key is None:
         raise Unauthorized("an API key is required: Authorization: Bearer <key> or ?api_key=")
     found = auth.key_for(hashlib.sha256(key.encode()).hexdigest())
@@ -76,11 +59,11 @@ def identify(auth: AuthSettings | None, scope: dict[str, Any]) -> ApiKeySettings
 
 
 def authenticate(
-    auth: AuthSettings | None, scope: dict[str, Any], pool: str
+    auth: AuthSettings | None, request: ClientRequest, pool: str
 ) -> ApiKeySettings | None:
     """The caller's key settings (None when auth is off); raises Unauthorized (401) or
     Forbidden (403)."""
-    found = identify(auth, scope)
+    found = identify(auth, request)
     if found is None:
         return None
     if not found.allows(pool):
@@ -98,6 +81,12 @@ class Authorization:
     token: str | None = None
     tenant: TenantSpec | None = None
     quota: TenantQuota | None = None
+    #: The key's settings (what pools it may use), read once.
+    key: ApiKeySettings | None = None
+
+    def allows(self, pool: str) -> bool:
+        """Whether the session's key may use ``pool`` (any pool without auth)."""
+        return self.key is None or self.key.allows(pool)
 
 
 #: A session without an API key (authentication off).

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any, ClassVar
-from urllib.parse import parse_qsl
 
-from proxy.admission.auth import authenticate
-from proxy.errors import PolicyViolation
+from proxy.admission.auth import identify
+from proxy.client_request import RESERVATION_HEADER, RESERVATION_PARAMETER, ClientRequest
+from proxy.errors import Forbidden, PolicyViolation
 from proxy.settings import ApiKeySettings, AuthSettings, ReservationSettings
 
 __all__ = [
@@ -23,8 +23,7 @@ __all__ = [
     "reservation_token",
 ]
 
-RESERVATION_HEADER = b"x-headroom-reservation"
-QUERY_PARAMETER = "headroom_reservation"
+QUERY_PARAMETER = RESERVATION_PARAMETER
 MAX_POOLS = 8
 _DEFAULTS = ReservationSettings()
 
@@ -41,20 +40,12 @@ class ReservationMalformed(PolicyViolation):
     code: ClassVar[str] = "reservation_malformed"
 
 
-def reservation_token(scope: dict[str, Any]) -> str | None:
-    """The gang reservation token the connection presents (None: it presents none).
-    Every ``X-Headroom-Reservation`` header and ``headroom_reservation`` parameter is
-    read; raises :class:`ReservationMalformed` when one is empty or only whitespace, or
-    when they do not all name the same token."""
-    seen: set[str] = set()
-    for name, value in scope["headers"]:
-        if name.lower() == RESERVATION_HEADER:
-            seen.add(value.decode("latin-1").strip())
-    query: bytes = scope.get("query_string", b"")
-    if QUERY_PARAMETER.encode() in query:
-        for key, value in parse_qsl(query.decode("latin-1"), keep_blank_values=True):
-            if key == QUERY_PARAMETER:
-                seen.add(value.strip())
+def reservation_token(request: ClientRequest) -> str | None:
+    """The gang reservation token the connection presents (None: it presents none):
+    every ``X-Headroom-Reservation`` header and ``headroom_reservation`` parameter.
+    Raises :class:`ReservationMalformed` when one is empty or only whitespace, or when
+    they do not all name the same token."""
+    seen = request.reservation_tokens
     if not seen:
         return None
     if "" in seen:
@@ -64,7 +55,8 @@ def reservation_token(scope: dict[str, Any]) -> str | None:
             "two different reservation tokens (X-Headroom-Reservation and "
             "headroom_reservation must name the same one)"
         )
-    return seen.pop()
+    (token,) = seen
+    return token
 
 
 def parse_request(
@@ -94,10 +86,11 @@ def parse_request(
 
 
 def key_of(
-    auth: AuthSettings | None, scope: dict[str, Any], pools: Sequence[str]
+    auth: AuthSettings | None, request: ClientRequest, pools: Sequence[str]
 ) -> ApiKeySettings | None:
     """The caller's key, checked for every pool (raises Unauthorized/Forbidden)."""
-    key: ApiKeySettings | None = None
+    key = identify(auth, request)
     for pool in pools:
-        key = authenticate(auth, scope, pool)
+        if key is not None and not key.allows(pool):
+            raise Forbidden(f"this API key may not use pool {pool!r}")
     return key

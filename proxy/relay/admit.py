@@ -29,12 +29,12 @@ normal way.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl, urlencode
+from typing import TYPE_CHECKING
 
-from proxy.admission.auth import NO_KEY, Authorization, authenticate
+from proxy.admission.auth import NO_KEY, Authorization
 from proxy.admission.gate import Lease, PositionCallback, Waiting
 from proxy.admission.reservation_requests import ReservationMalformed, reservation_token
+from proxy.client_request import ClientRequest
 from proxy.errors import Refused
 
 if TYPE_CHECKING:
@@ -46,45 +46,15 @@ __all__ = [
     "ReservationMalformed",
     "enter",
     "reservation_token",
-    "upstream_query",
-    "wants_fallback",
 ]
 
 FALLBACK_RESPONSE_HEADER = b"x-headroom-fallback"
-_FALLBACK_HEADER = b"x-headroom-allow-fallback"
-_OWN_QUERY = frozenset({"headroom_fallback", "headroom_reservation"})
-_TRUE = frozenset({"1", "true", "yes", "on"})
-
-
-def wants_fallback(scope: dict[str, Any]) -> bool:
-    for name, value in scope["headers"]:
-        if name.lower() == _FALLBACK_HEADER:
-            return value.decode("latin-1").strip().lower() in _TRUE
-    query = scope.get("query_string", b"")
-    if b"headroom_fallback" in query:
-        for key, value in parse_qsl(query.decode("latin-1")):
-            if key == "headroom_fallback":
-                return value.strip().lower() in _TRUE
-    return False
-
-
-def upstream_query(scope: dict[str, Any], *, auth: bool = False) -> str:
-    """The client's query string without Headroom's own parameters (``api_key`` too
-    when Headroom's auth is on: the key is Headroom's)."""
-    raw: str = scope.get("query_string", b"").decode("latin-1")
-    # A raw '#' (or space) here is data, not a fragment: keep it from ending the URL.
-    raw = raw.replace("#", "%23").replace(" ", "%20")
-    own = _OWN_QUERY | {"api_key"} if auth else _OWN_QUERY
-    if not raw or not any(key in raw for key in own):
-        return raw
-    pairs = parse_qsl(raw, keep_blank_values=True)
-    return urlencode([(k, v) for k, v in pairs if k not in own])
 
 
 async def enter(
     services: RelayServices,
     route: RouteSettings,
-    scope: dict[str, Any],
+    request: ClientRequest,
     on_position: PositionCallback | None = None,
     *,
     authorized: Authorization = NO_KEY,
@@ -94,14 +64,13 @@ async def enter(
     gate counts it). Returns the entry and the fallback pool used (None if primary).
     Raises the primary's :class:`Refused` (naming the fallback) if neither admits.
     With a reservation token: the reserved slot, or raises ReservationRefused."""
-    token = reservation_token(scope)
+    token = reservation_token(request)
     if token is not None:
-        key = authenticate(services.settings.auth, scope, route.pool)
-        claimed = await services.reservations.claim(token, route.pool, key)
+        claimed = await services.reservations.claim(token, route.pool, authorized.key)
         return claimed, None
     gate = services.gate
     tenant, quota = authorized.tenant, authorized.quota
-    target = _fallback_pool(services, route.pool, scope)
+    target = _fallback_pool(services, route.pool, request, authorized)
     if target is not None:  # steps 1 and 2 of the module docstring: a slot now
         try:
             return await gate.admit(route.pool, queue=False, tenant=tenant, quota=quota), None
@@ -124,13 +93,15 @@ async def enter(
             raise refusal from None
 
 
-def _fallback_pool(services: RelayServices, pool: str, scope: dict[str, Any]) -> str | None:
+def _fallback_pool(
+    services: RelayServices, pool: str, request: ClientRequest, authorized: Authorization
+) -> str | None:
     """The pool an opted-in session may fall back to from ``pool`` (configured, and
     allowed for its key), or None."""
-    if not wants_fallback(scope):
+    if not request.allow_fallback:
         return None
     hint = services.gate.fallback(pool)
     target = hint.pool if hint else None
     if target is None or target not in services.gate.pools():
         return None
-    return target if services.key_allows(scope, target) else None
+    return target if authorized.allows(target) else None

@@ -55,13 +55,15 @@ class _Shell:
     """Carries out the core's actions for the ASGI relay."""
 
     __slots__ = (
-        "client_close", "client_task", "clock", "core", "main_task", "rt", "stalled",
+        "client_close", "client_task", "clock", "core", "main_task", "services", "stalled",
         "timer", "timer_at", "upstream", "upstream_close",
     )  # fmt: skip
 
-    def __init__(self, rt: RelayServices, core: RelayCore, upstream: ClientConnection) -> None:
-        self.rt = rt
-        self.clock = rt.clock
+    def __init__(
+        self, services: RelayServices, core: RelayCore, upstream: ClientConnection
+    ) -> None:
+        self.services = services
+        self.clock = services.clock
         self.core = core
         self.upstream = upstream
         self.client_close: tuple[int, str] | None = None  # sent once the upstream is done
@@ -85,7 +87,8 @@ class _Shell:
                     self._stop_reading_client()
                 else:
                     self.upstream_close = (action.code, action.reason)
-                    self.rt.spawn(self.upstream.close(action.code, truncate_reason(action.reason)))
+                    reason = truncate_reason(action.reason)
+                    self.services.spawn(self.upstream.close(action.code, reason))
             elif isinstance(action, Wake):
                 self.arm(action.at)
             elif isinstance(action, DropSocket):
@@ -126,7 +129,7 @@ class _Shell:
 
 
 async def relay_frames(
-    rt: RelayServices,
+    services: RelayServices,
     route: RouteSettings,
     lease: Lease,
     upstream: ClientConnection,
@@ -141,14 +144,14 @@ async def relay_frames(
     drain ends the relay through ``session_stop``. ``pending``: client messages received
     before the upstream was connected (queue-feedback mode), sent upstream first, in
     order."""
-    clock = rt.clock
+    clock = services.clock
     backlog = deque(pending)
     pool, replica = lease.pool, lease.replica
     core = RelayCore(
-        rt.settings.limits, record, rt.ws_adapter(route, meter),
-        lambda kind: rt.upstream_error(pool, replica, kind), clock.now(),
+        services.settings.limits, record, services.ws_adapter(route, meter),
+        lambda kind: services.upstream_error(pool, replica, kind), clock.now(),
     )  # fmt: skip
-    shell = _Shell(rt, core, upstream)
+    shell = _Shell(services, core, upstream)
     run = shell.run
     client, up = core.client, core.upstream
 

@@ -40,12 +40,12 @@ import contextlib
 import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl
 
 import httpx
 
 from proxy.admission.gate import Lease
 from proxy.admission.refusal import http_error
+from proxy.client_request import ClientRequest
 from proxy.errors import (
     HeadroomError,
     UpstreamConnectError,
@@ -53,7 +53,7 @@ from proxy.errors import (
     UpstreamTimeout,
     refusal_for,
 )
-from proxy.relay.admit import FALLBACK_RESPONSE_HEADER, upstream_query
+from proxy.relay.admit import FALLBACK_RESPONSE_HEADER
 from proxy.relay.failover import AttemptFailed, describe, walk
 from proxy.relay.headers import forwarded_request_headers, response_headers
 from proxy.relay.session_record import SessionRecord
@@ -118,19 +118,21 @@ class HttpExchange:
 
     def __init__(
         self,
-        rt: RelayServices,
+        services: RelayServices,
         route: RouteSettings,
-        scope: Scope,
+        request: ClientRequest,
         body: bytes,
         lease: Lease,
         send: Send,
         record: SessionRecord,
         fallback_pool: str | None,
     ) -> None:
-        self.rt, self.route, self.scope, self.body = rt, route, scope, body
+        self.services, self.route, self.request, self.body = services, route, request, body
+        self.scope = request.scope
+        self._meter: SessionMeter | None = None
         self.lease, self._send, self.record, self.fallback_pool = lease, send, record, fallback_pool
-        self.clock = rt.clock
-        self.limits = rt.settings.limits
+        self.clock = services.clock
+        self.limits = services.settings.limits
         self.timers = Deadlines(self.limits, self.clock.now())
         self.response_started = False
         self.complete = False  # the whole response was handed to the server
@@ -222,7 +224,7 @@ class HttpExchange:
             self.record.error = ending.reason
         if self.response_started:
             if ending.kind == "idle":
-                self.rt.upstream_error(self.lease.pool, self.lease.replica, "midstream")
+                self.services.upstream_error(self.lease.pool, self.lease.replica, "midstream")
                 self.record.error = f"upstream failed mid-stream: {ending.reason}"
             return True
         await self._refuse_late(ending)
@@ -236,7 +238,7 @@ class HttpExchange:
             err = refusal_for("draining", retry_after_s=1.0, pool=lease.pool)
         else:
             if ending.kind in ("idle", "no_response"):
-                self.rt.upstream_error(lease.pool, lease.replica, "timeout")
+                self.services.upstream_error(lease.pool, lease.replica, "timeout")
                 record.decision = "upstream_failed"
             err = UpstreamTimeout(
                 f"upstream {lease.replica} sent no response: {ending.reason}",
@@ -264,8 +266,8 @@ class HttpExchange:
 
     async def _open(self) -> httpx.Response:
         """Send the request, failing over to another replica while nothing has flowed."""
-        rt, lease, scope = self.rt, self.lease, self.scope
-        settings = rt.settings
+        services, lease, scope = self.services, self.lease, self.scope
+        settings = services.settings
         headers = forwarded_request_headers(
             scope["headers"],
             client_host=(scope.get("client") or (None,))[0],
@@ -278,13 +280,14 @@ class HttpExchange:
         raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
         path = self.route.upstream_path or scope.get("raw_path", b"").decode("latin-1")
         path = (path or scope["path"]).split("?")[0]
-        query = upstream_query(scope, auth=settings.auth is not None)
+        query = self.request.upstream_query(auth=settings.auth is not None)
         connect = self.limits.upstream_connect_timeout_s
         # read/write: the idle watchdog (on the runtime's clock) bounds every wait
         timeout = {"connect": connect, "read": None, "write": None, "pool": connect}
 
         async def attempt() -> httpx.Response:
-            url = rt.http_url(lease.pool, lease.replica) + path + (f"?{query}" if query else "")
+            base = services.http_url(lease.pool, lease.replica)
+            url = base + path + (f"?{query}" if query else "")
             # httpx.Request, not client.build_request: the client's default headers
             # (Accept, Accept-Encoding, User-Agent) and cookie jar are not the client's
             request = httpx.Request(
@@ -292,7 +295,7 @@ class HttpExchange:
                 extensions={"timeout": timeout},
             )  # fmt: skip
             try:
-                return await _send_fresh(rt.http, request)
+                return await _send_fresh(services.http, request)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 # the replica refused or did not accept in time: it is unreachable
                 reason = f"cannot reach upstream {lease.replica}: {describe(exc)}"
@@ -304,20 +307,20 @@ class HttpExchange:
 
         def moved(replica: str) -> None:
             self.record.replica = replica
+            if self._meter is not None:  # its observations belong to the new replica
+                self._meter.move_to(services.replica_sink(lease.pool, replica))
 
         # each replica at most once (proxy.relay.failover)
-        return await walk(lease, attempt, count=rt.upstream_error, moved=moved, log=log)
+        return await walk(lease, attempt, count=services.upstream_error, moved=moved, log=log)
 
     async def _exchange(self, meter: SessionMeter) -> None:
-        rt, lease, record, scope = self.rt, self.lease, self.record, self.scope
+        self._meter = meter
+        services, lease, record, scope = self.services, self.lease, self.record, self.scope
         clock = self.clock
-        adapter = rt.http_adapter(self.route, meter)
-        content_type = next(
-            (v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"content-type"),
-            None,
-        )
-        query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
-        adapter.request(scope["method"], query, content_type, self.body)
+        adapter = services.http_adapter(self.route, meter)
+        request = self.request
+        query = {key: value for key, value in request.query if value}
+        adapter.request(scope["method"], query, request.content_type, self.body)
         try:
             try:
                 response = await self._open()
@@ -328,7 +331,7 @@ class HttpExchange:
                 # Connected, but no response came (closed, reset): 502. Whatever the HTTP
                 # stack raises here (httpx, or e.g. an AttributeError from anyio on a
                 # transport uvloop already closed) is the upstream failing.
-                rt.upstream_error(lease.pool, lease.replica, "protocol")
+                services.upstream_error(lease.pool, lease.replica, "protocol")
                 failure = UpstreamStreamError(
                     f"upstream {lease.replica} sent no response: {exc or type(exc).__name__}",
                     replica=lease.replica, kind="protocol",
@@ -366,7 +369,7 @@ class HttpExchange:
                 except httpx.HTTPError as exc:
                     # Bytes have flowed: nothing is retried, and the client must see the
                     # stream cut, not end (the caller aborts the response).
-                    rt.upstream_error(lease.pool, lease.replica, "midstream")
+                    services.upstream_error(lease.pool, lease.replica, "midstream")
                     reason = f"upstream failed mid-stream: {exc or type(exc).__name__}"
                     record.error = reason
                     self.ending = Ending("midstream", reason)

@@ -27,6 +27,7 @@ import logging
 from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
+from proxy.client_request import ClientRequest
 from proxy.errors import HeadroomError, MessageTooLarge, RequestTimeout
 from proxy.relay.http_body import ClientGone, read_body
 from proxy.relay.http_exchange import HttpExchange, send_error
@@ -78,9 +79,9 @@ async def relay_http(
     every exit path releases the slot and logs one line. Raises
     :class:`ResponseAborted`, after the log line, when a started response could not be
     completed."""
-    request = _Request(services, route, scope, receive, send)
-    record = await run_session(services, route, scope, request)
-    if request.abort:
+    transport = _Request(services, route, ClientRequest.of(scope), receive, send)
+    record = await run_session(services, route, transport.request, transport)
+    if transport.abort:
         raise ResponseAborted(f"session {record.session}: {record.error or 'aborted'}")
 
 
@@ -97,10 +98,11 @@ class _Request:
     open_races_client: bool = False
 
     def __init__(
-        self, services: RelayServices, route: RouteSettings, scope: Scope,
+        self, services: RelayServices, route: RouteSettings, request: ClientRequest,
         receive: Receive, send: Send,
     ) -> None:  # fmt: skip
-        self.services, self.route, self.scope = services, route, scope
+        self.services, self.route, self.request = services, route, request
+        self.scope = request.scope
         self.receive, self.send = receive, send
         self.body = b""
         self.exchange: HttpExchange | None = None
@@ -135,7 +137,7 @@ class _Request:
 
     async def open(self, lease: Lease, record: SessionRecord) -> HttpExchange:
         self.exchange = HttpExchange(
-            self.services, self.route, self.scope, self.body, lease, self.send, record, None
+            self.services, self.route, self.request, self.body, lease, self.send, record, None
         )
         return self.exchange
 

@@ -41,7 +41,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from proxy.admission import RETRY_AFTER_MIN_S
 from proxy.admission.gate import Lease, PositionCallback, Waiting
@@ -58,6 +58,7 @@ from proxy.relay.admit import enter
 from proxy.relay.session_record import SessionRecord, new_session_id
 
 if TYPE_CHECKING:
+    from proxy.client_request import ClientRequest
     from proxy.meter import SessionMeter
     from proxy.relay.services import RelayServices, StopSession
     from proxy.settings import RouteSettings
@@ -263,10 +264,11 @@ async def _connect_failed(
 
 
 async def run_session(
-    services: RelayServices, route: RouteSettings, scope: dict[str, Any], transport: Transport[U]
+    services: RelayServices, route: RouteSettings, request: ClientRequest, transport: Transport[U]
 ) -> SessionRecord:
     """Serve one session on ``route`` through ``transport``. Never raises for client or
     upstream behaviour (only cancellation); returns the record, already logged."""
+    scope = request.scope
     clock = services.clock
     record = SessionRecord(
         new_session_id(), route.path, route.pool, transport.kind, clock.now(), decision="admitted"
@@ -283,13 +285,13 @@ async def run_session(
         try:
             if trace is not None:
                 trace.begin("auth")
-            authorized = services.authorize(scope, route.pool)
+            authorized = services.authorize(request, route.pool)
             tenant = record.tenant = authorized.token
             await transport.prepare(record)
             if trace is not None:
                 trace.end_step()
             entry, fallback_pool = await enter(
-                services, route, scope, transport.on_position, authorized=authorized
+                services, route, request, transport.on_position, authorized=authorized
             )
             if fallback_pool is not None:
                 record.pool = fallback_pool

@@ -23,9 +23,10 @@ if TYPE_CHECKING:
     from proxy.admission.auth import Authorization
     from proxy.admission.interface import AdmissionGate
     from proxy.admission.reservations import Reservations
+    from proxy.client_request import ClientRequest
     from proxy.clock import Clock
     from proxy.errors import Refused
-    from proxy.meter import SessionMeter
+    from proxy.meter import ReplicaSink, SessionMeter
     from proxy.metering import HttpAdapter, WsAdapter
     from proxy.settings import RouteSettings, Settings
     from proxy.tracing import SessionTracer
@@ -50,7 +51,7 @@ class RelayServices(Protocol):
     @property
     def gate(self) -> AdmissionGate: ...
 
-    def authorize(self, scope: dict[str, Any], pool: str) -> Authorization:
+    def authorize(self, request: ClientRequest, pool: str) -> Authorization:
         """The session's key as a value: the tenant token it holds (released with
         :meth:`release_tenant`), and the tenant and quota admission takes; raises
         ``Refused`` / ``PolicyViolation``."""
@@ -60,8 +61,6 @@ class RelayServices(Protocol):
     @property
     def reservations(self) -> Reservations:
         """The gateway's gang reservations: a stage connection claims its slot there."""
-
-    def key_allows(self, scope: dict[str, Any], pool: str) -> bool: ...
 
     def explain_refusal(self, refusal: Refused) -> Refused:
         """The refusal a client gets: its message says so when the pool's caps are
@@ -80,6 +79,10 @@ class RelayServices(Protocol):
 
     # metering
     def new_meter(self, pool: str, replica: str, admitted_at: float) -> SessionMeter: ...
+
+    def replica_sink(self, pool: str, replica: str) -> ReplicaSink:
+        """Where a meter of a session on ``replica`` observes (SessionMeter.move_to)."""
+        ...
 
     def ws_adapter(self, route: RouteSettings, meter: SessionMeter) -> WsAdapter: ...
 

@@ -125,26 +125,26 @@ class Splice:
         "lease",
         "limits",
         "record",
-        "rt",
+        "services",
         "upstream",
     )  # fmt: skip
 
     def __init__(
         self,
-        rt: RelayServices,
+        services: RelayServices,
         lease: Lease,
         adapter: WsAdapter,
         record: SessionRecord,
         limits: LimitsSettings,
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
-        self.rt = rt
+        self.services = services
         self.lease = lease
         self.adapter = adapter
         self.record = record
         self.limits = limits
-        self.clock: Clock = rt.clock
-        count = rt.upstream_error
+        self.clock: Clock = services.clock
+        count = services.upstream_error
 
         def upstream_error(kind: str) -> None:  # not a bound method: no cycle to the splice
             count(lease.pool, lease.replica, kind)

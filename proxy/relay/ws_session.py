@@ -40,9 +40,10 @@ from websockets.protocol import State
 from websockets.typing import Subprotocol
 
 from proxy.admission.refusal import close_reason, error_event, http_error
+from proxy.client_request import ClientRequest
 from proxy.clock import clock_timeout
 from proxy.errors import HeadroomError, MessageTooLarge, UpstreamConnectTimeout
-from proxy.relay.admit import FALLBACK_RESPONSE_HEADER, upstream_query
+from proxy.relay.admit import FALLBACK_RESPONSE_HEADER
 from proxy.relay.asgi_relay import relay_frames
 from proxy.relay.failover import (
     AttemptFailed,
@@ -94,7 +95,8 @@ async def relay_websocket(
     connect_msg = await receive()
     if connect_msg["type"] != "websocket.connect":
         return
-    await run_session(services, route, scope, _WebSocket(services, route, scope, receive, send))
+    request = ClientRequest.of(scope)
+    await run_session(services, route, request, _WebSocket(services, route, request, receive, send))
 
 
 class _WebSocket:
@@ -109,10 +111,11 @@ class _WebSocket:
     open_races_client: bool = True
 
     def __init__(
-        self, services: RelayServices, route: RouteSettings, scope: Scope,
+        self, services: RelayServices, route: RouteSettings, request: ClientRequest,
         receive: Receive, send: Send,
     ) -> None:  # fmt: skip
-        self.services, self.route, self.scope = services, route, scope
+        self.services, self.route, self.request = services, route, request
+        self.scope = scope = request.scope
         self.receive, self.send = receive, send
         self.protocol = route.stream_protocol
         self.accepted = False
@@ -304,7 +307,7 @@ class _WebSocket:
             )
 
         path = self.route.upstream_path or scope["path"]
-        query = upstream_query(scope, auth=settings.auth is not None)
+        query = self.request.upstream_query(auth=settings.auth is not None)
         target = path + (f"?{query}" if query else "")
 
         async def attempt() -> Upstream:

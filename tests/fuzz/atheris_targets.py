@@ -33,14 +33,13 @@ with atheris.instrument_imports():
     import yaml
     from websockets.uri import parse_uri
 
-    from proxy.admission.auth import presented_key
+    from proxy.client_request import ClientRequest
     from proxy.errors import ConfigError
     from proxy.metering import AudioFormat, http_adapter, ws_adapter
     from proxy.metering.b64json import scan_event
     from proxy.metering.http_streams import request_fields
     from proxy.metering.sse import SseParser
     from proxy.metering.wav import WavStream
-    from proxy.relay.admit import upstream_query, wants_fallback
     from proxy.relay.headers import forwarded_request_headers, response_headers
     from proxy.settings import settings_from_mapping
 
@@ -158,8 +157,7 @@ def headers(data: bytes) -> None:
         raw.append((name, value))
     query = bytes(c for c in fdp.ConsumeBytes(fdp.remaining_bytes()) if 0x21 <= c < 0x7F)
     scope = {"headers": raw, "query_string": query}
-    presented_key(scope)
-    wants_fallback(scope)
+    request = ClientRequest.of(scope)
     for _, value in forwarded_request_headers(raw, client_host="127.0.0.1", scheme="http",
                                               websocket=False):  # fmt: skip
         value.encode("latin-1")
@@ -167,7 +165,7 @@ def headers(data: bytes) -> None:
             raise AssertionError("CR/LF forwarded")
     response_headers(raw)
     for auth in (False, True):
-        out = upstream_query(scope, auth=auth)
+        out = request.upstream_query(auth=auth)
         suffix = f"?{out}" if out else ""
         parse_uri("ws://127.0.0.1:1/p" + suffix)
         httpx.URL("http://127.0.0.1:1/p" + suffix)

@@ -16,8 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from websockets.uri import parse_uri
 
-from proxy.admission.auth import presented_key
-from proxy.relay.admit import upstream_query, wants_fallback
+from proxy.client_request import ClientRequest
 from proxy.relay.headers import HOP_BY_HOP, forwarded_request_headers, response_headers
 from tests.fuzz.conftest import fuzz_settings
 
@@ -96,15 +95,16 @@ def test_response_headers(raw: list[tuple[bytes, bytes]]) -> None:
 @fuzz_settings(1000)
 @given(raw=headers, query=queries)
 def test_presented_key_and_fallback_opt_in(raw: list[tuple[bytes, bytes]], query: bytes) -> None:
-    key = presented_key(scope(raw, query))
+    request = ClientRequest.of(scope(raw, query))
+    key = request.api_key
     assert key is None or (isinstance(key, str) and key != "")
-    assert wants_fallback(scope(raw, query)) in (True, False)
+    assert request.allow_fallback in (True, False)
 
 
 @fuzz_settings(1000)
 @given(query=queries, auth=st.booleans())
 def test_upstream_query_drops_headrooms_own_parameters(query: bytes, auth: bool) -> None:
-    out = upstream_query(scope([], query), auth=auth)
+    out = ClientRequest.of(scope([], query)).upstream_query(auth=auth)
     own = {"headroom_fallback"} | ({"api_key"} if auth else set())
     assert not own & {k for k, _ in parse_qsl(out, keep_blank_values=True)}
     if not any(k.encode() in query for k in own):
@@ -121,7 +121,7 @@ def test_upstream_query_makes_a_url_the_upstream_clients_accept(query: bytes, au
     session fails inside Headroom (an internal error) instead of reaching the upstream."""
     import httpx
 
-    out = upstream_query(scope([], query), auth=auth)
+    out = ClientRequest.of(scope([], query)).upstream_query(auth=auth)
     suffix = f"?{out}" if out else ""
     parse_uri("ws://127.0.0.1:8000/v1/realtime" + suffix)
     httpx.URL("http://127.0.0.1:8000/v1/audio/speech" + suffix)

@@ -191,3 +191,24 @@ async def test_unreachable_replicas_are_each_tried_once_then_502(start_proxy: An
             "headroom_upstream_errors_total", pool="main", replica=name, kind="connect"
         ) == 1
     assert proxy.gate.active == 0
+
+
+async def test_a_request_that_fails_over_is_metered_on_the_replica_that_served_it(
+    start_proxy: Any, upstream: Any
+) -> None:
+    server, engine = upstream
+    engine.controls.release.set()  # the SSE stream sends both its events at once
+    dying = bind_socket()  # listening through the start-up check, refusing after it
+    replicas = [("gpu0", f"http://127.0.0.1:{dying.getsockname()[1]}", 1),
+                ("gpu1", server.http_url, 1)]  # fmt: skip
+    proxy: Proxy = await start_proxy(proxy_settings(replicas, [http_route("/sse")]))
+    dying.close()
+    async with httpx.AsyncClient() as client:
+        response = await client.post(proxy.http_url + "/sse", content=b"{}")
+    assert response.status_code == 200 and b"second" in response.content
+    await wait_until(lambda: proxy.gate.active == 0)
+    gaps = {
+        replica: proxy.metric("headroom_chunk_gap_seconds_count", pool="main", replica=replica)
+        for replica in ("gpu0", "gpu1")
+    }
+    assert gaps == {"gpu0": 0, "gpu1": 1}  # the gap between the two events, where they came

@@ -16,14 +16,17 @@ from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
 from proxy.admission.gate import Gate, Lease, Waiting
 from proxy.admission.redis_backend import RedisAdmission
 from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
+from proxy.client_request import ClientRequest
 from proxy.errors import FallbackHint
 from proxy.metrics import Metrics
 from proxy.relay.admit import enter
 from proxy.settings import RouteSettings
 from tests.shared_admission.conftest import Backend, seed_generation
 
-OPTED_IN = {"type": "http", "headers": [(b"x-headroom-allow-fallback", b"1")], "query_string": b""}
-PLAIN = {"type": "http", "headers": [], "query_string": b""}
+OPTED_IN = ClientRequest.of(
+    {"type": "http", "headers": [(b"x-headroom-allow-fallback", b"1")], "query_string": b""}
+)
+PLAIN = ClientRequest.of({"type": "http", "headers": [], "query_string": b""})
 ROUTE = RouteSettings(path="/v1/speech", pool="tts", protocol="passthrough-http")
 
 
@@ -33,9 +36,6 @@ class _Services:
 
     def __init__(self, gate: Any) -> None:
         self.gate = gate
-
-    def key_allows(self, scope: dict[str, Any], pool: str) -> bool:
-        return True
 
 
 async def two_pools(backend: Backend) -> Any:

@@ -17,6 +17,7 @@ from proxy.admission import QueuePolicy, ReplicaSpec, Reserve, TenantSpec
 from proxy.admission.gate import Lease, Waiting
 from proxy.admission.interface import TenantQuota
 from proxy.admission.shared_gate import SharedGate
+from proxy.client_request import ClientRequest
 from proxy.errors import Refused, TenantLimitRefused
 from proxy.runtime import Runtime
 from proxy.settings import settings_from_mapping
@@ -289,13 +290,13 @@ async def test_runtime_tells_a_key_past_max_sessions_when_its_own_session_ends()
         await runtime.gate.start()
         try:
             scope = {"headers": [(b"authorization", b"Bearer k")], "query_string": b""}
-            authorized = runtime.authorize(scope, "main")
+            authorized = runtime.authorize(ClientRequest.of(scope), "main")
             lease = await runtime.gate.acquire(
                 "main", tenant=authorized.tenant, quota=authorized.quota
             )
             clock.advance(5.0)
             with pytest.raises(TenantLimitRefused) as info:
-                runtime.authorize(scope, "main")
+                runtime.authorize(ClientRequest.of(scope), "main")
             assert info.value.reason == "tenant_limit"
             assert 15 <= info.value.retry_after_s <= 20
             lease.release()

@@ -17,6 +17,7 @@ from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
 from proxy.admission.auth import Authorization
 from proxy.admission.gate import Gate, Lease
 from proxy.admission.reservations import Reservations
+from proxy.client_request import ClientRequest
 from proxy.clock import FakeClock
 from proxy.errors import (
     DrainingRefused,
@@ -71,7 +72,7 @@ class Services:
     def route(self) -> RouteSettings:
         return self.settings.routes[0]
 
-    def authorize(self, scope: dict[str, Any], pool: str) -> Authorization:
+    def authorize(self, request: ClientRequest, pool: str) -> Authorization:
         if self.refuse_key is not None:
             raise self.refuse_key
         self.tokens += 1
@@ -79,9 +80,6 @@ class Services:
 
     def release_tenant(self, token: str | None) -> None:
         self.released_tokens.append(token)
-
-    def key_allows(self, scope: dict[str, Any], pool: str) -> bool:
-        return True
 
     def explain_refusal(self, refusal: Refused) -> Refused:
         return refusal  # no engine reconciliation here: the refusal as the gate made it
@@ -217,7 +215,8 @@ def session_lines(logged: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
 
 def start(services: Services, transport: Transport) -> asyncio.Task[SessionRecord]:
     scope: dict[str, Any] = {"headers": [], "query_string": b"", "path": "/ws"}
-    return asyncio.ensure_future(run_session(services, services.route, scope, transport))  # type: ignore[arg-type]
+    request = ClientRequest.of(scope)
+    return asyncio.ensure_future(run_session(services, services.route, request, transport))  # type: ignore[arg-type]
 
 
 def only_lease(transport: Transport) -> Lease:

@@ -99,12 +99,12 @@ class Runtime:
 class Harness:
     def __init__(self, **limits: Any) -> None:
         self.clock = FakeClock()
-        self.rt = Runtime(self.clock)
+        self.services = Runtime(self.clock)
         self.adapter = Recorder()
         self.record = SessionRecord("s-1", "/ws", "main", "ws", self.clock.now())
         options: dict[str, Any] = {"ping_interval_s": 0, **limits}
         self.splice = Splice(
-            self.rt, Lease(), self.adapter, self.record,  # type: ignore[arg-type]
+            self.services, Lease(), self.adapter, self.record,  # type: ignore[arg-type]
             LimitsSettings(**options),
         )  # fmt: skip
         self.client = FakeTransport()  # what the client receives
@@ -271,7 +271,7 @@ async def test_an_oversized_upstream_message_is_an_upstream_protocol_error() -> 
         (8, True, (1014).to_bytes(2, "big") + b"upstream message too large")
     ]
     assert parse_frames(h.upstream.take())[0][2][:2] == (1009).to_bytes(2, "big")
-    assert h.rt.errors == ["protocol"]
+    assert h.services.errors == ["protocol"]
 
 
 async def test_idle_and_session_length_timeouts_close_with_1008() -> None:
@@ -350,7 +350,7 @@ async def test_client_initiated_close_travels_both_ways() -> None:
     h.splice.upstream.connection_lost(None)
     assert h.splice.done.done()
     assert (h.record.client_close, h.record.upstream_close) == (4000, 4000)
-    assert h.rt.errors == []
+    assert h.services.errors == []
 
 
 @pytest.mark.parametrize(
@@ -373,7 +373,7 @@ async def test_upstream_close_codes_are_mapped_for_the_client(
     got = parse_frames(h.client.take())
     assert got[0][2][:2] == client_code.to_bytes(2, "big")
     assert h.record.client_close == client_code
-    assert h.rt.errors == errors
+    assert h.services.errors == errors
     h.from_client(client_frame(8, client_code.to_bytes(2, "big")))
     assert h.upstream.take()  # the client's echo completes the upstream's handshake
     assert h.client.closed
@@ -386,7 +386,7 @@ async def test_upstream_vanishing_gives_the_client_1014() -> None:
     assert parse_frames(h.client.take()) == [
         (8, True, (1014).to_bytes(2, "big") + b"upstream connection lost")
     ]
-    assert h.rt.errors == ["midstream"]
+    assert h.services.errors == ["midstream"]
     h.from_client(client_frame(8, (1014).to_bytes(2, "big")))
     assert h.client.closed and h.splice.done.done()
 
@@ -539,7 +539,7 @@ async def test_an_upstream_frame_violation_is_an_upstream_protocol_error(
     assert reason in down[1][2][2:].decode() and len(down) == 2
     (up_close,) = parse_frames(h.upstream.take())
     assert up_close[2][:2] == (1002).to_bytes(2, "big")
-    assert h.upstream.closed and h.rt.errors == ["protocol"]
+    assert h.upstream.closed and h.services.errors == ["protocol"]
     assert h.adapter.events == [("upstream_binary", b"ok")]
 
 
