@@ -210,3 +210,14 @@ def test_setup_instructions_counts_a_session_under_callgrind(tmp_path: Path) -> 
     # a session's set-up is hundreds of thousands of instructions, not a handful
     assert 50_000 < result["instructions_per_session"] < 50_000_000
     assert "instructions per session" in proc.stdout
+
+
+def test_http_protocol_cost_runs_every_server_kind() -> None:
+    proc = subprocess.run(
+        [sys.executable, "bench/http_protocol_cost.py", "--streams", "2", "--chunks", "20",
+         "--rounds", "1"],
+        cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for kind in ("httptools", "h11", "listener"):
+        assert f"  {kind} " in proc.stdout, proc.stdout
