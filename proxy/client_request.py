@@ -21,6 +21,7 @@ _FALLBACK_HEADER = b"x-headroom-allow-fallback"
 _FALLBACK_PARAMETER = "headroom_fallback"
 #: Query parameters that are Headroom's, never the upstream's.
 _OWN_QUERY = frozenset({_FALLBACK_PARAMETER, RESERVATION_PARAMETER})
+_OWN_QUERY_AND_KEY = _OWN_QUERY | {"api_key"}
 _TRUE = frozenset({"1", "true", "yes", "on"})
 
 
@@ -73,10 +74,10 @@ class ClientRequest:
                 fallback = value.strip().lower() in _TRUE
         # A raw '#' (or space) is data here, not a fragment: keep it from ending the URL.
         onward = raw.replace("#", "%23").replace(" ", "%20")
-        own = {k for k, _ in pairs} & (_OWN_QUERY | {"api_key"})
+        own = _OWN_QUERY_AND_KEY.intersection(k for k, _ in pairs)
         without_key = onward
         if own:
-            without_key = urlencode([(k, v) for k, v in pairs if k not in _OWN_QUERY | {"api_key"}])
+            without_key = urlencode([(k, v) for k, v in pairs if k not in _OWN_QUERY_AND_KEY])
             if own & _OWN_QUERY:
                 onward = urlencode([(k, v) for k, v in pairs if k not in _OWN_QUERY])
         return cls(

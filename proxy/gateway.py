@@ -25,7 +25,7 @@ from prometheus_client import Counter
 from proxy.admin import ReloadAnswer, create_admin_app
 from proxy.app import create_app
 from proxy.errors import ConfigError, ListenError
-from proxy.relay.listener import client_listener
+from proxy.relay.listener import client_listener, websocket_options
 from proxy.relay.ws_handshake import ASGIApp
 from proxy.relay.ws_server import WebSocketSessions
 from proxy.runtime import Runtime
@@ -58,6 +58,7 @@ def uvicorn_options(
     applies; WebSocket sessions served and relayed by Headroom), frame limits,
     keepalive pings."""
     limits = settings.limits
+    ws = websocket_options(limits)
     return {
         # Every request head is read by Headroom (proxy.relay.listener); plain HTTP goes
         # on to uvicorn's own HTTP protocol.
@@ -65,12 +66,11 @@ def uvicorn_options(
         # A WebSocket upgrade that comes after a plain request on a kept-alive
         # connection is uvicorn's, served through ASGI (proxy.relay.asgi_relay).
         "ws": "websockets-sansio",
-        # Headroom checks message sizes itself (1008); websockets' own check (1009) is a
-        # backstop for frames far beyond the limit.
-        "ws_max_size": 2 * limits.max_message_bytes,
-        "ws_max_queue": 16,
-        "ws_ping_interval": limits.ping_interval_s or None,
-        "ws_ping_timeout": limits.ping_timeout_s if limits.ping_interval_s else None,
+        # The same WebSocket bounds as Headroom's own server (websocket_options).
+        "ws_max_size": ws.max_size,
+        "ws_max_queue": ws.max_queue,
+        "ws_ping_interval": ws.ping_interval_s or None,
+        "ws_ping_timeout": ws.ping_timeout_s if ws.ping_interval_s else None,
         "h11_max_incomplete_event_size": 64 * 1024,
         # uvicorn's default rewrites scope["client"] from a loopback peer's
         # X-Forwarded-For, so the real peer was lost (and appended twice). Headroom

@@ -15,17 +15,33 @@ import contextlib
 import socket
 from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
+from uvicorn.config import HTTP_PROTOCOLS
+from uvicorn.importer import import_from_string
 
-from proxy.relay.ws_server import WebSocketSessions
+if TYPE_CHECKING:
+    from proxy.relay.ws_server import WebSocketSessions
 
-__all__ = ["UVICORN_ONLY", "EmbeddedServer", "RunningServer", "bind_socket", "running_server"]
+__all__ = [
+    "UVICORN_HTTP",
+    "UVICORN_ONLY",
+    "EmbeddedServer",
+    "RunningServer",
+    "bind_socket",
+    "running_server",
+]
 
 #: uvicorn options that serve an app with uvicorn's own protocols only: WebSocket
 #: sessions are then relayed through ASGI messages (proxy.relay.asgi_relay), not spliced.
 UVICORN_ONLY: dict[str, Any] = {"http": "httptools", "ws": "websockets-sansio"}
+
+#: uvicorn's HTTP protocol class as its ``http="h11"`` option names it, for protocol
+#: classes that put it behind their own (built with the keyword arguments uvicorn
+#: passes, used only through the asyncio Protocol interface). h11 keeps a chunked
+#: body's trailer fields out of the request's headers.
+UVICORN_HTTP: Callable[..., asyncio.Protocol] = import_from_string(HTTP_PROTOCOLS["h11"])
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
@@ -53,8 +69,11 @@ class EmbeddedServer(uvicorn.Server):
     def __init__(self, config: uvicorn.Config) -> None:
         super().__init__(config)
         self.ready = asyncio.Event()
+        # Headroom's client listener class (proxy.relay.listener) carries its sessions.
         sessions = getattr(config.http, "sessions", None)
-        self.sessions = sessions if isinstance(sessions, WebSocketSessions) else None
+        self.sessions: WebSocketSessions | None = (
+            sessions if callable(getattr(sessions, "shutdown", None)) else None
+        )
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:

@@ -49,8 +49,6 @@ from collections.abc import Callable
 from typing import Any, ClassVar, cast
 
 import httptools
-from uvicorn.config import HTTP_PROTOCOLS
-from uvicorn.importer import import_from_string
 
 from proxy.relay.ws_handshake import (
     ASGIApp,
@@ -60,6 +58,7 @@ from proxy.relay.ws_handshake import (
     refusal_for,
 )
 from proxy.relay.ws_server import ClientWebSocket, WebSocketOptions, WebSocketSessions
+from proxy.serving import UVICORN_HTTP
 from proxy.settings import LimitsSettings
 
 __all__ = ["LINGER_S", "ClientListener", "client_listener", "websocket_options"]
@@ -69,13 +68,8 @@ log = logging.getLogger("headroom.http")
 #: How long a refused connection keeps reading (and discarding) before it closes.
 LINGER_S = 2.0
 
-#: uvicorn's HTTP protocol, as its ``http="h11"`` option names it (it keeps a chunked
-#: body's trailer fields out of the request's headers).
-_UVICORN_HTTP: Callable[..., asyncio.Protocol] = import_from_string(HTTP_PROTOCOLS["h11"])
-
-
-class _TooManyHeaders(Exception):
-    pass
+class _OverLimit(Exception):
+    """Raised in a parser callback to stop httptools at a head or trailer limit."""
 
 
 def _address(info: Any) -> tuple[str, int] | None:
@@ -134,7 +128,7 @@ class ClientListener(asyncio.Protocol):
         self._max_head_bytes = 0
         self._max_headers = 0
         self._head_timeout_s = 0.0
-        self._start_head()
+        self._read_limits()  # again when each later head begins (on_message_begin)
 
     # -- the head's life ------------------------------------------------------------------
 
@@ -145,7 +139,6 @@ class ClientListener(asyncio.Protocol):
         self._head_timeout_s = limits.handshake_timeout_s
 
     def _start_head(self) -> None:
-        self._read_limits()
         self._head_open = True
         self._head_bytes = 0
         self._head_tail = b""
@@ -227,7 +220,7 @@ class ClientListener(asyncio.Protocol):
         self._header_count += 1
         if self._header_count > self._max_headers:
             self._too_many = True
-            raise _TooManyHeaders
+            raise _OverLimit
         if self._head_open:
             if self._first:
                 self._headers.append((name.lower(), value))
@@ -236,7 +229,7 @@ class ClientListener(asyncio.Protocol):
         self._trailer_fields += len(name) + len(value) + 4
         if self._trailer_fields > self._max_head_bytes:
             self._trailers_over = True
-            raise _TooManyHeaders
+            raise _OverLimit
 
     def on_headers_complete(self) -> None:
         self._head_open = False
@@ -391,7 +384,7 @@ class ClientListener(asyncio.Protocol):
 
     def _hand_over(self) -> None:
         """Plain HTTP: uvicorn's protocol gets the connection and what was read."""
-        inner = self._inner = _UVICORN_HTTP(**self._uvicorn)
+        inner = self._inner = UVICORN_HTTP(**self._uvicorn)
         self._url = b""
         self._headers = []
         buffered, self._buffer = bytes(self._buffer), bytearray()

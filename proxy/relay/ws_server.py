@@ -125,6 +125,14 @@ class ClientWebSocket:
     ASGI app's first look at it until it is taken over or closed. The listener passes
     the transport's callbacks here until the take-over."""
 
+    __slots__ = (
+        "__weakref__", "_accept_key", "_conn", "_connect_sent", "_early", "_fragments",
+        "_gone", "_message_ready", "_messages", "_ping", "_read_paused", "_response",
+        "_tail", "_timer", "_write_paused", "accepted", "answered", "close_code",
+        "close_sent", "disconnected", "loop", "on_shutdown", "options", "scope", "sessions",
+        "taken", "transport",
+    )  # fmt: skip
+
     def __init__(
         self,
         transport: asyncio.Transport,

@@ -14,15 +14,11 @@ entries of closed connections are dropped as new ones come.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any, ClassVar, cast
 
-from uvicorn.config import HTTP_PROTOCOLS
-from uvicorn.importer import import_from_string
+from proxy.serving import UVICORN_HTTP
 
 __all__ = ["ConnectionTable", "TrackedHttp", "tracked_http"]
-
-_UVICORN_HTTP: Callable[..., asyncio.Protocol] = import_from_string(HTTP_PROTOCOLS["h11"])
 
 Peer = tuple[str, int]
 
@@ -65,7 +61,7 @@ class TrackedHttp(asyncio.Protocol):
     table: ClassVar[ConnectionTable]
 
     def __init__(self, **uvicorn: Any) -> None:
-        self._inner = _UVICORN_HTTP(**uvicorn)
+        self._inner = UVICORN_HTTP(**uvicorn)
         self._peer: Peer | None = None
         self._transport: asyncio.Transport | None = None
 
