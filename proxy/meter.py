@@ -44,9 +44,8 @@ is ignored.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Final, Protocol
 
 from prometheus_client import Histogram
 
@@ -64,7 +63,7 @@ __all__ = [
 ]
 
 #: Upper bound of a per-chunk delivery ratio (audio s per wall s).
-RATIO_CAP = 1000.0
+RATIO_CAP: Final = 1000.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,9 +152,10 @@ class PrometheusReplicaSink:
 
     Build one per replica and share it between that replica's sessions: the replica's
     :class:`~proxy.metrics.ReplicaSeries` and the pool's label children are resolved here,
-    once. Per chunk it only adds plain numbers (bucket index by ``bisect``), no
-    prometheus_client call and no lock: see :mod:`proxy.metrics` for the threading
-    assumption (one event-loop thread). ``headroom_session_duration_seconds`` is not
+    once. Per chunk it only adds plain numbers
+    (:meth:`~proxy.metrics.ReplicaSeries.observe_gap`), no prometheus_client call and no
+    lock: see :mod:`proxy.metrics` for the threading assumption (one event-loop thread).
+    ``headroom_session_duration_seconds`` is not
     observed here (the relay knows the session's end);
     ``headroom_delivery_ratio_worst_1pct`` is a scrape-time gauge read from
     ``signals.worst_ratio(now)``."""
@@ -189,13 +189,11 @@ class PrometheusReplicaSink:
             series.audio += audio_s
         if gap is None:
             return
-        series.gap_counts[bisect_left(series.gap_bounds, gap)] += 1
-        series.gap_sum += gap
+        series.observe_gap(gap)
         if ratio is None:
             self._signals.observe_gap(now, gap)
             return
-        series.ratio_counts[bisect_left(series.ratio_bounds, ratio)] += 1
-        series.ratio_sum += ratio
+        series.observe_ratio(ratio)
         # Stream-active time is the sum of audio gaps, pushed per chunk so rate() is live.
         series.active += gap
         self._signals.observe(now, ratio, gap)

@@ -31,15 +31,17 @@ import math
 from array import array
 from collections import deque
 from dataclasses import dataclass
+from typing import Final
 
 __all__ = ["GAMMA", "LogHistogram", "QuantileSketch", "ReplicaSignals", "StartupSignals"]
 
 #: Bucket growth factor: quantile error <= (GAMMA-1)/(GAMMA+1) = 1.96 %.
-GAMMA = 1.04
-_INV_LOG_GAMMA = 1.0 / math.log(GAMMA)
-_MIN, _MAX = 1e-6, 1e6
-_ZERO = -(10**9)  # bucket key of values <= 0 (reported as 0.0); sorts first
-_log, _ceil = math.log, math.ceil
+GAMMA: Final = 1.04
+# Final: compiled, these are C constants rather than lookups in the module's namespace.
+_INV_LOG_GAMMA: Final = 1.0 / math.log(GAMMA)
+_MIN: Final = 1e-6
+_MAX: Final = 1e6
+_ZERO: Final = -(10**9)  # bucket key of values <= 0 (reported as 0.0); sorts first
 
 
 def _value(key: int) -> float:
@@ -65,8 +67,9 @@ class LogHistogram:
         # audio chunk makes two to four of these insertions (replica signals, and a
         # long session's sketches).
         if value > 0.0:  # min(max(value, _MIN), _MAX), without the two builtin calls
-            key = _ceil(
-                _log(_MIN if value < _MIN else _MAX if value > _MAX else value) * _INV_LOG_GAMMA
+            key = math.ceil(
+                math.log(_MIN if value < _MIN else _MAX if value > _MAX else value)
+                * _INV_LOG_GAMMA
             )
         else:  # zero, negative, NaN
             key = _ZERO

@@ -21,14 +21,18 @@ is not the upstream's stall. Client frames are otherwise unmetered; other events
 
 from __future__ import annotations
 
+from typing import Final
+
 from proxy.metering.b64json import scan_event
 from proxy.metering.base import AudioFormat, MeterSink
 from proxy.metering.wav import WavStream
 
 __all__ = ["OmniSpeechWsAdapter"]
 
-_PCM, _WAV, _OPAQUE = 0, 1, 2
-_NO_KEYS: tuple[str, ...] = ()
+_PCM: Final = 0
+_WAV: Final = 1
+_OPAQUE: Final = 2
+_NO_KEYS: Final[tuple[str, ...]] = ()
 
 
 class OmniSpeechWsAdapter:

@@ -4,6 +4,7 @@ on the upstream leg (Headroom is the client there), and the fields of a close fr
 from __future__ import annotations
 
 import os
+from typing import Final
 
 try:  # websockets ships its C speedups optionally (a pure wheel or source build lacks them)
     from websockets.speedups import apply_mask
@@ -17,7 +18,11 @@ __all__ = [
     "close_fields", "close_frame", "frame", "sendable_code",
 ]  # fmt: skip
 
-CONT, TEXT, BINARY, CLOSE, PING = 0, 1, 2, 8, 9
+CONT: Final = 0
+TEXT: Final = 1
+BINARY: Final = 2
+CLOSE: Final = 8
+PING: Final = 9
 
 #: Codes a peer may put in a close frame (RFC 6455 7.4); others are mapped.
 _SENDABLE = frozenset({1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 1011, 1012, 1013, 1014})

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from proxy.relay.frames import (
     BINARY,
@@ -73,10 +73,10 @@ __all__ = [
 ]  # fmt: skip
 
 #: How long a closing handshake may take (then: upstream dropped, client socket closed).
-CLOSE_TIMEOUT_S = 5.0
+CLOSE_TIMEOUT_S: Final = 5.0
 
-_EPS = 1e-6  # timers may fire a hair early on float clocks
-_INF = float("inf")
+_EPS: Final = 1e-6  # timers may fire a hair early on float clocks
+_INF: Final = float("inf")
 
 
 class Side(enum.IntEnum):

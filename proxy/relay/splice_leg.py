@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from proxy.relay.frames import CLOSE, TEXT, apply_mask
 from proxy.relay.session_rules import Side
@@ -39,11 +39,11 @@ __all__ = ["RESERVED_OPCODES", "Leg", "violation"]
 log = logging.getLogger("headroom.relay.ws")
 
 #: Opcodes 0x3-0x7 and 0xB-0xF are reserved (RFC 6455 5.2): bit n set for opcode n.
-RESERVED_OPCODES = 0b1111_1000_1111_1000
+RESERVED_OPCODES: Final = 0b1111_1000_1111_1000
 
 #: Indexed by a frame's first byte: 1 if it sets a reserved bit or a reserved opcode
 #: (one lookup on the hot path instead of three tests).
-_BAD_FIRST_BYTE = bytes(
+_BAD_FIRST_BYTE: Final = bytes(
     [1 if b & 0x70 or RESERVED_OPCODES >> (b & 0x0F) & 1 else 0 for b in range(256)]
 )
 
@@ -265,7 +265,7 @@ class Leg(asyncio.Protocol):
             if n - i < h:
                 break
             if length == 126:
-                length = int.from_bytes(data[i + 2 : i + 4], "big")
+                length = data[i + 2] << 8 | data[i + 3]
             elif length == 127:
                 length = int.from_bytes(data[i + 2 : i + 10], "big")
             start = i + h

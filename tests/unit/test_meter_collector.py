@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+from bisect import bisect_left
 
 import pytest
 from hypothesis import given, settings
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from proxy.meter import PrometheusReplicaSink, SessionMeter
-from proxy.metrics import Metrics
+from proxy.metrics import Metrics, bucket_index
 from proxy.replica_signals import ReplicaSignals
 from tests.hypothesis_profiles import examples
 
@@ -308,6 +309,19 @@ def test_exposition_is_byte_identical_to_prometheus_client(
     ours, theirs = exposition(metrics.registry), exposition(reference.registry)
     for name in REPLICA_FAMILIES:
         assert family_block(ours, name) == family_block(theirs, name), name
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    st.lists(st.floats(-1e3, 1e3), max_size=25).map(lambda b: (*sorted(set(b)), math.inf)),
+    st.floats(allow_nan=False) | st.sampled_from([0.0, -0.0, 0.005, 1.0, math.inf]),
+)
+def test_the_bucket_search_is_bisect_left(bounds: tuple[float, ...], value: float) -> None:
+    """Compiled, a series finds its bucket with ``bucket_index``; interpreted, with
+    ``bisect_left``: both give the same bucket, on a bound and between bounds."""
+    assert bucket_index(bounds, value) == bisect_left(bounds, value)
+    for bound in bounds:
+        assert bucket_index(bounds, bound) == bisect_left(bounds, bound)
 
 
 # --- registration ------------------------------------------------------------------------------
