@@ -111,14 +111,16 @@ class LogHistogram:
 class QuantileSketch:
     """Exact quantiles for the first ``exact_limit`` samples, then a :class:`LogHistogram`.
 
-    Sessions are mostly short, so their own p99 is usually exact; a long one costs at most
-    the histogram's bounded memory, with its 1.96 % error. The exact samples are C doubles
-    in an ``array('d')`` (8 bytes each, against 32 for a list of floats): 4 KB at the
-    default limit, per sketch, and a meter has two."""
+    A short session's own p99 is exact (the default limit is ten seconds of 40 ms chunks);
+    a long one costs at most the histogram's bounded memory, with its 1.96 % error. The
+    exact samples are C doubles in an ``array('d')`` (8 bytes each, against 32 for a list
+    of floats): 2 KB at the default limit, per sketch, and a meter has two. Memory the
+    samples held is freed when the histogram takes over, but the allocator keeps it for
+    later sessions: the limit bounds what a relay's resident size carries per session."""
 
     __slots__ = ("_exact", "_hist", "_limit")
 
-    def __init__(self, exact_limit: int = 512) -> None:
+    def __init__(self, exact_limit: int = 256) -> None:
         self._limit = exact_limit
         self._exact: array[float] | None = array("d")
         self._hist: LogHistogram | None = None

@@ -97,6 +97,9 @@ class ClientListener(asyncio.Protocol):
     limits_source: ClassVar[Callable[[], LimitsSettings]]
     sessions: ClassVar[WebSocketSessions]
     root_path: ClassVar[str] = ""
+    #: The WebSocket options and the limits they follow from, shared by the connections
+    #: until a reload brings other limits.
+    _options: ClassVar[tuple[LimitsSettings, WebSocketOptions] | None] = None
 
     def __init__(self, **uvicorn: Any) -> None:
         #: The keyword arguments uvicorn builds protocol classes with, passed on as they
@@ -437,11 +440,17 @@ class ClientListener(asyncio.Protocol):
             transport.write(refusal_for(target, headers))
             transport.close()
             return
-        ws = self._ws = ClientWebSocket(
-            transport, self.loop, websocket_options(type(self).limits_source()), self.sessions
-        )
+        ws = self._ws = ClientWebSocket(transport, self.loop, self._ws_options(), self.sessions)
         self._headers = []
         ws.start(type(self).app, scope, checked[0], early)
+
+    @classmethod
+    def _ws_options(cls) -> WebSocketOptions:
+        limits = cls.limits_source()
+        options = cls._options
+        if options is None or options[0] is not limits:
+            options = cls._options = (limits, websocket_options(limits))
+        return options[1]
 
 
 def client_listener(

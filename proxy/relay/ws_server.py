@@ -35,7 +35,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -157,7 +156,8 @@ class ClientWebSocket:
         self._tail = bytearray()
         self._fragments: list[Frame] = []
         self._conn: ServerProtocol | None = None
-        self._messages: deque[dict[str, Any]] = deque()
+        # at most options.max_queue (reading pauses there): a list, smaller than a deque
+        self._messages: list[dict[str, Any]] = []
         self._message_ready: asyncio.Future[None] | None = None
         self._read_paused = False
         self._write_paused: asyncio.Future[None] | None = None
@@ -397,7 +397,7 @@ class ClientWebSocket:
         message = messages[0]
         if message["type"] == "websocket.disconnect":
             return message  # stays: every later receive says the same
-        messages.popleft()
+        del messages[0]
         if self._read_paused and len(messages) <= self.options.max_queue // 2:
             self._read_paused = False
             if not self.taken and not self.transport.is_closing():

@@ -381,6 +381,25 @@ class TakingApp:
         self.taken.append(take_over(None, [], self.protocol, lambda: None))
 
 
+async def test_handshakes_share_websocket_options_until_a_reload() -> None:
+    """The options a ClientWebSocket gets follow the limits of its handshake's time:
+    one object for the connections of one set of limits, a new one after a reload."""
+    limits = [LimitsSettings(max_message_bytes=2048, ping_interval_s=5)]
+    seen = []
+    for _ in range(2):
+        listener, _, _ = open_listener(lambda: limits[0], TakingApp())
+        listener.data_received(REAL_HEADS[0])
+        assert listener._ws is not None
+        seen.append(listener._ws.options)
+    assert seen[0] == seen[1] and (seen[0].max_size, seen[0].ping_interval_s) == (4096, 5)
+    cls = type(listener)
+    assert cls._ws_options() is cls._ws_options()
+    limits[0] = LimitsSettings(max_message_bytes=3000, ping_interval_s=0)
+    reloaded = cls._ws_options()
+    assert (reloaded.max_size, reloaded.ping_interval_s) == (6000, 0)
+    assert cls._ws_options() is reloaded
+
+
 @pytest.mark.parametrize("head", REAL_HEADS)
 @pytest.mark.parametrize("cut", [None, 10, -1])
 async def test_an_upgrade_in_one_or_two_reads_goes_to_the_websocket_server(

@@ -225,10 +225,12 @@ def test_exact_samples_keep_every_double(values: list[float]) -> None:
 
 def test_exact_samples_cost_eight_bytes_each() -> None:
     sketch = QuantileSketch()
-    for i in range(512):
+    for i in range(256):
         sketch.add(i * 0.001)
     assert sketch._exact is not None and sketch._exact.itemsize == 8
-    assert sys.getsizeof(sketch._exact) < 512 * 8 + 1024  # a list of floats: ~16 KB
+    assert sys.getsizeof(sketch._exact) < 256 * 8 + 512  # a list of floats: ~8 KB
+    sketch.add(1.0)  # one over the limit: the histogram takes over
+    assert sketch._exact is None and sketch.count == 257
 
 
 def test_startup_signals_roll_with_the_window() -> None:
