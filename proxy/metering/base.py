@@ -116,6 +116,11 @@ class WsAdapter(Protocol):
     """Meters one WebSocket session. The relay calls one method per relayed message."""
 
     errors: int
+    #: Whether :meth:`upstream_binary` reads its message's content. When it does not (it
+    #: meters by length, or not at all), the relay passes ``b""`` and the length as
+    #: ``size`` and copies nothing out of the stream. Read again after every upstream
+    #: text message (an event there may change how binary messages are metered).
+    reads_binary: bool
 
     def client_text(self, now: float, text: str) -> None: ...
 
@@ -123,7 +128,9 @@ class WsAdapter(Protocol):
 
     def upstream_text(self, now: float, text: str) -> None: ...
 
-    def upstream_binary(self, now: float, data: bytes) -> None: ...
+    def upstream_binary(self, now: float, data: bytes, size: int = -1) -> None:
+        """A complete binary message from the upstream: ``data`` (``b""`` unless
+        :attr:`reads_binary`), ``size`` bytes long (``-1``: ``len(data)``)."""
 
 
 class HttpAdapter(Protocol):

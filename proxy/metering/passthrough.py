@@ -17,11 +17,12 @@ __all__ = ["PassthroughHttpAdapter", "PassthroughWsAdapter"]
 class PassthroughWsAdapter:
     """Each upstream message is one metered event."""
 
-    __slots__ = ("_sink", "errors")
+    __slots__ = ("_sink", "errors", "reads_binary")
 
     def __init__(self, sink: MeterSink) -> None:
         self._sink = sink
         self.errors = 0
+        self.reads_binary = False
 
     def upstream_text(self, now: float, text: str) -> None:
         try:
@@ -29,7 +30,7 @@ class PassthroughWsAdapter:
         except Exception:
             self.errors += 1
 
-    def upstream_binary(self, now: float, data: bytes) -> None:
+    def upstream_binary(self, now: float, data: bytes, size: int = -1) -> None:
         try:
             self._sink.event(now)
         except Exception:

@@ -66,7 +66,7 @@ _GA_G711 = frozenset({"audio/pcmu", "audio/pcma"})
 class RealtimeAdapter:
     """WebSocket adapter for ``vllm-realtime`` (``openai=False``) and ``openai-realtime``."""
 
-    __slots__ = ("_bps", "_default", "_openai", "_sink", "errors")
+    __slots__ = ("_bps", "_default", "_openai", "_sink", "errors", "reads_binary")
 
     def __init__(self, sink: MeterSink, default_format: AudioFormat, *, openai: bool) -> None:
         self._sink = sink
@@ -74,6 +74,7 @@ class RealtimeAdapter:
         self._bps = float(default_format.bytes_per_second)
         self._openai = openai
         self.errors = 0
+        self.reads_binary = False
 
     def upstream_text(self, now: float, text: str) -> None:
         try:
@@ -125,7 +126,7 @@ class RealtimeAdapter:
     def client_binary(self, now: float, data: bytes) -> None:
         """Not part of these protocols; the relay decides what to do with it."""
 
-    def upstream_binary(self, now: float, data: bytes) -> None:
+    def upstream_binary(self, now: float, data: bytes, size: int = -1) -> None:
         """Not part of these protocols: unmetered."""
 
     def _session(self, event: dict[str, Any]) -> None:

@@ -38,7 +38,9 @@ _NO_KEYS: Final[tuple[str, ...]] = ()
 class OmniSpeechWsAdapter:
     """WebSocket adapter for ``vllm-omni-speech-ws``."""
 
-    __slots__ = ("_bps", "_default", "_flushing", "_mode", "_sink", "_wav", "errors")
+    __slots__ = (
+        "_bps", "_default", "_flushing", "_mode", "_sink", "_wav", "errors", "reads_binary",
+    )  # fmt: skip
 
     def __init__(self, sink: MeterSink, default_format: AudioFormat) -> None:
         self._sink = sink
@@ -48,12 +50,15 @@ class OmniSpeechWsAdapter:
         self._wav = WavStream(default_format)
         self._flushing = False  # input.done sent, session.done not yet received
         self.errors = 0
+        self.reads_binary = False  # PCM is metered by length; WAV headers are read
 
-    def upstream_binary(self, now: float, data: bytes) -> None:
+    def upstream_binary(self, now: float, data: bytes, size: int = -1) -> None:
         try:
             if self._mode == _PCM:
-                if data:
-                    self._sink.audio(now, len(data) / self._bps)
+                if size < 0:
+                    size = len(data)
+                if size:
+                    self._sink.audio(now, size / self._bps)
             elif self._mode == _WAV:
                 seconds = self._wav.feed(data)
                 if seconds > 0:
@@ -110,6 +115,7 @@ class OmniSpeechWsAdapter:
             self._wav = WavStream(fmt)
         else:
             self._mode = _OPAQUE
+        self.reads_binary = self._mode == _WAV
 
     def __repr__(self) -> str:
         mode = ("pcm", "wav", "opaque")[self._mode]

@@ -373,6 +373,7 @@ class RelayCore(Deadlines):
     __slots__ = (
         "actions",
         "adapter",
+        "binary_content",
         "client",
         "closing",
         "max_bytes",
@@ -394,6 +395,9 @@ class RelayCore(Deadlines):
         self.max_bytes = limits.max_message_bytes
         self.record = record
         self.adapter = adapter
+        #: The adapter reads upstream binary content (:attr:`WsAdapter.reads_binary`): a
+        #: relay passes it only then. Read again after each upstream text message.
+        self.binary_content = adapter.reads_binary
         self.upstream_error = upstream_error  # counts an upstream error of a kind
         self.phase = Phase.RELAYING
         self.closing: tuple[int, str] | None = None  # Headroom ended it: code, reason
@@ -442,7 +446,9 @@ class RelayCore(Deadlines):
         else:
             record.frames_down += 1
             record.bytes_down += size
-            self.adapter.upstream_text(now, text)
+            adapter = self.adapter
+            adapter.upstream_text(now, text)
+            self.binary_content = adapter.reads_binary
 
     def binary(self, leg: LegStatus, data: bytes, now: float, size: int) -> None:
         """A complete binary message: counted; metered when it comes from the upstream
@@ -455,7 +461,7 @@ class RelayCore(Deadlines):
         else:
             record.frames_down += 1
             record.bytes_down += size
-            self.adapter.upstream_binary(now, data)
+            self.adapter.upstream_binary(now, data, size)
 
     def too_large(self, leg: LegStatus, now: float) -> None:
         """``leg`` sent a message over the size limit (found by :meth:`data_frame`, or

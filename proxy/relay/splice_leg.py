@@ -2,7 +2,9 @@
 walked and forwarded into the other leg's socket as they are read.
 
 The walk reads frame headers incrementally across reads, with no payload copy except
-for what the meter needs (text messages, upstream binary messages). Control frames are
+for what the meter needs: text messages, and upstream binary messages when the session's
+adapter reads their content (:attr:`proxy.metering.base.WsAdapter.reads_binary`; PCM is
+metered by length). Control frames are
 handled whole: close frames go to the session, pings and pongs pass through. Frames
 injected by Headroom (its close frames, keepalive pings) are written at a frame
 boundary of the forwarded stream, never inside a frame.
@@ -316,7 +318,7 @@ class Leg(asyncio.Protocol):
                 i = out = end
                 continue
             fin = bool(b0 & 0x80)
-            keep = self.msg_op == TEXT or not self.is_client
+            keep = self.msg_op == TEXT or (not self.is_client and core.binary_content)
             mask = data[start - 4 : start] if b1 & 0x80 else b""
             if end > n:  # completed by later reads: held until then
                 self._flush(data, out, i)

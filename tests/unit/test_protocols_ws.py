@@ -83,6 +83,30 @@ def test_omni_speech_format_from_audio_start() -> None:
     assert [c[2] for c in sink.calls] == [1.0, 1.0]
 
 
+def test_omni_speech_reads_binary_content_only_for_wav() -> None:
+    """PCM is metered by length (the relay passes ``b""`` and the size, copying nothing);
+    WAV headers are read, so the adapter asks for the content while WAV is announced."""
+    ws, sink = adapter("vllm-omni-speech-ws")
+    assert ws.reads_binary is False
+    ws.upstream_binary(0.0, b"", 48000)  # the route default, by length
+    ws.upstream_text(0.1, j(type="audio.start", format="wav", sample_rate=16000))
+    assert ws.reads_binary is True
+    ws.upstream_text(0.2, j(type="audio.start", format="mp3"))
+    assert ws.reads_binary is False
+    ws.upstream_text(0.3, j(type="audio.start", format="pcm", sample_rate=16000))
+    assert ws.reads_binary is False
+    ws.upstream_binary(0.4, b"", 32000)
+    ws.upstream_binary(0.5, bytes(16000))  # content without a size: its length
+    assert [c[2] for c in sink.calls] == [1.0, 1.0, 0.5]
+    assert ws.errors == 0
+
+
+@pytest.mark.parametrize("protocol", sorted(WS_PROTOCOLS - {"vllm-omni-speech-ws"}))
+def test_other_adapters_never_read_binary_content(protocol: str) -> None:
+    ws, _ = adapter(protocol, "vllm-omni-speech-ws" if protocol == "sagemaker-bidi" else None)
+    assert ws.reads_binary is False
+
+
 def test_omni_speech_wav_header_per_utterance_split_across_frames() -> None:
     fmt = struct.pack("<HHIIHH", 1, 1, 16000, 32000, 2, 16)
     header = b"RIFF\xff\xff\xff\xffWAVEfmt \x10\x00\x00\x00" + fmt + b"data\xff\xff\xff\xff"

@@ -41,6 +41,7 @@ T0 = 1000.0
 class Meter:
     events: list[tuple[str, Any]] = field(default_factory=list)
     errors: int = 0
+    reads_binary: bool = True
 
     def client_text(self, now: float, text: str) -> None:
         self.events.append(("client_text", text))
@@ -51,7 +52,8 @@ class Meter:
     def upstream_text(self, now: float, text: str) -> None:
         self.events.append(("upstream_text", text))
 
-    def upstream_binary(self, now: float, data: bytes) -> None:
+    def upstream_binary(self, now: float, data: bytes, size: int = -1) -> None:
+        assert size == len(data)
         self.events.append(("upstream_binary", data))
 
 

@@ -67,6 +67,7 @@ class Recorder:
     """A WsAdapter that records what it is given."""
 
     events: list[tuple[str, Any]] = field(default_factory=list)
+    reads_binary: bool = True
 
     def client_text(self, now: float, text: str) -> None:
         self.events.append(("client_text", text))
@@ -77,8 +78,25 @@ class Recorder:
     def upstream_text(self, now: float, text: str) -> None:
         self.events.append(("upstream_text", text))
 
-    def upstream_binary(self, now: float, data: bytes) -> None:
-        self.events.append(("upstream_binary", bytes(data)))
+    def upstream_binary(self, now: float, data: bytes, size: int = -1) -> None:
+        if self.reads_binary:
+            assert size == len(data)
+            self.events.append(("upstream_binary", bytes(data)))
+        else:
+            assert data == b""
+            self.events.append(("upstream_binary_size", size))
+
+
+class SizesUntilWav(Recorder):
+    """Meters binary messages by length until an upstream text message says "wav", as
+    the ``vllm-omni-speech-ws`` adapter does for PCM and WAV."""
+
+    def __init__(self) -> None:
+        super().__init__(reads_binary=False)
+
+    def upstream_text(self, now: float, text: str) -> None:
+        super().upstream_text(now, text)
+        self.reads_binary = "wav" in text
 
 
 @dataclass
@@ -97,10 +115,10 @@ class Runtime:
 
 
 class Harness:
-    def __init__(self, **limits: Any) -> None:
+    def __init__(self, adapter: Recorder | None = None, **limits: Any) -> None:
         self.clock = FakeClock()
         self.services = Runtime(self.clock)
-        self.adapter = Recorder()
+        self.adapter = adapter or Recorder()
         self.record = SessionRecord("s-1", "/ws", "main", "ws", self.clock.now())
         options: dict[str, Any] = {"ping_interval_s": 0, **limits}
         self.splice = Splice(
@@ -311,6 +329,33 @@ async def test_a_frame_still_arriving_is_held_until_complete() -> None:
     h.from_upstream(chunk[9000:] + server_frame(1, b"next"))
     assert h.client.take() == chunk + server_frame(1, b"next")
     assert h.adapter.events == [("upstream_binary", b"p" * 9600), ("upstream_text", "next")]
+
+
+async def test_an_adapter_that_meters_by_length_gets_lengths_until_it_reads_content() -> None:
+    """No payload is copied out of the stream for an adapter that meters binary messages
+    by length: it gets each message's length (a fragmented message's whole length, a
+    frame held across reads too). After an upstream text message that makes it read
+    content, it gets the content."""
+    adapter = SizesUntilWav()
+    h = Harness(adapter)
+    h.start()
+    stream = (
+        server_frame(2, b"p" * 9600)
+        + server_frame(2, b"ab", fin=False)
+        + server_frame(9, b"")
+        + server_frame(0, b"cde")
+        + server_frame(1, b'{"format":"wav"}')
+        + server_frame(2, b"RIFF" + bytes(300))
+    )
+    for piece in cuts(stream, [5000, 9605, 9700]):
+        h.from_upstream(piece)
+    assert h.client.take() == stream
+    assert adapter.events == [
+        ("upstream_binary_size", 9600),
+        ("upstream_binary_size", 5),
+        ("upstream_text", '{"format":"wav"}'),
+        ("upstream_binary", b"RIFF" + bytes(300)),
+    ]
 
 
 async def test_headroom_close_drops_the_frame_in_progress() -> None:
