@@ -16,18 +16,19 @@ Step time (docs/sim.md §1)::
                + prefill of newly admitted prompts
                + vocoder_share x F_eff x chunk tokens / peak, per chunk emitted)
               x jitter
-              + a codec on the talker's GPU: its share of the frame work of the codec
+              + a codec on the talker's GPU: its share of the GPU work of the codec
                 calls started since the last step (proxy.sim.codec)
 
 Chunks follow each sequence's :class:`~proxy.sim.chunks.ChunkSchedule` (the initial
 sizes are fixed at admission, from the load when the schedule is load-dependent); without
 async chunk (``spec.async_chunk`` false) a sequence's output is one chunk, emitted when
 it finishes. With
-a codec stage (``spec.codec``) a chunk the step completes goes to the codec's FIFO
-queue instead of out: the codec decodes up to ``batch`` queued chunks per call (each
-chunk's frames plus its left context) on its own timeline, overlapping later steps,
-and the chunk becomes visible when its call ends (:attr:`Emission.at`); a codec
-sharing the talker's GPU pads its batched calls and lengthens the talker's next step
+a codec stage (``spec.codec``) a chunk the step completes goes to the codec's queue
+(:class:`~proxy.sim.codec.CodecQueue`) instead of out: the codec decodes up to
+``batch`` queued chunks per call (each chunk's frames plus its left context) on its
+own timeline, overlapping later steps, and the chunk becomes visible when its call
+ends (:attr:`Emission.at`); a codec sharing the talker's GPU pads its batched calls,
+may hold request slots, and lengthens the talker's next step
 (:class:`~proxy.sim.codec.SharedCodecSpec`). Every chunk
 may also wait a per-chunk random delay (``emit_jitter_s``), never overtaking the
 stream's previous chunk.
@@ -56,7 +57,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from proxy.sim.chunks import ChunkSchedule
-from proxy.sim.codec import call_time, talker_delay
+from proxy.sim.codec import CodecJob, CodecQueue
 from proxy.sim.spec import EngineSpec, jitter_sigma
 
 __all__ = [
@@ -152,14 +153,6 @@ class _Seq:
         return max(s.load_first, default=0) or (s.initial[0] if s.initial else s.steady)
 
 
-@dataclass(frozen=True, slots=True)
-class _CodecJob:
-    ready_at: float
-    emission: Emission
-    frames: int  #: the chunk's frames plus its left context
-    delay: float  #: the chunk's own extra delay after decoding (emit_jitter_s)
-
-
 @dataclass(slots=True)
 class _Counters:
     steps: int = 0
@@ -188,9 +181,10 @@ class Engine:
         self._running: list[_Seq] = []
         self._kv_tokens = 0
         self._count = _Counters()
-        self._codec_jobs: deque[_CodecJob] = deque()
-        self._codec_free_at = 0.0
-        self._codec_delay = 0.0  #: talker time the codec calls since the last step took
+        #: Chunks waiting for the codec, each with its own delay after decoding.
+        self._codec: CodecQueue[tuple[Emission, float]] | None = None
+        if spec.codec is not None:
+            self._codec = CodecQueue(spec.codec)
         self._emit_rng = random.Random(seed * 31 + 7)
         self._visible_at: dict[int, float] = {}  #: seq_id -> its latest chunk's ``at``
 
@@ -258,8 +252,8 @@ class Engine:
         """Abort a sequence (client went away); frees its slot and KV, and drops its
         chunks still waiting for the codec. Idempotent."""
         self._visible_at.pop(seq_id, None)
-        if any(job.emission.seq_id == seq_id for job in self._codec_jobs):
-            self._codec_jobs = deque(j for j in self._codec_jobs if j.emission.seq_id != seq_id)
+        if self._codec is not None:
+            self._codec.cancel(seq_id)
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
@@ -285,7 +279,8 @@ class Engine:
         the emissions, each with its ``at``. The runner calls this when
         :meth:`has_work` is false."""
         emissions = self._run_codec(math.inf)
-        self._codec_delay = 0.0  # no talker step ran beside these calls
+        if self._codec is not None:
+            self._codec.talker_owed = 0.0  # no talker step ran beside these calls
         return emissions
 
     def contains(self, seq_id: int) -> bool:
@@ -359,18 +354,19 @@ class Engine:
         duration += spec.mode_term(batch)
         duration += vocoder_tokens * spec.vocoder_share * spec.flops_per_token / spec.peak_flops
         duration *= self._jitter(duration)
-        duration += self._codec_delay
-        self._codec_delay = 0.0
+        if self._codec is not None:
+            duration += self._codec.talker_owed
+            self._codec.talker_owed = 0.0
         end = now + duration
         emissions = list(decoded)
         for seq, start, stop, final in made:
             em = Emission(seq.seq_id, start, stop, final)
             delay = self._emit_delay()
-            if spec.codec is None:
+            if self._codec is None:
                 emissions.append(self._visible(em, end + delay))
             else:
-                context = min(seq.schedule.left_context, start)
-                self._codec_jobs.append(_CodecJob(end, em, stop - start + context, delay))
+                frames = stop - start + min(seq.schedule.left_context, start)
+                self._codec.add(CodecJob(end, seq.seq_id, final, frames, (em, delay)))
         firsts = []
         for seq_id, _ in first_tokens:
             seq = self._seqs[seq_id]
@@ -486,25 +482,15 @@ class Engine:
         return replace(em, at=at)
 
     def _run_codec(self, until: float) -> list[Emission]:
-        """Run the codec calls that start by ``until``: FIFO, up to ``batch`` chunks per
-        call, each call taking the chunks ready when it starts. A codec sharing the
-        talker's GPU lengthens the next talker step by what its calls took from it."""
-        codec = self.spec.codec
-        out: list[Emission] = []
-        jobs = self._codec_jobs
-        while codec is not None and jobs:
-            start = max(self._codec_free_at, jobs[0].ready_at)
-            if start > until:
-                break
-            take: list[_CodecJob] = []
-            while jobs and len(take) < codec.batch and jobs[0].ready_at <= start:
-                take.append(jobs.popleft())
-            seconds = call_time(codec, [j.frames for j in take])
-            end = start + seconds
-            self._codec_free_at = end
-            self._codec_delay += talker_delay(codec, seconds)
-            out.extend(self._visible(job.emission, end + job.delay) for job in take)
-        return out
+        """Run the codec calls that start by ``until`` (:class:`CodecQueue`); a codec
+        sharing the talker's GPU owes the next talker step what its calls took."""
+        if self._codec is None:
+            return []
+        return [
+            self._visible(em, end + delay)
+            for jobs, end in self._codec.calls(until)
+            for em, delay in (job.item for job in jobs)
+        ]
 
     def _jitter(self, duration: float) -> float:
         if self._sigma == 0.0:
