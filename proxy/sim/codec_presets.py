@@ -3,10 +3,11 @@
 ``h20-qwen3tts-1.7b-base`` is Qwen3-TTS 1.7B Base (voice clone) on one H20-3e with
 Code2Wav sharing the talker's GPU (:class:`~proxy.sim.codec.SharedCodecSpec`): the
 regime in which vLLM-Omni's cross-request Code2Wav batching was measured, where the
-codec at batch 1 is the bottleneck and first chunks queue behind every other stream's
-chunks. Its talker and codec costs are fitted to that comparison alone (docs/sim.md
-§2), so it is not one of :data:`proxy.sim.presets.PRESETS`: ``headroom sim`` does not
-serve it and ``describe()`` does not rate it.
+codec at batch 1 is the bottleneck and, the stage holding one request at a time, a
+first chunk waits for every older request to finish; batched, its calls run eagerly
+and slow the talker. Its talker and codec costs are fitted to that comparison alone
+(docs/sim.md §2), so it is not one of :data:`proxy.sim.presets.PRESETS`: ``headroom
+sim`` does not serve it and ``describe()`` does not rate it.
 """
 
 from __future__ import annotations
@@ -45,17 +46,24 @@ CODEC_PRESETS: dict[str, Preset] = {
             resident_bytes=4.5 * GB,
             kv_per_token=112 * KIB,
             # Fitted to the codec-batch comparison's effects [U]: the talker's
-            # per-stream cost and bend, and the codec's call latency, frame cost, share
-            # of the GPU and re-decoded context; hand-off and eager cost from the H200.
-            f_eff=0.019025 * H20_3E.peak_flops,
-            c0=0.00098985,
+            # per-stream cost and c0, and the codec's call latency, frame cost, eager
+            # work, share of the GPU and re-decoded context; the bend kept from the
+            # earlier fit, the hand-off and eager step cost from the H200.
+            f_eff=0.024453 * H20_3E.peak_flops,
+            c0=0.00035882,
             batch_exponent=0.91889,
             fit_c0=False,
             handoff=QWEN3_TTS_HANDOFF,
             eager_step_s=QWEN3_TTS_EAGER_STEP_S,
             vocoder_share=0.0,
             codec=SharedCodecSpec(
-                batch=1, call_s=0.25818, frame_s=0.00094865, pad=True, gpu_share=0.82839
+                batch=1,
+                call_s=0.1524,
+                frame_s=0.00036807,
+                pad=True,
+                gpu_share=0.35934,
+                eager_s=0.49777,
+                request_slots=True,
             ),
             max_num_seqs=16,  # [U]
             prefill_params=1.7e9,
@@ -63,7 +71,7 @@ CODEC_PRESETS: dict[str, Preset] = {
             sample_rate=24000,
             first_chunk=2,
             chunk=25,
-            schedule=replace(QWEN3_TTS_CHUNKS, left_context=44),  # [U, fitted]
+            schedule=replace(QWEN3_TTS_CHUNKS, left_context=58),  # [U, fitted]
             prompt_overhead=32,
             sources=(
                 "GPU: H20-3e 141 GB; ~4.8 TB/s, ~148 TF [U]",
