@@ -3,7 +3,7 @@ chunks, and how recent streams started (stalls at their first seam, time to firs
 
 Pure: no clock reads, no asyncio; every call takes ``now`` (monotonic seconds).
 
-Quantile method. Values go into a sparse log-bucket histogram (:class:`LogHistogram`):
+Quantile method. Values go into a log-bucket histogram (:class:`LogHistogram`):
 bucket ``k`` holds ``(GAMMA**(k-1), GAMMA**k]`` and reports ``2*GAMMA**k/(GAMMA+1)``, so
 every quantile it returns is within ``(GAMMA-1)/(GAMMA+1)`` = 1.96 % (relative) of a value
 whose rank is the requested one (nearest-rank definition: the value at rank
@@ -13,8 +13,8 @@ negative values share one exact zero bucket. Memory is bounded by the clamp rang
 
 Rolling window (:class:`ReplicaSignals`): samples land in the open ``slice_s`` time slice
 (1 s); a running total gets each slice added when it closes and subtracted when it falls
-out of the window, so ``observe`` is O(1) (two dict increments) and a query merges the
-total with the open slice, one pass over their (few dozen) occupied buckets. The window
+out of the window, so ``observe`` is O(1) (two list increments) and a query merges the
+total with the open slice, one pass over their (few dozen) buckets. The window
 is rounded up to whole slices, ``W = ceil(window_s / slice_s) * slice_s``: a sample
 stays in it for between ``W`` and ``W + slice_s`` seconds (30 to 31 s by default).
 
@@ -31,6 +31,7 @@ import math
 from array import array
 from collections import deque
 from dataclasses import dataclass
+from math import ceil, log  # compiled: C calls; interpreted: one global lookup each
 from typing import Final
 
 __all__ = ["GAMMA", "LogHistogram", "QuantileSketch", "ReplicaSignals", "StartupSignals"]
@@ -54,42 +55,87 @@ def _rank(q: float, n: int) -> int:
 
 
 class LogHistogram:
-    """Sparse log-bucket histogram; see the module docstring for its error bound."""
+    """Log-bucket histogram; see the module docstring for its error bound.
 
-    __slots__ = ("buckets", "count")
+    The counts of the buckets from the lowest to the highest key seen are a list (a
+    window that widens to take a new key), so an insertion is an index, not a hash
+    lookup; values of one stream fill a few neighbouring buckets, and the clamp range
+    bounds the window at about 710 counts. Zero and below are counted apart."""
+
+    __slots__ = ("_counts", "_low", "_zeros", "count")
 
     def __init__(self) -> None:
-        self.buckets: dict[int, int] = {}
+        self._counts: list[int] = []  # the count of bucket ``_low + i`` at ``i``
+        self._low = 0
+        self._zeros = 0
         self.count = 0
+
+    @property
+    def buckets(self) -> dict[int, int]:
+        """The occupied buckets' counts by key (``_ZERO``: the zero bucket)."""
+        low = self._low
+        occupied = {low + i: n for i, n in enumerate(self._counts) if n}
+        if self._zeros:
+            occupied[_ZERO] = self._zeros
+        return occupied
 
     def add(self, value: float) -> None:
         # The bucket key, computed here rather than in a function of its own: every
         # audio chunk makes two to four of these insertions (replica signals, and a
         # long session's sketches).
-        if value > 0.0:  # min(max(value, _MIN), _MAX), without the two builtin calls
-            key = math.ceil(
-                math.log(_MIN if value < _MIN else _MAX if value > _MAX else value)
-                * _INV_LOG_GAMMA
-            )
-        else:  # zero, negative, NaN
-            key = _ZERO
-        buckets = self.buckets
-        buckets[key] = buckets.get(key, 0) + 1
         self.count += 1
+        if not value > 0.0:  # zero, negative, NaN
+            self._zeros += 1
+            return
+        key = ceil(  # min(max(value, _MIN), _MAX), without the two builtin calls
+            log(_MIN if value < _MIN else _MAX if value > _MAX else value) * _INV_LOG_GAMMA
+        )
+        counts = self._counts
+        i = key - self._low
+        if 0 <= i < len(counts):
+            counts[i] += 1
+        else:
+            self._widen(key, key)
+            self._counts[key - self._low] += 1
+
+    def _widen(self, low: int, high: int) -> None:
+        """Make the window cover the keys ``low`` to ``high``."""
+        counts = self._counts
+        if not counts:
+            self._counts = [0] * (high - low + 1)
+            self._low = low
+            return
+        if low < self._low:
+            self._counts = counts = [0] * (self._low - low) + counts
+            self._low = low
+        top = self._low + len(counts) - 1
+        if high > top:
+            counts.extend([0] * (high - top))
 
     def merge(self, other: LogHistogram) -> None:
-        for key, n in other.buckets.items():
-            self.buckets[key] = self.buckets.get(key, 0) + n
+        theirs = other._counts
+        if theirs:
+            low = other._low
+            self._widen(low, low + len(theirs) - 1)
+            counts = self._counts
+            offset = low - self._low
+            for i, n in enumerate(theirs):
+                if n:
+                    counts[offset + i] += n
+        self._zeros += other._zeros
         self.count += other.count
 
     def subtract(self, other: LogHistogram) -> None:
         """Remove ``other``'s samples (which must have been merged in before)."""
-        for key, n in other.buckets.items():
-            left = self.buckets.get(key, 0) - n
-            if left > 0:
-                self.buckets[key] = left
-            else:
-                self.buckets.pop(key, None)
+        counts = self._counts
+        low = self._low
+        top = low + len(counts) - 1
+        for i, n in enumerate(other._counts):
+            key = other._low + i
+            if n and low <= key <= top:
+                left = counts[key - low] - n
+                counts[key - low] = left if left > 0 else 0
+        self._zeros = max(self._zeros - other._zeros, 0)
         self.count = max(self.count - other.count, 0)
 
     def quantile(self, q: float) -> float | None:
@@ -97,12 +143,18 @@ class LogHistogram:
         if self.count <= 0:
             return None
         rank = _rank(q, self.count)
-        seen = 0
-        for key in sorted(self.buckets):
-            seen += self.buckets[key]
-            if seen >= rank:
-                return _value(key)
-        return _value(max(self.buckets))  # unreachable unless counts drifted
+        seen = self._zeros
+        if seen >= rank:
+            return 0.0
+        low = self._low
+        last = 0.0
+        for i, n in enumerate(self._counts):
+            if n:
+                seen += n
+                last = _value(low + i)
+                if seen >= rank:
+                    return last
+        return last  # unreachable unless counts drifted
 
     def __repr__(self) -> str:
         return f"<LogHistogram n={self.count} buckets={len(self.buckets)}>"

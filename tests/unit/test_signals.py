@@ -248,3 +248,52 @@ def test_startup_signals_roll_with_the_window() -> None:
     assert (later.seams, later.stalled, later.ttfas) == (3, 1, 2)
     empty = signals.startup(40.0)
     assert (empty.seams, empty.stalled, empty.ttfas, empty.ttfa_p99) == (0, 0, 0, None)
+
+
+def _reference_buckets(values: list[float]) -> dict[int, int]:
+    buckets: dict[int, int] = {}
+    for v in values:
+        key = reference_key(v)
+        buckets[key] = buckets.get(key, 0) + 1
+    return buckets
+
+
+def _reference_quantile(buckets: dict[int, int], q: float) -> float | None:
+    """Nearest rank over the buckets in key order, each reported at its representative
+    value (the zero bucket at 0.0)."""
+    count = sum(buckets.values())
+    if not count:
+        return None
+    rank, seen = max(math.ceil(q * count - 1e-9), 1), 0
+    for key in sorted(buckets):
+        seen += buckets[key]
+        if seen >= rank:
+            return 0.0 if key == -(10**9) else 2.0 * GAMMA**key / (GAMMA + 1.0)
+    raise AssertionError("unreachable")
+
+
+@given(
+    st.lists(any_value, max_size=40),
+    st.lists(any_value, max_size=40),
+    st.sampled_from([0.01, 0.25, 0.5, 0.99, 1.0]),
+)
+def test_merge_subtract_and_quantile_keep_every_bucket(
+    kept: list[float], passing: list[float], q: float
+) -> None:
+    """Merging widens the window of counts whichever side the other's keys are on,
+    subtracting takes exactly the merged samples back out, and a quantile walks the
+    buckets in key order: the same as a plain dict of buckets."""
+    mine, theirs, total = LogHistogram(), LogHistogram(), LogHistogram()
+    for v in kept:
+        mine.add(v)
+    for v in passing:
+        theirs.add(v)
+    total.merge(theirs)  # the window first takes the other's keys, then widens
+    total.merge(mine)
+    both = _reference_buckets(kept + passing)
+    assert total.buckets == both and total.count == len(kept) + len(passing)
+    assert total.quantile(q) == _reference_quantile(both, q)
+    total.subtract(theirs)
+    assert total.buckets == _reference_buckets(kept) and total.count == len(kept)
+    assert total.quantile(q) == _reference_quantile(_reference_buckets(kept), q)
+    assert mine.buckets == _reference_buckets(kept)
