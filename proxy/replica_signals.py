@@ -34,7 +34,10 @@ from dataclasses import dataclass
 from math import ceil, log  # compiled: C calls; interpreted: one global lookup each
 from typing import Final
 
-__all__ = ["GAMMA", "LogHistogram", "QuantileSketch", "ReplicaSignals", "StartupSignals"]
+__all__ = [
+    "GAMMA", "LogHistogram", "QuantileSketch", "ReplicaSignals", "SparseLogHistogram",
+    "StartupSignals",
+]  # fmt: skip
 
 #: Bucket growth factor: quantile error <= (GAMMA-1)/(GAMMA+1) = 1.96 %.
 GAMMA: Final = 1.04
@@ -160,8 +163,49 @@ class LogHistogram:
         return f"<LogHistogram n={self.count} buckets={len(self.buckets)}>"
 
 
+class SparseLogHistogram:
+    """The buckets of :class:`LogHistogram`, kept in a dict of the occupied ones: a
+    session's histogram, where a list from its lowest to its highest key would span the
+    back-to-back arrivals and the late ones, mostly empty. Insertion and quantiles only."""
+
+    __slots__ = ("buckets", "count")
+
+    def __init__(self) -> None:
+        self.buckets: dict[int, int] = {}
+        self.count = 0
+
+    def add(self, value: float) -> None:
+        # The key of LogHistogram.add, computed the same way (tests/unit/test_signals.py
+        # checks both against one reference).
+        if value > 0.0:
+            key = ceil(
+                log(_MIN if value < _MIN else _MAX if value > _MAX else value) * _INV_LOG_GAMMA
+            )
+        else:  # zero, negative, NaN
+            key = _ZERO
+        buckets = self.buckets
+        buckets[key] = buckets.get(key, 0) + 1
+        self.count += 1
+
+    def quantile(self, q: float) -> float | None:
+        """The nearest-rank ``q`` quantile (0 < q <= 1), or None when empty."""
+        if self.count <= 0:
+            return None
+        rank = _rank(q, self.count)
+        seen = 0
+        for key in sorted(self.buckets):
+            seen += self.buckets[key]
+            if seen >= rank:
+                return _value(key)
+        return _value(max(self.buckets))  # unreachable unless counts drifted
+
+    def __repr__(self) -> str:
+        return f"<SparseLogHistogram n={self.count} buckets={len(self.buckets)}>"
+
+
 class QuantileSketch:
-    """Exact quantiles for the first ``exact_limit`` samples, then a :class:`LogHistogram`.
+    """Exact quantiles for the first ``exact_limit`` samples, then a
+    :class:`SparseLogHistogram`.
 
     A short session's own p99 is exact (the default limit is ten seconds of 40 ms chunks);
     a long one costs at most the histogram's bounded memory, with its 1.96 % error. The
@@ -175,7 +219,7 @@ class QuantileSketch:
     def __init__(self, exact_limit: int = 256) -> None:
         self._limit = exact_limit
         self._exact: array[float] | None = array("d")
-        self._hist: LogHistogram | None = None
+        self._hist: SparseLogHistogram | None = None
 
     @property
     def count(self) -> int:
@@ -189,7 +233,7 @@ class QuantileSketch:
         if exact is not None:
             exact.append(value)
             if len(exact) > self._limit:
-                hist = LogHistogram()
+                hist = SparseLogHistogram()
                 for v in exact:
                     hist.add(v)
                 self._hist, self._exact = hist, None

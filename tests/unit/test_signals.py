@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.replica_signals import GAMMA, LogHistogram, QuantileSketch, ReplicaSignals
+from proxy.replica_signals import (
+    GAMMA,
+    LogHistogram,
+    QuantileSketch,
+    ReplicaSignals,
+    SparseLogHistogram,
+)
 
 ERROR = (GAMMA - 1) / (GAMMA + 1) + 1e-9
 
@@ -293,6 +299,10 @@ def test_merge_subtract_and_quantile_keep_every_bucket(
     both = _reference_buckets(kept + passing)
     assert total.buckets == both and total.count == len(kept) + len(passing)
     assert total.quantile(q) == _reference_quantile(both, q)
+    sparse = SparseLogHistogram()  # a session's: the same buckets, kept in a dict
+    for v in kept + passing:
+        sparse.add(v)
+    assert sparse.buckets == both and sparse.quantile(q) == _reference_quantile(both, q)
     total.subtract(theirs)
     assert total.buckets == _reference_buckets(kept) and total.count == len(kept)
     assert total.quantile(q) == _reference_quantile(_reference_buckets(kept), q)
