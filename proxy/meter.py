@@ -34,7 +34,7 @@ Definitions (per session):
 - **finalize latency** (ASR): the earliest unanswered ``commit_final`` to the next
   ``transcript_final``; each answered commit is observed once. The summary keeps the worst.
 - **session p99 gap / worst-1% ratio**: nearest-rank quantiles over the session's samples
-  with :class:`proxy.replica_signals.QuantileSketch` (exact for the first 256 samples, then
+  with :class:`proxy.quantiles.QuantileSketch` (exact for the first 256 samples, then
   log buckets with <= 1.96 % error): bounded memory per session.
 
 Audio of zero, negative, infinite or NaN length, and anything fed after :meth:`SessionMeter.finish`
@@ -51,7 +51,8 @@ from prometheus_client import Histogram
 
 from proxy.metrics import Metrics
 from proxy.playback import PlaybackBuffer
-from proxy.replica_signals import QuantileSketch, ReplicaSignals
+from proxy.quantiles import QuantileSketch
+from proxy.replica_signals import ReplicaSignals
 
 __all__ = [
     "RATIO_CAP",

@@ -41,6 +41,7 @@ HOT_MODULES: tuple[str, ...] = (
     "proxy.metering.speech_ws_audio",
     "proxy.meter",
     "proxy.playback",
+    "proxy.quantiles",
     "proxy.replica_signals",
     "proxy.metrics",
 )

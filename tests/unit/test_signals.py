@@ -9,13 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.replica_signals import (
-    GAMMA,
-    LogHistogram,
-    QuantileSketch,
-    ReplicaSignals,
-    SparseLogHistogram,
-)
+from proxy.quantiles import _SPAN, GAMMA, LogHistogram, QuantileSketch, SparseLogHistogram
+from proxy.replica_signals import ReplicaSignals
 
 ERROR = (GAMMA - 1) / (GAMMA + 1) + 1e-9
 
@@ -299,11 +294,41 @@ def test_merge_subtract_and_quantile_keep_every_bucket(
     both = _reference_buckets(kept + passing)
     assert total.buckets == both and total.count == len(kept) + len(passing)
     assert total.quantile(q) == _reference_quantile(both, q)
-    sparse = SparseLogHistogram()  # a session's: the same buckets, kept in a dict
+    sparse = SparseLogHistogram()  # a session's: a window of at most _SPAN keys, a dict
     for v in kept + passing:
         sparse.add(v)
     assert sparse.buckets == both and sparse.quantile(q) == _reference_quantile(both, q)
+    assert len(sparse._counts) <= _SPAN
     total.subtract(theirs)
     assert total.buckets == _reference_buckets(kept) and total.count == len(kept)
     assert total.quantile(q) == _reference_quantile(_reference_buckets(kept), q)
     assert mine.buckets == _reference_buckets(kept)
+
+
+def test_a_session_histogram_lists_its_cluster_and_files_far_values_apart() -> None:
+    """Chunk gaps around 40 ms fill the list; back-to-back arrivals, stalls and zero go
+    to the dict, and the list never spans more than _SPAN keys, whichever comes first."""
+    cluster = [0.04 * (1 + 0.01 * (i % 21 - 10)) for i in range(300)]
+    far = [0.0, 1e-4, 2.5, 30.0, 1e-4]
+    for values in (cluster + far, far + cluster):
+        hist = SparseLogHistogram()
+        for v in values:
+            hist.add(v)
+        assert hist.buckets == _reference_buckets(values)
+        assert hist.count == len(values) and len(hist._counts) <= _SPAN
+        assert hist._far is not None and sum(hist._far.values()) >= len(far) - 1
+        for q in (0.01, 0.5, 0.99, 1.0):
+            assert hist.quantile(q) == _reference_quantile(_reference_buckets(values), q)
+    clustered = SparseLogHistogram()
+    for v in cluster:
+        clustered.add(v)
+    assert clustered._far is None  # nothing far: no dict at all
+    # far values first: the window held by the first of them, the cluster misses it...
+    assert hist._far is not None and sum(hist._far.values()) > len(cluster)
+    # ...unless it is centred first, as a sketch does on its median when it turns
+    sketch = QuantileSketch(exact_limit=len(far) + 50)
+    for v in far + cluster:
+        sketch.add(v)
+    turned = sketch._hist
+    assert turned is not None and turned.buckets == _reference_buckets(far + cluster)
+    assert sum(turned._counts) == len(cluster) and len(turned._counts) == _SPAN

@@ -1,0 +1,297 @@
+"""Quantiles of a stream of values in bounded memory: log-bucket histograms (a
+replica's rolling windows, :mod:`proxy.replica_signals`) and a session's sketch
+(:class:`QuantileSketch`, :mod:`proxy.meter`).
+
+Quantile method. Values go into a log-bucket histogram (:class:`LogHistogram`):
+bucket ``k`` holds ``(GAMMA**(k-1), GAMMA**k]`` and reports ``2*GAMMA**k/(GAMMA+1)``, so
+every quantile it returns is within ``(GAMMA-1)/(GAMMA+1)`` = 1.96 % (relative) of a value
+whose rank is the requested one (nearest-rank definition: the value at rank
+``ceil(q*n)`` of the sorted samples). Values are clamped to ``[1e-6, 1e6]``; zero and
+negative values share one exact zero bucket. Memory is bounded by the clamp range
+(at most ~710 buckets), whatever the number of samples.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from math import ceil, log  # compiled: C calls; interpreted: one global lookup each
+from typing import Final
+
+__all__ = ["GAMMA", "LogHistogram", "QuantileSketch", "SparseLogHistogram"]
+
+#: Bucket growth factor: quantile error <= (GAMMA-1)/(GAMMA+1) = 1.96 %.
+GAMMA: Final = 1.04
+# Final: compiled, these are C constants rather than lookups in the module's namespace.
+_INV_LOG_GAMMA: Final = 1.0 / math.log(GAMMA)
+_MIN: Final = 1e-6
+_MAX: Final = 1e6
+_ZERO: Final = -(10**9)  # bucket key of values <= 0 (reported as 0.0); sorts first
+
+
+def _value(key: int) -> float:
+    return 0.0 if key == _ZERO else 2.0 * GAMMA**key / (GAMMA + 1.0)
+
+
+def _rank(q: float, n: int) -> int:
+    """Nearest rank (1-based) of quantile ``q`` among ``n`` samples."""
+    return min(max(math.ceil(q * n - 1e-9), 1), n)
+
+
+class LogHistogram:
+    """Log-bucket histogram; see the module docstring for its error bound.
+
+    The counts of the buckets from the lowest to the highest key seen are a list (a
+    window that widens to take a new key), so an insertion is an index, not a hash
+    lookup; values of one stream fill a few neighbouring buckets, and the clamp range
+    bounds the window at about 710 counts. Zero and below are counted apart."""
+
+    __slots__ = ("_counts", "_low", "_zeros", "count")
+
+    def __init__(self) -> None:
+        self._counts: list[int] = []  # the count of bucket ``_low + i`` at ``i``
+        self._low = 0
+        self._zeros = 0
+        self.count = 0
+
+    @property
+    def buckets(self) -> dict[int, int]:
+        """The occupied buckets' counts by key (``_ZERO``: the zero bucket)."""
+        low = self._low
+        occupied = {low + i: n for i, n in enumerate(self._counts) if n}
+        if self._zeros:
+            occupied[_ZERO] = self._zeros
+        return occupied
+
+    def add(self, value: float) -> None:
+        # The bucket key, computed here rather than in a function of its own: every
+        # audio chunk makes two to four of these insertions (replica signals, and a
+        # long session's sketches).
+        self.count += 1
+        if not value > 0.0:  # zero, negative, NaN
+            self._zeros += 1
+            return
+        key = ceil(  # min(max(value, _MIN), _MAX), without the two builtin calls
+            log(_MIN if value < _MIN else _MAX if value > _MAX else value) * _INV_LOG_GAMMA
+        )
+        counts = self._counts
+        i = key - self._low
+        if 0 <= i < len(counts):
+            counts[i] += 1
+        else:
+            self._widen(key, key)
+            self._counts[key - self._low] += 1
+
+    def _widen(self, low: int, high: int) -> None:
+        """Make the window cover the keys ``low`` to ``high``."""
+        counts = self._counts
+        if not counts:
+            self._counts = [0] * (high - low + 1)
+            self._low = low
+            return
+        if low < self._low:
+            self._counts = counts = [0] * (self._low - low) + counts
+            self._low = low
+        top = self._low + len(counts) - 1
+        if high > top:
+            counts.extend([0] * (high - top))
+
+    def merge(self, other: LogHistogram) -> None:
+        theirs = other._counts
+        if theirs:
+            low = other._low
+            self._widen(low, low + len(theirs) - 1)
+            counts = self._counts
+            offset = low - self._low
+            for i, n in enumerate(theirs):
+                if n:
+                    counts[offset + i] += n
+        self._zeros += other._zeros
+        self.count += other.count
+
+    def subtract(self, other: LogHistogram) -> None:
+        """Remove ``other``'s samples (which must have been merged in before)."""
+        counts = self._counts
+        low = self._low
+        top = low + len(counts) - 1
+        for i, n in enumerate(other._counts):
+            key = other._low + i
+            if n and low <= key <= top:
+                left = counts[key - low] - n
+                counts[key - low] = left if left > 0 else 0
+        self._zeros = max(self._zeros - other._zeros, 0)
+        self.count = max(self.count - other.count, 0)
+
+    def quantile(self, q: float) -> float | None:
+        """The nearest-rank ``q`` quantile (0 < q <= 1), or None when empty."""
+        if self.count <= 0:
+            return None
+        rank = _rank(q, self.count)
+        seen = self._zeros
+        if seen >= rank:
+            return 0.0
+        low = self._low
+        last = 0.0
+        for i, n in enumerate(self._counts):
+            if n:
+                seen += n
+                last = _value(low + i)
+                if seen >= rank:
+                    return last
+        return last  # unreachable unless counts drifted
+
+    def __repr__(self) -> str:
+        return f"<LogHistogram n={self.count} buckets={len(self.buckets)}>"
+
+
+#: The widest run of neighbouring keys a :class:`SparseLogHistogram` counts in its list:
+#: a factor of ``GAMMA**_SPAN`` from its lowest to its highest value.
+_SPAN: Final = 64
+
+
+class SparseLogHistogram:
+    """The buckets of :class:`LogHistogram` for one session: insertion and quantiles only.
+
+    The keys around the stream's usual values are counted in a list, as in
+    :class:`LogHistogram` (a window that widens to take a new key), but the window spans
+    at most :data:`_SPAN` keys; a key beyond it, and zero and below, is counted in a dict
+    made at the first such key. A session's values cluster (its chunk gaps and delivery
+    ratios) with a few far off (back-to-back arrivals, stalls): the cluster costs an
+    index, not a hash lookup, and the far ones cost no empty counts between them. The
+    window starts at the first key counted, or around the value given to
+    :meth:`center` before any."""
+
+    __slots__ = ("_counts", "_far", "_low", "count")
+
+    def __init__(self) -> None:
+        self._counts: list[int] = []  # the count of bucket ``_low + i`` at ``i``
+        self._low = 0
+        self._far: dict[int, int] | None = None
+        self.count = 0
+
+    @property
+    def buckets(self) -> dict[int, int]:
+        """The occupied buckets' counts by key (``_ZERO``: the zero bucket)."""
+        low = self._low
+        occupied = {low + i: n for i, n in enumerate(self._counts) if n}
+        if self._far is not None:
+            occupied.update(self._far)
+        return occupied
+
+    def add(self, value: float) -> None:
+        # The key of LogHistogram.add, computed the same way (tests/unit/test_signals.py
+        # checks both against one reference).
+        self.count += 1
+        if value > 0.0:
+            key = ceil(
+                log(_MIN if value < _MIN else _MAX if value > _MAX else value) * _INV_LOG_GAMMA
+            )
+            counts = self._counts
+            i = key - self._low
+            if 0 <= i < len(counts):
+                counts[i] += 1
+                return
+            if self._widen(key):
+                self._counts[key - self._low] += 1
+                return
+        else:  # zero, negative, NaN
+            key = _ZERO
+        far = self._far
+        if far is None:
+            far = self._far = {}
+        far[key] = far.get(key, 0) + 1
+
+    def center(self, value: float) -> None:
+        """Before the first value: make the window the :data:`_SPAN` keys around
+        ``value``'s (a sketch's median, when it turns to this histogram)."""
+        if self.count or not value > 0.0:
+            return
+        key = ceil(log(_MIN if value < _MIN else _MAX if value > _MAX else value) * _INV_LOG_GAMMA)
+        self._low = key - _SPAN // 2
+        self._counts = [0] * _SPAN
+
+    def _widen(self, key: int) -> bool:
+        """Make the window take ``key`` if it then spans at most :data:`_SPAN` keys."""
+        counts = self._counts
+        if not counts:
+            self._counts = [0]
+            self._low = key
+            return True
+        low = self._low
+        top = low + len(counts) - 1
+        if key < low:
+            if top - key >= _SPAN:
+                return False
+            self._counts = [0] * (low - key) + counts
+            self._low = key
+        else:
+            if key - low >= _SPAN:
+                return False
+            counts.extend([0] * (key - top))
+        return True
+
+    def quantile(self, q: float) -> float | None:
+        """The nearest-rank ``q`` quantile (0 < q <= 1), or None when empty."""
+        if self.count <= 0:
+            return None
+        rank = _rank(q, self.count)
+        buckets = self.buckets
+        seen = 0
+        for key in sorted(buckets):
+            seen += buckets[key]
+            if seen >= rank:
+                return _value(key)
+        return _value(max(buckets))  # unreachable unless counts drifted
+
+    def __repr__(self) -> str:
+        return f"<SparseLogHistogram n={self.count} buckets={len(self.buckets)}>"
+
+
+class QuantileSketch:
+    """Exact quantiles for the first ``exact_limit`` samples, then a
+    :class:`SparseLogHistogram`.
+
+    A short session's own p99 is exact (the default limit is ten seconds of 40 ms chunks);
+    a long one costs at most the histogram's bounded memory, with its 1.96 % error. The
+    exact samples are C doubles in an ``array('d')`` (8 bytes each, against 32 for a list
+    of floats): 2 KB at the default limit, per sketch, and a meter has two. Memory the
+    samples held is freed when the histogram takes over, but the allocator keeps it for
+    later sessions: the limit bounds what a relay's resident size carries per session."""
+
+    __slots__ = ("_exact", "_hist", "_limit")
+
+    def __init__(self, exact_limit: int = 256) -> None:
+        self._limit = exact_limit
+        self._exact: array[float] | None = array("d")
+        self._hist: SparseLogHistogram | None = None
+
+    @property
+    def count(self) -> int:
+        if self._exact is not None:
+            return len(self._exact)
+        assert self._hist is not None
+        return self._hist.count
+
+    def add(self, value: float) -> None:
+        exact = self._exact
+        if exact is not None:
+            exact.append(value)
+            if len(exact) > self._limit:
+                hist = SparseLogHistogram()
+                hist.center(sorted(exact)[len(exact) // 2])
+                for v in exact:
+                    hist.add(v)
+                self._hist, self._exact = hist, None
+            return
+        assert self._hist is not None
+        self._hist.add(value)
+
+    def quantile(self, q: float) -> float | None:
+        """The nearest-rank ``q`` quantile, or None with no samples."""
+        exact = self._exact
+        if exact is None:
+            assert self._hist is not None
+            return self._hist.quantile(q)
+        if not exact:
+            return None
+        return sorted(exact)[_rank(q, len(exact)) - 1]
