@@ -9,9 +9,9 @@ Code2Wav as vLLM-Omni deploys it beside the talker on one card:
 - a batched call decodes its chunks as one padded tensor, so with ``pad`` every chunk
   in the call costs the frames of the longest one (a two-frame first chunk batched with
   full chunks costs a full chunk);
-- CUDA graphs are captured for single-chunk calls only, so a call of more than one
-  chunk runs its decoder eagerly and pays ``eager_s`` more GPU work (kernel launches
-  and unfused kernels);
+- a single-chunk call replays a captured CUDA graph; a call of more than one chunk
+  is taken to run its decoder eagerly and pays ``eager_s`` more GPU work (kernel
+  launches and unfused kernels), whatever its batch size;
 - the call's GPU work takes time from the talker: the talker step that runs beside a
   call is ``gpu_share`` of the call's frame and eager work longer (0: separate cards,
   1: the talker waits for all of it). ``call_s`` is the call's fixed latency (host
