@@ -317,7 +317,9 @@ class SessionMeter:
 
     def __init__(self, admitted_at: float, sink: ReplicaSink, prebuffer_s: float = 0.2) -> None:
         self._admitted = admitted_at
-        self._sink = sink
+        # The concrete class first: compiled, a call to it is native after a type check
+        # (docs/performance.md).
+        self._sink: PrometheusReplicaSink | ReplicaSink = sink
         self._playback = PlaybackBuffer(prebuffer_s)
         self._gaps = QuantileSketch()
         self._ratios = QuantileSketch()

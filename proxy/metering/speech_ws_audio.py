@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import Final
 
+from proxy.meter import SessionMeter
 from proxy.metering.b64json import scan_event
 from proxy.metering.base import AudioFormat, MeterSink
 from proxy.metering.wav import WavStream
@@ -43,7 +44,9 @@ class OmniSpeechWsAdapter:
     )  # fmt: skip
 
     def __init__(self, sink: MeterSink, default_format: AudioFormat) -> None:
-        self._sink = sink
+        # The concrete class first: compiled, a call to it is native after a type check
+        # (docs/performance.md).
+        self._sink: SessionMeter | MeterSink = sink
         self._default = default_format
         self._mode = _PCM
         self._bps = float(default_format.bytes_per_second)

@@ -53,6 +53,7 @@ import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
+from proxy.metering.speech_ws_audio import OmniSpeechWsAdapter
 from proxy.relay.frames import (
     BINARY,
     client_code_for_upstream_close,
@@ -394,7 +395,9 @@ class RelayCore(Deadlines):
         super().__init__(limits, now)
         self.max_bytes = limits.max_message_bytes
         self.record = record
-        self.adapter = adapter
+        # The concrete class first: compiled, a call to the speech adapter is native after
+        # a type check, any other adapter a Python call (docs/performance.md).
+        self.adapter: OmniSpeechWsAdapter | WsAdapter = adapter
         #: The adapter reads upstream binary content (:attr:`WsAdapter.reads_binary`): a
         #: relay passes it only then. Read again after each upstream text message.
         self.binary_content = adapter.reads_binary
