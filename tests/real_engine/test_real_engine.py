@@ -33,7 +33,10 @@ from bench.tiny_model import TinyModel, ensure_model
 
 pytestmark = pytest.mark.slow
 
-SHORT = ["--levels", "2,4,...", "--max-level", "16", "--hold", "12", "--warmup", "4",
+#: The CI version: each probe level held 6 s, the overload 15 s. The full-length runs are
+#: ``python -m bench.real_engine`` (llama-server) and ``python -m bench.real_engine
+#: --engine-url URL --tokens-per-audio-second 12.5`` (the simulator), with their defaults.
+SHORT = ["--levels", "2,4,...", "--max-level", "16", "--hold", "6", "--warmup", "4",
          "--repeat", "1", "--probe-time-limit", "420", "--load", "3",
          "--overload-hold", "15", "--overload-warmup", "5", "--clients", "2"]  # fmt: skip
 #: llama-server's slots (16) plus two: the direct side saturates the engine even when a
@@ -43,10 +46,8 @@ SATURATE = ("--min-users", "18")
 GUARD = 1.2
 #: The simulator's probe: its engine is deterministic (probe-test-tts-c4, ceiling 4 in
 #: ``describe()``; tests/probe/test_e2e.py finds that ceiling exactly with 4 s holds), so
-#: its probe starts at 4 and holds each level half as long as llama-server's. The
-#: overload phase keeps SHORT's holds. The full-length run is ``python -m
-#: bench.real_engine --engine-url URL --tokens-per-audio-second 12.5`` (its defaults).
-SIM_PROBE = ("--levels", "4,...", "--hold", "6", "--warmup", "2")
+#: its probe starts at 4 and warms each level up for half as long as llama-server's.
+SIM_PROBE = ("--levels", "4,...", "--warmup", "2")
 
 
 @contextlib.contextmanager
