@@ -144,8 +144,8 @@ class LogHistogram:
         return f"<LogHistogram n={self.count} buckets={len(self.buckets)}>"
 
 
-#: The widest run of neighbouring keys a :class:`SparseLogHistogram` counts in its list:
-#: a factor of ``GAMMA**_SPAN`` from its lowest to its highest value.
+#: The run of neighbouring keys a :class:`SparseLogHistogram` may count in its list:
+#: a factor of ``GAMMA**_SPAN`` from the lowest to the highest value it holds.
 _SPAN: Final = 64
 
 
@@ -153,19 +153,20 @@ class SparseLogHistogram:
     """The buckets of :class:`LogHistogram` for one session: insertion and quantiles only.
 
     The keys around the stream's usual values are counted in a list, as in
-    :class:`LogHistogram` (a window that widens to take a new key), but the window spans
-    at most :data:`_SPAN` keys; a key beyond it, and zero and below, is counted in a dict
-    made at the first such key. A session's values cluster (its chunk gaps and delivery
-    ratios) with a few far off (back-to-back arrivals, stalls): the cluster costs an
-    index, not a hash lookup, and the far ones cost no empty counts between them. The
-    window starts at the first key counted, or around the value given to
-    :meth:`center` before any."""
+    :class:`LogHistogram` (a window that widens to take a new key), but only within a
+    range of :data:`_SPAN` keys fixed once: around the first value counted, or the value
+    given to :meth:`center` before any. A key outside that range, and zero and below,
+    is counted in a dict made at the first such key. A session's values cluster (its
+    chunk gaps and delivery ratios) with a few far off (back-to-back arrivals, stalls):
+    the cluster costs an index, not a hash lookup, and holds a list only as wide as the
+    cluster; the far ones cost no empty counts between them."""
 
-    __slots__ = ("_counts", "_far", "_low", "count")
+    __slots__ = ("_counts", "_far", "_floor", "_low", "count")
 
     def __init__(self) -> None:
         self._counts: list[int] = []  # the count of bucket ``_low + i`` at ``i``
         self._low = 0
+        self._floor = _ZERO  # the list's range is _floor to _floor + _SPAN - 1 (once set)
         self._far: dict[int, int] | None = None
         self.count = 0
 
@@ -202,32 +203,29 @@ class SparseLogHistogram:
         far[key] = far.get(key, 0) + 1
 
     def center(self, value: float) -> None:
-        """Before the first value: make the window the :data:`_SPAN` keys around
+        """Before the first value: the list's range is the :data:`_SPAN` keys around
         ``value``'s (a sketch's median, when it turns to this histogram)."""
         if self.count or not value > 0.0:
             return
         key = ceil(log(_MIN if value < _MIN else _MAX if value > _MAX else value) * _INV_LOG_GAMMA)
-        self._low = key - _SPAN // 2
-        self._counts = [0] * _SPAN
+        self._floor = key - _SPAN // 2
 
     def _widen(self, key: int) -> bool:
-        """Make the window take ``key`` if it then spans at most :data:`_SPAN` keys."""
+        """Make the list take ``key`` if it is in the list's range."""
+        floor = self._floor
+        if floor == _ZERO:
+            floor = self._floor = key - _SPAN // 2
+        if not floor <= key < floor + _SPAN:
+            return False
         counts = self._counts
         if not counts:
             self._counts = [0]
             self._low = key
-            return True
-        low = self._low
-        top = low + len(counts) - 1
-        if key < low:
-            if top - key >= _SPAN:
-                return False
-            self._counts = [0] * (low - key) + counts
+        elif key < self._low:
+            self._counts = [0] * (self._low - key) + counts
             self._low = key
         else:
-            if key - low >= _SPAN:
-                return False
-            counts.extend([0] * (key - top))
+            counts.extend([0] * (key - self._low - len(counts) + 1))
         return True
 
     def quantile(self, q: float) -> float | None:

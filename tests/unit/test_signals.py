@@ -331,4 +331,6 @@ def test_a_session_histogram_lists_its_cluster_and_files_far_values_apart() -> N
         sketch.add(v)
     turned = sketch._hist
     assert turned is not None and turned.buckets == _reference_buckets(far + cluster)
-    assert sum(turned._counts) == len(cluster) and len(turned._counts) == _SPAN
+    assert sum(turned._counts) == len(cluster)
+    # the list is as wide as the cluster, not the whole range: 40 ms +-10 % is 6 keys
+    assert len(clustered._counts) <= 6 and len(turned._counts) <= 6
