@@ -4,11 +4,11 @@ replica's rolling windows, :mod:`proxy.replica_signals`) and a session's sketch
 
 Quantile method. Values go into a log-bucket histogram (:class:`LogHistogram`):
 bucket ``k`` holds ``(GAMMA**(k-1), GAMMA**k]`` and reports ``2*GAMMA**k/(GAMMA+1)``, so
-every quantile it returns is within ``(GAMMA-1)/(GAMMA+1)`` = 1.96 % (relative) of a value
+every quantile it returns is within ``(GAMMA-1)/(GAMMA+1)`` (relative) of a value
 whose rank is the requested one (nearest-rank definition: the value at rank
 ``ceil(q*n)`` of the sorted samples). Values are clamped to ``[1e-6, 1e6]``; zero and
-negative values share one exact zero bucket. Memory is bounded by the clamp range
-(at most ~710 buckets), whatever the number of samples.
+negative values share one exact zero bucket. Memory is bounded by the clamp range,
+whatever the number of samples (docs/performance.md gives the figures).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Final
 
 __all__ = ["GAMMA", "LogHistogram", "QuantileSketch", "SparseLogHistogram"]
 
-#: Bucket growth factor: quantile error <= (GAMMA-1)/(GAMMA+1) = 1.96 %.
+#: Bucket growth factor: the relative quantile error is at most (GAMMA-1)/(GAMMA+1).
 GAMMA: Final = 1.04
 # Final: compiled, these are C constants rather than lookups in the module's namespace.
 _INV_LOG_GAMMA: Final = 1.0 / math.log(GAMMA)
@@ -31,6 +31,11 @@ _ZERO: Final = -(10**9)  # bucket key of values <= 0 (reported as 0.0); sorts fi
 
 def _value(key: int) -> float:
     return 0.0 if key == _ZERO else 2.0 * GAMMA**key / (GAMMA + 1.0)
+
+
+def _key(value: float) -> int:
+    """The bucket key of a positive ``value`` (the insertions compute it inline)."""
+    return ceil(log(_MIN if value < _MIN else _MAX if value > _MAX else value) * _INV_LOG_GAMMA)
 
 
 def _rank(q: float, n: int) -> int:
@@ -44,7 +49,7 @@ class LogHistogram:
     The counts of the buckets from the lowest to the highest key seen are a list (a
     window that widens to take a new key), so an insertion is an index, not a hash
     lookup; values of one stream fill a few neighbouring buckets, and the clamp range
-    bounds the window at about 710 counts. Zero and below are counted apart."""
+    bounds the window. Zero and below are counted apart."""
 
     __slots__ = ("_counts", "_low", "_zeros", "count")
 
@@ -207,8 +212,7 @@ class SparseLogHistogram:
         ``value``'s (a sketch's median, when it turns to this histogram)."""
         if self.count or not value > 0.0:
             return
-        key = ceil(log(_MIN if value < _MIN else _MAX if value > _MAX else value) * _INV_LOG_GAMMA)
-        self._floor = key - _SPAN // 2
+        self._floor = _key(value) - _SPAN // 2
 
     def _widen(self, key: int) -> bool:
         """Make the list take ``key`` if it is in the list's range."""
@@ -249,10 +253,9 @@ class QuantileSketch:
     """Exact quantiles for the first ``exact_limit`` samples, then a
     :class:`SparseLogHistogram`.
 
-    A short session's own p99 is exact (the default limit is ten seconds of 40 ms chunks);
-    a long one costs at most the histogram's bounded memory, with its 1.96 % error. The
-    exact samples are C doubles in an ``array('d')`` (8 bytes each, against 32 for a list
-    of floats): 2 KB at the default limit, per sketch, and a meter has two. Memory the
+    A short session's own p99 is exact; a long one costs at most the histogram's bounded
+    memory, with its bounded error. The exact samples are C doubles in an ``array('d')``
+    (8 bytes each, against 32 for a list of floats), and a meter has two sketches. Memory the
     samples held is freed when the histogram takes over, but the allocator keeps it for
     later sessions: the limit bounds what a relay's resident size carries per session."""
 
@@ -276,7 +279,7 @@ class QuantileSketch:
             exact.append(value)
             if len(exact) > self._limit:
                 hist = SparseLogHistogram()
-                hist.center(sorted(exact)[len(exact) // 2])
+                hist.center(self.quantile(0.5) or 0.0)
                 for v in exact:
                     hist.add(v)
                 self._hist, self._exact = hist, None

@@ -3,8 +3,8 @@ chunks, and how recent streams started (stalls at their first seam, time to firs
 
 Pure: no clock reads, no asyncio; every call takes ``now`` (monotonic seconds).
 
-Quantiles come from log-bucket histograms (:class:`proxy.quantiles.LogHistogram`, within
-1.96 % of the value at the requested rank).
+Quantiles come from log-bucket histograms (:class:`proxy.quantiles.LogHistogram`, whose
+error bound its module states).
 
 Rolling window (:class:`ReplicaSignals`): samples land in the open ``slice_s`` time slice
 (1 s); a running total gets each slice added when it closes and subtracted when it falls
