@@ -152,6 +152,8 @@ class LogHistogram:
 #: The run of neighbouring keys a :class:`SparseLogHistogram` may count in its list:
 #: a factor of ``GAMMA**_SPAN`` from the lowest to the highest value it holds.
 _SPAN: Final = 64
+#: The count at which a bucket in a session histogram's list carries into its dict.
+_CARRY: Final = 256
 
 
 class SparseLogHistogram:
@@ -164,7 +166,13 @@ class SparseLogHistogram:
     is counted in a dict made at the first such key. A session's values cluster (its
     chunk gaps and delivery ratios) with a few far off (back-to-back arrivals, stalls):
     the cluster costs an index, not a hash lookup, and holds a list only as wide as the
-    cluster; the far ones cost no empty counts between them."""
+    cluster; the far ones cost no empty counts between them.
+
+    A count in the list stays below :data:`_CARRY`: when it would reach it, it goes back
+    to zero and the dict takes the carry under the same key (no key is otherwise counted
+    in both). CPython shares its int objects up to 256, so an insertion into the list
+    allocates no int and reads no object outside the list: a relay holds many sessions'
+    histograms, and a count object last touched a chunk earlier is a cache miss."""
 
     __slots__ = ("_counts", "_far", "_floor", "_low", "count")
 
@@ -181,7 +189,8 @@ class SparseLogHistogram:
         low = self._low
         occupied = {low + i: n for i, n in enumerate(self._counts) if n}
         if self._far is not None:
-            occupied.update(self._far)
+            for key, n in self._far.items():  # a far key, or the carries of a listed one
+                occupied[key] = occupied.get(key, 0) + n
         return occupied
 
     def add(self, value: float) -> None:
@@ -195,7 +204,15 @@ class SparseLogHistogram:
             counts = self._counts
             i = key - self._low
             if 0 <= i < len(counts):
-                counts[i] += 1
+                n = counts[i] + 1
+                if n < _CARRY:
+                    counts[i] = n
+                    return
+                counts[i] = 0
+                far = self._far
+                if far is None:
+                    far = self._far = {}
+                far[key] = far.get(key, 0) + _CARRY
                 return
             if self._widen(key):
                 self._counts[key - self._low] += 1

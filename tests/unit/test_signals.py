@@ -334,3 +334,19 @@ def test_a_session_histogram_lists_its_cluster_and_files_far_values_apart() -> N
     assert sum(turned._counts) == len(cluster)
     # the list is as wide as the cluster, not the whole range: 40 ms +-10 % is 6 keys
     assert len(clustered._counts) <= 6 and len(turned._counts) <= 6
+
+
+def test_a_session_histogram_carries_a_full_count_into_its_dict() -> None:
+    """A listed bucket's count never reaches 256 in the list (ints up to 256 are shared,
+    so an insertion allocates none): the carry goes to the dict under the same key, and
+    the buckets and quantiles are those of a plain count."""
+    values = [0.04] * 1000 + [0.041] * 300 + [0.0, 2.5] + [0.04] * 24
+    hist = SparseLogHistogram()
+    for v in values:
+        hist.add(v)
+    reference = _reference_buckets(values)
+    assert hist.buckets == reference and hist.count == len(values)
+    assert max(hist._counts) < 256
+    assert hist._far is not None and hist._far[max(reference, key=reference.__getitem__)] == 1024
+    for q in (0.01, 0.5, 0.75, 0.99, 1.0):
+        assert hist.quantile(q) == _reference_quantile(reference, q)
