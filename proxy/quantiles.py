@@ -266,45 +266,50 @@ class SparseLogHistogram:
         return f"<SparseLogHistogram n={self.count} buckets={len(self.buckets)}>"
 
 
-class QuantileSketch(SparseLogHistogram):
-    """Exact quantiles for the first ``exact_limit`` samples, then those of the
-    :class:`SparseLogHistogram` it is.
+class QuantileSketch:
+    """Exact quantiles for the first ``exact_limit`` samples, then a
+    :class:`SparseLogHistogram`.
 
     A short session's own p99 is exact; a long one costs at most the histogram's bounded
     memory, with its bounded error. The exact samples are C doubles in an ``array('d')``
     (8 bytes each, against 32 for a list of floats), and a meter has two sketches. Memory the
     samples held is freed when the histogram takes over, but the allocator keeps it for
-    later sessions: the limit bounds what a relay's resident size carries per session.
-    The sketch is its histogram, not the holder of one: an insertion reads one object
-    fewer of the many sessions' a relay keeps. Its :attr:`buckets` are empty until it
-    turns to them."""
+    later sessions: the limit bounds what a relay's resident size carries per session."""
 
-    __slots__ = ("_exact", "_limit")
+    __slots__ = ("_exact", "_hist", "_limit")
 
     def __init__(self, exact_limit: int = 256) -> None:
-        super().__init__()
         self._limit = exact_limit
         self._exact: array[float] | None = array("d")
+        self._hist: SparseLogHistogram | None = None
+
+    @property
+    def count(self) -> int:
+        if self._exact is not None:
+            return len(self._exact)
+        assert self._hist is not None
+        return self._hist.count
 
     def add(self, value: float) -> None:
         exact = self._exact
-        if exact is None:
-            super().add(value)
+        if exact is not None:
+            exact.append(value)
+            if len(exact) > self._limit:
+                hist = SparseLogHistogram()
+                hist.center(self.quantile(0.5) or 0.0)
+                for v in exact:
+                    hist.add(v)
+                self._hist, self._exact = hist, None
             return
-        exact.append(value)
-        self.count += 1
-        if self.count > self._limit:
-            center = self.quantile(0.5) or 0.0
-            self._exact, self.count = None, 0
-            self.center(center)
-            for v in exact:
-                super().add(v)
+        assert self._hist is not None
+        self._hist.add(value)
 
     def quantile(self, q: float) -> float | None:
         """The nearest-rank ``q`` quantile, or None with no samples."""
         exact = self._exact
         if exact is None:
-            return super().quantile(q)
+            assert self._hist is not None
+            return self._hist.quantile(q)
         if not exact:
             return None
         return sorted(exact)[_rank(q, len(exact)) - 1]
