@@ -152,7 +152,8 @@ class LogHistogram:
 #: The run of neighbouring keys a :class:`SparseLogHistogram` may count in its list:
 #: a factor of ``GAMMA**_SPAN`` from the lowest to the highest value it holds.
 _SPAN: Final = 64
-#: The count at which a bucket in a session histogram's list carries into its dict.
+#: The count at which a bucket in a session histogram's list carries (CPython shares its
+#: int objects up to 256).
 _CARRY: Final = 256
 
 
@@ -169,15 +170,16 @@ class SparseLogHistogram:
     cluster; the far ones cost no empty counts between them.
 
     A count in the list stays below :data:`_CARRY`: when it would reach it, it goes back
-    to zero and the dict takes the carry under the same key (no key is otherwise counted
-    in both). CPython shares its int objects up to 256, so an insertion into the list
+    to zero and a second list of the same width, made at the first carry, counts the
+    carries. CPython shares its int objects up to 256, so an insertion into the list
     allocates no int and reads no object outside the list: a relay holds many sessions'
     histograms, and a count object last touched a chunk earlier is a cache miss."""
 
-    __slots__ = ("_counts", "_far", "_floor", "_low", "count")
+    __slots__ = ("_carries", "_counts", "_far", "_floor", "_low", "count")
 
     def __init__(self) -> None:
         self._counts: list[int] = []  # the count of bucket ``_low + i`` at ``i``
+        self._carries: list[int] | None = None  # its carries at ``i``, once there is one
         self._low = 0
         self._floor = _ZERO  # the list's range is _floor to _floor + _SPAN - 1 (once set)
         self._far: dict[int, int] | None = None
@@ -187,10 +189,15 @@ class SparseLogHistogram:
     def buckets(self) -> dict[int, int]:
         """The occupied buckets' counts by key (``_ZERO``: the zero bucket)."""
         low = self._low
-        occupied = {low + i: n for i, n in enumerate(self._counts) if n}
+        carries = self._carries
+        occupied: dict[int, int] = {}
+        for i, n in enumerate(self._counts):
+            if carries is not None:
+                n += carries[i] * _CARRY
+            if n:
+                occupied[low + i] = n
         if self._far is not None:
-            for key, n in self._far.items():  # a far key, or the carries of a listed one
-                occupied[key] = occupied.get(key, 0) + n
+            occupied.update(self._far)
         return occupied
 
     def add(self, value: float) -> None:
@@ -209,10 +216,10 @@ class SparseLogHistogram:
                     counts[i] = n
                     return
                 counts[i] = 0
-                far = self._far
-                if far is None:
-                    far = self._far = {}
-                far[key] = far.get(key, 0) + _CARRY
+                carries = self._carries
+                if carries is None:
+                    carries = self._carries = [0] * len(counts)
+                carries[i] += 1
                 return
             if self._widen(key):
                 self._counts[key - self._low] += 1
@@ -239,14 +246,20 @@ class SparseLogHistogram:
         if not floor <= key < floor + _SPAN:
             return False
         counts = self._counts
+        carries = self._carries  # kept as wide as the counts
         if not counts:
             self._counts = [0]
             self._low = key
         elif key < self._low:
             self._counts = [0] * (self._low - key) + counts
+            if carries is not None:
+                self._carries = [0] * (self._low - key) + carries
             self._low = key
         else:
-            counts.extend([0] * (key - self._low - len(counts) + 1))
+            more = key - self._low - len(counts) + 1
+            counts.extend([0] * more)
+            if carries is not None:
+                carries.extend([0] * more)
         return True
 
     def quantile(self, q: float) -> float | None:

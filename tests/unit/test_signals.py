@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.quantiles import _SPAN, GAMMA, LogHistogram, QuantileSketch, SparseLogHistogram
+from proxy.quantiles import _SPAN, GAMMA, LogHistogram, QuantileSketch, SparseLogHistogram, _key
 from proxy.replica_signals import ReplicaSignals
 
 ERROR = (GAMMA - 1) / (GAMMA + 1) + 1e-9
@@ -338,15 +338,18 @@ def test_a_session_histogram_lists_its_cluster_and_files_far_values_apart() -> N
 
 def test_a_session_histogram_carries_a_full_count_into_its_dict() -> None:
     """A listed bucket's count never reaches 256 in the list (ints up to 256 are shared,
-    so an insertion allocates none): the carry goes to the dict under the same key, and
-    the buckets and quantiles are those of a plain count."""
-    values = [0.04] * 1000 + [0.041] * 300 + [0.0, 2.5] + [0.04] * 24
+    so an insertion allocates none): the carries are counted in a list as wide, and the
+    buckets and quantiles are those of a plain count."""
+    # the window widens both ways after the first carry: the carries stay aligned
+    values = [0.04] * 1000 + [0.041] * 300 + [0.0, 2.5, 0.03, 0.06] + [0.04] * 24 + [0.03] * 300
     hist = SparseLogHistogram()
     for v in values:
         hist.add(v)
     reference = _reference_buckets(values)
     assert hist.buckets == reference and hist.count == len(values)
     assert max(hist._counts) < 256
-    assert hist._far is not None and hist._far[max(reference, key=reference.__getitem__)] == 1024
-    for q in (0.01, 0.5, 0.75, 0.99, 1.0):
+    assert hist._carries is not None and len(hist._carries) == len(hist._counts)
+    assert sum(hist._carries) == 4 + 1 + 1  # 1024 at 40 ms, 300 at 41 ms, 301 at 30 ms
+    assert hist._far is not None and set(hist._far) == {-(10**9), _key(2.5)}
+    for q in (0.01, 0.25, 0.5, 0.75, 0.99, 1.0):
         assert hist.quantile(q) == _reference_quantile(reference, q)
