@@ -178,7 +178,10 @@ class SimGpu:
         if not self._servers:
             return
         server, _ = self._servers[-1]
-        for listener in getattr(server, "servers", []):
+        # uvicorn.Server.servers: the asyncio servers it listens with, one per socket (a
+        # public, typed attribute; tests/sim/test_faults.py runs on the lowest and the
+        # newest uvicorn in CI, so a change to it fails there, not silently here).
+        for listener in server.servers:
             listener.close()  # closes the socket; accepted connections continue
         self._sock = _placeholder(self.host, self.port)
 
