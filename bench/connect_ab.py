@@ -18,6 +18,12 @@ as a ratio to nginx's measured in the same windows, on the same machine at the s
 rather than one relay after the other.
 
 The machine is shared: read the per-round ratios and their spread, not one number.
+
+The two sides are not alike in the stream windows: with the same tree on both sides, B
+reads 2-4 % cheaper than A (one shared upstream paces both; A's sessions connect and
+start first). Compare two relays by running them both ways, ``--a X --b Y`` then
+``--a Y --b X``, and take the geometric mean: ``sqrt(r1 / r2)`` for Y against X, where
+r1 and r2 are the two runs' B/A medians (bench/RESULTS.md has the runs).
 """
 
 from __future__ import annotations
@@ -189,12 +195,16 @@ async def _stream(sides: list[Side], args: argparse.Namespace, run_dir: Path) ->
         before = {side.name: sample(side.pids) for side in sides}
         await asyncio.sleep(args.window)
         after = {side.name: sample(side.pids) for side in sides}
+        # Every client of both sides stops at once: the chunks a side counts run on until
+        # its clients stop, so neither side is counted over longer than the other.
+        stops = await asyncio.gather(
+            *(w.call("stop", "stopped", 30.0, out=str(run_dir / f"{side.name}{i}"))
+              for side in sides for i, w in enumerate(side.clients))
+        )  # fmt: skip
         for side in sides:
-            stops = await asyncio.gather(
-                *(w.call("stop", "stopped", 30.0, out=str(run_dir / f"{side.name}{i}"))
-                  for i, w in enumerate(side.clients))
-            )  # fmt: skip
-            chunks = sum(int(x["chunks"]) for x in stops)
+            mine = stops[: len(side.clients)]
+            stops = stops[len(side.clients) :]
+            chunks = sum(int(x["chunks"]) for x in mine)
             cpu_us = (after[side.name].cpu_ns - before[side.name].cpu_ns) / 1e3
             per_chunk[side.name].append(cpu_us / max(1, chunks))
         a, b = (per_chunk[side.name][-1] for side in sides)
