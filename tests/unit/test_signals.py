@@ -336,7 +336,7 @@ def test_a_session_histogram_lists_its_cluster_and_files_far_values_apart() -> N
     assert len(clustered._counts) <= 6 and len(turned._counts) <= 6
 
 
-def test_a_session_histogram_carries_a_full_count_into_its_dict() -> None:
+def test_a_session_histogram_carries_a_full_count_into_a_second_list() -> None:
     """A listed bucket's count never reaches 256 in the list (ints up to 256 are shared,
     so an insertion allocates none): the carries are counted in a list as wide, and the
     buckets and quantiles are those of a plain count."""
