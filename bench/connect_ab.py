@@ -20,10 +20,11 @@ rather than one relay after the other.
 The machine is shared: read the per-round ratios and their spread, not one number.
 
 The two sides are not alike in the stream windows: with the same tree on both sides, B
-reads 2-4 % cheaper than A (one shared upstream paces both; A's sessions connect and
-start first). Compare two relays by running them both ways, ``--a X --b Y`` then
-``--a Y --b X``, and take the geometric mean: ``sqrt(r1 / r2)`` for Y against X, where
-r1 and r2 are the two runs' B/A medians (bench/RESULTS.md has the runs).
+reads 2-4 % cheaper than A, for a reason not found (both share one paced upstream, and
+A's sessions connect and start first). Compare two relays by running them both ways,
+``--a X --b Y`` then ``--a Y --b X``, and take the geometric mean: ``sqrt(r1 / r2)`` for
+Y against X, where r1 and r2 are the two runs' B/A medians (bench/RESULTS.md has the
+runs).
 """
 
 from __future__ import annotations
@@ -201,10 +202,11 @@ async def _stream(sides: list[Side], args: argparse.Namespace, run_dir: Path) ->
             *(w.call("stop", "stopped", 30.0, out=str(run_dir / f"{side.name}{i}"))
               for side in sides for i, w in enumerate(side.clients))
         )  # fmt: skip
+        first = 0
         for side in sides:
-            mine = stops[: len(side.clients)]
-            stops = stops[len(side.clients) :]
-            chunks = sum(int(x["chunks"]) for x in mine)
+            last = first + len(side.clients)
+            chunks = sum(int(x["chunks"]) for x in stops[first:last])
+            first = last
             cpu_us = (after[side.name].cpu_ns - before[side.name].cpu_ns) / 1e3
             per_chunk[side.name].append(cpu_us / max(1, chunks))
         a, b = (per_chunk[side.name][-1] for side in sides)

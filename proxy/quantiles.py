@@ -189,13 +189,11 @@ class SparseLogHistogram:
     def buckets(self) -> dict[int, int]:
         """The occupied buckets' counts by key (``_ZERO``: the zero bucket)."""
         low = self._low
+        counts = self._counts
         carries = self._carries
-        occupied: dict[int, int] = {}
-        for i, n in enumerate(self._counts):
-            if carries is not None:
-                n += carries[i] * _CARRY
-            if n:
-                occupied[low + i] = n
+        if carries is not None:
+            counts = [n + carries[i] * _CARRY for i, n in enumerate(counts)]
+        occupied = {low + i: n for i, n in enumerate(counts) if n}
         if self._far is not None:
             occupied.update(self._far)
         return occupied

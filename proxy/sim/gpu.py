@@ -179,8 +179,7 @@ class SimGpu:
             return
         server, _ = self._servers[-1]
         # uvicorn.Server.servers: the asyncio servers it listens with, one per socket (a
-        # public, typed attribute; tests/sim/test_faults.py runs on the lowest and the
-        # newest uvicorn in CI, so a change to it fails there, not silently here).
+        # public, typed attribute), read directly so that a change to it fails loudly.
         for listener in server.servers:
             listener.close()  # closes the socket; accepted connections continue
         self._sock = _placeholder(self.host, self.port)
