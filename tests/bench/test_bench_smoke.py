@@ -221,3 +221,19 @@ def test_http_protocol_cost_runs_every_server_kind() -> None:
     assert proc.returncode == 0, proc.stderr
     for kind in ("httptools", "h11", "listener"):
         assert f"  {kind} " in proc.stdout, proc.stdout
+
+
+def test_meter_memory_prints_each_checkpoint_and_the_sketches_give_memory_back() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "meter_memory.py"), "--sessions", "20"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    per_session = {
+        int(line.split()[0]): float(line.split(":")[1].split()[0])
+        for line in proc.stdout.splitlines()
+    }
+    assert sorted(per_session) == [100, 300, 1500]
+    # the exact samples are freed when the sketches turn to histograms, and a minute's
+    # stream holds less than the exact phase did
+    assert 0 < per_session[1500] < per_session[100]
