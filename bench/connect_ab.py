@@ -24,13 +24,17 @@ reads 2-4 % cheaper than A, for a reason not found (both share one paced upstrea
 A's sessions connect and start first). Compare two relays by running them both ways,
 ``--a X --b Y`` then ``--a Y --b X``, and take the geometric mean: ``sqrt(r1 / r2)`` for
 Y against X, where r1 and r2 are the two runs' B/A medians (bench/RESULTS.md has the
-runs).
+runs). ``--both-ways`` does both runs in one invocation and prints that mean:
+
+    python bench/connect_ab.py --a nginx --b /tmp/tree --sessions 500 --rounds 1 \
+        --stream-windows 12 --window 4 --both-ways
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import statistics
 import sys
@@ -59,6 +63,15 @@ from harness import (  # type: ignore[import-not-found,unused-ignore]
 GC_TRACE = Path(__file__).resolve().parent / "gc_trace.py"
 #: ``--a``/``--b`` value for nginx instead of a Headroom tree.
 NGINX = "nginx"
+
+
+@dataclass
+class Medians:
+    """One run's B/A medians: set-up per round, and CPU per chunk (None without
+    ``--stream-windows``)."""
+
+    setup: float
+    stream: float | None = None
 
 
 @dataclass
@@ -119,7 +132,7 @@ async def _round(side: Side, n: int, concurrency: int, settle: float) -> None:
     side.close_ms.append((closed.cpu_ns - connected.cpu_ns) / 1e6 / n)
 
 
-async def run(args: argparse.Namespace) -> int:
+async def run(args: argparse.Namespace) -> Medians:
     raise_fd_limit()
     procs = Processes()
     run_dir = Path(tempfile.mkdtemp(prefix="headroom-connect-ab-"))
@@ -152,8 +165,7 @@ async def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         busy1 = cpu_busy()
-        if args.stream_windows:
-            await _stream(sides, args, run_dir)
+        stream = await _stream(sides, args, run_dir) if args.stream_windows else None
     finally:
         await procs.stop_all()
     busy = (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1])
@@ -174,10 +186,10 @@ async def run(args: argparse.Namespace) -> int:
         f"B/A setup per round: {' '.join(f'{x:.3f}' for x in ratios)}; "
         f"median {statistics.median(ratios):.3f}"
     )
-    return 0
+    return Medians(statistics.median(ratios), stream)
 
 
-async def _stream(sides: list[Side], args: argparse.Namespace, run_dir: Path) -> None:
+async def _stream(sides: list[Side], args: argparse.Namespace, run_dir: Path) -> float:
     """Both relays stream at once (``--sessions`` each, one chunk per 40 ms): relay CPU
     per chunk in each of ``--stream-windows`` windows of ``--window`` seconds, side by
     side, so that both see the same machine."""
@@ -219,6 +231,7 @@ async def _stream(sides: list[Side], args: argparse.Namespace, run_dir: Path) ->
           f"median {statistics.median(ratios):.3f}")  # fmt: skip
     for side in sides:
         await asyncio.gather(*(w.call("close", "closed", 60.0) for w in side.clients))
+    return statistics.median(ratios)
 
 
 def _shares(n: int, side: Side) -> list[int]:
@@ -259,7 +272,34 @@ def main() -> int:
         help="then stream on both at once: CPU per chunk in this many windows",
     )
     p.add_argument("--window", type=float, default=4.0, help="seconds per stream window")
-    return asyncio.run(run(p.parse_args()))
+    p.add_argument(
+        "--both-ways",
+        action="store_true",
+        help="then run again with A and B swapped, and print B against A: the geometric "
+        "mean of the two runs' B/A medians, which cancels the sides' lean",
+    )
+    args = p.parse_args()
+    first = asyncio.run(run(args))
+    if args.both_ways:
+        second = asyncio.run(run(argparse.Namespace(**{**vars(args), "a": args.b, "b": args.a})))
+        print(both_ways(first, second, args.a, args.b))
+    return 0
+
+
+def both_ways(first: Medians, second: Medians, a: str, b: str) -> str:
+    """B against A from a run (A, B) and a run with the sides swapped: the geometric mean
+    ``sqrt(r1 / r2)`` of their B/A medians."""
+    lines = [f"{b} against {a}, both ways:"]
+    lines.append(
+        f"  set-up {math.sqrt(first.setup / second.setup):.3f} "
+        f"(B/A medians {first.setup:.3f} and {second.setup:.3f})"
+    )
+    if first.stream is not None and second.stream is not None:
+        lines.append(
+            f"  CPU per chunk {math.sqrt(first.stream / second.stream):.3f} "
+            f"(B/A medians {first.stream:.3f} and {second.stream:.3f})"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

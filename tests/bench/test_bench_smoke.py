@@ -237,3 +237,29 @@ def test_meter_memory_prints_each_checkpoint_and_the_sketches_give_memory_back()
     # the exact samples are freed when the sketches turn to histograms, and a minute's
     # stream holds less than the exact phase did
     assert 0 < per_session[1500] < per_session[100]
+
+
+def test_connect_ab_both_ways_swaps_the_sides_and_combines_the_medians(tmp_path: Path) -> None:
+    tree = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "connect_ab.py"), "--a", str(tree), "--b", str(tree),
+         "--sessions", "6", "--rounds", "1", "--client-procs", "1", "--concurrency", "3",
+         "--stream-windows", "1", "--window", "0.5", "--both-ways"],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("B/A CPU per chunk per window") == 2, proc.stdout
+    assert f"{tree} against {tree}, both ways:" in proc.stdout
+    combined = proc.stdout.split("both ways:")[1]
+    assert "set-up" in combined and "CPU per chunk" in combined
+
+
+def test_connect_ab_both_ways_is_the_geometric_mean_of_the_two_runs() -> None:
+    ab = _load("connect_ab")
+    text = ab.both_ways(ab.Medians(1.1, 0.96), ab.Medians(0.9, 1.08), "X", "Y")
+    lines = text.splitlines()
+    assert lines[0] == "Y against X, both ways:"
+    assert lines[1].split()[1] == f"{math.sqrt(1.1 / 0.9):.3f}"
+    assert lines[2].split()[3] == f"{math.sqrt(0.96 / 1.08):.3f}"
+    # without stream windows only the set-up is combined
+    assert len(ab.both_ways(ab.Medians(1.0), ab.Medians(1.0), "X", "Y").splitlines()) == 2
