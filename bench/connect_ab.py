@@ -20,11 +20,12 @@ rather than one relay after the other.
 The machine is shared: read the per-round ratios and their spread, not one number.
 
 The two sides are not alike in the stream windows: with the same tree on both sides, B
-reads 2-4 % cheaper than A, for a reason not found (both share one paced upstream, and
-A's sessions connect and start first). Compare two relays by running them both ways,
-``--a X --b Y`` then ``--a Y --b X``, and take the geometric mean: ``sqrt(r1 / r2)`` for
-Y against X, where r1 and r2 are the two runs' B/A medians (bench/RESULTS.md has the
-runs). ``--both-ways`` does both runs in one invocation and prints that mean:
+reads a few percent cheaper than A, for a reason not found (both share one paced
+upstream, and A's sessions connect and start first). Compare two relays by running them
+both ways, ``--a X --b Y`` then ``--a Y --b X``, and take the geometric mean:
+``sqrt(r1 / r2)`` for Y against X, where r1 and r2 are the two runs' B/A medians
+(bench/RESULTS.md has the runs and the lean's size). ``--both-ways`` does both runs in
+one invocation and prints that mean:
 
     python bench/connect_ab.py --a nginx --b /tmp/tree --sessions 500 --rounds 1 \
         --stream-windows 12 --window 4 --both-ways
@@ -289,11 +290,11 @@ def main() -> int:
 def both_ways(first: Medians, second: Medians, a: str, b: str) -> str:
     """B against A from a run (A, B) and a run with the sides swapped: the geometric mean
     ``sqrt(r1 / r2)`` of their B/A medians."""
-    lines = [f"{b} against {a}, both ways:"]
-    lines.append(
+    lines = [
+        f"{b} against {a}, both ways:",
         f"  set-up {math.sqrt(first.setup / second.setup):.3f} "
-        f"(B/A medians {first.setup:.3f} and {second.setup:.3f})"
-    )
+        f"(B/A medians {first.setup:.3f} and {second.setup:.3f})",
+    ]
     if first.stream is not None and second.stream is not None:
         lines.append(
             f"  CPU per chunk {math.sqrt(first.stream / second.stream):.3f} "
