@@ -27,15 +27,10 @@ from websockets.exceptions import ConnectionClosed, PayloadTooBig
 
 from proxy.admission.gate import Lease
 from proxy.admission.refusal import truncate_reason
+from proxy.relay.session_actions import DropSocket, RelayClose, SendClose, Wake
 from proxy.relay.session_record import SessionRecord
-from proxy.relay.session_rules import (
-    DropSocket,
-    RelayClose,
-    RelayCore,
-    SendClose,
-    Side,
-    Wake,
-)  # fmt: skip
+from proxy.relay.session_rules import RelayCore
+from proxy.relay.session_states import Side
 
 if TYPE_CHECKING:
     from proxy.meter import SessionMeter

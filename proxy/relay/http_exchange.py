@@ -6,7 +6,7 @@ can be reached are the session lifecycle's (:func:`proxy.relay.lifecycle.run_ses
 
 Limits run on the runtime's clock and are read from the settings in force when the
 session was admitted (a reload reaches every new session). The timers are the relay
-core's :class:`~proxy.relay.session_rules.Deadlines`, shared with the WebSocket relays; here,
+core's :class:`~proxy.relay.deadlines.Deadlines`, shared with the WebSocket relays; here,
 activity is the upstream sending something (the status line, a body chunk):
 
 * ``upstream_response_timeout_s``: the upstream's response head (status line and
@@ -54,10 +54,10 @@ from proxy.errors import (
     refusal_for,
 )
 from proxy.relay.admit import FALLBACK_RESPONSE_HEADER
+from proxy.relay.deadlines import Deadlines, Expiry
 from proxy.relay.failover import AttemptFailed, describe, walk
 from proxy.relay.headers import forwarded_request_headers, response_headers
 from proxy.relay.session_record import SessionRecord
-from proxy.relay.session_rules import Deadlines, Expiry
 
 if TYPE_CHECKING:
     from proxy.clock import TimerHandle

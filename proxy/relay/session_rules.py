@@ -1,15 +1,17 @@
 """The WebSocket session rules, once, with no I/O (sans-I/O, in the style of
 python-websockets' ``protocol.py``).
 
-One :class:`RelayCore` per relayed session owns both legs' states (:class:`LegState`),
-the session's phase (:class:`Phase`), the limits and their deadlines, the close-code
+One :class:`RelayCore` per relayed session owns both legs' states
+(:class:`~proxy.relay.session_states.LegState`), the session's phase
+(:class:`~proxy.relay.session_states.Phase`), the limits and their deadlines, the close-code
 mapping, the metering calls and the back-pressure decisions. A shell feeds it events --
 a data frame or message from a leg, a close frame, a lost connection, a full or drained
 socket buffer, a drain request, the clock -- and then carries out the actions it queued
-in :attr:`RelayCore.actions` (write a close frame, forward the endpoint's own close,
-ping, close or drop a socket, pause or resume reading, wake me at, done). Data frames
-are not actions: a shell forwards a frame when :meth:`RelayCore.data_frame` says so
-(and keeps forwarding while :attr:`LegStatus.accepting`), so the hot path allocates
+in :attr:`RelayCore.actions` (:mod:`proxy.relay.session_actions`: write a close frame,
+forward the endpoint's own close, ping, close or drop a socket, pause or resume
+reading, wake me at, done). Data frames are not actions: a shell forwards a frame when
+:meth:`RelayCore.data_frame` says so (and keeps forwarding while
+:attr:`~proxy.relay.session_states.LegStatus.accepting`), so the hot path allocates
 nothing.
 
 Two shells drive it:
@@ -28,8 +30,8 @@ The rules, each stated here only:
 - **write watchdog**: the client's socket buffer full for ``client_write_timeout_s``
   (it stopped reading) -> the client is dropped, 1000 for the upstream, slot freed;
 
-(these three, with the close deadline, are :class:`Deadlines`, which the HTTP relay
-shares: :mod:`proxy.relay.http_exchange`);
+(these three, with the close deadline, are :class:`~proxy.relay.deadlines.Deadlines`, which the HTTP
+relay shares: :mod:`proxy.relay.http_exchange`);
 - **size limit**: a message over ``max_message_bytes`` is not forwarded (client: 1008;
   upstream: 1014 for the client, 1009 for the upstream, an upstream ``protocol``
   error);
@@ -49,224 +51,46 @@ event loop's time as well, since it is about real sockets.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
 from proxy.metering.speech_ws_audio import OmniSpeechWsAdapter
+from proxy.relay.deadlines import Deadlines, Expiry
 from proxy.relay.frames import (
     BINARY,
     client_code_for_upstream_close,
     close_fields,
     sendable_code,
 )  # fmt: skip
+from proxy.relay.session_actions import (
+    Action,
+    CloseSocket,
+    Done,
+    DropSocket,
+    PauseReading,
+    Ping,
+    RelayClose,
+    ResumeReading,
+    SendClose,
+    Wake,
+)  # fmt: skip
+from proxy.relay.session_states import CLIENT, UPSTREAM, LegState, LegStatus, Phase
 
 if TYPE_CHECKING:
     from proxy.metering.base import WsAdapter
     from proxy.relay.session_record import SessionRecord
     from proxy.settings import LimitsSettings
 
-__all__ = [
-    "CLOSE_TIMEOUT_S", "Action", "CloseSocket", "Deadlines", "Done", "DropSocket", "Expiry",
-    "LegState",
-    "LegStatus", "Phase", "Ping", "PauseReading", "RelayClose", "RelayCore",
-    "ResumeReading", "SendClose", "Side", "Wake", "invalid_close",
-]  # fmt: skip
+__all__ = ["CLOSE_TIMEOUT_S", "RelayCore", "invalid_close"]
 
 #: How long a closing handshake may take (then: upstream dropped, client socket closed).
 CLOSE_TIMEOUT_S: Final = 5.0
 
-_EPS: Final = 1e-6  # timers may fire a hair early on float clocks
 _INF: Final = float("inf")
-
-
-class Side(enum.IntEnum):
-    CLIENT = 0
-    UPSTREAM = 1
-
-
-class LegState(enum.Enum):
-    """Where one leg's closing handshake stands."""
-
-    OPEN = "open"  # no close frame either way
-    CLOSE_SENT = "close_sent"  # a close frame was written to the endpoint; its answer awaited
-    CLOSE_RCVD = "close_rcvd"  # the endpoint sent a close frame; ours not written yet
-    CLOSED = "closed"  # close frames crossed both ways; the socket is still open
-    GONE = "gone"  # the socket is closed (by us or by the other end)
-
 
 _CAN_SEND = (LegState.OPEN, LegState.CLOSE_RCVD)  # a close frame may still be written
 _GOT_CLOSE = (LegState.CLOSE_RCVD, LegState.CLOSED)
 _READS = (LegState.OPEN, LegState.CLOSE_SENT)  # data frames may still come from it
-
-
-class Phase(enum.Enum):
-    """The session's phase: who started the end, if anyone."""
-
-    RELAYING = "relaying"
-    CLIENT_CLOSING = "client_closing"  # the client sent the first close (or vanished)
-    UPSTREAM_CLOSING = "upstream_closing"  # the upstream sent the first close
-    HEADROOM_CLOSING = "headroom_closing"  # a limit, drain, error: :attr:`RelayCore.closing`
-    DONE = "done"  # both sockets are closed
-
-
-class LegStatus:
-    """One leg as the core sees it. ``accepting`` (data frames from this endpoint are
-    forwarded and metered) is derived from the states, kept as an attribute because
-    the splice's hot path reads it on every frame."""
-
-    __slots__ = ("accepting", "fresh", "ping_at", "side", "silent_since", "state")
-
-    def __init__(self, side: Side) -> None:
-        self.side = side
-        self.state = LegState.OPEN
-        self.accepting = True
-        self.fresh = False  # bytes arrived since the last keepalive sweep
-        self.silent_since = 0.0  # loop time of the sweep that first found the leg silent
-        self.ping_at: float | None = None  # a ping to this endpoint is unanswered since
-
-    def __repr__(self) -> str:
-        return f"<LegStatus {self.side.name} {self.state.value}>"
-
-
-# -- actions ---------------------------------------------------------------------------
-
-
-class SendClose:
-    """Write Headroom's close frame (``code``, ``reason``) to ``side``'s endpoint, at a
-    frame boundary of what is forwarded to it."""
-
-    __slots__ = ("code", "reason", "side")
-
-    def __init__(self, side: Side, code: int, reason: str) -> None:
-        self.side, self.code, self.reason = side, code, reason
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SendClose) and (self.side, self.code, self.reason) == (
-            other.side, other.code, other.reason,
-        )  # fmt: skip
-
-    def __repr__(self) -> str:
-        return f"SendClose({self.side.name}, {self.code}, {self.reason!r})"
-
-
-class RelayClose:
-    """Forward the other endpoint's close frame to ``side`` as it came (a shell that
-    cannot forward frames sends ``code`` -- sendable -- and ``reason``)."""
-
-    __slots__ = ("code", "reason", "side")
-
-    def __init__(self, side: Side, code: int, reason: str) -> None:
-        self.side, self.code, self.reason = side, code, reason
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, RelayClose) and (self.side, self.code, self.reason) == (
-            other.side, other.code, other.reason,
-        )  # fmt: skip
-
-    def __repr__(self) -> str:
-        return f"RelayClose({self.side.name}, {self.code}, {self.reason!r})"
-
-
-class _SideAction:
-    __slots__ = ("side",)
-
-    def __init__(self, side: Side) -> None:
-        self.side = side
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, _SideAction) and type(other) is type(self) and other.side is self.side
-        )
-
-    def __hash__(self) -> int:
-        return hash((type(self), self.side))
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.side.name})"
-
-
-class Ping(_SideAction):
-    """Send a keepalive ping to ``side``'s endpoint."""
-
-    __slots__ = ()
-
-
-class DropSocket(_SideAction):
-    """Close ``side``'s socket at once, unsent data discarded."""
-
-    __slots__ = ()
-
-
-class PauseReading(_SideAction):
-    __slots__ = ()
-
-
-class ResumeReading(_SideAction):
-    __slots__ = ()
-
-
-class CloseSocket(_SideAction):
-    """Close ``side``'s socket after what was written to it (close frame included);
-    drop it at ``abort_at`` if it has not drained by then."""
-
-    __slots__ = ("abort_at",)
-
-    def __init__(self, side: Side, abort_at: float | None = None) -> None:
-        super().__init__(side)
-        self.abort_at = abort_at
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, CloseSocket) and (other.side, other.abort_at) == (
-            self.side, self.abort_at,
-        )  # fmt: skip
-
-    def __hash__(self) -> int:
-        return hash((CloseSocket, self.side, self.abort_at))
-
-    def __repr__(self) -> str:
-        at = "" if self.abort_at is None else f", abort_at={self.abort_at:g}"
-        return f"CloseSocket({self.side.name}{at})"
-
-
-class Wake:
-    """Call :meth:`RelayCore.tick` at ``at`` (an earlier deadline than announced)."""
-
-    __slots__ = ("at",)
-
-    def __init__(self, at: float) -> None:
-        self.at = at
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Wake) and other.at == self.at
-
-    def __hash__(self) -> int:
-        return hash((Wake, self.at))
-
-    def __repr__(self) -> str:
-        return f"Wake({self.at:g})"
-
-
-class Done:
-    """Both sockets are closed: the session is over."""
-
-    __slots__ = ()
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Done)
-
-    def __hash__(self) -> int:
-        return hash(Done)
-
-    def __repr__(self) -> str:
-        return "Done()"
-
-
-Action = SendClose | RelayClose | Ping | DropSocket | PauseReading | ResumeReading | (
-    CloseSocket | Wake | Done
-)  # fmt: skip
-
-CLIENT, UPSTREAM = Side.CLIENT, Side.UPSTREAM
 _PAUSE = (PauseReading(CLIENT), PauseReading(UPSTREAM))  # shared: the hot path allocates none
 _RESUME = (ResumeReading(CLIENT), ResumeReading(UPSTREAM))
 _DONE = Done()
@@ -281,90 +105,6 @@ def invalid_close(payload: bytes, code: int) -> tuple[int, str] | None:
     except UnicodeDecodeError:
         return 1007, "invalid UTF-8 in the close reason"
     return None
-
-
-class Expiry(enum.Enum):
-    """Which deadline of :class:`Deadlines` passed."""
-
-    CLOSE = "close"
-    CLIENT_WRITE = "client_write"
-    IDLE = "idle"
-    MAX_SESSION = "max_session"
-
-
-class Deadlines:
-    """The session timers every relay shares (WebSocket and HTTP), on the session clock:
-
-    - the **write watchdog**: a send to the client blocked (its socket buffer full)
-      for ``client_write_timeout_s``;
-    - the **idle timeout**: no activity for ``idle_timeout_s`` -- what counts as
-      activity is the relay's to say (a data frame either way; an upstream chunk), and
-      time spent on a blocked send does not count (a client that is not reading is the
-      watchdog's business, and its end restarts the idle clock);
-    - the **session length**: ``max_session_s`` since the start;
-    - the **close deadline**, once set, replaces them all.
-
-    A relay arms one timer for :meth:`next_deadline` and asks :meth:`expired` when it
-    fires; :meth:`earlier` says whether a new deadline needs the timer moved."""
-
-    __slots__ = ("close_deadline", "last_activity", "limits", "send_since", "started", "wake_at")
-
-    def __init__(self, limits: LimitsSettings, now: float) -> None:
-        self.limits = limits
-        self.started = now
-        self.last_activity = now
-        self.send_since: float | None = None  # a send to the client is blocked since
-        self.close_deadline: float | None = None
-        self.wake_at = _INF  # the earliest deadline the relay's timer was set for
-
-    def sending(self, now: float) -> bool:
-        """A send to the client starts blocking (or may): True if the timer must move
-        earlier, to :attr:`wake_at`."""
-        self.send_since = now
-        return self.earlier(now + self.limits.client_write_timeout_s)
-
-    def sent(self, now: float) -> None:
-        """The blocked send is over: activity."""
-        self.send_since = None
-        self.last_activity = now
-
-    def earlier(self, at: float) -> bool:
-        if at < self.wake_at:
-            self.wake_at = at
-            return True
-        return False
-
-    def due(self) -> float:
-        if self.close_deadline is not None:
-            return self.close_deadline
-        limits = self.limits
-        due = _INF
-        if self.send_since is not None:
-            due = self.send_since + limits.client_write_timeout_s
-        elif limits.idle_timeout_s:
-            due = self.last_activity + limits.idle_timeout_s
-        if limits.max_session_s:
-            due = min(due, self.started + limits.max_session_s)
-        return due
-
-    def next_deadline(self) -> float:
-        """When the timer must fire next (``inf``: never)."""
-        self.wake_at = due = self.due()
-        return due
-
-    def expired(self, now: float) -> Expiry | None:
-        """The deadline that has passed at ``now``, if one has."""
-        limits = self.limits
-        if self.close_deadline is not None:
-            return Expiry.CLOSE if now >= self.close_deadline - _EPS else None
-        if self.send_since is not None:
-            if now >= self.send_since + limits.client_write_timeout_s - _EPS:
-                return Expiry.CLIENT_WRITE
-        elif limits.idle_timeout_s and now >= self.last_activity + limits.idle_timeout_s - _EPS:
-            return Expiry.IDLE
-        if limits.max_session_s and now >= self.started + limits.max_session_s - _EPS:
-            return Expiry.MAX_SESSION
-        return None
 
 
 class RelayCore(Deadlines):

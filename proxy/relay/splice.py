@@ -28,20 +28,19 @@ import weakref
 from typing import TYPE_CHECKING, Protocol
 
 from proxy.relay.frames import PING, close_frame, frame
-from proxy.relay.session_rules import (
-    CLOSE_TIMEOUT_S,
+from proxy.relay.session_actions import (
     CloseSocket,
     Done,
     DropSocket,
     PauseReading,
     Ping,
     RelayClose,
-    RelayCore,
     ResumeReading,
     SendClose,
-    Side,
     Wake,
 )  # fmt: skip
+from proxy.relay.session_rules import CLOSE_TIMEOUT_S, RelayCore
+from proxy.relay.session_states import Side
 from proxy.relay.splice_leg import Leg
 
 if TYPE_CHECKING:

@@ -30,10 +30,10 @@ import logging
 from typing import TYPE_CHECKING, Final
 
 from proxy.relay.frames import CLOSE, TEXT, apply_mask
-from proxy.relay.session_rules import Side
+from proxy.relay.session_states import Side
 
 if TYPE_CHECKING:
-    from proxy.relay.session_rules import LegStatus
+    from proxy.relay.session_states import LegStatus
     from proxy.relay.splice import Splice
 
 __all__ = ["RESERVED_OPCODES", "Leg", "violation"]
@@ -76,7 +76,7 @@ def violation(b0: int, b1: int, is_client: bool, in_message: bool) -> str | None
 class Leg(asyncio.Protocol):
     """One socket of the session. It reads frames from its endpoint and forwards them
     into :attr:`peer`'s transport; the frame walk's state lives here, the leg's place
-    in the session (:class:`~proxy.relay.session_rules.LegStatus`) in the session's core."""
+    in the session (:class:`~proxy.relay.session_states.LegStatus`) in the session's core."""
 
     __slots__ = (
         "abort_at",

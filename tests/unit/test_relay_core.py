@@ -10,27 +10,23 @@ from typing import Any
 
 import pytest
 
+from proxy.relay.deadlines import Deadlines, Expiry
 from proxy.relay.frames import BINARY, TEXT
-from proxy.relay.session_record import SessionRecord
-from proxy.relay.session_rules import (
-    CLOSE_TIMEOUT_S,
+from proxy.relay.session_actions import (
     Action,
     CloseSocket,
-    Deadlines,
     Done,
     DropSocket,
-    Expiry,
-    LegState,
     PauseReading,
-    Phase,
     Ping,
     RelayClose,
-    RelayCore,
     ResumeReading,
     SendClose,
-    Side,
     Wake,
 )  # fmt: skip
+from proxy.relay.session_record import SessionRecord
+from proxy.relay.session_rules import CLOSE_TIMEOUT_S, RelayCore
+from proxy.relay.session_states import LegState, Phase, Side
 from proxy.settings import LimitsSettings
 
 C, U = Side.CLIENT, Side.UPSTREAM
