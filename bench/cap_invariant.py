@@ -64,7 +64,7 @@ from bench import chaos_shared as cs  # noqa: E402
 KINDS = ("kill9", "redis_restart", "stall", "reload", "big_body")
 RESERVATIONS = "/v1/headroom/reservations"
 
-STALL_HOOK = '''\
+STALL_HOOK = """\
 import os
 import signal
 import time
@@ -75,7 +75,7 @@ if _STALL_S:
         time.sleep(float(_STALL_S))
 
     signal.signal(signal.SIGUSR1, _stall)
-'''
+"""
 
 
 @dataclass(slots=True)
@@ -429,7 +429,8 @@ async def run(cfg: InvariantConfig) -> dict[str, Any]:
     (hook / "sitecustomize.py").write_text(STALL_HOOK)
     os.environ["HEADROOM_BENCH_STALL_S"] = str(cfg.stall_s)
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(hook), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+        [str(hook), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
     load_before = os.getloadavg()
     redis = cs.RedisProcess(workdir / "redis.log")
     sim = cs.SimProcess(cfg.chaos(), workdir / "sim.log")
@@ -528,35 +529,60 @@ def report(cfg: InvariantConfig, state: State, sim: dict[str, Any], redis_state:
               + sum(sim["active_sessions"]) + sum(sim["open_streams"]))  # fmt: skip
     invariants = {
         "no_admission_over_cap_in_force": not over,
-        "never_over_highest_cap": sim["over_cap_streams"] == 0 and sim["audit"]["over_cap"] == 0
-        and sim["over_cap_sessions"] == 0 and redis_state["over_cap"] == 0,
+        "never_over_highest_cap": sim["over_cap_streams"] == 0
+        and sim["audit"]["over_cap"] == 0
+        and sim["over_cap_sessions"] == 0
+        and redis_state["over_cap"] == 0,
         "no_leaked_slot": leaked == 0 and redis_state["negative"] == 0,
         "stalls_fence_nothing": not stall_fences,
         "no_client_error": not any(o.startswith("client_error") for o in outcomes),
     }
     return {
         "config": {**asdict(cfg), "offered": cfg.offered, "stall_s": cfg.stall_s},
-        "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
-                    "loadavg_after": os.getloadavg()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        },
         "workdir": str(workdir),
         "ran_s": round(stopped - state.t0, 1),
         "ops": Counter(op["kind"] for op in state.ops),
-        "big_bodies": [{k: op.get(k) for k in ("gateway", "status", "sent_mb", "answered_s")}
-                       for op in state.ops if op["kind"] == "big_body"],
-        "reloads": [{"at_s": round(c.sent - state.t0, 2), "before": c.before, "after": c.after,
-                     "applied": c.applied, "took_s": round(c.answered - c.sent, 3)}
-                    for c in state.changes],
-        "sessions": {"total": len(state.sessions), "by_outcome": dict(outcomes.most_common()),
-                     "ok_length_s": {k: _lengths(state.sessions, k == "long")
-                                     for k in ("short", "long")},
-                     "reservations": dict(state.reservations)},
-        "engine": {"samples": sim["samples"], "streams_opened": sim["audit"]["opened"],
-                   "max_streams": sim["max_streams"], "max_sessions": sim["max_sessions"],
-                   "over_highest_cap_samples": sim["over_cap_streams"]},
+        "big_bodies": [
+            {k: op.get(k) for k in ("gateway", "status", "sent_mb", "answered_s")}
+            for op in state.ops
+            if op["kind"] == "big_body"
+        ],
+        "reloads": [
+            {
+                "at_s": round(c.sent - state.t0, 2),
+                "before": c.before,
+                "after": c.after,
+                "applied": c.applied,
+                "took_s": round(c.answered - c.sent, 3),
+            }
+            for c in state.changes
+        ],
+        "sessions": {
+            "total": len(state.sessions),
+            "by_outcome": dict(outcomes.most_common()),
+            "ok_length_s": {k: _lengths(state.sessions, k == "long") for k in ("short", "long")},
+            "reservations": dict(state.reservations),
+        },
+        "engine": {
+            "samples": sim["samples"],
+            "streams_opened": sim["audit"]["opened"],
+            "max_streams": sim["max_streams"],
+            "max_sessions": sim["max_sessions"],
+            "over_highest_cap_samples": sim["over_cap_streams"],
+        },
         "starts_over_cap_in_force": over[:50],
         "redis": {k: redis_state[k] for k in ("samples", "over_cap", "negative", "max_held")},
-        "leaks": {**leaks, "sim_sessions": sim["active_sessions"],
-                  "sim_streams": sim["open_streams"], "total": leaked},
+        "leaks": {
+            **leaks,
+            "sim_sessions": sim["active_sessions"],
+            "sim_streams": sim["open_streams"],
+            "total": leaked,
+        },
         "fences": {"total": len(fenced), "during_stalls": len(stall_fences)},
         "gateway_exit_codes": exit_codes,
         "logs": cs.read_logs(workdir),
@@ -603,15 +629,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpus", type=int, default=d.gpus)
     p.add_argument("--cap", type=int, default=d.cap, help="the highest max_sessions per GPU")
     p.add_argument("--clients", type=int, default=0, help="closed loops (0: 2 x gpus x cap)")
-    p.add_argument("--think", type=float, default=d.think_s,
-                   help="a client's pause after a session, drawn from 0 to this")
+    p.add_argument(
+        "--think",
+        type=float,
+        default=d.think_s,
+        help="a client's pause after a session, drawn from 0 to this",
+    )
     p.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s)
-    p.add_argument("--long-share", type=float, default=d.long_share,
-                   help="share of sessions sending the long text")
+    p.add_argument(
+        "--long-share",
+        type=float,
+        default=d.long_share,
+        help="share of sessions sending the long text",
+    )
     p.add_argument("--long-repeat", type=int, default=d.long_repeat)
     p.add_argument("--kinds", default=",".join(KINDS), help=f"operations, from {KINDS}")
-    p.add_argument("--op-gap", default=",".join(str(x) for x in d.op_gap_s),
-                   help="seconds between operations, drawn from MIN,MAX")
+    p.add_argument(
+        "--op-gap",
+        default=",".join(str(x) for x in d.op_gap_s),
+        help="seconds between operations, drawn from MIN,MAX",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--settle", type=float, default=d.settle_s)
     p.add_argument("--workdir", help="keep configurations and logs here")

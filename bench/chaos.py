@@ -539,9 +539,7 @@ async def _settle(
     while True:
         snap = await _probe(probe, gc=True)
         snap["proc"] = proc_figures(headroom.pid)
-        healthy = all(
-            r["healthy"] for p in snap["pools"].values() for r in p["replicas"].values()
-        )
+        healthy = all(r["healthy"] for p in snap["pools"].values() for r in p["replicas"].values())
         rest = (
             snap["active"] == 0
             and snap["queued"] == 0
@@ -706,9 +704,7 @@ async def run_soak(cfg: ChaosConfig) -> dict[str, Any]:
             exit_code = await headroom.stop()
             fault_counts = {
                 "proxy_chosen": dict(sum((Counter(fp.chosen) for fp in proxies), Counter())),
-                "proxy_triggered": dict(
-                    sum((Counter(fp.triggered) for fp in proxies), Counter())
-                ),
+                "proxy_triggered": dict(sum((Counter(fp.triggered) for fp in proxies), Counter())),
                 "proxy_connections": sum(sum(fp.chosen.values()) for fp in proxies),
                 "proxy_expired": sum(fp.expired for fp in proxies),
                 "sim": dict(state.sim_faults),
@@ -769,8 +765,7 @@ def _report(
         "upstream_excess_transient": all(
             r["upstream_longest_excess_s"] <= cfg.upstream_grace_s for r in replicas.values()
         ),
-        "zero_leaked_slots": bool(final) and final["active"] == 0
-        and final["live_sessions"] == 0,
+        "zero_leaked_slots": bool(final) and final["active"] == 0 and final["live_sessions"] == 0,
         "empty_queue": bool(final) and final["queued"] == 0,
         "no_task_growth": bool(final) and final_tasks <= baseline["tasks"] + cfg.task_tolerance,
         "no_fd_growth": fd_growth is not None and fd_growth <= cfg.fd_tolerance,
@@ -930,7 +925,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
     return 0 if result["ok"] else 1
-
 
 
 if __name__ == "__main__":

@@ -546,4 +546,3 @@ async def run_client(ctx: ClientContext, kind: str, rng: random.Random) -> str:
         return "hung"
     except Exception as exc:  # a harness bug or an unclassified failure: report it
         return f"client_error:{type(exc).__name__}:{exc}"[:160]
-

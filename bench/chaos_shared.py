@@ -748,7 +748,8 @@ async def _faults(run: _Run, redis: RedisProcess, gateways: list[GatewayProcess]
             killed = time.monotonic()
             reclaim: dict[str, Any] = {}
             measuring = asyncio.ensure_future(
-                _measure_reclaim(redis.url, pid, killed, cfg, reclaim))
+                _measure_reclaim(redis.url, pid, killed, cfg, reclaim)
+            )
             await asyncio.get_running_loop().run_in_executor(None, g.reap)
             await asyncio.sleep(cfg.reclaim_bound_s + 1)
             await g.start()
@@ -938,8 +939,11 @@ def fifo_inversions(
             if sent_b > start_a:
                 break
             if start_b < start_a:
-                why = "fault" if _in_fault(start_a, windows) or _in_fault(sent_a, windows) else (
-                    "same_gateway" if gw_a == gw_b else "across_gateways")
+                why = (
+                    "fault"
+                    if _in_fault(start_a, windows) or _in_fault(sent_a, windows)
+                    else ("same_gateway" if gw_a == gw_b else "across_gateways")
+                )
                 beyond[why] += 1
                 lag.append(start_a - start_b)
     return {
@@ -1008,8 +1012,11 @@ def fault_effects(sessions: list[Session], faults: list[dict[str, Any]], t0: flo
         a = t0 + f["at_s"]
         b = t0 + f["until_s"] + settle_s
         hit = (lambda s: True) if "gateway" not in f else (lambda s, g=f["gateway"]: s.gateway == g)
-        live = Counter(s.outcome for s in sessions
-                       if hit(s) and s.opened is not None and s.opened <= a < s.ended)
+        live = Counter(
+            s.outcome
+            for s in sessions
+            if hit(s) and s.opened is not None and s.opened <= a < s.ended
+        )
         new = Counter(s.outcome for s in sessions if hit(s) and a <= s.sent <= b)
         out.append({**f, "live_sessions": sum(live.values()), "live_outcomes": dict(live),
                     "new_sessions_outcomes": dict(new)})  # fmt: skip
@@ -1089,15 +1096,25 @@ def _report(cfg: SharedChaosConfig, run: _Run, sim: dict[str, Any], redis_state:
             load_before: tuple[float, float, float], clients_stopped: float, cpu_redis: float,
             workdir: Path) -> dict[str, Any]:  # fmt: skip
     starts, per_gpu = _grants(sim)
-    raw = {"t0": run.t0, "sessions": [asdict(s) for s in run.sessions], "sim": sim["events"],
-           "over": sim["over"], "faults": faults}
+    raw = {
+        "t0": run.t0,
+        "sessions": [asdict(s) for s in run.sessions],
+        "sim": sim["events"],
+        "over": sim["over"],
+        "faults": faults,
+    }
     (workdir / "raw.json").write_text(json.dumps(raw))
     windows = [(run.t0 + f["at_s"], run.t0 + f["until_s"] + cfg.reclaim_bound_s + 1)
                for f in faults]  # fmt: skip
     outcomes = Counter(s.outcome for s in run.sessions)
-    lengths = {kind: [s.ended - s.opened for s in run.sessions
-                      if s.outcome == "ok" and s.opened is not None and s.long == (kind == "long")]
-               for kind in ("short", "long")}
+    lengths = {
+        kind: [
+            s.ended - s.opened
+            for s in run.sessions
+            if s.outcome == "ok" and s.opened is not None and s.long == (kind == "long")
+        ]
+        for kind in ("short", "long")
+    }
     reclaims = [f for f in faults if f["kind"] == "kill9"]
     reclaim_ok = all(f.get("reclaim_s") is not None and f["reclaim_s"] <= cfg.reclaim_bound_s
                      for f in reclaims)  # fmt: skip
@@ -1142,27 +1159,41 @@ def _report(cfg: SharedChaosConfig, run: _Run, sim: dict[str, Any], redis_state:
         "over_cap_live_sessions": over["live_over_cap"] == 0
         and "unexplained" not in explained["streams"],
         "over_cap_redis": redis_state["over_cap"] == 0 and redis_state["negative"] == 0,
-        "leaked_slots": leaks["leaked"] == 0 and leaks["redis_queue"] == 0
-        and sum(sim["active_sessions"]) == 0 and sum(sim["open_streams"]) == 0,
+        "leaked_slots": leaks["leaked"] == 0
+        and leaks["redis_queue"] == 0
+        and sum(sim["active_sessions"]) == 0
+        and sum(sim["open_streams"]) == 0,
         "reclaim_within_ttl_plus_renewal": reclaim_ok,
         "no_client_error": not any(o.startswith("client_error") for o in outcomes),
     }
     return {
-        "config": {**asdict(cfg), "faults": list(cfg.faults), "offered": cfg.offered,
-                   "total_cap": cfg.total_cap},
-        "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
-                    "loadavg_after": os.getloadavg()},
+        "config": {
+            **asdict(cfg),
+            "faults": list(cfg.faults),
+            "offered": cfg.offered,
+            "total_cap": cfg.total_cap,
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        },
         "workdir": str(workdir),
         "ran_s": round(clients_stopped - run.t0, 1),
         "sessions": {
             "total": len(run.sessions),
             "by_outcome": dict(outcomes.most_common()),
-            "ok_length_s": {k: {"n": len(v), "p50": _pct(v, 0.5), "p90": _pct(v, 0.9)}
-                            for k, v in lengths.items()},
+            "ok_length_s": {
+                k: {"n": len(v), "p50": _pct(v, 0.5), "p90": _pct(v, 0.9)}
+                for k, v in lengths.items()
+            },
         },
         "over_cap": over,
-        "leaks": {**leaks, "sim_sessions": sim["active_sessions"],
-                  "sim_streams": sim["open_streams"]},
+        "leaks": {
+            **leaks,
+            "sim_sessions": sim["active_sessions"],
+            "sim_streams": sim["open_streams"],
+        },
         "reclaim_after_kill9": [
             {k: f.get(k) for k in ("at_s", "gateway", "held_at_kill", "reclaim_s", "all_gone_s")}
             for f in reclaims
@@ -1215,33 +1246,52 @@ def format_report(r: dict[str, Any]) -> str:
         f"sim sessions {lk['sim_sessions']}, streams {lk['sim_streams']})",
     ]
     for k in r["reclaim_after_kill9"]:
-        lines.append(f"- kill -9 gateway {k['gateway']} at {k['at_s']} s: held "
-                     f"{k['held_at_kill']}, reclaimed in {k['reclaim_s']} s (bound "
-                     f"{r['reclaim_bound_s']} s); its last lease gone after {k['all_gone_s']} s")
+        lines.append(
+            f"- kill -9 gateway {k['gateway']} at {k['at_s']} s: held "
+            f"{k['held_at_kill']}, reclaimed in {k['reclaim_s']} s (bound "
+            f"{r['reclaim_bound_s']} s); its last lease gone after {k['all_gone_s']} s"
+        )
     f = r["fifo"]
-    lines.append(f"- FIFO: {f['admitted']} sessions reached a GPU; inverted pairs "
-                 f"{f['inversions']}; beyond {f['margin_ms']:.0f} ms of arrival race "
-                 f"{f['beyond_margin']} {f['beyond_margin_by_cause']}")
+    lines.append(
+        f"- FIFO: {f['admitted']} sessions reached a GPU; inverted pairs "
+        f"{f['inversions']}; beyond {f['margin_ms']:.0f} ms of arrival race "
+        f"{f['beyond_margin']} {f['beyond_margin_by_cause']}"
+    )
     i = r["idle_while_queued"]
-    lines.append(f"- slot idle while queued (release to next start on the GPU): n {i['count']}, "
-                 f"p50 {i['p50_ms']} ms, p99 {i['p99_ms']} ms, max {i['max_ms']} ms; outside "
-                 f"fault windows p50 {i['outside_faults_p50_ms']} ms, p99 "
-                 f"{i['outside_faults_p99_ms']} ms")
+    lines.append(
+        f"- slot idle while queued (release to next start on the GPU): n {i['count']}, "
+        f"p50 {i['p50_ms']} ms, p99 {i['p99_ms']} ms, max {i['max_ms']} ms; outside "
+        f"fault windows p50 {i['outside_faults_p50_ms']} ms, p99 "
+        f"{i['outside_faults_p99_ms']} ms"
+    )
     lines.append(f"- sessions {r['sessions']['total']}: {r['sessions']['by_outcome']}")
     ln = r["sessions"]["ok_length_s"]
-    lines.append("- length of ok sessions (handshake to end), p50/p90 s: " + ", ".join(
-        f"{k} {_round(v['p50'])}/{_round(v['p90'])} (n {v['n']})" for k, v in ln.items()))
+    lines.append(
+        "- length of ok sessions (handshake to end), p50/p90 s: "
+        + ", ".join(
+            f"{k} {_round(v['p50'])}/{_round(v['p90'])} (n {v['n']})" for k, v in ln.items()
+        )
+    )
     lg = r["logs"]
-    lines.append(f"- gateway logs: {lg['levels']}; tracebacks {lg['tracebacks']}; errors "
-                 f"{lg['errors']}")
-    lines.append(f"- gateway exit codes (SIGTERM at the end): {r['gateway_exit_codes']}; "
-                 f"redis-server CPU {r['redis_cpu_s']} s")
-    lines += ["", "| fault | at s | until s | gateway | live sessions | how they ended | "
-              "new sessions until settled |", "|---|---|---|---|---|---|---|"]
+    lines.append(
+        f"- gateway logs: {lg['levels']}; tracebacks {lg['tracebacks']}; errors {lg['errors']}"
+    )
+    lines.append(
+        f"- gateway exit codes (SIGTERM at the end): {r['gateway_exit_codes']}; "
+        f"redis-server CPU {r['redis_cpu_s']} s"
+    )
+    lines += [
+        "",
+        "| fault | at s | until s | gateway | live sessions | how they ended | "
+        "new sessions until settled |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for fx in r["faults"]:
-        lines.append(f"| {fx['kind']} | {fx['at_s']} | {fx['until_s']} | "
-                     f"{fx.get('gateway', 'all')} | {fx['live_sessions']} | "
-                     f"{fx['live_outcomes']} | {fx['new_sessions_outcomes']} |")
+        lines.append(
+            f"| {fx['kind']} | {fx['at_s']} | {fx['until_s']} | "
+            f"{fx.get('gateway', 'all')} | {fx['live_sessions']} | "
+            f"{fx['live_outcomes']} | {fx['new_sessions_outcomes']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -1258,20 +1308,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s)
     parser.add_argument("--renew-interval", type=float, default=d.renew_interval_s)
     parser.add_argument("--fence-margin", type=float, default=d.fence_margin_s)
-    parser.add_argument("--redis-timeout", type=float, default=d.redis_timeout_s,
-                        help="admission.redis.timeout_s (below the renewal interval)")
-    parser.add_argument("--settle", type=float, default=d.settle_s,
-                        help="at the end, seconds the running sessions may take to finish")
-    parser.add_argument("--long-share", type=float, default=d.long_share,
-                        help="share of sessions with a long text (longer than a lease TTL)")
+    parser.add_argument(
+        "--redis-timeout",
+        type=float,
+        default=d.redis_timeout_s,
+        help="admission.redis.timeout_s (below the renewal interval)",
+    )
+    parser.add_argument(
+        "--settle",
+        type=float,
+        default=d.settle_s,
+        help="at the end, seconds the running sessions may take to finish",
+    )
+    parser.add_argument(
+        "--long-share",
+        type=float,
+        default=d.long_share,
+        help="share of sessions with a long text (longer than a lease TTL)",
+    )
     parser.add_argument("--queue-depth", type=int, default=d.queue_depth)
     parser.add_argument("--queue-wait", type=float, default=d.queue_wait_s)
     parser.add_argument("--first-fault", type=float, default=d.first_fault_s)
     parser.add_argument("--fault-every", type=float, default=d.fault_every_s)
-    parser.add_argument("--faults", default=",".join(FAULT_KINDS),
-                        help="comma-separated, in rotation: " + ", ".join(FAULT_KINDS))
-    parser.add_argument("--pause-extra", type=float, default=d.pause_extra_s,
-                        help="SIGSTOP and cut-off last lease TTL + this many seconds")
+    parser.add_argument(
+        "--faults",
+        default=",".join(FAULT_KINDS),
+        help="comma-separated, in rotation: " + ", ".join(FAULT_KINDS),
+    )
+    parser.add_argument(
+        "--pause-extra",
+        type=float,
+        default=d.pause_extra_s,
+        help="SIGSTOP and cut-off last lease TTL + this many seconds",
+    )
     parser.add_argument("--sample-ms", type=float, default=d.sample_ms)
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument("--workdir", help="keep configurations and logs here")

@@ -16,9 +16,7 @@ from proxy.admission import Admit, PoolCore, QueuePolicy, ReplicaSpec
 
 
 def run(n: int) -> list[float]:
-    core = PoolCore(
-        "bench", [ReplicaSpec(f"gpu{i}", 12) for i in range(8)], QueuePolicy(32, 10.0)
-    )
+    core = PoolCore("bench", [ReplicaSpec(f"gpu{i}", 12) for i in range(8)], QueuePolicy(32, 10.0))
     now = 0.0
     held = []
     for _ in range(48):  # half full
@@ -44,8 +42,10 @@ def main() -> None:
     args = parser.parse_args()
     runs = run(args.n)
     print("admission decision (arrive or release), 8 replicas x 12 slots, half full:")
-    print(f"  median {statistics.median(runs):.2f} us  min {min(runs):.2f} us  "
-          f"over {len(runs)} runs of {2 * args.n} decisions")
+    print(
+        f"  median {statistics.median(runs):.2f} us  min {min(runs):.2f} us  "
+        f"over {len(runs)} runs of {2 * args.n} decisions"
+    )
 
 
 if __name__ == "__main__":

@@ -207,9 +207,7 @@ class _Link:
         try:
             async with asyncio.timeout(self.fault.max_lifetime_s):
                 while pending:
-                    done, pending = await asyncio.wait(
-                        pending, return_when=asyncio.FIRST_COMPLETED
-                    )
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                     for task in done:
                         if task.exception() is not None:
                             # a reset (injected or by a peer): both sides go at once

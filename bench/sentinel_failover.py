@@ -134,7 +134,9 @@ def gateway_config(cfg: FailoverConfig, port: int, primary: Node, sentinels: lis
     data = cs.gateway_settings(cfg.chaos(), port, f"redis://127.0.0.1:{primary.port}/0",
                                gpu_urls)  # fmt: skip
     data["admission"]["redis"]["sentinel"] = {
-        "master": MASTER, "nodes": [f"127.0.0.1:{s.port}" for s in sentinels]}
+        "master": MASTER,
+        "nodes": [f"127.0.0.1:{s.port}" for s in sentinels],
+    }
     data["limits"]["idle_timeout_s"] = 20
     data["limits"]["max_session_s"] = 60
     return data
@@ -283,7 +285,8 @@ def report(cfg: FailoverConfig, sessions: list[cs.Session], killed: float, failo
     leaked = sum(leaks.values()) + sum(sim["active_sessions"]) + sum(sim["open_streams"])
     short = failover_s < cfg.lease_ttl_s - cfg.fence_margin_s
     invariants = {
-        "never_over_cap": sim["over_cap_streams"] == 0 and sim["audit"]["over_cap"] == 0
+        "never_over_cap": sim["over_cap_streams"] == 0
+        and sim["audit"]["over_cap"] == 0
         and sim["over_cap_sessions"] == 0,
         "admission_resumed": bool(after),
         "no_leaked_slot": leaked == 0,
@@ -291,16 +294,23 @@ def report(cfg: FailoverConfig, sessions: list[cs.Session], killed: float, failo
     }
     return {
         "config": {**asdict(cfg), "offered": cfg.offered},
-        "machine": {"cpus": os.cpu_count(), "loadavg_before": load_before,
-                    "loadavg_after": os.getloadavg()},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
+        },
         "workdir": str(workdir),
         "failover_s": round(failover_s, 3),
         "first_admission_after_kill_s": round(after[0], 3) if after else None,
         "sessions_live_at_kill": len(live),
         "live_outcomes": dict(live_outcomes),
         "sessions": dict(Counter(s.outcome for s in sessions).most_common()),
-        "engine": {"streams_opened": sim["audit"]["opened"], "samples": sim["samples"],
-                   "over_cap_samples": sim["over_cap_streams"], "max_streams": sim["max_streams"]},
+        "engine": {
+            "streams_opened": sim["audit"]["opened"],
+            "samples": sim["samples"],
+            "over_cap_samples": sim["over_cap_streams"],
+            "max_streams": sim["max_streams"],
+        },
         "leaks": {**leaks, "total": leaked},
         "gateway_exit_codes": exit_codes,
         "logs": cs.read_logs(workdir),
@@ -336,8 +346,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s)
     p.add_argument("--fence-margin", type=float, default=d.fence_margin_s)
-    p.add_argument("--down-after-ms", type=int, default=d.down_after_ms,
-                   help="the sentinels' down-after-milliseconds")
+    p.add_argument(
+        "--down-after-ms",
+        type=int,
+        default=d.down_after_ms,
+        help="the sentinels' down-after-milliseconds",
+    )
     p.add_argument("--warmup", type=float, default=d.warmup_s)
     p.add_argument("--after", type=float, default=d.after_s, help="load after the promotion")
     p.add_argument("--seed", type=int, default=d.seed)

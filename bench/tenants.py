@@ -356,8 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hold", type=float, default=60.0, help="measured seconds")
     parser.add_argument("--warmup", type=float, default=15.0, help="excluded seconds")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", choices=("memory", "redis"), default="memory",
-                        help="admission backend of the gateway (redis: a local redis-server)")
+    parser.add_argument(
+        "--backend",
+        choices=("memory", "redis"),
+        default="memory",
+        help="admission backend of the gateway (redis: a local redis-server)",
+    )
     parser.add_argument("--json", metavar="OUT", help="write the figures as JSON")
     parser.add_argument("--worker", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--tenant", help=argparse.SUPPRESS)

@@ -371,9 +371,7 @@ class ClientConnection(asyncio.Protocol):
     def _on_frame(self, fin: bool, opcode: int, payload: memoryview, key: bytes | None) -> None:
         if opcode == 2 or (opcode == 0 and self.pending_ts >= 0):
             if opcode == 2:
-                self.pending_ts = (
-                    int.from_bytes(payload[:8], "little") if len(payload) >= 8 else 0
-                )
+                self.pending_ts = int.from_bytes(payload[:8], "little") if len(payload) >= 8 else 0
             if not fin:
                 return
             now = time.monotonic_ns()
@@ -414,9 +412,14 @@ class ClientConnection(asyncio.Protocol):
 def _request(host: str, port: int, path: str) -> bytes:
     key = base64.b64encode(os.urandom(16))
     return (
-        f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
-        f"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
-    ).encode() + b"Sec-WebSocket-Key: " + key + b"\r\n\r\n"
+        (
+            f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+        ).encode()
+        + b"Sec-WebSocket-Key: "
+        + key
+        + b"\r\n\r\n"
+    )
 
 
 class ClientGroup:

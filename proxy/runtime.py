@@ -205,8 +205,16 @@ class Runtime:
             changes.append("routes updated")
         if settings.admission != old.admission:
             changes.append("admission backend changes need a restart: not applied")
-        for section in ("limits", "forwarded", "meter", "guard", "health", "auth",
-                        "pipelines", "drain_timeout_s"):
+        for section in (
+            "limits",
+            "forwarded",
+            "meter",
+            "guard",
+            "health",
+            "auth",
+            "pipelines",
+            "drain_timeout_s",
+        ):
             if getattr(settings, section) != getattr(old, section):
                 changes.append(f"{section} updated")
         self._apply_settings(settings)

@@ -62,6 +62,7 @@ log = logging.getLogger("headroom.gate")
 #: position changes.
 PositionCallback = Callable[[int, float], None]
 
+
 def count_decision(
     metrics: Metrics | None, pool: str, decision: str, tenant: TenantSpec | None
 ) -> None:
@@ -634,4 +635,3 @@ class Gate:
             self._resolve(p.core.name, p, reject)
         self._arm_timer(p)
         self._notify_positions(p)
-

@@ -162,9 +162,7 @@ class PoolCore:
             return self._reject(ticket, "draining", position=None, now=now)
         if not any(r.healthy and not r.retired for r in self._replicas.values()):
             return self._reject(ticket, "no_healthy_replica", position=None, now=now)
-        if not self._waiters.waiting_at_or_above(spec.priority) and self._may_take(
-            spec.priority
-        ):
+        if not self._waiters.waiting_at_or_above(spec.priority) and self._may_take(spec.priority):
             replica = self._pick()
             if replica is not None:
                 return self._admit(ticket, spec, replica, now, now)

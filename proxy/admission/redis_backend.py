@@ -216,7 +216,9 @@ class RedisAdmission:
         from redis import exceptions
 
         self._errors: tuple[type[BaseException], ...] = (
-            exceptions.RedisError, OSError, TimeoutError
+            exceptions.RedisError,
+            OSError,
+            TimeoutError,
         )
         self._connection_errors: tuple[type[BaseException], ...] = (exceptions.ConnectionError,)
 
@@ -522,7 +524,9 @@ class LeaseRenewer:
         from redis import exceptions
 
         self._errors: tuple[type[BaseException], ...] = (
-            exceptions.RedisError, OSError, TimeoutError
+            exceptions.RedisError,
+            OSError,
+            TimeoutError,
         )
         self._connection_errors: tuple[type[BaseException], ...] = (exceptions.ConnectionError,)
 

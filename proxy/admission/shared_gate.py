@@ -237,9 +237,7 @@ class SharedGate(SharedRenewal, SharedWakeups):
         waiter = WaiterState(future, on_position, now, tenant=tenant)
         p.waiters[waiter_id] = waiter
         depth = p.queue.max_depth if p.queue.enabled and queue else 0
-        call = asyncio.ensure_future(
-            self.backend.acquire_as(pool, waiter_id, view, depth, tenant)
-        )
+        call = asyncio.ensure_future(self.backend.acquire_as(pool, waiter_id, view, depth, tenant))
         try:
             got = await asyncio.shield(call)
         except asyncio.CancelledError:
@@ -409,9 +407,7 @@ class SharedGate(SharedRenewal, SharedWakeups):
         self._next += 1
         return f"{self.backend.gateway_id}:{self._next}"
 
-    async def hold(
-        self, pool: str, lease_id: str, hold_s: float, tenant: TenantSpec | None
-    ) -> str:
+    async def hold(self, pool: str, lease_id: str, hold_s: float, tenant: TenantSpec | None) -> str:
         """One slot of ``pool`` for a gang reservation, now or never, held ``hold_s`` in
         Redis without renewal (hold.lua): the decision :meth:`admit` with
         ``queue=False`` makes for a session of ``tenant``'s class. Returns the replica;
@@ -477,9 +473,7 @@ class SharedGate(SharedRenewal, SharedWakeups):
 
     # -- failover before the first byte ----------------------------------------------
 
-    async def _fail_over(
-        self, lease: SharedLease, eject: bool, exclude: Collection[str]
-    ) -> bool:
+    async def _fail_over(self, lease: SharedLease, eject: bool, exclude: Collection[str]) -> bool:
         p = self._pools[lease.pool]
         if eject:
             self.set_healthy(lease.pool, lease.replica, False)
@@ -507,8 +501,11 @@ class SharedGate(SharedRenewal, SharedWakeups):
     def _refuse_waiters(self, p: PoolState, reason: str) -> None:
         for waiter in list(p.waiters.values()):
             if waiter.queued and not waiter.future.done():
-                waiter.future.set_result(Reject(0, reason, self._estimate(p, 1),
-                                                waited_s=self.clock.now() - waiter.arrived))
+                waiter.future.set_result(
+                    Reject(
+                        0, reason, self._estimate(p, 1), waited_s=self.clock.now() - waiter.arrived
+                    )
+                )
 
     async def wait_idle(self) -> None:
         if self.active == 0:
@@ -563,9 +560,7 @@ class SharedGate(SharedRenewal, SharedWakeups):
         if reserves is None:
             reserves = self._reserves.get(name, ())
         self._reserves[name] = tuple(reserves)
-        self.backend.configure_pool(
-            name, session_estimate_s=session_estimate_s, reserves=reserves
-        )
+        self.backend.configure_pool(name, session_estimate_s=session_estimate_s, reserves=reserves)
         p = self._pools.get(name)
         if p is None:
             self._pools[name] = PoolState(
@@ -735,8 +730,9 @@ def build_shared_gate(settings: Settings, clock: Clock, metrics: Metrics | None)
         lease_ttl_s=r.lease_ttl_s,
         heartbeat_ttl_s=r.renew_interval_s * 2.5,
         timeout_s=r.timeout_s,
-        sentinel=None if r.sentinel is None else SentinelNodes.parse(
-            r.sentinel.master, r.sentinel.nodes, r.sentinel.password),
+        sentinel=None
+        if r.sentinel is None
+        else SentinelNodes.parse(r.sentinel.master, r.sentinel.nodes, r.sentinel.password),
     )
     gate = SharedGate(
         [

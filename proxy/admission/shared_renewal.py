@@ -84,8 +84,11 @@ class SharedRenewal(SharedTenants):
             if state == -2:  # shed; its wake-up may still be on the way
                 self._shed(p, waiter, waiter.position)
             elif state < 0:
-                waiter.future.set_result(Reject(0, "backend_unavailable", 1.0,
-                                                waited_s=self.clock.now() - waiter.arrived))
+                waiter.future.set_result(
+                    Reject(
+                        0, "backend_unavailable", 1.0, waited_s=self.clock.now() - waiter.arrived
+                    )
+                )
             elif state > 0 and state != waiter.position:
                 waiter.position = state
                 if waiter.on_position is not None:

@@ -52,6 +52,7 @@ log = logging.getLogger("headroom.reservations")
 #: hears "expired" rather than "unknown").
 KEEP_S = 600.0
 
+
 def token_digest(token: str) -> str:
     """What Redis knows a reservation by: the SHA-256 of its token (hex)."""
     return hashlib.sha256(token.encode("utf-8", "surrogateescape")).hexdigest()

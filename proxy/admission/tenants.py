@@ -231,17 +231,19 @@ class TenantQueue:
         found: _Waiter | None = None
         for w in self._waiters.values():
             p = w.tenant.priority
-            if p < 0 and p < priority and (
-                found is None
-                or p < found.tenant.priority
-                or (p == found.tenant.priority and w.seq > found.seq)
+            if (
+                p < 0
+                and p < priority
+                and (
+                    found is None
+                    or p < found.tenant.priority
+                    or (p == found.tenant.priority and w.seq > found.seq)
+                )
             ):
                 found = w
         return found
 
-    def order(
-        self, now: float, expected_s: float, newcomer: TenantSpec | None = None
-    ) -> list[int]:
+    def order(self, now: float, expected_s: float, newcomer: TenantSpec | None = None) -> list[int]:
         """Every waiting ticket in projected service order (see the module docstring).
         With ``newcomer``, a phantom waiter of that tenant (ticket 0) is placed too, to
         tell a refused client where it would have stood."""

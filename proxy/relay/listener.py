@@ -68,6 +68,7 @@ log = logging.getLogger("headroom.http")
 #: How long a refused connection keeps reading (and discarding) before it closes.
 LINGER_S = 2.0
 
+
 class _OverLimit(Exception):
     """Raised in a parser callback to stop httptools at a head or trailer limit."""
 

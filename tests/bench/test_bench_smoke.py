@@ -145,9 +145,7 @@ def test_frame_parser_reassembles_split_frames() -> None:
     assert seen[-1][2] == b"hi"  # the all-zero mask leaves the payload as it is
 
 
-@pytest.mark.parametrize(
-    ("q", "expected"), [(50, 50.0), (99, 99.0), (100, 100.0), (0.1, 1.0)]
-)
+@pytest.mark.parametrize(("q", "expected"), [(50, 50.0), (99, 99.0), (100, 100.0), (0.1, 1.0)])
 def test_percentile_is_nearest_rank_in_ms(q: float, expected: float) -> None:
     harness = _load("harness")
     ordered = [i * 1_000_000 for i in range(1, 101)]  # 1..100 ms

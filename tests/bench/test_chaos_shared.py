@@ -48,9 +48,9 @@ def test_fifo_inversions_count_pairs_reaching_a_gpu_out_of_arrival_order() -> No
     assert result["beyond_margin"] == 2
     assert result["beyond_margin_by_cause"] == {"across_gateways": 2}
     # The same arrivals inside a fault window are put down to the fault.
-    assert cs.fifo_inversions(sessions, starts, 0.05, [(4.5, 6.0)])[
-        "beyond_margin_by_cause"
-    ] == {"fault": 2}
+    assert cs.fifo_inversions(sessions, starts, 0.05, [(4.5, 6.0)])["beyond_margin_by_cause"] == {
+        "fault": 2
+    }
     # In order: none. Closer than the margin: counted, but not beyond it.
     in_order = {"a": (0, 3.0), "b": (0, 4.0), "c": (1, 5.0)}
     assert cs.fifo_inversions(sessions, in_order, 0.05, [])["inversions"] == 0

@@ -184,7 +184,8 @@ async def test_http_upstream_silent_past_the_read_timeout_is_a_gateway_error(
     async with raw_server(silent) as port:
         proxy: Proxy = await start_proxy(
             proxy_settings(
-                [("gpu0", f"http://127.0.0.1:{port}", 1)], [speech_route()],
+                [("gpu0", f"http://127.0.0.1:{port}", 1)],
+                [speech_route()],
                 limits={"idle_timeout_s": 0.2},
             )
         )

@@ -132,7 +132,9 @@ def test_two_gateways_share_caps_through_the_redis_service() -> None:
     assert "8081:8080" in second["ports"]
     prometheus = load_yaml(REPO / "deploy" / "compose" / "prometheus.yml")
     targets = {
-        t for job in prometheus["scrape_configs"] for sc in job["static_configs"]
+        t
+        for job in prometheus["scrape_configs"]
+        for sc in job["static_configs"]
         for t in sc["targets"]
     }
     assert {"headroom:8080", "headroom-2:8080"} <= targets

@@ -222,8 +222,14 @@ sse_events = st.builds(
     event(),
 ).map(str.encode)  # fmt: skip
 chunks = st.lists(
-    st.one_of(st.binary(max_size=300), sse_events, binary_frames,
-              st.just(b"data: [DONE]\n\n"), st.just(b"\r"), st.just(b"\n")),
+    st.one_of(
+        st.binary(max_size=300),
+        sse_events,
+        binary_frames,
+        st.just(b"data: [DONE]\n\n"),
+        st.just(b"\r"),
+        st.just(b"\n"),
+    ),
     max_size=20,
 )
 

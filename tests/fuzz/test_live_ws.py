@@ -41,6 +41,7 @@ ALLOWED_CLOSES = {1000, 1001, 1002, 1005, 1007, 1008, 1009, 1013, 1014}
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
+
 @dataclass
 class Result:
     status: int | None  # HTTP status of the handshake (None: no answer)
@@ -106,7 +107,10 @@ CASES: dict[str, tuple[str, bytes, set[int]]] = {
     "UTF-16 surrogate (1007)": ("realtime", text(b"\xed\xa0\x80"), {1007}),
     "overlong encoding (1007)": ("realtime", text(b"\xc0\xaf"), {1007}),
     "invalid UTF-8 across fragments (1007)": (
-        "speech", text(b"ok \xe2\x82", fin=False) + frame(OP_CONT, b"\x28"), {1007}),
+        "speech",
+        text(b"ok \xe2\x82", fin=False) + frame(OP_CONT, b"\x28"),
+        {1007},
+    ),
     "unmasked client frame (1002)": ("speech", text(CONFIG, mask=False), {1002}),
     "reserved opcode 0x3 (1002)": ("speech", frame(0x3, b"x"), {1002}),
     "reserved control opcode 0xB (1002)": ("speech", frame(0xB, b""), {1002}),
@@ -115,7 +119,10 @@ CASES: dict[str, tuple[str, bytes, set[int]]] = {
     "fragmented ping (1002)": ("speech", frame(OP_PING, b"x", fin=False), {1002}),
     "continuation without a start (1002)": ("speech", frame(OP_CONT, b"x"), {1002}),
     "new message inside a fragmented one (1002)": (
-        "speech", text(b"{", fin=False) + text(b"{}"), {1002}),
+        "speech",
+        text(b"{", fin=False) + text(b"{}"),
+        {1002},
+    ),
     "close code 999 (1002)": ("speech", close_frame(999), {1002}),
     "close code 1005 on the wire (1002)": ("speech", close_frame(1005), {1002}),
     "close code 5000 (1002)": ("speech", close_frame(5000), {1002}),

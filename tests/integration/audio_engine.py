@@ -121,8 +121,10 @@ class AudioEngine:
         for i in range(10):
             await self._pace(i)
             if path == "/v1/audio/transcriptions":
-                event = {"object": "transcription.chunk",
-                         "choices": [{"delta": {"content": f"w{i} "}, "finish_reason": None}]}
+                event = {
+                    "object": "transcription.chunk",
+                    "choices": [{"delta": {"content": f"w{i} "}, "finish_reason": None}],
+                }
                 chunk = f"data: {json.dumps(event)}\n\n".encode()  # fmt: skip
             elif sse:
                 event = {"audio": b64, "response_format": "pcm"}

@@ -120,9 +120,12 @@ async def test_tenant_limit_is_429_and_other_tenants_are_unaffected(
                           compression=None)  # fmt: skip
     await again.close()
     await wait_until(lambda: proxy.gate.active == 0)
-    assert proxy.metric(
-        "headroom_session_decisions_total", pool="main", decision="rejected_tenant_limit"
-    ) == 1
+    assert (
+        proxy.metric(
+            "headroom_session_decisions_total", pool="main", decision="rejected_tenant_limit"
+        )
+        == 1
+    )
 
 
 async def test_close_mode_unauthorized_is_1008(start_proxy: Any, upstream: Any) -> None:

@@ -212,9 +212,7 @@ async def test_max_session_ends_an_http_stream_truncated(start_proxy: Any) -> No
 async def test_a_reloaded_idle_timeout_reaches_http_sessions(start_proxy: Any) -> None:
     clock = FakeClock()
     async with raw_upstream(mode="stall") as upstream:
-        proxy: Proxy = await start_proxy(
-            settings(upstream, limits={"idle_timeout_s": 300}), clock
-        )
+        proxy: Proxy = await start_proxy(settings(upstream, limits={"idle_timeout_s": 300}), clock)
         proxy.runtime.apply(settings(upstream, limits={"idle_timeout_s": 5}))
         received: list[bytes] = []
         await read_truncated(proxy, {}, received, (9600, lambda: clock.advance(6)))
@@ -308,8 +306,12 @@ async def test_only_the_clients_headers_reach_the_upstream(start_proxy: Any) -> 
         second = await raw_request(proxy.server.port, head)
         assert "cookie" not in dict(second["headers"])
         # what the client does send is relayed as sent
-        asked = await raw_request(proxy.server.port, head.replace(
-            b"x-thing: t", b"accept: audio/pcm\r\naccept-encoding: identity\r\nuser-agent: me"))
+        asked = await raw_request(
+            proxy.server.port,
+            head.replace(
+                b"x-thing: t", b"accept: audio/pcm\r\naccept-encoding: identity\r\nuser-agent: me"
+            ),
+        )
         got = dict(asked["headers"])
         assert (got["accept"], got["accept-encoding"], got["user-agent"]) == (
             "audio/pcm", "identity", "me")  # fmt: skip

@@ -187,9 +187,12 @@ async def test_unreachable_replicas_are_each_tried_once_then_502(start_proxy: An
         response = await client.post(proxy.http_url + "/x", content=b"{}")
     assert response.status_code == 502
     for name in ("gpu0", "gpu1"):
-        assert proxy.metric(
-            "headroom_upstream_errors_total", pool="main", replica=name, kind="connect"
-        ) == 1
+        assert (
+            proxy.metric(
+                "headroom_upstream_errors_total", pool="main", replica=name, kind="connect"
+            )
+            == 1
+        )
     assert proxy.gate.active == 0
 
 

@@ -44,9 +44,7 @@ async def test_fallback_only_when_the_client_opts_in(start_proxy: Any, upstream:
         await connect(proxy.ws_url + "/ws/echo", compression=None)
     body = json.loads(info.value.response.body)["error"]
     assert body["fallback"] == {"voice": "lite-1", "pool": "lite", "url": None}
-    async with connect(
-        proxy.ws_url + "/ws/echo?headroom_fallback=1&x=2", compression=None
-    ) as ws:
+    async with connect(proxy.ws_url + "/ws/echo?headroom_fallback=1&x=2", compression=None) as ws:
         assert ws.response.headers["X-Headroom-Fallback"] == "lite"
         greeting = await hello(ws)
         assert greeting["query"] == "x=2"  # Headroom's own parameter is not forwarded

@@ -45,9 +45,7 @@ async def hello(ws: Any) -> dict[str, Any]:
 
 async def test_frames_relayed_byte_exact_both_ways(start_proxy: Any, upstream: Any) -> None:
     server, _ = upstream
-    proxy: Proxy = await start_proxy(
-        proxy_settings([("gpu0", server.http_url, 2)], [ws_route()])
-    )
+    proxy: Proxy = await start_proxy(proxy_settings([("gpu0", server.http_url, 2)], [ws_route()]))
     async with connect(proxy.ws_url + "/ws/echo?x=1", compression=None) as ws:
         greeting = await hello(ws)
         assert greeting["query"] == "x=1"
@@ -130,9 +128,10 @@ async def test_third_session_refused_then_fourth_admitted(start_proxy: Any, upst
         await hello(d)
     await b.close()
     await wait_until(lambda: proxy.gate.active == 0)
-    assert proxy.metric(
-        "headroom_session_decisions_total", pool="main", decision="rejected_pool_full"
-    ) == 1
+    assert (
+        proxy.metric("headroom_session_decisions_total", pool="main", decision="rejected_pool_full")
+        == 1
+    )
 
 
 async def test_waiters_admitted_in_arrival_order(start_proxy: Any, upstream: Any) -> None:
@@ -172,6 +171,7 @@ async def test_waiter_that_disconnects_loses_its_place(start_proxy: Any, upstrea
         )
     )
     holder = await connect(proxy.ws_url + "/ws/echo", compression=None)
+
     async def open_ws() -> Any:
         return await connect(proxy.ws_url + "/ws/echo", compression=None, open_timeout=30)
 
@@ -235,9 +235,10 @@ async def test_unreachable_replica_is_skipped(start_proxy: Any, upstream: Any) -
         assert not stats["dead"].healthy
         assert stats["live"].active == 1
     await wait_until(lambda: proxy.gate.active == 0)
-    assert proxy.metric(
-        "headroom_upstream_errors_total", pool="main", replica="dead", kind="connect"
-    ) == 1
+    assert (
+        proxy.metric("headroom_upstream_errors_total", pool="main", replica="dead", kind="connect")
+        == 1
+    )
 
 
 async def test_a_plain_ws_upstream_is_connected_by_the_event_loop(
@@ -297,9 +298,12 @@ async def test_upstream_killed_mid_stream_gives_1014(start_proxy: Any) -> None:
                 await ws.recv()
         assert ws.close_code == 1014
         await wait_until(lambda: proxy.gate.active == 0)
-        assert proxy.metric(
-            "headroom_upstream_errors_total", pool="main", replica="gpu0", kind="midstream"
-        ) == 1
+        assert (
+            proxy.metric(
+                "headroom_upstream_errors_total", pool="main", replica="gpu0", kind="midstream"
+            )
+            == 1
+        )
 
 
 async def test_unknown_path_is_404(start_proxy: Any, upstream: Any) -> None:
@@ -329,9 +333,7 @@ async def test_a_wss_upstream_is_spliced_over_tls(
     trusted = ssl.create_default_context()
     ca.configure_trust(trusted)
     monkeypatch.setattr(upstream_ws, "_tls", trusted)
-    async with running_server(
-        FakeEngine(), ssl_certfile=str(cert), ssl_keyfile=str(key)
-    ) as server:
+    async with running_server(FakeEngine(), ssl_certfile=str(cert), ssl_keyfile=str(key)) as server:
         url = f"https://localhost:{server.port}"
         proxy: Proxy = await start_proxy(proxy_settings([("gpu0", url, 1)], [ws_route()]))
         async with connect(proxy.ws_url + "/ws/echo", compression=None) as ws:

@@ -173,9 +173,10 @@ async def test_the_deadline_fence_does_not_repeat_for_sessions_already_fenced(
         later = await gate.acquire("tts")
         await gate.renew()
         assert len(fenced) == 1
-        assert metrics.registry.get_sample_value(
-            "headroom_lease_loss_closes_total", {"pool": "tts"}
-        ) == 1
+        assert (
+            metrics.registry.get_sample_value("headroom_lease_loss_closes_total", {"pool": "tts"})
+            == 1
+        )
         lease.release()
         later.release()
     finally:

@@ -31,9 +31,7 @@ def make_gate(
         QueuePolicy(depth, wait),
         session_estimate_s=10.0,
     )
-    gate = Gate(
-        [core], clock=clock, metrics=metrics, fallbacks={"tts": FallbackHint(voice="lite")}
-    )
+    gate = Gate([core], clock=clock, metrics=metrics, fallbacks={"tts": FallbackHint(voice="lite")})
     return gate, clock, metrics
 
 

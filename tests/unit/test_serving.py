@@ -57,8 +57,9 @@ async def test_a_stopped_server_runs_the_lifespan_shutdown_and_stops_listening()
     async with running_server(app) as server:
         await server.stop()
         assert app.messages == ["lifespan.startup", "lifespan.shutdown"]
-        with contextlib.suppress(OSError), socket.create_connection(
-            (server.host, server.port), timeout=1
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection((server.host, server.port), timeout=1),
         ):
             raise AssertionError("the listener still accepts connections")
 

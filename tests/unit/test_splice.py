@@ -605,9 +605,7 @@ async def test_fragments_and_interleaved_control_frames_are_still_valid() -> Non
 # -- back-pressure and keepalive -----------------------------------------------------
 
 
-async def test_a_full_client_buffer_pauses_the_upstream_and_a_stalled_client_is_dropped() -> (
-    None
-):
+async def test_a_full_client_buffer_pauses_the_upstream_and_a_stalled_client_is_dropped() -> None:
     h = Harness(client_write_timeout_s=20, idle_timeout_s=0)
     h.start()
     h.splice.client.pause_writing()

@@ -236,9 +236,7 @@ async def dial(url: str, key: str) -> Any:
     return await connect(url, additional_headers=bearer(key), compression=None)
 
 
-async def test_gateway_reserve_shedding_and_tenant_series(
-    start_proxy: Any, upstream: Any
-) -> None:
+async def test_gateway_reserve_shedding_and_tenant_series(start_proxy: Any, upstream: Any) -> None:
     server, _ = upstream
     proxy: Proxy = await start_proxy(gateway_settings(server.http_url))
     url = proxy.ws_url + "/ws"

@@ -71,6 +71,7 @@ HEADER_SETS = {
     "extensions": [*BASE, (b"sec-websocket-extensions", b"permessage-deflate")],
 }
 
+
 def _websockets_accepts(headers: list[tuple[bytes, bytes]]) -> tuple[bool, str | None]:
     conn = ServerProtocol()
     request = Request("/ws", Headers((n.decode(), v.decode()) for n, v in headers))
