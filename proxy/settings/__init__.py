@@ -16,7 +16,18 @@ All models are frozen and hashable, so a reload can compare old and new settings
 
 The package, by concern:
 
-* :mod:`~proxy.settings.schema` -- the models, their field types and per-model rules;
+* :mod:`~proxy.settings.schema` -- the root :class:`Settings` and its rules over the whole;
+* :mod:`~proxy.settings.fields` -- the field types and checks the models share, and their
+  frozen base;
+* :mod:`~proxy.settings.gateway` -- the gateway's own behaviour: listeners, limits,
+  forwarded headers, metering, the guard, health checks;
+* :mod:`~proxy.settings.topology` -- pools, replicas, queues, fallbacks, reserves, routes
+  and pipelines;
+* :mod:`~proxy.settings.auth` -- client API keys;
+* :mod:`~proxy.settings.admission` -- the admission store (memory or Redis, Sentinel) and
+  gang reservations;
+* :mod:`~proxy.settings.gpus` -- co-location: GPUs and the engines sharing them;
+* :mod:`~proxy.settings.observability` -- readiness, tracing, where metrics are served;
 * :mod:`~proxy.settings.references` -- checks across sections (unique names, references
   to pools, replicas and GPUs, ports, tenants);
 * :mod:`~proxy.settings.loading` -- the YAML file, the environment overlay, validation
@@ -29,6 +40,23 @@ Import from ``proxy.settings``; the names below are its public interface.
 from __future__ import annotations
 
 from proxy.metering.table import HTTP_PROTOCOLS, WS_PROTOCOLS, Protocol
+from proxy.settings.admission import (
+    AdmissionSettings,
+    RedisSettings,
+    ReservationSettings,
+    SentinelSettings,
+)
+from proxy.settings.auth import ApiKeySettings, AuthSettings
+from proxy.settings.gateway import (
+    AdminSettings,
+    ForwardedSettings,
+    GuardSettings,
+    HealthSettings,
+    LimitsSettings,
+    ListenSettings,
+    MeterSettings,
+)
+from proxy.settings.gpus import GpuEngineSettings, GpuSettings
 from proxy.settings.loading import (
     cut_short_problems,
     load_settings,
@@ -37,34 +65,19 @@ from proxy.settings.loading import (
     settings_from_mapping,
     settings_from_text,
 )
-from proxy.settings.schema import (
-    AdminSettings,
-    AdmissionSettings,
-    ApiKeySettings,
+from proxy.settings.schema import Settings
+from proxy.settings.summary import summary
+from proxy.settings.topology import (
     AudioSettings,
-    AuthSettings,
     FallbackSettings,
-    ForwardedSettings,
-    GpuEngineSettings,
-    GpuSettings,
-    GuardSettings,
-    HealthSettings,
-    LimitsSettings,
-    ListenSettings,
-    MeterSettings,
     PipelineSettings,
     PoolSettings,
     QueueSettings,
-    RedisSettings,
     ReplicaSettings,
-    ReservationSettings,
     ReserveSettings,
     RouteSettings,
-    SentinelSettings,
-    Settings,
     ws_base,
 )
-from proxy.settings.summary import summary
 
 __all__ = [
     "HTTP_PROTOCOLS",

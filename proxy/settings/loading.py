@@ -15,7 +15,8 @@ from pydantic import ValidationError
 
 from proxy import strict_yaml
 from proxy.errors import ConfigError
-from proxy.settings.schema import Settings, _is_loopback
+from proxy.settings.fields import is_loopback
+from proxy.settings.schema import Settings
 from proxy.settings.sources import Layer, layers_for
 from proxy.settings_env import (
     CONFIG_VAR,
@@ -243,7 +244,7 @@ def reload_problems(
             "the file to a temporary name and rename it. To turn authentication off on "
             "purpose, write auth: {enabled: false}",
         ))  # fmt: skip
-    if admin_bound is not None and not _is_loopback(admin_bound) and not new.admin.api_key_sha256:
+    if admin_bound is not None and not is_loopback(admin_bound) and not new.admin.api_key_sha256:
         problems.append((
             "admin.api_key_sha256",
             f"required: the admin listener stays bound to {admin_bound} until a restart, "
