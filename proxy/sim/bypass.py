@@ -32,7 +32,7 @@ MAX_BYPASS_STREAMS = 1024
 #: Seconds of audio in each bypass utterance, by default and at most.
 DEFAULT_AUDIO_S = 600.0
 MAX_AUDIO_S = 3600.0
-_TEXT_TOKENS_PER_AUDIO_S = 3.5  # as proxy.sim.capacity's load model
+_TEXT_TOKENS_PER_AUDIO_S = 3.5  # as proxy.sim.virtual_load's load model
 
 
 class BypassStreams:

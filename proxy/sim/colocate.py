@@ -10,7 +10,7 @@ pessimistic end. The codec stage (``EngineSpec.codec``) keeps its own stream, as
 does on one engine. Each engine's KV cache comes from its ``gpu_memory_utilization``
 share (:meth:`Preset.with_utilization`).
 
-The load and the measurements are those of :func:`proxy.sim.capacity.run_load`, per
+The load and the measurements are those of :func:`proxy.sim.virtual_load.run_load`, per
 engine: with one engine, :func:`run_colocated` gives exactly ``run_load``'s result
 (a test pins that). :func:`colocated_ceiling` ramps one engine while the other holds a
 fixed load; :func:`describe_colocated` puts each engine's ceiling alone next to its
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from proxy.playback import PlaybackBuffer
-from proxy.sim.capacity import LoadResult, Rules, percentile
 from proxy.sim.engine import Emission, Engine
 from proxy.sim.presets import TEXT_TOKENS_PER_AUDIO_S, Preset, get_preset
+from proxy.sim.virtual_load import LoadResult, Rules, percentile
 
 __all__ = ["colocated_ceiling", "colocated_presets", "describe_colocated", "run_colocated"]
 

@@ -36,7 +36,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from proxy.sim.capacity import LoadResult, describe, run_load
+from proxy.sim.capacity import describe
 from proxy.sim.codec_presets import get_validation_preset as get_preset
 from proxy.sim.validate_data import (
     EFFECT_TOLERANCE,
@@ -47,6 +47,7 @@ from proxy.sim.validate_data import (
     Point,
     Setup,
 )
+from proxy.sim.virtual_load import LoadResult, run_load
 
 __all__ = [
     "EFFECT_TOLERANCE",

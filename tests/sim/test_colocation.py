@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from proxy.sim.capacity import Rules, run_load
 from proxy.sim.colocate import colocated_ceiling, colocated_presets, run_colocated
 from proxy.sim.presets import get_preset
 from proxy.sim.sim_command import add_arguments, run
+from proxy.sim.virtual_load import Rules, run_load
 
 ASR, TTS = "h100-voxtral-realtime-4b", "h100-orpheus-3b"
 

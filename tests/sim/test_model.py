@@ -12,19 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from proxy.sim.capacity import (
-    BEGIN,
-    END,
-    THRESHOLD,
-    Rules,
-    describe,
-    find_ceiling,
-    min_prebuffer,
-    run_load,
-)
+from proxy.sim.capacity import BEGIN, END, describe
 from proxy.sim.capacity import main as capacity_main
 from proxy.sim.engine import Engine
 from proxy.sim.presets import DEFAULT_PRESET, PRESETS, get_preset, preset_names
+from proxy.sim.virtual_load import THRESHOLD, Rules, find_ceiling, min_prebuffer, run_load
 
 TTS_PRESETS = [name for name in preset_names() if PRESETS[name].kind == "tts"]
 
