@@ -152,10 +152,11 @@ class PrometheusReplicaSink:
     :class:`ReplicaSignals`.
 
     Build one per replica and share it between that replica's sessions: the replica's
-    :class:`~proxy.metrics.ReplicaSeries` and the pool's label children are resolved here,
-    once. Per chunk it only adds plain numbers
-    (:meth:`~proxy.metrics.ReplicaSeries.observe_gap`), no prometheus_client call and no
-    lock: see :mod:`proxy.metrics` for the threading assumption (one event-loop thread).
+    :class:`~proxy.replica_series.ReplicaSeries` and the pool's label children are
+    resolved here, once. Per chunk it only adds plain numbers
+    (:meth:`~proxy.replica_series.ReplicaSeries.observe_gap`), no prometheus_client call
+    and no lock: see :mod:`proxy.replica_series` for the threading assumption (one
+    event-loop thread).
     ``headroom_session_duration_seconds`` is not
     observed here (the relay knows the session's end);
     ``headroom_delivery_ratio_worst_1pct`` is a scrape-time gauge read from

@@ -46,7 +46,7 @@ HOT_MODULES: tuple[str, ...] = (
     "proxy.playback",
     "proxy.quantiles",
     "proxy.replica_signals",
-    "proxy.metrics",
+    "proxy.replica_series",
 )
 
 

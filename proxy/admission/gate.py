@@ -43,7 +43,8 @@ from proxy.admission import (
 )
 from proxy.clock import Clock, TimerHandle
 from proxy.errors import FallbackHint, Refused, refusal_for
-from proxy.metrics import Metrics, ReplicaGauges, TenantGauges
+from proxy.metrics import Metrics
+from proxy.scrape_collectors import ReplicaGauges, TenantGauges
 
 if TYPE_CHECKING:
     from proxy.admission.auth import TenantQuotas

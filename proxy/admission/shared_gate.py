@@ -83,7 +83,8 @@ from proxy.admission.shared_state import (
 from proxy.admission.shared_wakeups import SharedWakeups
 from proxy.clock import Clock
 from proxy.errors import FallbackHint
-from proxy.metrics import Metrics, ReplicaGauges, TenantGauges
+from proxy.metrics import Metrics
+from proxy.scrape_collectors import ReplicaGauges, TenantGauges
 
 if TYPE_CHECKING:
     from proxy.admission.auth import TenantQuotas

@@ -18,8 +18,9 @@ from prometheus_client import Counter, Histogram
 from proxy.admission.reservations import ReservationMetrics
 from proxy.admission.shared_gate import SharedAdmissionMetrics
 from proxy.loop_watch import LoopWatch
-from proxy.metrics import Metrics, ReplicaGauges, TenantGauges
+from proxy.metrics import Metrics
 from proxy.pool_headroom import Headroom, PipelineHeadroom, PoolHeadroom
+from proxy.scrape_collectors import ReplicaGauges, TenantGauges
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from proxy.meter import PrometheusReplicaSink, SessionMeter
-from proxy.metrics import Metrics, bucket_index
+from proxy.metrics import Metrics
+from proxy.replica_series import bucket_index
 from proxy.replica_signals import ReplicaSignals
 from tests.hypothesis_profiles import examples
 
@@ -439,7 +440,8 @@ def test_a_metered_session_matches_prometheus_client() -> None:
 def test_the_deprecated_p99_gauge_is_the_worst_1pct_gauge_under_its_old_name() -> None:
     """``headroom_delivery_ratio_p99`` was the 1st percentile all along; it is renamed
     ``headroom_delivery_ratio_worst_1pct`` and kept, same value, for one release."""
-    from proxy.metrics import DEPRECATED_ALIASES, ReplicaGauges
+    from proxy.metrics import DEPRECATED_ALIASES
+    from proxy.scrape_collectors import ReplicaGauges
 
     metrics = Metrics()
     gauges = [
