@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
-from proxy.admission.gate import Gate, Lease
+from proxy.admission.gate import Gate
 from proxy.admission.redis_backend import RedisAdmission
+from proxy.admission.session_lease import Lease
 from proxy.admission.shared_gate import SharedGate, SharedLease, SharedPoolSpec
 from proxy.clock import LoopClock
 from proxy.errors import Refused

@@ -4,9 +4,10 @@
 raises :class:`~proxy.errors.Refused`. It is cancellation-safe: a waiter that is
 cancelled (its client went away) leaves the queue in the same step and the next
 waiter is served; a slot handed to a waiter that was cancelled in the same instant
-is released again at once. Every admission is a :class:`Lease` whose
-:meth:`Lease.release` is idempotent, so callers release on every exit path in a
-``finally`` and the slot is freed exactly once.
+is released again at once. Every admission is a
+:class:`~proxy.admission.session_lease.Lease` whose
+:meth:`~proxy.admission.session_lease.Lease.release` is idempotent, so callers release
+on every exit path in a ``finally`` and the slot is freed exactly once.
 
 Queue deadlines run on the injected :class:`~proxy.clock.Clock`: tests advance a
 :class:`~proxy.clock.FakeClock` instead of sleeping.
@@ -41,6 +42,8 @@ from proxy.admission import (
     Reserve,
     TenantSpec,
 )
+from proxy.admission.gate_series import count_decision, observe_queue_wait
+from proxy.admission.session_lease import Lease, PositionCallback, Waiting
 from proxy.clock import Clock, TimerHandle
 from proxy.errors import FallbackHint, Refused, refusal_for
 from proxy.metrics import Metrics
@@ -55,99 +58,9 @@ if TYPE_CHECKING:
         TenantQuota,
     )
 
-__all__ = ["Gate", "Lease", "PositionCallback", "Waiting"]
+__all__ = ["Gate"]
 
 log = logging.getLogger("headroom.gate")
-
-#: Called with (position, eta_s) when a waiter enters the queue and whenever its
-#: position changes.
-PositionCallback = Callable[[int, float], None]
-
-
-def count_decision(
-    metrics: Metrics | None, pool: str, decision: str, tenant: TenantSpec | None
-) -> None:
-    """Count an admission decision, and per key for a session with one (both gates)."""
-    if metrics is not None:
-        metrics.child(metrics.decisions, pool, decision).inc()
-        if tenant is not None and tenant.name:
-            labels = (pool, tenant.name, str(tenant.priority), decision)
-            metrics.tenant_decisions.labels(*labels).inc()
-
-
-def observe_queue_wait(
-    metrics: Metrics | None, pool: str, waited: float, tenant: TenantSpec | None
-) -> None:
-    """Observe a waiter's time in the queue, and per key for one with a key (both gates)."""
-    if metrics is not None:
-        metrics.child(metrics.queue_wait, pool).observe(waited)
-        if tenant is not None and tenant.name:
-            labels = (pool, tenant.name, str(tenant.priority))
-            metrics.tenant_queue_wait.labels(*labels).observe(waited)
-
-
-class Lease:
-    """One admitted session's slot. Release it exactly once -- calling
-    :meth:`release` again is a no-op, so call it on every exit path."""
-
-    __slots__ = (
-        "_gate", "admitted_at", "pool", "released", "replica", "tenant", "ticket", "waited_s"
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        gate: Gate,
-        pool: str,
-        admit: Admit,
-        admitted_at: float,
-        tenant: TenantSpec | None = None,
-    ) -> None:
-        self._gate = gate
-        self.tenant = tenant
-        self.pool = pool
-        self.ticket = admit.ticket
-        self.replica = admit.replica
-        self.waited_s = admit.waited_s
-        self.admitted_at = admitted_at
-        self.released = False
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._gate._release(self)
-
-    async def fail_over(self, *, eject: bool = True, exclude: Collection[str] = ()) -> bool:
-        """Connecting to :attr:`replica` failed before any byte was relayed: move this
-        lease to another replica with a free slot, not one in ``exclude``, ejecting
-        this one first if ``eject`` (it was unreachable; a failure the request may have
-        caused must not eject). Returns False (lease unchanged) if there is none.
-        Awaitable because the shared gate's move is a round trip to Redis; here it is
-        decided at once."""
-        return self._gate._fail_over(self, eject, exclude)
-
-    def __repr__(self) -> str:
-        state = "released" if self.released else "held"
-        return f"<Lease {self.pool}/{self.replica} ticket={self.ticket} {state}>"
-
-
-class Waiting:
-    """A session in a pool's queue. Await :meth:`wait` for its :class:`Lease` (or a
-    :class:`~proxy.errors.Refused`); cancelling that await leaves the queue at once."""
-
-    __slots__ = ("_gate", "eta_s", "pool", "position", "ticket")
-
-    def __init__(self, gate: Gate, pool: str, enqueue: Enqueue) -> None:
-        self._gate = gate
-        self.pool = pool
-        self.ticket = enqueue.ticket
-        self.position = enqueue.position
-        self.eta_s = enqueue.eta_s
-
-    async def wait(self) -> Lease:
-        return await self._gate._wait(self.pool, self.ticket)
-
-    def __repr__(self) -> str:
-        return f"<Waiting {self.pool} ticket={self.ticket} entered at {self.position}>"
 
 
 @dataclass(eq=False)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from proxy.admission.auth import TenantQuotas
     from proxy.admission.decisions import PoolStatistics, QueuePolicy, ReplicaSpec
-    from proxy.admission.gate import Lease, PositionCallback, Waiting
+    from proxy.admission.session_lease import Lease, PositionCallback, Waiting
     from proxy.admission.tenants import Reserve, TenantSpec
     from proxy.clock import Clock, TimerHandle
     from proxy.errors import FallbackHint
@@ -140,8 +140,8 @@ class AdmissionGate(Protocol):
         tenant: TenantSpec | None = None,
         quota: TenantQuota | None = None,
     ) -> Lease | Waiting:
-        """A :class:`~proxy.admission.gate.Lease` if admitted at once, a
-        :class:`~proxy.admission.gate.Waiting` already in the queue, or raises
+        """A :class:`~proxy.admission.session_lease.Lease` if admitted at once, a
+        :class:`~proxy.admission.session_lease.Waiting` already in the queue, or raises
         :class:`~proxy.errors.Refused`. ``tenant``: the session's key's scheduling
         identity (None: no key); ``quota``: its ``max_sessions``, where the gate counts
         it; ``queue=False``: a slot now or a refusal."""

@@ -23,7 +23,8 @@ from proxy.errors import TenantLimitRefused
 
 if TYPE_CHECKING:
     from proxy.admission.auth import TenantQuotas
-    from proxy.admission.gate import Gate, Lease
+    from proxy.admission.gate import Gate
+    from proxy.admission.session_lease import Lease
     from proxy.admission.tenants import TenantSpec
     from proxy.clock import Clock
     from proxy.settings import ApiKeySettings

@@ -51,7 +51,6 @@ from prometheus_client import CollectorRegistry, Counter
 
 from proxy.admission import TenantSpec
 from proxy.admission.auth import TenantQuotas, tenant_spec
-from proxy.admission.gate import Lease
 from proxy.admission.interface import AdmissionGate, Reservation, ReservationStore, Unclaimable
 from proxy.admission.reservation_requests import (
     MAX_POOLS,
@@ -62,6 +61,7 @@ from proxy.admission.reservation_requests import (
     parse_request,
     reservation_token,
 )
+from proxy.admission.session_lease import Lease
 from proxy.clock import Clock
 from proxy.errors import PolicyViolation, Refused
 from proxy.settings import ApiKeySettings, ReservationSettings

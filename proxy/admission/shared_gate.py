@@ -2,12 +2,12 @@
 
 :class:`SharedGate` offers what the relays and the runtime use of
 :class:`~proxy.admission.gate.Gate` -- :meth:`admit` giving a
-:class:`~proxy.admission.gate.Lease` or a :class:`~proxy.admission.gate.Waiting`,
-idempotent release, drain, live pool changes, health and guard, statistics -- but
-every slot and queue place is decided by the atomic scripts of
-:mod:`proxy.admission.redis_backend`, so one cap per replica holds over every gateway.
-What stays local: this gateway's configuration view (caps, health, its own guard,
-retired replicas), its sessions, its waiters' futures and deadlines.
+:class:`~proxy.admission.session_lease.Lease` or a
+:class:`~proxy.admission.session_lease.Waiting`, idempotent release, drain, live pool
+changes, health and guard, statistics -- but every slot and queue place is decided by
+the atomic scripts of :mod:`proxy.admission.redis_backend`, so one cap per replica holds
+over every gateway. What stays local: this gateway's configuration view (caps, health,
+its own guard, retired replicas), its sessions, its waiters' futures and deadlines.
 
 Safety rules:
 
@@ -63,12 +63,12 @@ from proxy.admission import (
     Reserve,
     TenantSpec,
 )
-from proxy.admission.gate import Lease, PositionCallback, Waiting
 from proxy.admission.interface import FenceCallback, ReservationStore, SlotCallback, TenantQuota
 from proxy.admission.lease_keeper import LeaseKeeper
 from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission, ReplicaView
 from proxy.admission.redis_clients import SentinelNodes
 from proxy.admission.retry_after import SessionLengths
+from proxy.admission.session_lease import Lease, PositionCallback, Waiting
 from proxy.admission.shared_renewal import SharedRenewal
 from proxy.admission.shared_state import (
     EWMA_ALPHA,

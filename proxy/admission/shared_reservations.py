@@ -40,7 +40,7 @@ from proxy.clock import Clock, TimerHandle
 from proxy.errors import Refused, TenantLimitRefused, refusal_for
 
 if TYPE_CHECKING:
-    from proxy.admission.gate import Lease
+    from proxy.admission.session_lease import Lease
     from proxy.admission.shared_gate import SharedGate
     from proxy.settings import ApiKeySettings
 

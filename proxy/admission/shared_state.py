@@ -35,13 +35,7 @@ from proxy.admission import (
     Reserve,
     TenantSpec,
 )
-from proxy.admission.gate import (
-    Lease,
-    PositionCallback,
-    Waiting,
-    count_decision,
-    observe_queue_wait,
-)
+from proxy.admission.gate_series import count_decision, observe_queue_wait
 from proxy.admission.interface import FenceCallback
 from proxy.admission.lease_keeper import LeaseKeeper
 from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission, ReplicaView
@@ -51,6 +45,7 @@ from proxy.admission.retry_after import (
     next_recheck_s,
     retry_after_s,
 )
+from proxy.admission.session_lease import Lease, PositionCallback, Waiting
 from proxy.clock import Clock, TimerHandle
 from proxy.errors import FallbackHint, Refused, refusal_for
 from proxy.metrics import Metrics

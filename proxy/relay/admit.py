@@ -32,8 +32,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from proxy.admission.auth import NO_KEY, Authorization
-from proxy.admission.gate import Lease, PositionCallback, Waiting
 from proxy.admission.reservation_requests import ReservationMalformed, reservation_token
+from proxy.admission.session_lease import Lease, PositionCallback, Waiting
 from proxy.client_request import ClientRequest
 from proxy.errors import Refused
 

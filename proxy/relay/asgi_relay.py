@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 from websockets.asyncio.client import ClientConnection
 from websockets.exceptions import ConnectionClosed, PayloadTooBig
 
-from proxy.admission.gate import Lease
 from proxy.admission.refusal import truncate_reason
+from proxy.admission.session_lease import Lease
 from proxy.relay.session_actions import DropSocket, RelayClose, SendClose, Wake
 from proxy.relay.session_record import SessionRecord
 from proxy.relay.session_rules import RelayCore

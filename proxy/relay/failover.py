@@ -36,7 +36,7 @@ from proxy.clock import Clock, clock_timeout
 from proxy.errors import UpstreamConnectError
 
 if TYPE_CHECKING:
-    from proxy.admission.gate import Lease
+    from proxy.admission.session_lease import Lease
 
 __all__ = [
     "AttemptFailed",

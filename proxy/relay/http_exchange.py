@@ -43,8 +43,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from proxy.admission.gate import Lease
 from proxy.admission.refusal import http_error
+from proxy.admission.session_lease import Lease
 from proxy.client_request import ClientRequest
 from proxy.errors import (
     HeadroomError,

@@ -34,7 +34,7 @@ from proxy.relay.http_exchange import HttpExchange, send_error
 from proxy.relay.lifecycle import Declined, run_session
 
 if TYPE_CHECKING:
-    from proxy.admission.gate import Lease, PositionCallback
+    from proxy.admission.session_lease import Lease, PositionCallback
     from proxy.meter import SessionMeter
     from proxy.relay.lifecycle import SessionStop
     from proxy.relay.services import RelayServices

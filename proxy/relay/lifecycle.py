@@ -44,7 +44,7 @@ from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from proxy.admission import RETRY_AFTER_MIN_S
-from proxy.admission.gate import Lease, PositionCallback, Waiting
+from proxy.admission.session_lease import Lease, PositionCallback, Waiting
 from proxy.errors import (
     HeadroomError,
     MessageTooLarge,

@@ -44,7 +44,7 @@ from proxy.relay.session_states import Side
 from proxy.relay.splice_leg import Leg
 
 if TYPE_CHECKING:
-    from proxy.admission.gate import Lease
+    from proxy.admission.session_lease import Lease
     from proxy.clock import Clock, TimerHandle
     from proxy.metering.base import WsAdapter
     from proxy.relay.services import RelayServices

@@ -67,7 +67,7 @@ from proxy.relay.upstream_handshake import (
 from proxy.relay.ws_server import TakeOver
 
 if TYPE_CHECKING:
-    from proxy.admission.gate import Lease, PositionCallback
+    from proxy.admission.session_lease import Lease, PositionCallback
     from proxy.meter import SessionMeter
     from proxy.relay.lifecycle import SessionStop
     from proxy.relay.services import RelayServices

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from proxy.admission.gate import Lease, Waiting
+from proxy.admission.session_lease import Lease, Waiting
 from proxy.errors import CapacityRefused, DrainingRefused, Refused
 from tests.shared_admission.conftest import Backend, eventually
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
-from proxy.admission.gate import Gate, Lease, Waiting
+from proxy.admission.gate import Gate
 from proxy.admission.redis_backend import RedisAdmission
+from proxy.admission.session_lease import Lease, Waiting
 from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
 from proxy.client_request import ClientRequest
 from proxy.errors import FallbackHint

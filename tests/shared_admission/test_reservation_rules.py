@@ -17,7 +17,6 @@ import pytest
 
 from proxy.admission import Reserve
 from proxy.admission.auth import TenantQuotas
-from proxy.admission.gate import Lease
 from proxy.admission.interface import TenantQuota
 from proxy.admission.reservations import (
     BadReservation,
@@ -27,6 +26,7 @@ from proxy.admission.reservations import (
     ReservationUnknown,
     parse_request,
 )
+from proxy.admission.session_lease import Lease
 from proxy.admission.shared_gate import SharedGate
 from proxy.errors import Refused, TenantLimitRefused
 from proxy.settings import ApiKeySettings, ReservationSettings

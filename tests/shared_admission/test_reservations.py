@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
-from proxy.admission.gate import Gate, Lease
+from proxy.admission.gate import Gate
 from proxy.admission.redis_backend import RedisAdmission
 from proxy.admission.reservations import (
     ReservationExpired,
@@ -20,6 +20,7 @@ from proxy.admission.reservations import (
     Reservations,
     ReservationUnknown,
 )
+from proxy.admission.session_lease import Lease
 from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
 from proxy.clock import FakeClock
 from proxy.errors import FallbackHint, Refused

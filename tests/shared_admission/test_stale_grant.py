@@ -15,8 +15,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy.admission import QueuePolicy, ReplicaSpec
-from proxy.admission.gate import Lease
 from proxy.admission.redis_backend import RedisAdmission
+from proxy.admission.session_lease import Lease
 from proxy.admission.shared_gate import SharedGate, SharedLease, SharedPoolSpec, SharedWaiting
 from proxy.clock import FakeClock
 from proxy.errors import Refused

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from proxy.admission import QueuePolicy, ReplicaSpec, Reserve, TenantSpec
-from proxy.admission.gate import Lease, Waiting
 from proxy.admission.interface import TenantQuota
+from proxy.admission.session_lease import Lease, Waiting
 from proxy.admission.shared_gate import SharedGate
 from proxy.client_request import ClientRequest
 from proxy.errors import Refused, TenantLimitRefused

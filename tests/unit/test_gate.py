@@ -8,7 +8,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
-from proxy.admission.gate import Gate, Lease
+from proxy.admission.gate import Gate
+from proxy.admission.session_lease import Lease
 from proxy.clock import FakeClock
 from proxy.errors import CapacityRefused, DrainingRefused, FallbackHint, Refused
 from proxy.metrics import Metrics

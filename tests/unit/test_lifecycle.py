@@ -15,8 +15,9 @@ import pytest
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
 from proxy.admission.auth import Authorization
-from proxy.admission.gate import Gate, Lease
+from proxy.admission.gate import Gate
 from proxy.admission.reservations import Reservations
+from proxy.admission.session_lease import Lease
 from proxy.client_request import ClientRequest
 from proxy.clock import FakeClock
 from proxy.errors import (

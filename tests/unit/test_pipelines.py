@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from proxy.admission import PoolStatistics, ReplicaStatistics
-from proxy.admission.gate import Lease
+from proxy.admission.session_lease import Lease
 from proxy.clock import FakeClock
 from proxy.errors import ConfigError
 from proxy.pool_headroom import PoolHeadroom, headroom_of, limiting_stage, pool_headroom

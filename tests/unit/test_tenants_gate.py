@@ -16,7 +16,8 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec, Reserve, TenantSpec
-from proxy.admission.gate import Gate, Lease
+from proxy.admission.gate import Gate
+from proxy.admission.session_lease import Lease
 from proxy.clock import FakeClock
 from proxy.errors import ConfigError, Refused, TenantLimitRefused
 from proxy.metrics import Metrics
