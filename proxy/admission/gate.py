@@ -10,7 +10,10 @@ is released again at once. Every admission is a
 on every exit path in a ``finally`` and the slot is freed exactly once.
 
 Queue deadlines run on the injected :class:`~proxy.clock.Clock`: tests advance a
-:class:`~proxy.clock.FakeClock` instead of sleeping.
+:class:`~proxy.clock.FakeClock` instead of sleeping. Handing the core's decisions to the
+waiting sessions and arming those deadlines is the base class's job
+(:class:`~proxy.admission.gate_waiters.GateWaiters`); this module admits, releases,
+fails over, changes pools live and answers queries.
 
 Tenants: a session is admitted as the :class:`~proxy.admission.TenantSpec` passed to
 :meth:`Gate.enter` (the one :meth:`proxy.runtime.Runtime.authorize` returned for its
@@ -28,7 +31,6 @@ import asyncio
 import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from proxy.admission import (
@@ -42,10 +44,10 @@ from proxy.admission import (
     Reserve,
     TenantSpec,
 )
-from proxy.admission.gate_series import count_decision, observe_queue_wait
+from proxy.admission.gate_waiters import GateWaiters, LocalPool, LocalWaiter
 from proxy.admission.session_lease import Lease, PositionCallback, Waiting
-from proxy.clock import Clock, TimerHandle
-from proxy.errors import FallbackHint, Refused, refusal_for
+from proxy.clock import Clock
+from proxy.errors import FallbackHint
 from proxy.metrics import Metrics
 from proxy.scrape_collectors import ReplicaGauges, TenantGauges
 
@@ -63,25 +65,7 @@ __all__ = ["Gate"]
 log = logging.getLogger("headroom.gate")
 
 
-@dataclass(eq=False)
-class _Waiter:
-    future: asyncio.Future[Admit | Reject]
-    on_position: PositionCallback | None
-    position: int
-    tenant: TenantSpec | None = None
-
-
-@dataclass(eq=False)
-class _Pool:
-    core: PoolCore
-    fallback: FallbackHint | None
-    waiters: dict[int, _Waiter] = field(default_factory=dict)
-    timer: TimerHandle | None = None
-    timer_at: float | None = None
-    enqueued_at: dict[int, float] = field(default_factory=dict)
-
-
-class Gate:
+class Gate(GateWaiters):
     """Admission for every pool, on one event loop."""
 
     def __init__(
@@ -96,7 +80,7 @@ class Gate:
         self.clock = clock
         self.metrics = metrics
         fallbacks = fallbacks or {}
-        self._pools = {core.name: _Pool(core, fallbacks.get(core.name)) for core in pools}
+        self._pools = {core.name: LocalPool(core, fallbacks.get(core.name)) for core in pools}
         self.recheck_interval_s = recheck_interval_s
         if recheck_interval_s is not None:
             self.set_recheck_interval(recheck_interval_s)
@@ -144,7 +128,7 @@ class Gate:
         assert isinstance(decision, Enqueue)
         self._count(pool, "queued", tenant)
         future: asyncio.Future[Admit | Reject] = asyncio.get_running_loop().create_future()
-        p.waiters[decision.ticket] = _Waiter(future, on_position, decision.position, tenant)
+        p.waiters[decision.ticket] = LocalWaiter(future, on_position, decision.position, tenant)
         p.enqueued_at[decision.ticket] = now
         for shed in decision.displaced:
             self._resolve(pool, p, shed)
@@ -280,7 +264,7 @@ class Gate:
             )
             if self.draining:  # a pool added by a reload during drain drains too
                 core.drain(now)
-            self._pools[name] = _Pool(core, fallback)
+            self._pools[name] = LocalPool(core, fallback)
             return
         p.fallback = fallback
         if p.core.draining and not self.draining:  # a retired pool configured again
@@ -432,24 +416,6 @@ class Gate:
 
     # -- internals --------------------------------------------------------------
 
-    def _pool(self, name: str) -> _Pool:
-        try:
-            return self._pools[name]
-        except KeyError:
-            raise LookupError(f"no pool named {name!r}") from None
-
-    def _count(self, pool: str, decision: str, tenant: TenantSpec | None = None) -> None:
-        count_decision(self.metrics, pool, decision, tenant)
-
-    def _refusal(self, pool: str, reject: Reject) -> Refused:
-        return refusal_for(
-            reject.reason,
-            retry_after_s=reject.retry_after_s,
-            pool=pool,
-            queue_position=reject.queue_position,
-            fallback=self._pools[pool].fallback,
-        )
-
     def _release(self, lease: Lease) -> None:
         p = self._pools[lease.pool]
         now = self.clock.now()
@@ -471,81 +437,3 @@ class Gate:
             return False
         lease.replica = moved.replica
         return True
-
-    def _leave(self, p: _Pool, ticket: int) -> None:
-        """The waiter's task ended without taking its outcome (cancelled)."""
-        waiter = p.waiters.pop(ticket, None)
-        pool = p.core.name
-        if waiter is None:
-            return
-        if waiter.future.done() and not waiter.future.cancelled():
-            outcome = waiter.future.result()
-            if isinstance(outcome, Admit):
-                # The slot was handed over in the same instant the client left.
-                self._count(pool, "abandoned", waiter.tenant)
-                self._dispatch(pool, p, p.core.release(ticket, self.clock.now()))
-            return
-        self._observe_wait(p, ticket, waiter.tenant)
-        self._count(pool, "abandoned", waiter.tenant)
-        self._dispatch(pool, p, p.core.abandon(ticket, self.clock.now()))
-
-    def _observe_wait(self, p: _Pool, ticket: int, tenant: TenantSpec | None) -> None:
-        enqueued = p.enqueued_at.pop(ticket, None)
-        if enqueued is not None:
-            observe_queue_wait(self.metrics, p.core.name, self.clock.now() - enqueued, tenant)
-
-    def _resolve(self, pool: str, p: _Pool, outcome: Admit | Reject) -> None:
-        waiter = p.waiters.get(outcome.ticket)
-        tenant = waiter.tenant if waiter is not None else None
-        self._observe_wait(p, outcome.ticket, tenant)
-        if waiter is not None and not waiter.future.done():
-            if isinstance(outcome, Admit):
-                self._count(pool, "admitted", tenant)
-            else:
-                self._count(pool, f"rejected_{outcome.reason}", tenant)
-            # The entry stays until the waiter's task takes the outcome (or, if it is
-            # cancelled first, hands an Admit back in _leave).
-            waiter.future.set_result(outcome)
-            return
-        # Nobody will take this outcome (the waiter was cancelled in this instant).
-        p.waiters.pop(outcome.ticket, None)
-        if isinstance(outcome, Admit):
-            self._count(pool, "abandoned", tenant)
-            self._dispatch(pool, p, p.core.release(outcome.ticket, self.clock.now()))
-
-    def _dispatch(self, pool: str, p: _Pool, admits: list[Admit]) -> None:
-        for admit in admits:
-            self._resolve(pool, p, admit)
-        self._arm_timer(p)
-        self._notify_positions(p)
-
-    def _notify_positions(self, p: _Pool) -> None:
-        if not any(w.on_position for w in p.waiters.values()):
-            return
-        now = self.clock.now()
-        for position, ticket in enumerate(p.core.waiting(now), start=1):
-            waiter = p.waiters.get(ticket)
-            if waiter is not None and waiter.position != position:
-                waiter.position = position
-                if waiter.on_position is not None:
-                    waiter.on_position(position, p.core.estimate_wait(position, now))
-
-    def _arm_timer(self, p: _Pool) -> None:
-        deadline = p.core.next_deadline()
-        if deadline == p.timer_at:
-            return
-        if p.timer is not None:
-            p.timer.cancel()
-            p.timer = None
-        p.timer_at = deadline
-        if deadline is not None:
-            p.timer = self.clock.call_at(deadline, lambda: self._on_deadline(p, deadline))
-
-    def _on_deadline(self, p: _Pool, deadline: float) -> None:
-        p.timer = None
-        p.timer_at = None
-        # An event loop may fire a timer up to one clock tick early.
-        for reject in p.core.expire(max(self.clock.now(), deadline)):
-            self._resolve(p.core.name, p, reject)
-        self._arm_timer(p)
-        self._notify_positions(p)
