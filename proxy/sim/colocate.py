@@ -29,19 +29,9 @@ from typing import Any
 from proxy.playback import PlaybackBuffer
 from proxy.sim.engine import Emission, Engine
 from proxy.sim.presets import TEXT_TOKENS_PER_AUDIO_S, Preset, get_preset
-from proxy.sim.virtual_load import LoadResult, Rules, percentile
+from proxy.sim.virtual_load import LoadResult, Rules, VirtualStream, percentile
 
 __all__ = ["colocated_ceiling", "colocated_presets", "describe_colocated", "run_colocated"]
-
-
-@dataclass(slots=True)
-class _Stream:
-    client: int
-    submitted_at: float
-    audio_s: float
-    playback: PlaybackBuffer
-    last_at: float | None = None
-    counted: bool = False
 
 
 @dataclass(slots=True)
@@ -59,7 +49,7 @@ class _Side:
     prebuffer_s: float
     now: float = 0.0
     arrivals: list[tuple[float, int]] = field(default_factory=list)
-    streams: dict[int, _Stream] = field(default_factory=dict)
+    streams: dict[int, VirtualStream] = field(default_factory=dict)
     ratios: list[float] = field(default_factory=list)
     ttfas: list[float] = field(default_factory=list)
     rtfs: list[float] = field(default_factory=list)
@@ -117,7 +107,7 @@ class _Side:
                 output_tokens=output,
                 schedule=preset.schedule,
             )
-            self.streams[seq_id] = _Stream(
+            self.streams[seq_id] = VirtualStream(
                 client, self.now, output / rate, PlaybackBuffer(self.prebuffer_s)
             )
 

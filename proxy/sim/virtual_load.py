@@ -33,6 +33,7 @@ __all__ = [
     "THRESHOLD",
     "LoadResult",
     "Rules",
+    "VirtualStream",
     "find_ceiling",
     "min_prebuffer",
     "percentile",
@@ -96,7 +97,9 @@ class LoadResult:
 
 
 @dataclass(slots=True)
-class _Stream:
+class VirtualStream:
+    """One client's stream in a virtual-clock run: its audio and its listener's buffer."""
+
     client: int
     submitted_at: float
     audio_s: float
@@ -129,7 +132,7 @@ def run_load(
         (rng.uniform(0.0, stagger_s) if stagger_s > 0 else 0.0, i) for i in range(concurrency)
     ]
     heapq.heapify(arrivals)
-    streams: dict[int, _Stream] = {}
+    streams: dict[int, VirtualStream] = {}
     ratios: list[float] = []
     audio_total = wall_total = delivered = 0.0
     ttfas: list[float] = []
@@ -185,7 +188,7 @@ def run_load(
                 output_tokens=output,
                 schedule=preset.schedule,
             )
-            streams[seq_id] = _Stream(client, now, output / rate, PlaybackBuffer(prebuffer_s))
+            streams[seq_id] = VirtualStream(client, now, output / rate, PlaybackBuffer(prebuffer_s))
         if not engine.has_work():
             for em in sorted(engine.drain_codec(), key=lambda e: e.at):
                 deliver(em)
