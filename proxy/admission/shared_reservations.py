@@ -17,9 +17,9 @@ gateway that issued it and its slots lapse on their own at the deadline.
   atomically (a second claim finds it gone: ``already in use``) and moves its quota
   entry to the session; the claiming gateway then confirms the lease in the pool
   (``leave.lua`` extends a granted lease by one TTL and never grants anything) and adopts
-  it (:meth:`~proxy.admission.shared_gate.SharedGate.adopt`): from then on it is that gateway's
-  lease, renewed and fenced with its sessions, released when the session ends. A lease
-  that lapsed meanwhile refuses the claim (``expired``).
+  it (:meth:`~proxy.admission.shared_sessions.SharedSessions.adopt`): from then on it
+  is that gateway's lease, renewed and fenced with its sessions, released when the
+  session ends. A lease that lapsed meanwhile refuses the claim (``expired``).
 * **Release and expiry**: ``release`` takes every unclaimed slot out at once (DELETE, or
   the issuing gateway's timer at ``hold_s``) and the caller gives them back in their
   pools. A key other than the reservation's gets the same answer as an unknown token.

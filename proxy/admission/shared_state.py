@@ -10,7 +10,10 @@ the background task set, the Redis release retried until it lands, leaving the q
 shedding a waiter. The jobs build on it: tenant quotas
 (:mod:`proxy.admission.shared_tenants`), renewal and fencing
 (:mod:`proxy.admission.shared_renewal`), wake-ups and queue deadlines
-(:mod:`proxy.admission.shared_wakeups`), and the asyncio shell that admits
+(:mod:`proxy.admission.shared_wakeups`), live pool changes
+(:mod:`proxy.admission.shared_pools`), the read side
+(:mod:`proxy.admission.shared_views`), admitting and releasing sessions
+(:mod:`proxy.admission.shared_sessions`), and the gate's life and builder
 (:mod:`proxy.admission.shared_gate`).
 """
 
@@ -51,7 +54,7 @@ from proxy.errors import FallbackHint, Refused, refusal_for
 from proxy.metrics import Metrics
 
 if TYPE_CHECKING:
-    from proxy.admission.shared_gate import SharedGate
+    from proxy.admission.shared_sessions import SharedSessions
 
 __all__ = [
     "EWMA_ALPHA",
@@ -166,7 +169,7 @@ class SharedLease(Lease):
     __slots__ = ("_shared", "fenced", "lease_id")
 
     def __init__(
-        self, gate: SharedGate, pool: str, lease_id: str, replica: str, waited_s: float,
+        self, gate: SharedSessions, pool: str, lease_id: str, replica: str, waited_s: float,
         admitted_at: float, tenant: TenantSpec | None = None,
     ) -> None:  # fmt: skip
         self._shared = gate
@@ -200,7 +203,9 @@ class SharedWaiting(Waiting):
 
     __slots__ = ("_shared", "waiter_id")
 
-    def __init__(self, gate: SharedGate, pool: str, waiter_id: str, position: int, eta_s: float):
+    def __init__(
+        self, gate: SharedSessions, pool: str, waiter_id: str, position: int, eta_s: float
+    ):
         self._shared = gate
         self.pool = pool
         self.waiter_id = waiter_id

@@ -1,0 +1,126 @@
+"""What the shared gate answers when asked: its read side.
+
+:class:`SharedViews` is the job of :class:`proxy.admission.shared_gate.SharedGate`
+that reports without changing anything: the pools, their fallbacks and reserves,
+:meth:`~SharedViews.statistics` (this gateway's own sessions per replica and its
+waiters), the sessions held per replica over every gateway as of the last renewal,
+this gateway's name in Redis, its sessions active and queued, and the per-replica,
+per-queue and per-tenant gauges the scrape collectors
+(:mod:`proxy.scrape_collectors`) read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from proxy.admission import PoolStatistics, ReplicaStatistics, Reserve
+from proxy.admission.shared_state import SharedGateState
+from proxy.errors import FallbackHint
+from proxy.scrape_collectors import ReplicaGauges, TenantGauges
+
+__all__ = ["SharedViews"]
+
+
+class SharedViews(SharedGateState):
+    """The shared gate's queries and gauges (module docstring)."""
+
+    def pools(self) -> list[str]:
+        return list(self._pools)
+
+    def fallback(self, pool: str) -> FallbackHint | None:
+        return self._pool(pool).fallback
+
+    def reserves(self, pool: str) -> tuple[Reserve, ...]:
+        """The pool's reserves as this gateway sends them with every script call."""
+        self._pool(pool)
+        return self._reserves.get(pool, ())
+
+    def statistics(self) -> dict[str, PoolStatistics]:
+        """This gateway's view: its own sessions per replica (``active``) and waiters."""
+        out = {}
+        for name, p in self._pools.items():
+            mine: dict[str, int] = {}
+            for lease in p.leases.values():
+                mine[lease.replica] = mine.get(lease.replica, 0) + 1
+            out[name] = PoolStatistics(
+                name=name,
+                replicas=tuple(
+                    ReplicaStatistics(
+                        r_name, mine.get(r_name, 0), r.cap, r.healthy, r.guarded, r.retired
+                    )
+                    for r_name, r in p.replicas.items()
+                ),
+                queue_depth=self._queued(p),
+                max_depth=p.queue.max_depth,
+                max_wait_s=p.queue.max_wait_s,
+                draining=p.draining or self.draining,
+                session_estimate_s=p.session_estimate_s,
+            )
+        return out
+
+    def held_per_replica(self, pool: str) -> dict[str, int]:
+        """Sessions holding a slot per replica over every gateway, as of the last
+        renewal."""
+        return dict(self._pool(pool).held)
+
+    @property
+    def gateway_id(self) -> str:
+        """This gateway's name in Redis (its lease and waiter ids start with it)."""
+        return self.backend.gateway_id
+
+    @property
+    def active(self) -> int:
+        return sum(len(p.leases) for p in self._pools.values())
+
+    @property
+    def queued(self) -> int:
+        return sum(self._queued(p) for p in self._pools.values())
+
+    def replica_gauges(
+        self,
+        ratio: Callable[[str, str], float | None] | None = None,
+        guarded: Callable[[str, str], bool] | None = None,
+    ) -> list[ReplicaGauges]:
+        out: list[ReplicaGauges] = []
+        for name, stats in self.statistics().items():
+            for r in stats.replicas:
+                out.append(ReplicaGauges(
+                    name, r.name, r.active, r.cap, r.healthy,
+                    guarded(name, r.name) if guarded else r.guarded,
+                    ratio(name, r.name) if ratio else None,
+                ))  # fmt: skip
+        return out
+
+    def queue_depths(self) -> list[tuple[str, int]]:
+        return [(name, self._queued(p)) for name, p in self._pools.items()]
+
+    def tenant_gauges(self) -> list[TenantGauges]:
+        """Per API key and pool, this gateway's part (sum over gateways): sessions
+        active and queued, and session-seconds held (finished plus running so far), as
+        :meth:`proxy.admission.gate.Gate.tenant_gauges` reports them in process."""
+        out: list[TenantGauges] = []
+        now = self.clock.now()
+        for name, p in self._pools.items():
+            counts: dict[tuple[str, int], list[int]] = {}
+            held = dict(p.finished)
+            for lease in p.leases.values():
+                t = lease.tenant
+                if t is not None and t.name:
+                    key = (t.name, t.priority)
+                    counts.setdefault(key, [0, 0])[0] += 1
+                    held[key] = held.get(key, 0.0) + max(0.0, now - lease.admitted_at)
+            for w in p.waiters.values():
+                t = w.tenant
+                if t is not None and t.name and w.queued and not w.future.done():
+                    counts.setdefault((t.name, t.priority), [0, 0])[1] += 1
+            for key in sorted(set(counts) | set(held)):
+                active, queued = counts.get(key, [0, 0])
+                out.append(TenantGauges(name, key[0], key[1], active, queued, held.get(key, 0.0)))
+        return out
+
+    def __repr__(self) -> str:
+        inner = ", ".join(
+            f"{n} leases={len(p.leases)} waiters={self._queued(p)}" for n, p in self._pools.items()
+        )
+        state = " draining" if self.draining else ""
+        return f"<SharedGate {self.backend.gateway_id}{state} [{inner}]>"
