@@ -127,7 +127,7 @@ class GuardSettings(Frozen):
     """The per-replica delivery-ratio guard (``off`` | ``observe`` | ``enforce``)."""
 
     mode: Literal["off", "observe", "enforce"] = "observe"
-    threshold: Annotated[float, Field(gt=0)] = 1.2  # worst-1% delivery ratio, x realtime
+    threshold: Annotated[float, Field(gt=0)] = 1.2  # worst-hundredth delivery ratio, x realtime
     hysteresis: Annotated[float, Field(ge=0)] = 0.1
     hold_s: Seconds = 10
     min_samples: int = Field(50, ge=1)

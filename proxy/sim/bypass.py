@@ -21,6 +21,7 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from proxy.sim.engine_runner import EngineStopped, SeqStream
+from proxy.sim.presets import TEXT_TOKENS_PER_AUDIO_S
 
 if TYPE_CHECKING:
     from proxy.sim.gpu import SimGpu
@@ -32,7 +33,6 @@ MAX_BYPASS_STREAMS = 1024
 #: Seconds of audio in each bypass utterance, by default and at most.
 DEFAULT_AUDIO_S = 600.0
 MAX_AUDIO_S = 3600.0
-_TEXT_TOKENS_PER_AUDIO_S = 3.5  # as proxy.sim.virtual_load's load model
 
 
 class BypassStreams:
@@ -91,7 +91,7 @@ class BypassStreams:
         assert task is not None
         while True:
             audio_s = self.audio_s
-            text = 0 if preset.kind == "asr" else round(audio_s * _TEXT_TOKENS_PER_AUDIO_S)
+            text = 0 if preset.kind == "asr" else round(audio_s * TEXT_TOKENS_PER_AUDIO_S)
             stream = self._gpu.open_stream(
                 prompt_tokens=preset.prompt_overhead_tokens + text,
                 output_tokens=max(1, round(audio_s * rate)),

@@ -35,8 +35,8 @@ __all__ = [
 
 GB = 1e9
 KIB = 1024
-#: Text tokens per second of speech a TTS prompt carries (~2.6 words/s, ~1.3 tokens per
-#: word); the same figure drives the capacity model's load (proxy.sim.virtual_load).
+#: Text tokens per second of speech a TTS prompt carries (docs/sim.md); the capacity
+#: model's load (proxy.sim.virtual_load), co-location and bypass streams use it too.
 TEXT_TOKENS_PER_AUDIO_S = 3.5
 #: The longest utterance of the capacity model's load: the default session length of
 #: the co-location check's per-session KV figure.

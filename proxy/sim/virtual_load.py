@@ -27,7 +27,7 @@ from typing import Any
 
 from proxy.playback import PlaybackBuffer
 from proxy.sim.engine import Emission, Engine
-from proxy.sim.presets import Preset
+from proxy.sim.presets import TEXT_TOKENS_PER_AUDIO_S, Preset
 
 __all__ = [
     "THRESHOLD",
@@ -41,10 +41,9 @@ __all__ = [
     "single_stream",
 ]
 
-#: Delivery-ratio threshold of the ceiling: 1.2x realtime, as the probe's and the guard's
+#: Delivery-ratio threshold of the ceiling, the same as the probe's and the guard's
 #: (docs/probe.md).
 THRESHOLD = 1.2
-_TEXT_TOKENS_PER_AUDIO_S = 3.5  # ~2.6 words/s of speech, ~1.3 tokens per word
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -64,7 +63,7 @@ class LoadResult:
 
     concurrency: int
     chunks: int  #: delivery ratios measured
-    worst_1pct: float  #: worst 1%
+    worst_1pct: float  #: the delivery ratio of the worst hundredth of the chunks
     median_delivery_ratio: float
     aggregate_delivery_ratio: float  #: audio seconds / wall seconds over all counted chunks
     mean_step_ms: float
@@ -180,7 +179,7 @@ def run_load(
         while arrivals and arrivals[0][0] <= now:
             _, client = heapq.heappop(arrivals)
             audio_s = rng.uniform(*utterance_s)
-            text_tokens = 0 if preset.kind == "asr" else round(audio_s * _TEXT_TOKENS_PER_AUDIO_S)
+            text_tokens = 0 if preset.kind == "asr" else round(audio_s * TEXT_TOKENS_PER_AUDIO_S)
             output = max(1, round(audio_s * rate))
             seq_id = engine.submit(
                 now=now,
