@@ -70,9 +70,8 @@ class LimitsSettings(Frozen):
     # JSON on the event loop costs nothing a client could notice.
     max_control_body_bytes: int = Field(16 * 1024, ge=1024, le=1024 * 1024)
     # A request head (HTTP request or WebSocket upgrade) over either limit gets 431 before
-    # anything else runs (auth, admission, upstream). 32 KiB holds the biggest real heads
-    # (JWT bearers, SigV4 headers; nginx's default also tops out at 32 KiB) while 1,000
-    # half-sent heads cost at most 32 MiB; 100 header lines is Apache's and CPython's cap.
+    # anything else runs (auth, admission, upstream); docs/contracts.md says how the
+    # defaults were chosen.
     max_head_bytes: int = Field(32 * 1024, ge=1024, le=1024 * 1024)
     max_headers: int = Field(100, ge=1, le=10_000)
     # the request head (from accept, or the end of the previous response) + the client
@@ -88,7 +87,7 @@ class LimitsSettings(Frozen):
     ping_timeout_s: PositiveSeconds = 20
     # A client that accepts no data for this long (its socket buffer stays full) is
     # disconnected and its slot freed; memory per client stays bounded by the socket's
-    # write buffer (64 KiB high-water mark) plus one message.
+    # write buffer (up to its high-water mark) plus one message.
     client_write_timeout_s: PositiveSeconds = 20
 
 
