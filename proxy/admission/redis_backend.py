@@ -171,8 +171,6 @@ class RedisAdmission:
     ) -> None:
         try:
             import redis.asyncio  # noqa: F401
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
         except ImportError as exc:  # pragma: no cover - exercised by the CLI check
             raise RuntimeError(
                 "admission.backend: redis needs the 'redis' package: "
@@ -192,9 +190,6 @@ class RedisAdmission:
             raise ValueError(f"gateway id {self.gateway_id!r}: must be non-empty, without ':=, '")
         common = dict(
             socket_connect_timeout=timeout_s,
-            # One retry, ours (_run): every script is idempotent per lease/waiter id, so
-            # a reply lost with a dropped connection is safe to ask for again.
-            retry=Retry(NoBackoff(), 0),
             health_check_interval=30,
         )
         self._client: Any = async_client(url, sentinel, socket_timeout=timeout_s, **common)
@@ -469,15 +464,11 @@ class RedisAdmission:
         """A blocking client of its own running ``keep.lua``, for the lease keeper's
         thread (:mod:`proxy.admission.lease_keeper`): it shares nothing with this
         object's asyncio clients, so it works while the event loop is blocked."""
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
-
         client: Any = sync_client(
             self._url,
             self._sentinel,
             socket_timeout=self.timeout_s,
             socket_connect_timeout=self.timeout_s,
-            retry=Retry(NoBackoff(), 0),
             health_check_interval=30,
         )
         script = client.register_script(_pool_script("keep"))

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["SentinelNodes", "async_client", "sync_client"]
+__all__ = ["NO_RETRY", "SentinelNodes", "async_client", "sync_client"]
+
+#: Retries redis-py's clients make themselves: none. The backend retries once itself
+#: (``RedisBackend._run``): every script is idempotent per lease and waiter id, so a reply
+#: lost with a dropped connection is safe to ask for again. Each client kind gets the
+#: ``Retry`` of its own kind (redis-py warns when an asyncio client is given the blocking
+#: one).
+NO_RETRY = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,8 +77,13 @@ def async_client(
     url: str, sentinel: SentinelNodes | None, *, socket_timeout: float, **options: Any
 ) -> Any:
     """An asyncio client (``redis.asyncio.Redis``) for ``url``, or for the primary the
-    sentinels name. ``options`` are connection options (timeouts, retry)."""
+    sentinels name. ``options`` are connection options (timeouts); the client retries
+    nothing itself (:data:`NO_RETRY`), with redis-py's asyncio ``Retry``."""
     import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    options = {"retry": Retry(NoBackoff(), NO_RETRY), **options}
 
     if sentinel is None:
         return aioredis.from_url(url, socket_timeout=socket_timeout, **options)
@@ -88,8 +100,13 @@ def async_client(
 def sync_client(
     url: str, sentinel: SentinelNodes | None, *, socket_timeout: float, **options: Any
 ) -> Any:
-    """The blocking counterpart of :func:`async_client` (``redis.Redis``)."""
+    """The blocking counterpart of :func:`async_client` (``redis.Redis``, with the
+    blocking ``Retry``)."""
     import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    options = {"retry": Retry(NoBackoff(), NO_RETRY), **options}
 
     if sentinel is None:
         return redis.Redis.from_url(url, socket_timeout=socket_timeout, **options)
