@@ -30,14 +30,24 @@ whatever it costs is paid by anyone who can open a TCP connection. The limits:
 - trailers (the fields after a chunked body's last chunk) are never headers (RFC 9110,
   6.5.1) and nothing reads them; their bytes are bounded by ``limits.max_head_bytes``.
 
-The first head is refused with an answer: 431 Request Header Fields Too Large, or 408
-Request Timeout for a partial head (a connection on which nothing arrived is closed
-without a word), and the connection closes gracefully -- the response is written, our
-side is shut for writing, and what the client still sends is read and thrown away for
-up to :data:`LINGER_S`, so a client still sending its oversized head reads the 431
-rather than a reset. A later head, or trailers, over a limit close the connection
-without an answer: a response of uvicorn's may be under way on it. The limits are read
-when each head starts, so a configuration reload applies to the next request.
+httptools (llhttp) reads strictly, and every byte uvicorn's protocol gets has passed
+it first. Whatever it refuses is never handed on: h11, under uvicorn's protocol, is
+lenient where a lenient reader lets a request be read two ways (request smuggling) --
+it takes Content-Length with Transfer-Encoding as chunked and keeps the connection,
+unfolds a header continued on the next line (obs-fold) and honours it, and accepts bare
+LF line ends. All three, and any other malformed head or chunked framing, are refused
+here (RFC 9112 6.3, 5.2, 2.2).
+
+The first head is refused with an answer: 431 Request Header Fields Too Large, 400 Bad
+Request for malformed bytes (naming what httptools found), or 408 Request Timeout for a
+partial head (a connection on which nothing arrived is closed without a word), and the
+connection closes gracefully -- the response is written, our side is shut for writing,
+and what the client still sends is read and thrown away for up to :data:`LINGER_S`, so
+a client still sending its oversized head reads the 431 rather than a reset. A later
+head, malformed bytes after the first head was handed on, or trailers over a limit
+close the connection without an answer: a response of uvicorn's may be under way on
+it. The limits are read when each head starts, so a configuration reload applies to the
+next request.
 """
 
 from __future__ import annotations
@@ -309,21 +319,27 @@ class ClientListener(asyncio.Protocol):
             else:
                 self._parser = None  # uvicorn's protocol upgrades the connection itself
             return
-        except httptools.HttpParserError:
+        except httptools.HttpParserError as exc:
             if self._trailers_over:
                 self._violation(f"request trailers over {self._max_head_bytes} bytes")
                 return
             if self._too_many:
                 self._over(f"more than {self._max_headers} header lines")
                 return
-            self._parser = None  # malformed: uvicorn's protocol answers it
-            if self._inner is None:
-                self._hand_over()
+            self._malformed(str(exc) or type(exc).__name__)
             return
         if self._maybe_trailers and past_head:
             self._trailer_bytes += past_head - (self._body_bytes - body_before)
             if self._trailer_bytes > self._max_head_bytes:
                 self._violation(f"request trailers over {self._max_head_bytes} bytes")
+
+    def _malformed(self, reason: str) -> None:
+        """Bytes httptools refuses (see the module docstring): never handed on."""
+        message = f"malformed request: {reason}"
+        if self._inner is None:
+            self._refuse(400, message)
+        else:
+            self._violation(message)
 
     def _over(self, message: str) -> None:
         if self._inner is None and self._first and self._head_open:

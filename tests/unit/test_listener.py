@@ -262,12 +262,70 @@ async def test_as_many_header_lines_as_allowed_are_served() -> None:
     await _served(transport)
 
 
-async def test_a_malformed_head_is_answered_400_by_uvicorn() -> None:
+@pytest.mark.parametrize(
+    ("head", "reason"),
+    [
+        (b"GET / HTTP/1.1\r\nBad Header\r\n\r\n", b"Invalid header token"),
+        (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked"
+         b"\r\n\r\n0\r\n\r\n", b"Transfer-Encoding can't be present with Content-Length"),
+        (b"GET / HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\n\r\n", b"whitespace"),
+        (b"GET / HTTP/1.1\nHost: x\n\n", b"CRLF"),
+    ],
+    ids=["bad-header", "length-and-chunked", "obs-fold", "bare-lf"],
+)  # fmt: skip
+async def test_a_malformed_head_is_answered_400_by_headroom_not_uvicorn(
+    head: bytes, reason: bytes
+) -> None:
+    """uvicorn's h11 protocol would read some of these (Content-Length with
+    Transfer-Encoding as chunked, a folded header unfolded, bare LF): it never sees them."""
+    requests: list[Any] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        requests.append(scope)
+        await _app(scope, receive, send)
+
+    listener, transport, timers = open_listener(app=app)
+    listener.data_received(head + GET)
+    assert transport.out.startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert b"malformed request: " in transport.out and reason in transport.out
+    assert b"connection: close\r\n" in transport.out and transport.eof
+    assert timers.armed() == [LINGER_S]  # lingers, then closes
+    listener.data_received(GET)  # read and thrown away
+    timers.fire(LINGER_S)
+    assert transport.closed and transport.out.count(b"HTTP/1.1") == 1
+    assert listener._inner is None and requests == []
+
+
+async def test_a_malformed_later_head_closes_without_an_answer() -> None:
     listener, transport, _ = open_listener()
-    listener.data_received(b"GET / HTTP/1.1\r\nBad Header\r\n\r\n")
-    await settle(lambda: bool(transport.out))
-    assert transport.out.startswith(b"HTTP/1.1 400 ")
-    assert b"Invalid HTTP request received." in transport.out
+    listener.data_received(GET)
+    await _served(transport)
+    answered = bytes(transport.out)
+    listener.data_received(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                           b"Content-Length: 0\r\n\r\n0\r\n\r\n" + GET)  # fmt: skip
+    assert transport.closed and bytes(transport.out) == answered
+
+
+async def test_malformed_chunked_framing_after_the_head_was_handed_on_closes() -> None:
+    """A chunk size line ended by a bare LF, read after uvicorn's protocol got the head:
+    the connection closes, and uvicorn's protocol never gets the bytes."""
+    received: list[bytes] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        while True:
+            message = await receive()
+            received.append(message.get("body", b""))
+            if message["type"] != "http.request" or not message.get("more_body"):
+                return
+
+    listener, transport, _ = open_listener(app=app)
+    listener.data_received(b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+    assert listener._inner is not None
+    listener.data_received(b"3\nabc\r\n0\r\n\r\n")
+    assert transport.closed and not transport.out
+    listener.connection_lost(None)  # what the closed transport tells next
+    await settle(lambda: bool(received))
+    assert b"abc" not in b"".join(received)
 
 
 async def test_a_reload_applies_to_the_next_head() -> None:
