@@ -177,3 +177,49 @@ def test_the_example_caps_assume_the_chunk_ramp_and_keep_the_simulated_rules() -
         text = path.read_text()
         assert "codec_chunk_ramp" in text, path
         assert "4, 4, 8, 16, 25" in text or RAMP in text, path
+
+
+def _load_commands(text: str, prefix: str) -> list[list[str]]:
+    """The ``headroom probe`` commands of ``text`` (lines starting with ``prefix``, a ``\\``
+    continuing one), as argv without the program name."""
+    import shlex
+
+    commands: list[list[str]] = []
+    lines = [line.removeprefix(prefix).strip() for line in text.splitlines()]
+    for i, line in enumerate(lines):
+        if not line.startswith("headroom probe "):
+            continue
+        words = line
+        while words.endswith("\\"):
+            i += 1
+            words = words[:-1] + " " + lines[i]
+        commands.append(shlex.split(words)[1:])
+    return commands
+
+
+def test_the_load_commands_drive_the_compose_gateway_past_its_slots() -> None:
+    """docker-compose.yml's header and deploy/README.md's compose section drive load with a
+    `headroom probe` the CLI accepts, aimed at the published gateway port on a route the
+    compose configuration serves, holding more sessions than the GPUs have slots (so
+    sessions queue and some are refused), bounded in time and at one level."""
+    from proxy.cli import build_parser
+
+    config = load_yaml(REPO / "deploy" / "compose" / "headroom.yaml")
+    slots = sum(r["max_sessions"] for p in config["pools"] for r in p["replicas"])
+    protocols = {r["protocol"] for r in config["routes"]}
+    header = (REPO / "docker-compose.yml").read_text().split("\nx-headroom-image", 1)[0]
+    readme = (REPO / "deploy" / "README.md").read_text()
+    compose_section = readme.split("## docker compose demo", 1)[1].split("\n### ", 1)[0]
+    from_header, from_readme = _load_commands(header, "#"), _load_commands(compose_section, "")
+    assert from_header and from_readme, "each says how to drive load"
+    commands = from_header + from_readme
+    for argv in commands:
+        args = build_parser().parse_args(argv)
+        assert args.command == "probe"
+        target = urlsplit(args.target)
+        assert (target.hostname, target.port) == ("localhost", PROXY_PORT), argv
+        assert args.protocol in protocols, argv
+        levels = [int(level) for level in args.levels.split(",")]
+        assert levels == [levels[0]] and levels[0] > slots, argv
+        assert args.no_bisect and args.repeat == 0, argv
+        assert args.time_limit <= 600, argv
