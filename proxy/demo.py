@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-port", type=int, default=0, help="first simulator port (0: free)")
     parser.add_argument(
         "--cap", type=int,
-        help="sessions per GPU (default: the low end of the preset's ceiling over seeds)",
+        help="sessions per GPU (default: the preset's recommended cap, the largest level at "
+        "or below the low end of its ceiling over seeds that every seed passes)",
     )  # fmt: skip
     parser.add_argument("--queue-depth", type=int, default=8, help="queue depth per pool")
     parser.add_argument("--queue-wait", type=float, default=10.0, help="max queue wait, s")
