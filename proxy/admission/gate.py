@@ -110,15 +110,17 @@ class Gate(GateWaiters):
         on_position: PositionCallback | None = None,
         tenant: TenantSpec | None = None,
         queue: bool = True,
+        max_wait_s: float | None = None,
     ) -> Lease | Waiting:
         """Ask ``pool`` for a slot without suspending: a :class:`Lease` if admitted at
         once, a :class:`Waiting` (already in the queue) to await, or raises
         :class:`~proxy.errors.Refused`. ``tenant``: the session's key's scheduling
         identity (None: no key). ``queue=False``: a slot now or a refusal, never a queue
-        place."""
+        place. ``max_wait_s``: the session's own bound on its wait, if shorter than the
+        pool's."""
         p = self._pool(pool)
         now = self.clock.now()
-        decision = p.core.arrive(now, tenant, queue=queue)
+        decision = p.core.arrive(now, tenant, queue=queue, max_wait_s=max_wait_s)
         if isinstance(decision, Admit):
             self._count(pool, "admitted", tenant)
             return Lease(self, pool, decision, now, tenant)
@@ -147,11 +149,14 @@ class Gate(GateWaiters):
         queue: bool = True,
         tenant: TenantSpec | None = None,
         quota: TenantQuota | None = None,
+        max_wait_s: float | None = None,
     ) -> Lease | Waiting:
         """:meth:`enter`, awaitable as the interface has it (the shared gate's
         ``admit`` awaits Redis). ``quota`` is not counted here: this process's count of
         the key's sessions is the runtime's :class:`~proxy.admission.auth.TenantQuotas`."""
-        return self.enter(pool, on_position=on_position, tenant=tenant, queue=queue)
+        return self.enter(
+            pool, on_position=on_position, tenant=tenant, queue=queue, max_wait_s=max_wait_s
+        )
 
     async def acquire(
         self,

@@ -139,12 +139,15 @@ class AdmissionGate(Protocol):
         queue: bool = True,
         tenant: TenantSpec | None = None,
         quota: TenantQuota | None = None,
+        max_wait_s: float | None = None,
     ) -> Lease | Waiting:
         """A :class:`~proxy.admission.session_lease.Lease` if admitted at once, a
         :class:`~proxy.admission.session_lease.Waiting` already in the queue, or raises
         :class:`~proxy.errors.Refused`. ``tenant``: the session's key's scheduling
         identity (None: no key); ``quota``: its ``max_sessions``, where the gate counts
-        it; ``queue=False``: a slot now or a refusal."""
+        it; ``queue=False``: a slot now or a refusal; ``max_wait_s``: the session's own
+        bound on its wait in the queue, used if shorter than the pool's ``max_wait_s``
+        (0: as ``queue=False``), refused ``queue_timeout`` past it like any waiter."""
 
     async def acquire(
         self,

@@ -24,8 +24,9 @@ Rules, all enforced here and nowhere else:
   a lower class, which is refused at once (``preempted_in_queue``,
   :attr:`Enqueue.displaced`).
 * The queue is bounded (``max_depth``) and every waiter has a deadline
-  (``max_wait_s``); :meth:`PoolCore.expire` refuses those past it with
-  ``queue_timeout``. An abandoned waiter leaves at once and is never admitted.
+  (``max_wait_s``, or the session's own shorter bound); :meth:`PoolCore.expire`
+  refuses those past it with ``queue_timeout``. An abandoned waiter leaves at once and
+  is never admitted.
 * Draining refuses everything new and every waiter with ``draining``.
 * Each admitted ticket is released exactly once; a second release is a bug and
   raises :class:`LookupError`.
@@ -150,11 +151,18 @@ class PoolCore:
     # -- events -----------------------------------------------------------------
 
     def arrive(
-        self, now: float, tenant: TenantSpec | None = None, *, queue: bool = True
+        self,
+        now: float,
+        tenant: TenantSpec | None = None,
+        *,
+        queue: bool = True,
+        max_wait_s: float | None = None,
     ) -> Decision:
         """A new session (of ``tenant``; None: no key) asks for a slot: admit, enqueue
         or reject it. ``queue=False``: a slot now or a refusal, never a queue place
-        (where it would have waited: ``pool_full``, or ``guard``)."""
+        (where it would have waited: ``pool_full``, or ``guard``). ``max_wait_s``: this
+        session's own bound on its wait, if shorter than the queue's (0: as
+        ``queue=False``)."""
         spec = tenant or ANONYMOUS
         ticket = self._next_ticket
         self._next_ticket += 1
@@ -166,7 +174,10 @@ class PoolCore:
             replica = self._pick()
             if replica is not None:
                 return self._admit(ticket, spec, replica, now, now)
-        if not self.queue.enabled or not queue:
+        wait_s = (
+            self.queue.max_wait_s if max_wait_s is None else min(max_wait_s, self.queue.max_wait_s)
+        )
+        if not self.queue.enabled or not queue or wait_s <= 0:
             return self._reject(ticket, self.full_reason(), position=None, now=now, tenant=spec)
         if spec.max_queued is not None and self._waiters.queued_by(spec.name) >= spec.max_queued:
             return self._reject(ticket, "tenant_limit", position=None, now=now, tenant=spec)
@@ -185,7 +196,7 @@ class PoolCore:
                     waited_s=now - victim.arrived,
                 ),
             )
-        deadline = now + self.queue.max_wait_s
+        deadline = now + wait_s
         self._waiters.push(ticket, spec, now, deadline, self._lengths.mean)
         position = self._waiters.position(ticket, now, self._lengths.mean) or 1
         return Enqueue(

@@ -50,6 +50,7 @@ class SharedSessions(SharedPoolChanges, SharedViews):
         queue: bool = True,
         tenant: TenantSpec | None = None,
         quota: TenantQuota | None = None,
+        max_wait_s: float | None = None,
     ) -> Lease | Waiting:
         """A :class:`Lease` if admitted at once, a :class:`Waiting` already in the
         Redis queue, or raises :class:`~proxy.errors.Refused`. Cancellation-safe: a
@@ -57,7 +58,8 @@ class SharedSessions(SharedPoolChanges, SharedViews):
         ``queue=False``: a slot now or a refusal, never a queue place. ``tenant``: the
         session's key's scheduling identity (None: no key); ``quota``: the key's
         ``max_sessions``, counted in Redis over every gateway before the slot is asked
-        for (past it: ``tenant_limit``)."""
+        for (past it: ``tenant_limit``); ``max_wait_s``: the session's own bound on its
+        wait, if shorter than the pool's (0: as ``queue=False``)."""
         p = self._pool(pool)
         now = self.clock.now()
         view = self._open_view(p, now, tenant)
@@ -68,7 +70,8 @@ class SharedSessions(SharedPoolChanges, SharedViews):
         # Registered before the call: a wake-up may arrive before the reply does.
         waiter = WaiterState(future, on_position, now, tenant=tenant)
         p.waiters[waiter_id] = waiter
-        depth = p.queue.max_depth if p.queue.enabled and queue else 0
+        wait_s = p.queue.max_wait_s if max_wait_s is None else min(max_wait_s, p.queue.max_wait_s)
+        depth = p.queue.max_depth if p.queue.enabled and queue and wait_s > 0 else 0
         call = asyncio.ensure_future(self.backend.acquire_as(pool, waiter_id, view, depth, tenant))
         try:
             got = await asyncio.shield(call)
@@ -103,7 +106,7 @@ class SharedSessions(SharedPoolChanges, SharedViews):
             waiter.queued = True
             waiter.position = int(value)
             waiter.timer = self.clock.call_at(
-                now + p.queue.max_wait_s, lambda: self._on_deadline(pool, waiter_id)
+                now + wait_s, lambda: self._on_deadline(pool, waiter_id)
             )
             self._count(pool, "queued", tenant)
             eta = self.estimate_wait(pool, waiter.position)
