@@ -19,10 +19,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import inspect
 import sys
 from typing import Any, TextIO
 
 from proxy.settings import Settings, settings_from_mapping
+from proxy.settings.topology import HANDSHAKE_WAIT_S
 
 __all__ = ["DEMO_RAMP", "add_arguments", "demo_cap", "demo_preset", "demo_settings", "run"]
 
@@ -44,8 +46,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="sessions per GPU (default: the preset's recommended cap, the largest level at "
         "or below the low end of its ceiling over seeds that every seed passes)",
     )  # fmt: skip
-    parser.add_argument("--queue-depth", type=int, default=8, help="queue depth per pool")
-    parser.add_argument("--queue-wait", type=float, default=10.0, help="max queue wait, s")
+    parser.add_argument(
+        "--queue-depth", type=int, default=8, help="sessions that may wait per pool (default 8)"
+    )
+    parser.add_argument(
+        "--queue-wait", type=float, default=10.0,
+        help="longest wait in the queue, s (default 10): HTTP requests and queue-feedback "
+        "WebSocket sessions",
+    )  # fmt: skip
+    parser.add_argument(
+        "--handshake-wait", type=float, metavar="S",
+        help="longest wait of a WebSocket session whose handshake is held in the queue, s "
+        f"(default {HANDSHAKE_WAIT_S:g}, or --queue-wait if shorter): its 503 and Retry-After "
+        "must reach the client before the client's own handshake timeout does "
+        f"({_client_open_timeout():g} s in Python's websockets)",
+    )  # fmt: skip
     parser.add_argument("--exit-after", type=float, metavar="S", help="stop after S seconds")
     parser.add_argument(
         "--codec-chunk-ramp", metavar="LIST|default",
@@ -99,9 +114,13 @@ def demo_preset(args: argparse.Namespace) -> tuple[Any, str]:
 
 def demo_settings(
     preset: Any, urls: list[str], cap: int, *, host: str, port: int, queue_depth: int,
-    queue_wait: float,
+    queue_wait: float, handshake_wait: float | None = None,
 ) -> Settings:  # fmt: skip
-    """The gateway configuration for a simulated cluster."""
+    """The gateway configuration for a simulated cluster (``handshake_wait`` None: the
+    queue's default ``max_handshake_wait_s``)."""
+    queue: dict[str, float] = {"max_depth": queue_depth, "max_wait_s": queue_wait}
+    if handshake_wait is not None:
+        queue["max_handshake_wait_s"] = handshake_wait
     pool = "asr-main" if preset.kind == "asr" else "tts-main"
     audio = {"sample_rate": preset.sample_rate}
     if preset.kind == "asr":
@@ -132,7 +151,7 @@ def demo_settings(
                     {"name": f"gpu{i}", "url": url, "max_sessions": cap}
                     for i, url in enumerate(urls)
                 ],
-                "queue": {"max_depth": queue_depth, "max_wait_s": queue_wait},
+                "queue": queue,
             }
         ],
         "routes": routes,
@@ -183,6 +202,37 @@ def _ceiling_lines(info: dict[str, Any], cap: int, capped_by_user: bool) -> list
     return lines
 
 
+def _client_open_timeout() -> float:
+    """Python's websockets client's default bound on its whole opening handshake."""
+    from websockets.asyncio.client import connect
+
+    default = inspect.signature(connect).parameters["open_timeout"].default
+    return float(default)
+
+
+def _queue_lines(settings: Settings) -> list[str]:
+    """How long a session may wait for a slot: HTTP requests up to ``max_wait_s``, a
+    WebSocket session with its handshake held only its shorter wait (the pools of a demo
+    share one queue setting), and whether that fits a client's handshake timeout."""
+    queue = settings.pools[0].queue
+    if not queue.max_depth or not queue.max_wait_s:
+        return ["  queue          : none, 503 with Retry-After when every slot is busy"]
+    timeout = _client_open_timeout()
+    fits = (
+        "inside the client's own handshake timeout"
+        if queue.handshake_wait_s < timeout
+        else "NOT inside the client's own handshake timeout: such a client gives up first"
+    )
+    return [
+        f"  queue          : up to {queue.max_depth} waiting per pool (--queue-depth), then "
+        "503 with Retry-After",
+        f"  queue wait     : {queue.max_wait_s:g} s for HTTP (--queue-wait); "
+        f"{queue.handshake_wait_s:g} s for a WebSocket, its handshake held "
+        "(--handshake-wait),",
+        f"                   {fits} ({timeout:g} s in Python's websockets)",
+    ]
+
+
 def _banner(
     preset: Any, info: dict[str, Any], cap: int, settings: Settings, gateway_url: str,
     urls: list[str], chunking: str = "the engine's default", *, capped_by_user: bool = False,
@@ -196,6 +246,7 @@ def _banner(
         f"  simulated GPUs : {', '.join(urls)}",
         f"  chunking       : {info['chunk_schedule']} tokens per chunk ({chunking})",
         *_ceiling_lines(info, cap, capped_by_user),
+        *_queue_lines(settings),
         f"  gateway        : {gateway_url}",
         f"  metrics        : {gateway_url}/metrics",
         f"  ready          : {gateway_url}/readyz",
@@ -245,6 +296,7 @@ async def _run(args: argparse.Namespace, out: TextIO) -> None:
         settings = demo_settings(
             preset, c.urls, cap, host=args.host, port=args.port,
             queue_depth=args.queue_depth, queue_wait=args.queue_wait,
+            handshake_wait=args.handshake_wait,
         )  # fmt: skip
         gateway = Gateway(settings)
         serving = asyncio.ensure_future(gateway.serve())

@@ -25,6 +25,14 @@ A token presented but not usable as one -- empty or only whitespace, or two that
 (header and query parameter, or either given twice) -- is refused as malformed
 (:class:`ReservationMalformed`, 400 / 1008): never taken as "no token" and admitted the
 normal way.
+
+A WebSocket session on a route without queue feedback waits with its handshake
+unanswered, so its client's own handshake timeout runs while it is queued: it waits at
+most its pool's ``queue.max_handshake_wait_s`` (:meth:`QueueSettings.handshake_wait_s
+<proxy.settings.QueueSettings.handshake_wait_s>`), then is refused ``queue_timeout``
+like any waiter, in time for the client to read the 503 and its ``Retry-After``. HTTP
+requests, and WebSocket sessions told their place (``queue_feedback``: accepted at
+once), wait up to the pool's ``max_wait_s``.
 """
 
 from __future__ import annotations
@@ -81,16 +89,34 @@ async def enter(
         except Refused:
             pass
     try:
-        entry = await gate.admit(route.pool, on_position=on_position, tenant=tenant, quota=quota)
+        entry = await gate.admit(
+            route.pool, on_position=on_position, tenant=tenant, quota=quota,
+            max_wait_s=_wait_bound(services, route, route.pool),
+        )  # fmt: skip
         return entry, None
     except Refused as refusal:
         if target is None:
             raise
         try:
-            entry = await gate.admit(target, on_position=on_position, tenant=tenant, quota=quota)
+            entry = await gate.admit(
+                target, on_position=on_position, tenant=tenant, quota=quota,
+                max_wait_s=_wait_bound(services, route, target),
+            )  # fmt: skip
             return entry, target
         except Refused:
             raise refusal from None
+
+
+def _wait_bound(services: RelayServices, route: RouteSettings, pool: str) -> float | None:
+    """The session's own bound on its wait in ``pool``'s queue: the pool's handshake
+    wait for a WebSocket route without queue feedback (module docstring), else None
+    (the pool's ``max_wait_s``)."""
+    if not route.is_websocket or route.queue_feedback:
+        return None
+    try:
+        return services.settings.pool(pool).queue.handshake_wait_s
+    except KeyError:  # a pool the gate still has but the configuration no longer names
+        return None
 
 
 def _fallback_pool(

@@ -1,19 +1,22 @@
 """The WebSocket relay: one client session from handshake to close.
 
 Order: the client's handshake arrives -> the gate decides (while queued, the handshake
-is simply held: transparent to the client) -> connect to the chosen replica at the
-ws(s) form of its URL with the same path and query (failing over to another replica
+is simply held: transparent to the client, for at most the pool's
+``queue.max_handshake_wait_s``, so that a refusal reaches the client before its own
+handshake timeout does: :mod:`proxy.relay.admit`) -> connect to the chosen replica at
+the ws(s) form of its URL with the same path and query (failing over to another replica
 before any byte flows) -> accept the client with the subprotocol the upstream chose ->
 relay frames both ways (the splice, :mod:`proxy.relay.splice`, when the server offers
 the take-over; the ASGI relay, :mod:`proxy.relay.asgi_relay`, otherwise) -> release the
 slot when either side ends.
 
 Queue feedback (route ``queue_feedback: true``, opt-in): a client that must wait is
-accepted at once and told ``{"type": "headroom.queue", "position": N, "eta_s": X}`` on
-entry and whenever its position changes, then ``{"type": "headroom.admitted"}`` before
-relaying starts. The trade-off: the handshake is answered before the upstream is
-chosen, so the subprotocol cannot be negotiated with it -- Headroom accepts the
-client's first offered subprotocol, and the upstream is asked for that one only.
+accepted at once (so it may wait up to the pool's ``max_wait_s``) and told
+``{"type": "headroom.queue", "position": N, "eta_s": X}`` on entry and whenever its
+position changes, then ``{"type": "headroom.admitted"}`` before relaying starts. The
+trade-off: the handshake is answered before the upstream is chosen, so the subprotocol
+cannot be negotiated with it -- Headroom accepts the client's first offered
+subprotocol, and the upstream is asked for that one only.
 Frames the client sends while waiting are held (bounded by the message size limit and
 16 messages; beyond that, 1008) and relayed first, in order. So are frames a client
 sends before its handshake is answered (RFC 6455 says to wait; some do not), which the

@@ -20,6 +20,7 @@ from proxy.settings.fields import Frozen, Name, PositiveSeconds, Seconds, UrlPat
 from proxy.settings_env import Loc, Problems
 
 __all__ = [
+    "HANDSHAKE_WAIT_S",
     "AudioSettings",
     "FallbackSettings",
     "PipelineSettings",
@@ -57,11 +58,42 @@ def _check_hint_url(value: str) -> str:
     return _check_url(value, ("http", "https", "ws", "wss"))
 
 
+#: How long a session waits in its held WebSocket handshake when the pool's queue does not
+#: set ``max_handshake_wait_s``: well inside the handshake timeouts clients use by default.
+HANDSHAKE_WAIT_S = 5.0
+
+
 class QueueSettings(Frozen):
-    """The pool's FIFO wait queue; ``max_depth`` 0 refuses at once when every slot is busy."""
+    """The pool's FIFO wait queue; ``max_depth`` 0 refuses at once when every slot is busy.
+
+    ``max_wait_s`` bounds every waiter. A WebSocket session whose handshake is still
+    unanswered while it waits (a route without ``queue_feedback``) waits at most
+    ``max_handshake_wait_s`` (unset: :data:`HANDSHAKE_WAIT_S`; either way no longer than
+    ``max_wait_s``): its refusal must reach the client before the client's own handshake
+    timeout gives up on it (``open_timeout`` in Python's websockets, which covers the
+    connect, TLS and upgrade together). 0 refuses such a session at once when every slot
+    is busy."""
 
     max_depth: int = Field(0, ge=0)
     max_wait_s: Seconds = 10
+    max_handshake_wait_s: Seconds | None = None
+
+    @model_validator(mode="after")
+    def _handshake_wait_fits(self) -> QueueSettings:
+        given = self.max_handshake_wait_s
+        if given is not None and given > self.max_wait_s:
+            why = (
+                f"{given:g} s is longer than max_wait_s ({self.max_wait_s:g} s), which "
+                "bounds every waiter: at most max_wait_s"
+            )
+            raise Problems([(("max_handshake_wait_s",), why)])
+        return self
+
+    @property
+    def handshake_wait_s(self) -> float:
+        """How long a session waits in its unanswered WebSocket handshake."""
+        given = self.max_handshake_wait_s
+        return min(HANDSHAKE_WAIT_S if given is None else given, self.max_wait_s)
 
 
 class FallbackSettings(Frozen):
