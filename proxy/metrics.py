@@ -60,6 +60,7 @@ from proxy.replica_series import (
 from proxy.scrape_collectors import (
     TENANT_LABELS,
     TENANT_SESSION_SECONDS,
+    EngineScrapeCollector,
     HeadroomCollector,
     ReplicaGauges,
     StateCollector,
@@ -203,6 +204,13 @@ class Metrics:
             "Upstream failures by kind: connect, handshake, midstream, protocol, timeout.",
             ["pool", "replica", "kind"], registry=r,
         )  # fmt: skip
+        self.engine_scrape_errors = Counter(
+            "headroom_engine_scrape_errors_total",
+            "Engine /metrics scrapes whose figures were dropped, by reason: timeout, "
+            "unreachable, too_large, unparseable, not_finite (a NaN or infinite figure), "
+            "listener (the gateway's own handling raised), error.",
+            ["pool", "replica", "reason"], registry=r,
+        )  # fmt: skip
         # A pool's series appears with its first answered ASR commit (proxy.meter), so
         # pools that only speak (TTS) export none.
         self.asr_finalize = Histogram(
@@ -271,3 +279,8 @@ class Metrics:
         """Report each pool's headroom left and each pipeline's limiting stage at scrape
         time (:mod:`proxy.pool_headroom`). Call once per registry."""
         self.registry.register(HeadroomCollector(headroom))
+
+    def bind_engine_scrape(self, ages: Callable[[], Sequence[tuple[str, str, float]]]) -> None:
+        """Report how old each replica's engine figures are at scrape time
+        (:class:`~proxy.scrape_collectors.EngineScrapeCollector`). Call once per registry."""
+        self.registry.register(EngineScrapeCollector(ages))

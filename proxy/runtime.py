@@ -126,7 +126,7 @@ class Runtime:
         self._sinks: dict[tuple[str, str], PrometheusReplicaSink] = {}
         self._routes: dict[str, RouteSettings] = {}
         self._formats: dict[str, AudioFormat] = {}
-        self.upstreams = Upstreams(settings, self.gate, self.clock)
+        self.upstreams = Upstreams(settings, self.gate, self.clock, metrics=self.metrics)
         #: Streams the engines run that this gateway's pools did not admit (opt-in caps).
         self.reconcile = EngineReconciler(self.gate, self.clock, settings)
         self.upstreams.on_scrape(self._on_engine_scrape)

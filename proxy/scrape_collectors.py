@@ -1,10 +1,10 @@
 """The gauges that describe the gate's state, read at scrape time.
 
 Active sessions, slots, queue depth, health, guard, rolling delivery ratio, the engine's
-own queue, each API key's sessions, and the headroom left per pool are not pushed: a
-collector reads the gate's frozen snapshots at scrape time, so they can never drift from
-the truth. :class:`proxy.metrics.Metrics` registers these collectors (``bind_state``,
-``bind_tenants``, ``bind_headroom``).
+own queue and the age of its figures, each API key's sessions, and the headroom left per
+pool are not pushed: a collector reads the gate's frozen snapshots at scrape time, so they
+can never drift from the truth. :class:`proxy.metrics.Metrics` registers these collectors
+(``bind_state``, ``bind_tenants``, ``bind_headroom``, ``bind_engine_scrape``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TENANT_LABELS",
     "TENANT_SESSION_SECONDS",
+    "EngineScrapeCollector",
     "HeadroomCollector",
     "ReplicaGauges",
     "StateCollector",
@@ -257,6 +258,30 @@ class HeadroomCollector(Collector):
                 stage_left.add_metric(key, stage.left)
                 limiting.add_metric(key, 1.0 if stage.pool == p.limiting else 0.0)
         yield from (usable, free, worst, margin, left, stage_left, limiting)
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+class EngineScrapeCollector(Collector):
+    """How old each replica's engine figures are (:meth:`proxy.upstreams.Upstreams.figure_ages`):
+    seconds since its scrape last gave figures, read at scrape time, so a replica whose
+    scrapes stop (failing, timing out, or not running) shows an age that grows."""
+
+    def __init__(self, ages: Callable[[], Sequence[tuple[str, str, float]]]) -> None:
+        self._ages = ages
+
+    def collect(self) -> Iterator[Metric]:
+        age = GaugeMetricFamily(
+            "headroom_engine_figures_age_seconds",
+            "Seconds since the replica's engine /metrics scrape last gave figures; absent "
+            "for a replica that never gave any, and while engine scraping is off. Grows "
+            "while its scrapes fail (headroom_engine_scrape_errors_total says why).",
+            labels=["pool", "replica"],
+        )
+        for pool, replica, seconds in self._ages():
+            age.add_metric([pool, replica], seconds)
+        yield age
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

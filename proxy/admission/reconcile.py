@@ -35,6 +35,7 @@ backend, see the same held counts), so no state is shared.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -123,11 +124,18 @@ class EngineReconciler:
     def observe(self, pool: str, replica: str, in_engine: float | None) -> None:
         """One scrape of the replica: ``in_engine`` requests (running + waiting), or
         None when the page failed or had no engine figures (the reduction then stays
-        until its hold time ends, no longer)."""
+        until its hold time ends, no longer). A figure that is not a finite number
+        counts as none, with a warning."""
         key = (pool, replica)
         state = self._replicas.get(key)
         if state is None:
             return
+        if in_engine is not None and not math.isfinite(in_engine):
+            log.warning(
+                "pool %s replica %s: the engine reports %s requests, not a finite number; "
+                "taken as no figures", pool, replica, in_engine,
+            )  # fmt: skip
+            in_engine = None
         if in_engine is None:
             state.unadmitted = None
             return

@@ -109,6 +109,8 @@ def _metrics() -> tuple[Metrics, list[object]]:
         engine_unadmitted=0,
     )  # fmt: skip
     metrics.bind_state(lambda: [gauges], lambda: [("p", 0)])
+    # The age of each replica's engine figures (engine scraping on: proxy/upstreams.py).
+    metrics.bind_engine_scrape(lambda: [("p", "r", 1.0)])
     # Headroom left per pool and a pipeline's limiting stage (pipelines: configured).
     pool = PoolHeadroom("p", slots_usable=2, slots_free=1, delivery_ratio_worst_1pct=1.5,
                         threshold=1.2)  # fmt: skip

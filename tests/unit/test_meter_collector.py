@@ -349,6 +349,7 @@ def test_each_replica_family_is_exported_once_in_the_old_order() -> None:
         "headroom_stream_active_seconds_total",
         "headroom_session_duration_seconds",
         "headroom_upstream_errors_total",
+        "headroom_engine_scrape_errors_total",
         "headroom_asr_finalize_seconds",
         "headroom_tenant_decisions_total",  # issue 18: per API key, after the old families
         "headroom_tenant_queue_wait_seconds",
