@@ -31,13 +31,23 @@ arrives inside it counts):
   over its ratio samples; the level reports their distribution.
 - **throughput**: audio seconds delivered (ASR: transcribed) in the window / its length.
 - **time to first audio**: session start (connect) to first audio chunk (ASR: first
-  transcript event), for first outputs inside the window.
+  transcript event), for first outputs inside the window. It splits at the moment the
+  target opened the stream (:meth:`proxy.probe.probe_session.SessionRecorder.opened`):
+  the **wait** before it (connecting, and the queue of a gateway that holds the handshake
+  or the response until a slot frees) and the **engine's part** after it (the request
+  reaching the engine, its own scheduling and making the first chunk).
+- the **cause** of a broken TTFA rule: ``queue`` when the engine's part alone stays
+  within the limit (the wait broke it), else ``engine``; None when no session says when
+  its stream opened.
 - a level **passes** when it ran to completion, no session was refused, errored
   sessions are at most ``max_error_rate`` of those started, it has at least one ratio
   sample, worst-1% >= ``threshold`` (else ``slow``: rule ``steady``), the share of
   stalled streams is at most ``max_stall_share`` (else ``stalls``), and TTFA p99 is at
   most ``ttfa_limit_s`` (else ``ttfa``). :attr:`LevelStats.failed_rules` lists every one
   of the three rules a level broke, by the names ``describe`` uses.
+
+The TTFA rule judges what the client waited, the wait included: a listener hears that.
+Its cause says whether the engine or the wait before it broke the rule.
 """
 
 from __future__ import annotations
@@ -91,7 +101,8 @@ class SessionTrace:
     ``outcome``: ``ok`` (the response finished), ``error``, ``refused`` (503/429 or close
     1013), ``cancelled`` (cut by the level's end). ``underruns`` are ``(at, stall_s)`` of
     the modelled playback buffer. ``audio_sent_s`` is the ASR input sent; ``events`` the
-    number of transcript events (ASR), ``finalize_s`` the meter's finalize latency."""
+    number of transcript events (ASR), ``finalize_s`` the meter's finalize latency;
+    ``opened_at`` when the target opened the stream (None: not recorded)."""
 
     started_at: float
     ended_at: float
@@ -101,6 +112,7 @@ class SessionTrace:
     audio_sent_s: float = 0.0
     finalize_s: float | None = None
     detail: str = ""
+    opened_at: float | None = None
 
     @property
     def events(self) -> int:
@@ -171,6 +183,13 @@ class LevelStats:
     #: Every rule the level broke (``steady``, ``stalls``, ``ttfa``), as ``describe``
     #: names them; the verdict names the first.
     failed_rules: tuple[str, ...] = ()
+    #: TTFA split at the stream's opening (p99 each, s): the wait before it, the
+    #: engine's part after it; None without sessions that say when it opened.
+    wait_p99_s: float | None = None
+    engine_ttfa_p99_s: float | None = None
+    #: Why the TTFA rule broke: ``queue`` (the wait) or ``engine``; None when it held,
+    #: or when the split is not known.
+    ttfa_cause: str | None = None
 
     @property
     def stalled_share(self) -> float | None:
@@ -315,11 +334,17 @@ def level_stats(
     gaps = [
         a.gap for t in traces for a in t.arrivals if a.gap is not None and window.contains(a.at)
     ]
-    ttfa = []
+    ttfa: list[float] = []
+    waits: list[float] = []
+    engine: list[float] = []
     for trace in traces:
         first = trace.first_output(kind)
         if first is not None and window.contains(first):
             ttfa.append(first - trace.started_at)
+            opened = trace.opened_at
+            if opened is not None and trace.started_at <= opened <= first:
+                waits.append(opened - trace.started_at)
+                engine.append(first - opened)
     stalls = [s for t in traces for at, s in t.underruns if window.contains(at)]
     playing = stalled = startup = 0
     for t in traces:
@@ -339,6 +364,7 @@ def level_stats(
     refusals = sum(1 for t in traces if t.outcome == "refused")
     worst = quantile(ratios, 0.01)
     ttfa_p99 = quantile(ttfa, 0.99)
+    engine_p99 = quantile(engine, 0.99)
     broken = []
     if worst is not None and worst < threshold:
         broken.append("steady")
@@ -346,6 +372,9 @@ def level_stats(
         broken.append("stalls")
     if ttfa_limit_s is not None and ttfa_p99 is not None and ttfa_p99 > ttfa_limit_s:
         broken.append("ttfa")
+    cause = None
+    if "ttfa" in broken and engine_p99 is not None and ttfa_limit_s is not None:
+        cause = "queue" if engine_p99 <= ttfa_limit_s else "engine"
     if not window.complete:
         verdict = "interrupted"
     elif refusals:
@@ -386,4 +415,7 @@ def level_stats(
         stalled_streams=stalled,
         startup_stalls=startup,
         failed_rules=tuple(broken),
+        wait_p99_s=quantile(waits, 0.99),
+        engine_ttfa_p99_s=engine_p99,
+        ttfa_cause=cause,
     )

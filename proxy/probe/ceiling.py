@@ -213,6 +213,18 @@ class ProbeSummary:
                         out.append(reason)
         return tuple(out)
 
+    @property
+    def limited_by_queue(self) -> bool:
+        """Every failed trial of the lowest failing level broke the TTFA rule alone (no
+        errors or refusals, the other rules kept), with the wait before the stream
+        opened as its cause (``ttfa_cause`` ``queue``): the engine kept every rule once
+        it served the sessions, so the run measured a queue in front of it (a
+        gateway's), not the engine."""
+        failed = [
+            s for s in self.levels if s.level == self.bracket[1] and s.complete and not s.passed
+        ]
+        return bool(failed) and all(s.verdict == "ttfa" and s.ttfa_cause == "queue" for s in failed)
+
 
 def summarize(levels: Sequence[LevelStats], threshold: float) -> ProbeSummary:
     """The ceiling and estimates from the levels measured (incomplete ones ignored)."""

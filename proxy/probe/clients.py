@@ -48,6 +48,8 @@ from proxy.probe.workload import ASR_SAMPLE_RATE, AudioRequest, Request, SpeechR
 
 __all__ = ["run_session"]
 _MAX_ERROR_BODY = 4096
+#: Headroom's queue feedback: the event that ends a session's wait in its queue.
+_ADMITTED = "headroom.admitted"
 
 
 def _event(text: str) -> dict[str, Any]:
@@ -73,8 +75,9 @@ def _error_text(event: Mapping[str, Any]) -> str:
 
 
 @contextlib.asynccontextmanager
-async def _ws(opts: ClientOptions) -> AsyncIterator[ClientConnection]:
-    """A WebSocket to the endpoint; refusals and failures translated."""
+async def _ws(opts: ClientOptions, rec: SessionRecorder) -> AsyncIterator[ClientConnection]:
+    """A WebSocket to the endpoint, opened for ``rec`` when the handshake is answered;
+    refusals and failures translated."""
     try:
         ws = await connect(
             opts.url,
@@ -92,6 +95,7 @@ async def _ws(opts: ClientOptions) -> AsyncIterator[ClientConnection]:
         raise SessionFailed(f"WebSocket handshake rejected: HTTP {status}") from None
     except (OSError, TimeoutError, WebSocketException) as exc:
         raise SessionFailed(f"cannot connect to {opts.url}: {exc or type(exc).__name__}") from None
+    rec.opened(rec.clock())
     try:
         yield ws
     except ConnectionClosed as exc:
@@ -126,7 +130,7 @@ async def _speech_ws(opts: ClientOptions, req: SpeechRequest, rec: SessionRecord
     config: dict[str, Any] = {"type": "session.config", "response_format": "pcm"}
     config["stream_audio"] = True
     config.update(_speech_fields(opts, req))
-    async with _ws(opts) as ws:
+    async with _ws(opts, rec) as ws:
         for message in (config, {"type": "input.text", "text": req.text}, {"type": "input.done"}):
             text = json.dumps(message)
             adapter.client_text(rec.clock(), text)
@@ -149,6 +153,8 @@ async def _speech_ws(opts: ClientOptions, req: SpeechRequest, rec: SessionRecord
             kind = event.get("type")
             if kind == "error":
                 error = error or _error_text(event)
+            elif kind == _ADMITTED:
+                rec.opened(now)
             elif kind == "session.done":
                 break
         text = json.dumps({"type": "session.close"})
@@ -237,6 +243,7 @@ async def _speech_http(
     headers = {"content-type": "application/json", **dict(opts.headers)}
     try:
         async with http.stream("POST", opts.url, content=content, headers=headers) as response:
+            rec.opened(rec.clock())
             await _check_status(response)
             adapter.response_start(response.status_code, response.headers)
             await _body(response, rec, feed)
@@ -251,7 +258,7 @@ async def _speech_http(
 async def _realtime(opts: ClientOptions, req: AudioRequest, rec: SessionRecorder) -> None:
     adapter = ws_adapter(opts.protocol, rec.meter, AudioFormat(ASR_SAMPLE_RATE))
 
-    async with _ws(opts) as ws:
+    async with _ws(opts, rec) as ws:
 
         async def send(message: dict[str, Any]) -> None:
             text = json.dumps(message)
@@ -293,6 +300,8 @@ async def _realtime(opts: ClientOptions, req: AudioRequest, rec: SessionRecorder
                 kind = event.get("type")
                 if kind == "transcription.done":
                     break
+                if kind == _ADMITTED:
+                    rec.opened(now)
                 if kind == "error":
                     await _after_error(ws, _error_text(event))
                 if sender.done() and not sender.cancelled() and sender.exception():
@@ -338,6 +347,7 @@ async def _transcription(
         ) as response:
             # The upload is sent before the response starts: that is the commit.
             adapter.request_complete(rec.clock())
+            rec.opened(rec.clock())
             rec.audio_sent_s = req.seconds
             await _check_status(response)
             adapter.response_start(response.status_code, response.headers)

@@ -124,6 +124,7 @@ async def run_completion(
         response = await _send(http, request)
     except httpx.HTTPError as exc:
         raise SessionFailed(f"{type(exc).__name__}: {exc}") from None
+    rec.opened(rec.clock())
     try:
         async with contextlib.aclosing(response):
             await _check_status(response)

@@ -66,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "it), hold each level, and find the largest concurrency whose worst-1% per-chunk "
         "delivery ratio stays at or above the threshold (1.2x realtime), whose listeners "
         "never stall (a modelled --prebuffer playback) and whose TTFA p99 stays within "
-        "--ttfa-limit."
+        "--ttfa-limit. The summary names the rule that broke; a broken TTFA rule is split "
+        "into the wait before the stream opened (a gateway's queue) and the engine's part."
     )
     a = parser.add_argument
     a("--target", required=True, metavar="URL", help="engine or Headroom base URL")
@@ -247,13 +248,22 @@ def _outputs(result: ProbeResult, args: argparse.Namespace, out: TextIO) -> int:
                 file=sys.stderr,
             )
             return 1
+        if result.summary.limited_by_queue:
+            print(
+                f"headroom probe: not updating {args.write_config}: only the wait before "
+                "the streams opened broke a rule, so this run measured a queue in front "
+                "of the engine, not the engine (see the advice above)",
+                file=sys.stderr,
+            )
+            return 1
         try:
             old = write_max_sessions(args.write_config, pool, replica, ceiling)
             low, high = result.summary.range
             seen = f"{low}" if low == high else f"{low}-{high}"
             change = (
                 f"{pool}/{replica} max_sessions {old} -> {ceiling} (the low end of the "
-                f"ceiling range seen, {seen})"
+                f"ceiling range seen, {seen}: one run's ceiling, with no margin below the "
+                'knee; see "Which number to set" in docs/probe.md)'
             )
             print(f"{args.write_config}: {change}", file=out)
             _warn_other_url(args, result.settings.client.url)

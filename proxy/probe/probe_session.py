@@ -103,8 +103,17 @@ class SessionRecorder:
         self.sink = RecordingReplicaSink()
         self.meter = SessionMeter(self.started_at, self.sink, prebuffer_s)
         self.audio_sent_s = 0.0
+        #: When the target began serving the session (:meth:`opened`), None until then.
+        self.opened_at: float | None = None
         self.trace: SessionTrace | None = None
         self._before_finish: list[Callable[[float], None]] = []
+
+    def opened(self, at: float) -> None:
+        """The target began serving the session at ``at``: it answered the WebSocket
+        handshake or sent the HTTP response's headers. Headroom's queue feedback answers
+        the handshake at once and sends ``headroom.admitted`` when the session leaves its
+        queue: that later call wins. What came before is time the session waited."""
+        self.opened_at = at
 
     def before_finish(self, hook: Callable[[float], None]) -> None:
         """Call ``hook(now)`` when the session closes, before the meter finishes (an HTTP
@@ -125,6 +134,7 @@ class SessionRecorder:
                 arrivals=tuple(Arrival(*c) for c in self.sink.chunks),
                 underruns=tuple(self.sink.underrun_at),
                 audio_sent_s=self.audio_sent_s,
+                opened_at=self.opened_at,
                 finalize_s=summary.finalize_seconds,
                 detail=detail,
             )

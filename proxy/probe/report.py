@@ -13,16 +13,18 @@ import csv
 import datetime
 import io
 import math
+import textwrap
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from proxy.probe.analysis import LevelStats
 from proxy.probe.ceiling import ProbeSummary
-from proxy.probe.ramp import ProbeResult
+from proxy.probe.ramp import ProbeResult, ProbeSettings
 
 __all__ = [
     "CSV_COLUMNS",
     "LAG_WARNING_S",
+    "advice",
     "config_snippet",
     "csv_text",
     "format_summary",
@@ -48,6 +50,9 @@ CSV_COLUMNS = (
     "p99_gap_s",
     "ttfa_p50_s",
     "ttfa_p99_s",
+    "wait_p99_s",
+    "engine_ttfa_p99_s",
+    "ttfa_cause",
     "underruns",
     "stall_s",
     "throughput",
@@ -88,6 +93,9 @@ def level_json(stats: LevelStats, order: int) -> dict[str, Any]:
         "p99_gap_s": _r(stats.p99_gap_s),
         "ttfa_p50_s": _r(stats.ttfa_p50_s),
         "ttfa_p99_s": _r(stats.ttfa_p99_s),
+        "wait_p99_s": _r(stats.wait_p99_s),
+        "engine_ttfa_p99_s": _r(stats.engine_ttfa_p99_s),
+        "ttfa_cause": stats.ttfa_cause,
         "underruns": stats.underruns,
         "stall_s": _r(stats.stall_s),
         "throughput": _r(stats.throughput),
@@ -126,6 +134,7 @@ def result_json(result: ProbeResult) -> dict[str, Any]:
         "bracket": list(summary.bracket),
         "ceiling_range": list(summary.range),
         "limited_by": list(summary.limited_by),
+        "limited_by_queue": summary.limited_by_queue,
         "trials": {
             str(level): dict(zip(("passed", "runs"), summary.trials(level), strict=True))
             for level in sorted({s.level for s in summary.levels})
@@ -190,7 +199,7 @@ def format_table(result: ProbeResult) -> str:
     asr = result.settings.kind == "asr"
     head = (
         f"{'level':>5}  {'phase':6}  {'verdict':11}  {'worst-1%':>8}  {'median':>6}  "
-        f"{'p99 gap':>8}  {'TTFT p50' if asr else 'TTFA p50':>8}  {'p99':>7}  "
+        f"{'p99 gap':>8}  {'TTFT p50' if asr else 'TTFA p50':>8}  {'p99':>7}  {'wait p99':>8}  "
         f"{'underruns':>9}  {'stalled':>7}  {'text-s/s' if asr else 'audio-s/s':>9}  "
         f"{'sessions':>8}  "
         f"{'errors':>6}  {'refused':>7}"
@@ -201,6 +210,7 @@ def format_table(result: ProbeResult) -> str:
             f"{s.level:>5}  {s.phase:6}  {s.verdict:11}  {_f(s.worst_1pct, '{:.3f}'):>8}  "
             f"{_f(s.median_ratio):>6}  {_f(s.p99_gap_s, '{:.3f}', ' s'):>8}  "
             f"{_f(s.ttfa_p50_s, '{:.3f}', ' s'):>8}  {_f(s.ttfa_p99_s, '{:.2f}', ' s'):>7}  "
+            f"{_f(s.wait_p99_s, '{:.2f}', ' s'):>8}  "
             f"{s.underruns:>9}  {_stalled(s):>7}  {s.throughput:>9.2f}  {s.sessions:>8}  "
             f"{s.errors:>6}  "
             f"{s.refusals:>7}"
@@ -218,18 +228,109 @@ def _duration(seconds: float) -> str:
     return f"{minutes} min {secs} s" if minutes else f"{secs} s"
 
 
-def _failed_rule(stats: LevelStats | None) -> str:
-    """What a failing level broke, in words."""
+def _broken(stats: LevelStats | None, settings: ProbeSettings) -> str:
+    """What a failing level broke, in words: every rule with its figure (the TTFA rule
+    with its cause), else the verdict (``errors``, ``refused``, ``no data``)."""
     if stats is None:
         return "?"
-    if stats.verdict == "stalls":
+    if not stats.failed_rules or stats.verdict not in _RULE_VERDICTS:
+        return stats.verdict
+    out = []
+    for rule in stats.failed_rules:
+        if rule == "steady":
+            out.append(f"worst-1% {_f(stats.worst_1pct, '{:.3f}')}x < {settings.threshold:g}x")
+        elif rule == "stalls":
+            out.append(
+                f"{stats.stalled_streams} of {stats.streams} streams stalled "
+                f"({stats.startup_stalls} at the first seam)"
+            )
+        else:
+            out.append(_ttfa_broken(stats, settings.ttfa_limit_s))
+    return "; ".join(out)
+
+
+#: Verdicts that name a rule (the level ran, was served and measured).
+_RULE_VERDICTS = ("slow", "stalls", "ttfa")
+
+
+def _ttfa_broken(stats: LevelStats, limit: float | None) -> str:
+    """``TTFA p99 9.41 s > 1 s`` and what the time went to: the wait before the stream
+    opened or the engine."""
+    text = f"TTFA p99 {_f(stats.ttfa_p99_s, '{:.2f}', ' s')} > {_f(limit, '{:g}', ' s')}"
+    wait = _f(stats.wait_p99_s, "{:.2f}", " s")
+    engine = _f(stats.engine_ttfa_p99_s, "{:.2f}", " s")
+    if stats.ttfa_cause == "queue":
+        return f"{text} (queue wait {wait} before the stream opened, engine {engine})"
+    if stats.ttfa_cause == "engine":
+        return f"{text} (engine {engine} after the stream opened, wait {wait} before)"
+    return text
+
+
+def _stream_speeds(summary: ProbeSummary, level: int) -> str:
+    """The range of stream ratios over the complete trials of ``level``: ``1.57-1.61x``."""
+    ratios = [r for s in summary.levels if s.level == level and s.complete for r in s.stream_ratios]
+    if not ratios:
+        return "-"
+    low, high = min(ratios), max(ratios)
+    return f"{low:.2f}x" if f"{low:.2f}" == f"{high:.2f}" else f"{low:.2f}-{high:.2f}x"
+
+
+def advice(result: ProbeResult) -> str | None:
+    """What to do about the rule that set the ceiling, when the run says something a
+    configuration cannot fix: the run measured a queue in front of the engine (any
+    ceiling), or level 1 failed (ceiling 0: there is no cap to set). None otherwise."""
+    summary, settings = result.summary, result.settings
+    level = summary.bracket[1]
+    failing = summary.failing(level) if level is not None else None
+    if level is None or failing is None or not summary.bounded:
+        return None
+    if summary.limited_by_queue:
         return (
-            f"{stats.stalled_streams} of {stats.streams} streams stalled "
-            f"({stats.startup_stalls} at the first seam)"
+            f"only the wait before the streams opened broke a rule at {level} "
+            f"session{'s' * (level != 1)} (the engine's own TTFA stayed within "
+            f"--ttfa-limit and the streams kept {_stream_speeds(summary, level)} once "
+            "served): this run measured a queue in front of the engine (a gateway's, full "
+            "at its cap or with other traffic), not the engine. Probe the engine directly "
+            "(--target its URL), or a gateway whose pool nothing else uses and whose caps "
+            "are above the levels probed"
         )
-    if stats.verdict == "ttfa":
-        return f"TTFA p99 {_f(stats.ttfa_p99_s, '{:.2f}', ' s')} over the limit"
-    return stats.verdict
+    if summary.ceiling != 0:
+        return None
+    rules = failing.failed_rules if failing.verdict in _RULE_VERDICTS else ()
+    prebuffer = f"{settings.client.prebuffer_s:g} s"
+    if "steady" in rules:
+        return (
+            f"not even one session kept {settings.threshold:g}x realtime: serve this model "
+            "on a faster GPU, or lower --threshold only if listeners buffer more than "
+            "--prebuffer"
+        )
+    if "stalls" in rules and failing.startup_stalls == failing.stalled_streams:
+        return (
+            f"a lone stream's playback ran dry at its first seam: the engine's first chunk "
+            f"is too short to cover the wait for the second with a {prebuffer} prebuffer. "
+            "Make the first chunks longer (vLLM-Omni: codec_chunk_ramp), or raise "
+            "--prebuffer if your listeners buffer more"
+        )
+    if "stalls" in rules:
+        return (
+            f"a lone stream's playback ran dry mid-stream with a {prebuffer} prebuffer: "
+            "the engine does not stay ahead of one listener. Serve this model on a faster "
+            "GPU, or raise --prebuffer if your listeners buffer more"
+        )
+    if "ttfa" in rules and failing.ttfa_cause == "engine":
+        return (
+            "the engine's own time to first audio for a lone session exceeds --ttfa-limit: "
+            "a faster GPU or a shorter first chunk, or raise --ttfa-limit if your "
+            "listeners accept the wait"
+        )
+    if "ttfa" in rules:
+        return (
+            "time to first audio for a lone session exceeds --ttfa-limit (this run cannot "
+            "tell the wait before the stream opened from the engine's part): probe the "
+            "engine directly if --target is a gateway, or raise --ttfa-limit if your "
+            "listeners accept the wait"
+        )
+    return None
 
 
 def _evidence(summary: ProbeSummary) -> str:
@@ -245,35 +346,26 @@ def _evidence(summary: ProbeSummary) -> str:
     low, high = summary.range
     seen = f"{low}" if low == high else f"{low}-{high}"
     limited = ", ".join(summary.limited_by) or "-"
+    if summary.limited_by_queue:
+        limited += " (queue wait)"
     return f"evidence: {trials}; range seen {seen}; limited by {limited}"
 
 
 def format_summary(result: ProbeResult) -> str:
     """The conclusion in a few lines: ceiling, estimates, utilisation, duration."""
-    summary = result.summary
+    summary, settings = result.summary, result.settings
     t, c = summary.threshold, summary.ceiling
     at, above = summary.at(c), summary.failing(c + 1)
     lines = []
     if not summary.levels:
         lines.append("ceiling: not measured (no level completed)")
     elif summary.bounded and c == 0:
-        if above is not None and above.verdict == "slow":
-            lines.append(
-                f"ceiling: 0 - even one session's worst-1% delivery ratio "
-                f"({_f(above.worst_1pct, '{:.3f}')}x) is below {t:g}x"
-            )
-        else:
-            lines.append(f"ceiling: 0 - one session already fails ({_failed_rule(above)})")
+        lines.append(f"ceiling: 0 - one session already fails: {_broken(above, settings)}")
     elif summary.bounded:
-        why = (
-            f"{_f(above.worst_1pct, '{:.3f}')}x"
-            if above and above.verdict == "slow"
-            else _failed_rule(above)
-        )
         lines.append(
             f"ceiling: {c} concurrent sessions (worst-1% delivery ratio "
-            f"{_f(at.worst_1pct if at else None, '{:.3f}')}x at {c}, {why} at {c + 1}; "
-            f"threshold {t:g}x)"
+            f"{_f(at.worst_1pct if at else None, '{:.3f}')}x at {c}, "
+            f"{_broken(above, settings)} at {c + 1}; threshold {t:g}x)"
         )
     else:
         first_fail = summary.bracket[1]
@@ -289,6 +381,9 @@ def format_summary(result: ProbeResult) -> str:
         lines.append(f"ceiling: at least {c} ({why})")
     if summary.bounded and summary.levels:
         lines.append(_evidence(summary))
+    remedy = advice(result)
+    if remedy is not None:
+        lines.append(f"advice: {remedy}")
     e = summary.estimates
     if e.throughput_estimate is not None and e.peak_throughput is not None:
         line = (
@@ -328,24 +423,38 @@ def replica_url(endpoint: str) -> str:
     return urlunsplit((scheme, parts.netloc, "", "", ""))
 
 
+def _comment(text: str) -> str:
+    """``text`` as YAML comment lines."""
+    return textwrap.fill(text, 88, initial_indent="# ", subsequent_indent="# ") + "\n"
+
+
 def config_snippet(result: ProbeResult, pool: str, replica: str) -> str:
-    """YAML for this replica with ``max_sessions`` = the ceiling; with a ceiling of 0
-    only a comment (a replica that cannot serve one stream has no cap to suggest)."""
-    s = result.settings
-    if result.summary.ceiling < 1:
-        return (
-            f"# headroom probe: {s.client.protocol} at {s.client.url}: ceiling 0 - not even "
-            f"one session kept {s.threshold:g}x realtime, so there is no max_sessions to "
-            "suggest.\n# Serve this model on a faster GPU, or lower --threshold only if "
-            "listeners buffer more than --prebuffer.\n"
-        )
-    exact = "" if result.summary.bounded else " (a lower bound)"
+    """YAML for this replica with ``max_sessions`` = the ceiling. Only comments, saying
+    why and what to do instead, with a ceiling of 0 (a replica that cannot serve one
+    stream has no cap to suggest) or when the run measured a queue in front of the
+    engine (:attr:`ProbeSummary.limited_by_queue`: its ceiling is not the engine's)."""
+    s, summary = result.settings, result.summary
+    c = summary.ceiling
+    head = f"headroom probe: {s.client.protocol} at {s.client.url}: ceiling {c}"
+    remedy = advice(result)
+    if summary.limited_by_queue or c < 1:
+        failing = summary.failing(summary.bracket[1]) if summary.bracket[1] else None
+        if summary.limited_by_queue:
+            why = ", set by the wait before the streams opened, not by the engine"
+        elif failing is not None and summary.bounded:
+            why = f" ({_broken(failing, s)} at 1 session)"
+        else:
+            why = " (no level passed)"
+        text = _comment(f"{head}{why}, so there is no max_sessions to suggest.")
+        return text + (_comment(remedy[0].upper() + remedy[1:] + ".") if remedy else "")
+    exact = "" if summary.bounded else " (a lower bound)"
     return (
-        f"# headroom probe: {s.client.protocol} at {s.client.url}: ceiling "
-        f"{result.summary.ceiling}{exact}, worst-1% delivery >= {s.threshold:g}x realtime\n"
+        f"# {head}{exact}, worst-1% delivery >= {s.threshold:g}x realtime\n"
+        "# One run's ceiling, with no margin below the knee: to choose a cap, see \"Which\n"
+        '# number to set" in docs/probe.md.\n'
         "pools:\n"
         f"  - name: {pool}\n"
         "    replicas:\n"
         f'      - {{name: {replica}, url: "{replica_url(s.client.url)}", '
-        f"max_sessions: {result.summary.ceiling}}}\n"
+        f"max_sessions: {c}}}\n"
     )

@@ -8,13 +8,14 @@ One line per measured level::
      "sessions": [{"started_at": ..., "ended_at": ..., "outcome": "ok",
                    "arrivals": [[at, audio_s, gap|null, ratio|null], ...],
                    "underruns": [[at, stall_s], ...], "audio_sent_s": 0.0,
-                   "finalize_s": null, "detail": ""}, ...]}
+                   "finalize_s": null, "detail": "", "opened_at": ...}, ...]}
 
 Times are the probe's monotonic clock in seconds; ``share`` is the ASR fallback share
-(audio seconds per transcript event) the level was analysed with. :func:`read_traces`
-returns :class:`RecordedLevel` values, what :func:`proxy.probe.analysis.level_stats`
-takes, so a saved run can be analysed again (with another threshold, say) without
-touching the GPU.
+(audio seconds per transcript event) the level was analysed with; ``opened_at`` is when
+the target opened the session's stream (null, or absent in older files: not recorded).
+:func:`read_traces` returns :class:`RecordedLevel` values, what
+:func:`proxy.probe.analysis.level_stats` takes, so a saved run can be analysed again
+(with another threshold, say) without touching the GPU.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def trace_json(trace: SessionTrace) -> dict[str, Any]:
         "audio_sent_s": trace.audio_sent_s,
         "finalize_s": trace.finalize_s,
         "detail": trace.detail,
+        "opened_at": trace.opened_at,
     }
 
 
@@ -65,6 +67,7 @@ def trace_from_json(data: dict[str, Any]) -> SessionTrace:
         audio_sent_s=float(data.get("audio_sent_s", 0.0)),
         finalize_s=data.get("finalize_s"),
         detail=str(data.get("detail", "")),
+        opened_at=None if data.get("opened_at") is None else float(data["opened_at"]),
     )
 
 

@@ -30,11 +30,15 @@ def tts_trace(
     *,
     end: float | None = None,
     outcome: str = "ok",
+    opened: float | None = None,
 ) -> SessionTrace:
-    """A speech-WS session admitted at ``start`` receiving ``(at, audio_s)`` chunks
-    (24 kHz PCM16 binary frames), metered by the real adapter and meter."""
+    """A speech-WS session started at ``start`` receiving ``(at, audio_s)`` chunks
+    (24 kHz PCM16 binary frames), metered by the real adapter and meter; the target
+    opened its stream at ``opened`` (None: not recorded)."""
     clock = FakeClock(start)
     rec = SessionRecorder(clock)
+    if opened is not None:
+        rec.opened(opened)
     adapter = ws_adapter("vllm-omni-speech-ws", rec.meter, AudioFormat(24000))
     adapter.client_text(start, '{"type": "input.done"}')
     adapter.upstream_text(start, '{"type": "audio.start", "format": "pcm"}')
@@ -63,10 +67,18 @@ def asr_trace(
     return rec.close(outcome)  # type: ignore[arg-type]
 
 
-def steady(start: float, first: float, gap: float, audio_s: float, n: int) -> SessionTrace:
+def steady(
+    start: float,
+    first: float,
+    gap: float,
+    audio_s: float,
+    n: int,
+    *,
+    opened: float | None = None,
+) -> SessionTrace:
     """A TTS stream: a first chunk at ``first``, then ``n`` chunks every ``gap`` s."""
     chunks = [(first, audio_s)] + [(first + gap * (i + 1), audio_s) for i in range(n)]
-    return tts_trace(start, chunks)
+    return tts_trace(start, chunks, opened=opened)
 
 
 def recorded(name: str, threshold: float = 1.2) -> list[tuple[LevelWindow, LevelStats]]:
@@ -96,3 +108,46 @@ def recorded_result(name: str = "tts-c2") -> ProbeResult:
         runs.append(LevelRun(window, tuple(traces), stats, share))
     summary = summarize([r.stats for r in runs], 1.2)
     return ProbeResult(settings, summary, tuple(runs), started_at=1.7e9, duration_s=31.5)
+
+
+def result_of(
+    levels: Sequence[tuple[LevelWindow, Sequence[SessionTrace]]], **settings: object
+) -> ProbeResult:
+    """A :class:`ProbeResult` of the given levels, analysed with the settings' rules (the
+    defaults: stalls and TTFA judged) as a run would; ``settings`` override
+    :class:`ProbeSettings` fields."""
+    probe = ProbeSettings(
+        client=ClientOptions(
+            url="ws://headroom.example:8080/v1/audio/speech/stream",
+            protocol="vllm-omni-speech-ws",
+        ),
+        workload=bundled("tts"),
+        **settings,  # type: ignore[arg-type]
+    )
+    runs = []
+    for window, traces in levels:
+        stats = level_stats(
+            window,
+            traces,
+            threshold=probe.threshold,
+            max_stall_share=probe.max_stall_share,
+            ttfa_limit_s=probe.ttfa_limit_s,
+        )
+        runs.append(LevelRun(window, tuple(traces), stats))
+    summary = summarize([r.stats for r in runs], probe.threshold)
+    return ProbeResult(probe, summary, tuple(runs), started_at=1.7e9, duration_s=120.0)
+
+
+def queued_level(
+    level: int, phase: str, *, wait_s: float, engine_s: float = 0.29, gap: float = 1.25
+) -> tuple[LevelWindow, list[SessionTrace]]:
+    """A level of ``level`` streams that each waited ``wait_s`` before the target opened
+    them (a gateway's queue), then got first audio ``engine_s`` later and 2 s chunks every
+    ``gap`` s (1.6x at 1.25 s): the window is [10, 40]."""
+    window = LevelWindow(level, 0.0, 10.0, 40.0, phase=phase)
+    traces = []
+    for i in range(level):
+        for start in (1.0 + i * 0.1, 12.0 + i * 0.1):
+            opened = start + wait_s
+            traces.append(steady(start, opened + engine_s, gap, 2.0, 12, opened=opened))
+    return window, traces

@@ -178,6 +178,32 @@ def test_a_stream_that_stalls_at_its_first_seam_fails_the_stall_rule() -> None:
     assert level_stats(W, [smooth], threshold=1.2, ttfa_limit_s=0.5).verdict == "pass"
 
 
+def test_time_to_first_audio_splits_where_the_stream_opened_and_names_its_cause() -> None:
+    # Through a gateway's queue: each session waits 5 s before its stream opens, then
+    # the engine sends first audio 0.3 s later and keeps 1.6x.
+    queued = [steady(s, s + 5.3, 1.25, 2.0, 12, opened=s + 5.0) for s in (6.0, 12.0, 20.0)]
+    q = level_stats(W, queued, threshold=1.2, max_stall_share=0.0, ttfa_limit_s=1.0)
+    assert q.ttfa_p99_s == pytest.approx(5.3)
+    assert q.wait_p99_s == pytest.approx(5.0) and q.engine_ttfa_p99_s == pytest.approx(0.3)
+    assert q.verdict == "ttfa" and q.failed_rules == ("ttfa",) and q.ttfa_cause == "queue"
+    # The engine's own part breaks the limit: its cause is the engine, whatever the wait.
+    slow = [steady(s, s + 1.6, 1.25, 2.0, 12, opened=s + 0.4) for s in (12.0, 20.0)]
+    e = level_stats(W, slow, threshold=1.2, ttfa_limit_s=1.0)
+    assert e.engine_ttfa_p99_s == pytest.approx(1.2) and e.wait_p99_s == pytest.approx(0.4)
+    assert e.verdict == "ttfa" and e.ttfa_cause == "engine"
+    # The limit is inclusive for the engine's part too.
+    edge = [steady(12.0, 13.5, 1.25, 2.0, 12, opened=12.5)]
+    assert level_stats(W, edge, threshold=1.2, ttfa_limit_s=1.0).ttfa_cause == "queue"
+    # Held rule: no cause; the split is still reported.
+    fine = level_stats(W, queued, threshold=1.2, ttfa_limit_s=6.0)
+    assert fine.passed and fine.ttfa_cause is None and fine.wait_p99_s == pytest.approx(5.0)
+    # Without an opening recorded (older traces) the split and the cause are unknown.
+    unknown = [steady(s, s + 5.3, 1.25, 2.0, 12) for s in (12.0, 20.0)]
+    u = level_stats(W, unknown, threshold=1.2, ttfa_limit_s=1.0)
+    assert u.verdict == "ttfa" and u.ttfa_cause is None
+    assert u.wait_p99_s is None and u.engine_ttfa_p99_s is None
+
+
 def test_verdict_precedence_and_error_tolerance() -> None:
     ok = steady(0.0, 10.5, 0.5, 1.0, 20)
     error = SessionTrace(1.0, 2.0, "error", detail="HTTP 500 boom")
@@ -279,6 +305,11 @@ def test_traces_round_trip(tmp_path: object) -> None:
     for _, traces, _ in runs:
         for trace in traces:
             assert trace_from_json(trace_json(trace)) == trace
+    opened = steady(1.0, 6.3, 1.25, 2.0, 3, opened=6.0)
+    assert opened.opened_at == 6.0 and trace_from_json(trace_json(opened)) == opened
+    older = trace_json(opened)
+    del older["opened_at"]  # files saved before the opening was recorded
+    assert trace_from_json(older).opened_at is None
     out = tmp_path / "again.jsonl"  # type: ignore[operator]
     write_traces(runs, out)
     assert read_traces(out) == runs

@@ -241,3 +241,25 @@ def test_summary_gives_the_range_seen_and_what_limited_it() -> None:
     assert summary.limited_by == ("stalls", "ttfa")
     slow = summarize(levels[:5], 1.2)
     assert (slow.ceiling, slow.range, slow.limited_by) == (4, (4, 4), ("slow",))
+
+
+def test_a_ceiling_set_by_queue_wait_alone_says_so() -> None:
+    def ttfa(level: int, cause: str | None) -> LevelStats:
+        broken = replace(stats(level, 1.6, 3.0), passed=False, verdict="ttfa")
+        return replace(broken, failed_rules=("ttfa",), ttfa_cause=cause)
+
+    base = [stats(1, 1.6, 1.6), stats(2, 1.6, 3.0)]
+    queued = summarize([*base, ttfa(4, "queue"), ttfa(3, "queue")], 1.2)
+    assert (queued.ceiling, queued.limited_by) == (2, ("ttfa",))
+    assert queued.limited_by_queue
+    # One trial of the lowest failing level broke it in the engine: not the queue alone.
+    mixed = summarize([*base, ttfa(3, "queue"), stats(2, 1.6, 3.0), ttfa(3, "engine")], 1.2)
+    assert mixed.limited_by == ("ttfa",) and not mixed.limited_by_queue
+    # Another rule broken beside it, or a cause not known: not the queue alone.
+    stalls = replace(ttfa(3, "queue"), verdict="stalls", failed_rules=("stalls", "ttfa"))
+    assert not summarize([*base, stalls], 1.2).limited_by_queue
+    assert not summarize([*base, ttfa(3, None)], 1.2).limited_by_queue
+    # Refused sessions (the gateway's queue was full) are a refusal, not a TTFA cause.
+    refused = replace(ttfa(3, "queue"), verdict="refused")
+    assert not summarize([*base, refused], 1.2).limited_by_queue
+    assert not summarize(base, 1.2).limited_by_queue  # nothing failed
