@@ -86,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     from proxy.probe.probe_command import add_arguments as add_probe_arguments
 
     probe = sub.add_parser(
-        "probe", help="find a GPU's real ceiling: ramp concurrency, measure p99 delivery"
+        "probe",
+        help="find a GPU's real ceiling: ramp concurrency until the worst-1%% per-chunk "
+        "delivery ratio, a listener's playback or TTFA p99 breaks its rule",
     )
     add_probe_arguments(probe)
 
