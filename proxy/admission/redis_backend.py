@@ -54,13 +54,13 @@ __all__ = [
     "redis_available",
 ]
 
-_SCRIPTS = ("acquire", "release", "leave", "renew", "relocate", "hold")
+_SCRIPTS = ("acquire", "release", "leave", "renew", "relocate", "hold", "withdraw")
 #: Fragments a script needs after common.lua (Redis scripts cannot ``require``: each
 #: is loaded as the concatenation).
 _FRAGMENTS = {"acquire": ("newcomer",), "hold": ("newcomer",)}
 _KEYS = (
     "leases", "owner", "held", "queue", "beats", "gen", "seq", "flags", "tw", "lanes", "run",
-    "shed",
+    "shed", "gone",
 )  # fmt: skip
 
 
@@ -403,6 +403,13 @@ class RedisAdmission:
         reply = await self._run("leave", pool, [*args, *_view_args(view)])
         kind = _text(reply[0])
         return kind, (_text(reply[1]) if len(reply) > 1 else None)
+
+    async def withdraw(self, pool: str, lease_id: str, view: Sequence[ReplicaView]) -> str:
+        """Give back whatever an acquire or hold of ``lease_id`` took, whether it ran
+        before this call or runs after it (withdraw.lua): ``'left'``, ``'released'``,
+        ``'shed'`` or ``'gone'`` (it held nothing)."""
+        args: list[str | int] = [lease_id, self.ttl_ms, self.prefix(pool), *self._context(pool)]
+        return _text(await self._run("withdraw", pool, [*args, *_view_args(view)]))
 
     async def tick(
         self,

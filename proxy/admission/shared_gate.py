@@ -67,6 +67,7 @@ from proxy.admission.shared_state import (
     SharedPoolSpec,
     SharedWaiting,
 )
+from proxy.admission.shared_withdrawals import Withdrawals
 from proxy.clock import Clock
 from proxy.metrics import Metrics
 
@@ -129,6 +130,7 @@ class SharedGate(SharedSessions):
         self._ejected_at = {}
         #: Tenant reservations held in Redis: lease or waiter id -> tenant.
         self._tenants = {}
+        self.withdrawals = Withdrawals(self._withdraw_now, self._spawn, lambda: self._stopped)
         self.draining = False
         #: Set by :meth:`stop` first: the background loops end at their next turn.
         self._closing = False

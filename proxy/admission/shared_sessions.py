@@ -82,9 +82,9 @@ class SharedSessions(SharedPoolChanges, SharedViews):
         except BackendUnavailable as exc:
             p.waiters.pop(waiter_id, None)
             self._set_available(False)
-            # The call may have run before its answer was lost: undo it if Redis lets us
-            # (if not, the lease expires and the queue place lapses on their own).
-            self._spawn(self._leave_remote(pool, waiter_id))
+            # The call may have run before its answer was lost, or may run when Redis
+            # answers again: withdrawn either way.
+            self.withdrawals.add(pool, waiter_id)
             self._drop_tenant(waiter_id)
             log.warning("refusing a session on %s: admission store unreachable (%s)", pool, exc)
             raise self._refuse(p, "backend_unavailable", 1, tenant) from None
@@ -296,10 +296,12 @@ class SharedSessions(SharedPoolChanges, SharedViews):
         return self._lease(p, lease_id, replica, since, tenant)
 
     def release_held(self, pool: str, lease_id: str) -> None:
-        """Give back a reserved slot no session took, in the background (retried like a
-        session's release; otherwise it lapses at the reservation's deadline)."""
+        """Give back a reserved slot no session took, in the background: withdrawn
+        (:class:`~proxy.admission.shared_withdrawals.Withdrawals`), so a hold whose
+        answer was lost takes nothing when it runs late; otherwise it lapses at the
+        reservation's deadline."""
         if pool in self._pools:
-            self._spawn(self._release_remote(pool, lease_id))
+            self.withdrawals.add(pool, lease_id)
 
     # -- failover before the first byte ----------------------------------------------
 

@@ -49,6 +49,7 @@ from proxy.admission.retry_after import (
     retry_after_s,
 )
 from proxy.admission.session_lease import Lease, PositionCallback, Waiting
+from proxy.admission.shared_withdrawals import Withdrawals
 from proxy.clock import Clock, TimerHandle
 from proxy.errors import FallbackHint, Refused, refusal_for
 from proxy.metrics import Metrics
@@ -244,6 +245,8 @@ class SharedGateState:
     _ejected_at: dict[tuple[str, str], float]
     #: Tenant reservations held in Redis: lease or waiter id -> tenant.
     _tenants: dict[str, str]
+    #: Ids whose acquire or hold was given up on, withdrawn once Redis answers.
+    withdrawals: Withdrawals
     draining: bool
     #: Set by ``stop`` first: the background loops end at their next turn.
     _closing: bool
@@ -271,6 +274,13 @@ class SharedGateState:
                     return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    async def _withdraw_now(self, pool: str, lease_id: str) -> str:
+        """withdraw.lua for ``lease_id`` (:class:`Withdrawals`' call); LookupError if
+        ``pool`` is no longer configured."""
+        reply = await self.backend.withdraw(pool, lease_id, self._pool(pool).view())
+        self._set_available(True)
+        return reply
 
     async def _leave_remote(self, pool: str, waiter_id: str) -> None:
         try:

@@ -87,11 +87,12 @@ class SharedTenants(SharedGateState):
         return retry_after_s(own, self._rng.random())
 
     async def _give_back(self, pool: str, waiter_id: str, call: asyncio.Future[Any]) -> None:
-        """An acquire whose caller was cancelled: undo whatever it took."""
+        """An acquire whose caller was cancelled: undo whatever it took, even if it
+        runs after its answer was given up on (withdrawn)."""
         with contextlib.suppress(BaseException):
             await call
         self._drop_tenant(waiter_id)
-        await self._leave_remote(pool, waiter_id)
+        self.withdrawals.add(pool, waiter_id)
 
     async def _give_back_tenant(self, reservation_id: str, call: asyncio.Future[Any]) -> None:
         with contextlib.suppress(BaseException):

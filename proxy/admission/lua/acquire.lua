@@ -2,7 +2,8 @@
 --       the tenant (priority, weight or '-', max_queued or '-', name), then the
 --       replica view.
 -- Returns {'admit', replica} | {'queued', position} | {'reject', reason, position}
---       | {'blocked', ms until grants resume}. A refusal's position is where the
+--       | {'blocked', ms until grants resume}; {'reject', 'withdrawn', 1} for an id
+--       withdrawn before this script ran (withdraw.lua). A refusal's position is where the
 -- newcomer would have stood (its Retry-After); the decisions are PoolCore.arrive's.
 local id, ttl, prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local max_depth, beat = tonumber(ARGV[4]), tonumber(ARGV[5])
@@ -11,6 +12,10 @@ local tenant, view = newcomer_of(at)
 local now = now_ms(ctx)
 -- Expired leases are gone first: a lease that lapsed is never confirmed below.
 purge(now, ctx)
+-- An id its gateway withdrew (it gave up waiting for this reply) takes nothing.
+if redis.call('ZSCORE', K_GONE, id) then
+  return {'reject', 'withdrawn', 1}
+end
 -- Idempotent per id: a retry after a lost reply gets the first answer again (a live
 -- lease, extended from now).
 local owned = redis.call('HGET', K_OWNER, id)

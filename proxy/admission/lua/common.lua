@@ -16,6 +16,9 @@
 --                    'mean' -> the pool's observed mean session length (s, EWMA)
 --  11 run     hash   lease id -> 'seq admitted_ms priority weight name' (its tenant)
 --  12 shed    zset   waiter id -> expiry (ms): waiters refused preempted_in_queue
+--  13 gone    zset   id -> expiry (ms): ids withdrawn by their gateway after it gave up
+--                    on their acquire (withdraw.lua); a late acquire or hold of one is
+--                    refused
 -- Wake lists ('<prefix>wake:<gateway>') are named from ARGV but share the hash tag.
 --
 -- A replica view (the caller's configured, healthy, non-retired replicas, in
@@ -23,6 +26,7 @@
 local K_LEASES, K_OWNER, K_HELD, K_QUEUE = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local K_BEATS, K_GEN, K_SEQ, K_FLAGS = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local K_TW, K_LANES, K_RUN, K_SHED = KEYS[9], KEYS[10], KEYS[11], KEYS[12]
+local K_GONE = KEYS[13]
 
 -- Every script's ARGV carries, after its own leading fields, a scheduling context:
 --   clock_ms ('' in production: Redis TIME; a test's clock otherwise),
@@ -440,6 +444,7 @@ local function purge(now, ctx)
     TQ = nil
   end
   redis.call('ZREMRANGEBYSCORE', K_SHED, '-inf', now)
+  redis.call('ZREMRANGEBYSCORE', K_GONE, '-inf', now)
 end
 
 -- The data generation. A missing key means Redis lost its data (or never had any):

@@ -12,6 +12,9 @@ local ctx, at = ctx_of(5)
 local tenant, view = newcomer_of(at)
 local now = now_ms(ctx)
 purge(now, ctx)
+if redis.call('ZSCORE', K_GONE, id) then
+  return {'reject', 'withdrawn', 1}
+end
 local owned = redis.call('HGET', K_OWNER, id)
 if owned then
   return {'admit', owned}
