@@ -17,7 +17,12 @@ Definitions (per session):
 - **delivery ratio**: a chunk's audio seconds / its gap. Chunks without a gap have no
   ratio: time to first audio covers the first one. A zero gap (two chunks in one read)
   gives :data:`RATIO_CAP`, which also caps ratios so Prometheus sums stay finite.
-- **time to first audio**: admission to the first chunk with audio, observed once.
+- **time to first audio**: admission to the first chunk with audio, observed once: the
+  engine's part (``headroom_time_to_first_audio_seconds``, the guard's input).
+- **client time to first audio**: the session's arrival at the gateway to that same
+  chunk, observed with it: what the client waited, queue included
+  (``headroom_client_time_to_first_audio_seconds``). Without a separate arrival (a
+  session that never queued, the probe's own meter) the two are equal.
 - **active time** (``headroom_stream_active_seconds_total``, the denominator of the
   aggregate delivery ratio): the wall time a listener spent waiting for or receiving
   audio. Each gap counts, and so does the *opening* of each stream segment (the wait for
@@ -72,8 +77,9 @@ class SessionSummary:
     """What one session delivered; :meth:`as_log_fields` goes on the end-of-session log line.
 
     ``worst_ratio`` is the 1st percentile of per-chunk delivery ratios, ``p99_gap`` the
-    99th percentile of gaps; both None without samples, ``time_to_first_audio`` None
-    without audio, ``finalize_seconds`` None without an answered ASR commit (the worst one
+    99th percentile of gaps; both None without samples, ``time_to_first_audio`` (from
+    admission) and ``client_time_to_first_audio`` (from arrival) None without audio,
+    ``finalize_seconds`` None without an answered ASR commit (the worst one
     if several). ``chunks`` counts audio chunks, ``events`` metered non-audio events;
     ``wall_seconds`` runs from admission to :meth:`SessionMeter.finish`; ``active_seconds``
     is the session's share of ``headroom_stream_active_seconds_total`` (module docstring),
@@ -91,6 +97,7 @@ class SessionSummary:
     finalize_seconds: float | None
     active_seconds: float = 0.0
     first_chunk_underruns: int = 0
+    client_time_to_first_audio: float | None = None
 
     def as_log_fields(self) -> dict[str, float | int | None]:
         """Flat, rounded fields for a JSON log line."""
@@ -108,6 +115,7 @@ class SessionSummary:
             "first_chunk_underruns": self.first_chunk_underruns,
             "stall_s": r(self.stall_seconds),
             "ttfa_s": r(self.time_to_first_audio),
+            "client_ttfa_s": r(self.client_time_to_first_audio),
             "chunks": self.chunks,
             "events": self.events,
             "finalize_s": r(self.finalize_seconds),
@@ -121,9 +129,10 @@ class ReplicaSink(Protocol):
         """One metered chunk: ``audio_s`` > 0 for audio (0.0 for a gap-only event); ``gap``
         None for a stream's first chunk; ``ratio`` only for audio chunks with a gap."""
 
-    def first_audio(self, ttfa_s: float, now: float) -> None:
-        """Admission to first audio (``ttfa_s``, ended at ``now``), once per session that
-        has audio."""
+    def first_audio(self, ttfa_s: float, now: float, client_ttfa_s: float) -> None:
+        """Admission to first audio (``ttfa_s``, ended at ``now``) and the session's
+        arrival to it (``client_ttfa_s``, queue included), once per session that has
+        audio."""
 
     def opening(self, wait_s: float) -> None:
         """Active time of a stream segment's first audio chunk (which has no gap): the
@@ -163,6 +172,7 @@ class PrometheusReplicaSink:
     ``signals.worst_ratio(now)``."""
 
     __slots__ = (
+        "_client_ttfa",
         "_finalize",
         "_gap_p99",
         "_metrics",
@@ -180,6 +190,7 @@ class PrometheusReplicaSink:
         self._signals = signals
         self._series = metrics.replica_series(pool, replica)
         self._ttfa = metrics.child(metrics.time_to_first_audio, pool)
+        self._client_ttfa = metrics.child(metrics.client_time_to_first_audio, pool)
         self._gap_p99 = metrics.child(metrics.stream_gap_p99, pool)
         # Created by the pool's first answered ASR commit: a pool that only speaks (TTS)
         # never has a headroom_asr_finalize_seconds series, not even one of zeros.
@@ -200,8 +211,10 @@ class PrometheusReplicaSink:
         series.active += gap
         self._signals.observe(now, ratio, gap)
 
-    def first_audio(self, ttfa_s: float, now: float) -> None:
+    def first_audio(self, ttfa_s: float, now: float, client_ttfa_s: float) -> None:
         self._ttfa.observe(ttfa_s)
+        self._client_ttfa.observe(client_ttfa_s)
+        # The guard judges the replica: the engine's part, not the queue in front of it.
         self._signals.observe_ttfa(now, ttfa_s)
 
     def opening(self, wait_s: float) -> None:
@@ -240,6 +253,7 @@ class RecordingReplicaSink:
 
     chunks: list[tuple[float, float, float | None, float | None]] = field(default_factory=list)
     ttfa: list[float] = field(default_factory=list)
+    client_ttfa: list[float] = field(default_factory=list)
     openings: list[float] = field(default_factory=list)
     underrun_at: list[tuple[float, float]] = field(default_factory=list)
     first_chunk_stalls: list[float] = field(default_factory=list)
@@ -250,8 +264,9 @@ class RecordingReplicaSink:
     def chunk(self, now: float, audio_s: float, gap: float | None, ratio: float | None) -> None:
         self.chunks.append((now, audio_s, gap, ratio))
 
-    def first_audio(self, ttfa_s: float, now: float) -> None:
+    def first_audio(self, ttfa_s: float, now: float, client_ttfa_s: float) -> None:
         self.ttfa.append(ttfa_s)
+        self.client_ttfa.append(client_ttfa_s)
 
     def opening(self, wait_s: float) -> None:
         self.openings.append(wait_s)
@@ -298,6 +313,7 @@ class SessionMeter:
     __slots__ = (
         "_active",
         "_admitted",
+        "_arrived",
         "_audio_err",
         "_audio_s",
         "_chunks",
@@ -316,8 +332,24 @@ class SessionMeter:
         "_summary",
     )
 
-    def __init__(self, admitted_at: float, sink: ReplicaSink, prebuffer_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        admitted_at: float,
+        sink: ReplicaSink,
+        prebuffer_s: float = 0.2,
+        arrived_at: float | None = None,
+    ) -> None:
+        """``arrived_at``: when the session reached the gateway, before any queue wait
+        (None: at ``admitted_at``); the client's time to first audio runs from there."""
+        if arrived_at is None:
+            arrived_at = admitted_at
+        elif not arrived_at <= admitted_at:
+            raise ValueError(
+                f"a session arrives before it is admitted: arrived_at {arrived_at!r} "
+                f"> admitted_at {admitted_at!r}"
+            )
         self._admitted = admitted_at
+        self._arrived = arrived_at
         # The concrete class first: compiled, a call to it is native after a type check
         # (docs/performance.md).
         self._sink: PrometheusReplicaSink | ReplicaSink = sink
@@ -352,7 +384,9 @@ class SessionMeter:
             return
         if self._first_audio is None:
             self._first_audio = now
-            self._sink.first_audio(max(now - self._admitted, 0.0), now)
+            self._sink.first_audio(
+                max(now - self._admitted, 0.0), now, max(now - self._arrived, 0.0)
+            )
         self._chunks += 1
         total = self._audio_s + seconds
         if abs(self._audio_s) >= seconds:
@@ -443,6 +477,7 @@ class SessionMeter:
             first_chunk_underruns=self._playback.first_chunk_underruns,
             stall_seconds=self._playback.stall_seconds,
             time_to_first_audio=None if first is None else max(first - self._admitted, 0.0),
+            client_time_to_first_audio=None if first is None else max(first - self._arrived, 0.0),
             chunks=self._chunks,
             events=self._events,
             finalize_seconds=self._finalize,

@@ -392,10 +392,13 @@ class Runtime:
     def replica_sink(self, pool: str, replica: str) -> PrometheusReplicaSink:
         return self._sink(pool, replica)
 
-    def new_meter(self, pool: str, replica: str, admitted_at: float) -> SessionMeter:
+    def new_meter(
+        self, pool: str, replica: str, admitted_at: float, arrived_at: float | None = None
+    ) -> SessionMeter:
         return SessionMeter(
-            admitted_at, self._sink(pool, replica), prebuffer_s=self.settings.meter.prebuffer_s
-        )
+            admitted_at, self._sink(pool, replica), prebuffer_s=self.settings.meter.prebuffer_s,
+            arrived_at=arrived_at,
+        )  # fmt: skip
 
     def ws_adapter(self, route: RouteSettings, meter: SessionMeter) -> WsAdapter:
         return ws_adapter(route.protocol, meter, self._formats[route.path], route.inner_protocol)

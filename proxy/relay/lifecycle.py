@@ -357,7 +357,9 @@ async def run_session(
             return record
         if trace is not None:
             trace.begin("stream")
-        meter = services.new_meter(lease.pool, lease.replica, admitted_at)
+        # The client's time to first audio runs from the session's start (its queue wait
+        # included), the engine's from admission.
+        meter = services.new_meter(lease.pool, lease.replica, admitted_at, record.started)
         stop = SessionStop()
         services.register_session(stop, lease.pool)
         try:

@@ -78,7 +78,12 @@ class RelayServices(Protocol):
         """Count an upstream failure of ``kind`` against the replica."""
 
     # metering
-    def new_meter(self, pool: str, replica: str, admitted_at: float) -> SessionMeter: ...
+    def new_meter(
+        self, pool: str, replica: str, admitted_at: float, arrived_at: float | None = None
+    ) -> SessionMeter:
+        """The meter of a session admitted at ``admitted_at`` that reached the gateway at
+        ``arrived_at`` (before its queue wait; None: when admitted)."""
+        ...
 
     def replica_sink(self, pool: str, replica: str) -> ReplicaSink:
         """Where a meter of a session on ``replica`` observes (SessionMeter.move_to)."""

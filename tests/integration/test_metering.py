@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -49,6 +50,14 @@ def gaps(proxy: Proxy) -> float:
     return proxy.metric("headroom_chunk_gap_seconds_count", pool="main", replica="gpu0")
 
 
+def engine_ttfa_sum(proxy: Proxy) -> float:
+    return proxy.metric("headroom_time_to_first_audio_seconds_sum", pool="main")
+
+
+def client_ttfa_sum(proxy: Proxy) -> float:
+    return proxy.metric("headroom_client_time_to_first_audio_seconds_sum", pool="main")
+
+
 async def run_ws(url: str, path: str) -> None:
     async with connect(url + path, compression=None) as ws:
         if path in ("/v1/audio/speech/stream", "/bidi"):
@@ -73,6 +82,8 @@ async def test_ws_audio_protocols_meter_exactly_two_seconds(
     assert delivered(proxy) == pytest.approx(2.0, abs=1e-9)
     assert gaps(proxy) == 9
     assert proxy.metric("headroom_time_to_first_audio_seconds_count", pool="main") == 1
+    assert proxy.metric("headroom_client_time_to_first_audio_seconds_count", pool="main") == 1
+    assert client_ttfa_sum(proxy) >= engine_ttfa_sum(proxy) > 0.0
     assert proxy.metric("headroom_stream_gap_p99_seconds_count", pool="main") == 1
 
 
@@ -98,6 +109,41 @@ async def test_speech_http_meters_exactly_two_seconds(
     # chunks of the byte stream in one go (one arrival, one gap fewer). The bytes, hence
     # the seconds, are exact either way.
     assert 1 <= gaps(proxy) <= 9, label
+    assert proxy.metric("headroom_client_time_to_first_audio_seconds_count", pool="main") == 1
+    assert client_ttfa_sum(proxy) >= engine_ttfa_sum(proxy) > 0.0
+
+
+async def test_a_queued_requests_wait_is_in_the_clients_time_to_first_audio_only(
+    start_proxy: Any, engine: RunningServer
+) -> None:
+    """An HTTP request queued behind a WebSocket session holding the only slot: its wait
+    is in the client's time to first audio and not in the engine's."""
+    settings = proxy_settings(
+        [("gpu0", engine.http_url, 1)], ROUTES, queue={"max_depth": 1, "max_wait_s": 60}
+    )
+    proxy: Proxy = await start_proxy(settings)
+    request = {"model": "m", "input": "hi", "stream": True, "stream_format": "audio",
+               "response_format": "pcm"}  # fmt: skip
+    async with connect(proxy.ws_url + "/v1/audio/speech/stream", compression=None) as ws:
+        await wait_until(lambda: proxy.gate.active == 1)  # the engine waits for input.done
+        async with httpx.AsyncClient(timeout=60) as client:
+            post = asyncio.ensure_future(
+                client.post(proxy.http_url + "/v1/audio/speech", json=request)
+            )
+            await wait_until(lambda: proxy.gate.queued == 1)
+            await ws.send(json.dumps({"type": "input.text", "text": "hi"}))
+            await ws.send(json.dumps({"type": "input.done"}))
+            async for _ in ws:
+                pass
+            response = await post
+    assert response.status_code == 200
+    await wait_until(lambda: proxy.gate.active == 0)
+    queued = proxy.metric("headroom_queue_wait_seconds_sum", pool="main")
+    assert queued > 0.0
+    assert proxy.metric("headroom_client_time_to_first_audio_seconds_count", pool="main") == 2
+    # The client's figure runs from each session's arrival, the engine's from admission:
+    # they differ by at least the queued request's wait.
+    assert client_ttfa_sum(proxy) - engine_ttfa_sum(proxy) >= queued
 
 
 async def one_body(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -204,6 +250,7 @@ CONTRACT_METRICS = {
     "headroom_delivery_ratio_worst_1pct": ("gauge", {"pool", "replica"}),
     "headroom_delivery_ratio_p99": ("gauge", {"pool", "replica"}),  # deprecated alias
     "headroom_time_to_first_audio_seconds": ("histogram", {"pool"}),
+    "headroom_client_time_to_first_audio_seconds": ("histogram", {"pool"}),
     "headroom_playback_underruns": ("counter", {"pool", "replica"}),
     "headroom_playback_stall_seconds": ("counter", {"pool", "replica"}),
     "headroom_audio_delivered_seconds": ("counter", {"pool", "replica"}),

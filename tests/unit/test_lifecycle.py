@@ -94,9 +94,11 @@ class Services:
     def upstream_error(self, pool: str, replica: str, kind: str) -> None:
         self.upstream_errors.append((pool, replica, kind))
 
-    def new_meter(self, pool: str, replica: str, admitted_at: float) -> SessionMeter:
+    def new_meter(
+        self, pool: str, replica: str, admitted_at: float, arrived_at: float | None = None
+    ) -> SessionMeter:
         self.meters.append((pool, replica, admitted_at))
-        return SessionMeter(admitted_at, RecordingReplicaSink())
+        return SessionMeter(admitted_at, RecordingReplicaSink(), arrived_at=arrived_at)
 
 
 class Transport:

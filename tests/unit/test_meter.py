@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import generate_latest
+from prometheus_client.samples import Sample
 
 from proxy.meter import (
     RATIO_CAP,
@@ -77,6 +78,38 @@ def test_time_to_first_audio_is_observed_once_from_admission() -> None:
     session.audio(100.35, 0.1)
     session.audio(100.4, 0.1)
     assert sink.ttfa == pytest.approx([0.35])
+    assert sink.client_ttfa == pytest.approx([0.35])  # no separate arrival: the same
+
+
+def test_client_time_to_first_audio_runs_from_arrival_and_includes_the_queue() -> None:
+    sink = RecordingReplicaSink()
+    session = SessionMeter(100.0, sink, arrived_at=91.5)  # 8.5 s in the queue
+    session.audio(100.25, 0.2)
+    session.audio(100.45, 0.2)
+    summary = session.finish(101.0)
+    assert sink.ttfa == pytest.approx([0.25])
+    assert sink.client_ttfa == pytest.approx([8.75])
+    assert summary.time_to_first_audio == pytest.approx(0.25)
+    assert summary.client_time_to_first_audio == pytest.approx(8.75)
+    # Everything else runs from admission: the queue is not delivery time.
+    assert summary.wall_seconds == pytest.approx(1.0)
+    assert summary.active_seconds == pytest.approx(0.45)
+    fields = summary.as_log_fields()
+    assert (fields["ttfa_s"], fields["client_ttfa_s"]) == (0.25, 8.75)
+
+
+def test_a_session_without_audio_has_no_client_time_to_first_audio() -> None:
+    sink = RecordingReplicaSink()
+    session = SessionMeter(100.0, sink, arrived_at=95.0)
+    session.event(100.5)
+    summary = session.finish(101.0)
+    assert summary.client_time_to_first_audio is None and sink.client_ttfa == []
+
+
+@pytest.mark.parametrize("arrived_at", [100.001, math.nan])
+def test_an_arrival_after_admission_is_refused(arrived_at: float) -> None:
+    with pytest.raises(ValueError, match="arrives before it is admitted"):
+        SessionMeter(100.0, RecordingReplicaSink(), arrived_at=arrived_at)
 
 
 def test_first_chunk_has_no_gap_and_no_ratio() -> None:
@@ -210,6 +243,7 @@ def test_summary_log_fields() -> None:
         "first_chunk_underruns": 0,
         "stall_s": 0.5,
         "ttfa_s": 0.3,
+        "client_ttfa_s": None,
         "chunks": 10,
         "events": 0,
         "finalize_s": None,
@@ -357,6 +391,9 @@ def test_prometheus_sink_observes_the_contract_metrics() -> None:
     assert sample(metrics, "headroom_time_to_first_audio_seconds_sum", pool="tts") == pytest.approx(
         0.5
     )
+    # No separate arrival: the client's figure is the engine's.
+    client_sum = sample(metrics, "headroom_client_time_to_first_audio_seconds_sum", pool="tts")
+    assert client_sum == pytest.approx(0.5)
     assert sample(metrics, "headroom_stream_gap_p99_seconds_count", pool="tts") == 1
     assert signals.samples(15.0) == 10
     assert signals.worst_ratio(15.0) == pytest.approx(0.2 / 2.7, rel=0.02)
@@ -440,3 +477,31 @@ def test_each_streams_first_seam_is_reported_once_with_whether_it_stalled() -> N
     for now, seconds in ((0.1, 0.32), (1.0, 2.0), (2.0, 2.0)):
         recording.audio(now, seconds)
     assert sink.first_seams == [(1.0, True)]
+
+
+def test_prometheus_sink_exports_both_figures_and_the_guard_sees_the_engines() -> None:
+    """A session that queued 8.5 s: the client histogram holds the wait, the engine's
+    (the contract's admission-to-first-audio, and the guard's input) does not."""
+    metrics = Metrics()
+    signals = ReplicaSignals(window_s=30)
+    sink = PrometheusReplicaSink(metrics, "tts", "gpu0", signals)
+    session = SessionMeter(10.0, sink, arrived_at=1.5)
+    session.audio(10.25, 0.2)
+    session.finish(11.0)
+    engine = {s.labels.get("le"): s.value for s in _samples(metrics, "headroom_time_to_first")}
+    client = {s.labels.get("le"): s.value for s in _samples(metrics, "headroom_client_time")}
+    assert engine["0.3"] == 1 and engine["0.2"] == 0
+    assert client["10.0"] == 1 and client["7.5"] == 0 and client["+Inf"] == 1
+    assert sample(metrics, "headroom_client_time_to_first_audio_seconds_sum", pool="tts") == (
+        pytest.approx(8.75)
+    )
+    assert signals.startup(10.5).ttfa_p99 == pytest.approx(0.25, rel=0.02)
+
+
+def _samples(metrics: Metrics, prefix: str) -> list[Sample]:
+    return [
+        s
+        for family in metrics.registry.collect()
+        for s in family.samples
+        if s.name.startswith(prefix) and s.name.endswith("_bucket")
+    ]

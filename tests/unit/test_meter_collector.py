@@ -353,6 +353,7 @@ def test_each_replica_family_is_exported_once_in_the_old_order() -> None:
         "headroom_asr_finalize_seconds",
         "headroom_tenant_decisions_total",  # issue 18: per API key, after the old families
         "headroom_tenant_queue_wait_seconds",
+        "headroom_client_time_to_first_audio_seconds",  # the client's, queue included
         "headroom_build_info",
     ]
 
