@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .support import DASHBOARD, DEPLOY, exported_series, load_yaml, selectors
+from .support import DASHBOARD, DEPLOY, alert_rules, exported_series, load_yaml, selectors
 
 
 def _board() -> dict[str, Any]:
@@ -77,6 +77,30 @@ def test_engine_queue_is_shown_next_to_the_p99_gap() -> None:
     assert contrast, "no panel puts engine queue depth beside the p99 gap"
     exprs = [t["expr"] for t in contrast[0]["targets"]]
     assert any("histogram_quantile(0.99" in e for e in exprs)
+
+
+def test_time_to_first_audio_is_the_clients_with_the_engines_part_beside_it() -> None:
+    """The time to first audio panel shows what clients waited (queue included) with the
+    alert's threshold line; the panel beside it has the engine's part and the queue."""
+    client, engine = (
+        "headroom_client_time_to_first_audio_seconds_bucket",
+        "headroom_time_to_first_audio_seconds_bucket",
+    )
+    panels = _panels()
+    (main,) = [p for p in panels if all(client in t["expr"] for t in p["targets"])]
+    assert {t["expr"].split(",")[0] for t in main["targets"]} == {
+        "histogram_quantile(0.5", "histogram_quantile(0.95", "histogram_quantile(0.99",
+    }  # fmt: skip
+    alert = next(r for r in alert_rules() if r["alert"] == "HeadroomTimeToFirstAudioHigh")
+    threshold = float(alert["expr"].rsplit(">", 1)[1])
+    defaults = main["fieldConfig"]["defaults"]
+    assert defaults["custom"]["thresholdsStyle"]["mode"] == "line"
+    assert threshold in [s["value"] for s in defaults["thresholds"]["steps"]]
+    (split,) = [p for p in panels if any(engine in t["expr"] for t in p["targets"])]
+    exprs = " ".join(t["expr"] for t in split["targets"])
+    assert client in exprs and "headroom_queue_wait_seconds_bucket" in exprs
+    beside = (main["gridPos"]["y"], main["gridPos"]["x"] + main["gridPos"]["w"])
+    assert (split["gridPos"]["y"], split["gridPos"]["x"]) == beside
 
 
 def test_panels_have_unique_ids_and_do_not_overlap() -> None:

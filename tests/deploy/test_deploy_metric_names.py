@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from proxy.metrics import DELIVERY_RATIO_BUCKETS, GAP_BUCKETS
+from proxy.metrics import DELIVERY_RATIO_BUCKETS, GAP_BUCKETS, Metrics
 
 from .support import (
     DASHBOARD,
@@ -142,6 +142,7 @@ def test_dashboard_shows_the_required_signals() -> None:
         "headroom_queue_wait_seconds_bucket",
         "headroom_session_decisions_total",
         "headroom_time_to_first_audio_seconds_bucket",
+        "headroom_client_time_to_first_audio_seconds_bucket",
         "headroom_engine_requests_waiting",
         "headroom_pool_headroom_left_ratio",
         "headroom_pool_slots_free",
@@ -173,3 +174,16 @@ def test_alert_thresholds_sit_on_bucket_edges() -> None:
     assert gap in GAP_BUCKETS
     assert ratio_guard in DELIVERY_RATIO_BUCKETS
     assert ratio_page == 1.2
+    ttfa = _threshold(_alert("HeadroomTimeToFirstAudioHigh")["expr"], "p95_5m")
+    assert ttfa in Metrics().client_time_to_first_audio._upper_bounds
+
+
+def test_the_clients_time_to_first_audio_buckets_cover_a_full_queue_wait() -> None:
+    """The client's figure adds the queue wait (up to a pool's max_wait_s) to the engine's
+    part: its buckets hold the engine's edges and reach past the queue-wait histogram's."""
+    metrics = Metrics()
+    client = set(metrics.client_time_to_first_audio._upper_bounds)
+    assert set(metrics.time_to_first_audio._upper_bounds) <= client
+    finite = [edge for edge in metrics.queue_wait._upper_bounds if edge != float("inf")]
+    assert max(client - {float("inf")}) >= max(finite)
+    assert {7.5, 10.0, 15.0} <= client  # a default 10 s queue wait is resolved, not clipped

@@ -99,6 +99,12 @@ def _alert_exprs() -> dict[str, dict[str, Any]]:
         ("HeadroomReplicaUnhealthy", "headroom_replica_healthy == 0", "warning"),
         ("HeadroomPoolNoHealthyReplica", "headroom_replica_healthy", "page"),
         ("HeadroomGuardEngaged", "headroom_replica_guarded", "warning"),
+        # what clients waited (queue included), not the engine's part alone
+        (
+            "HeadroomTimeToFirstAudioHigh",
+            "pool:headroom_client_time_to_first_audio_seconds:p95_5m > 2",
+            "warning",
+        ),
         ("HeadroomPipelineStageNearKnee", "headroom_pipeline_limiting_stage == 1", "warning"),
         ("HeadroomPriorityClassStarving", 'decision="admitted"', "warning"),
     ],
