@@ -419,10 +419,16 @@ _BUNDLED = 'eq (include "headroom.bundledRedis" .) "true"'
 _WORKERS = "gt (int .Values.admission.workers) 1"
 _SECRET = f"and ({_SHARED}) .Values.admission.redis.urlSecret.name"
 _ADMIN = 'eq .Values.podMonitor.port "admin"'
-MEMORY = {_SHARED: False, _BUNDLED: False, _WORKERS: False, _SECRET: False, _ADMIN: False}
-REDIS_BUNDLED = {_SHARED: True, _BUNDLED: True, _WORKERS: False, _SECRET: False, _ADMIN: False}
+_AUTH = 'eq (include "headroom.redisAuth" .) "true"'
+MEMORY = {
+    _SHARED: False, _BUNDLED: False, _WORKERS: False, _SECRET: False, _ADMIN: False,
+    _AUTH: False,
+}  # fmt: skip
+REDIS_BUNDLED = {
+    _SHARED: True, _BUNDLED: True, _WORKERS: False, _SECRET: False, _ADMIN: False, _AUTH: True,
+}  # fmt: skip
 REDIS_EXTERNAL_WORKERS = {
-    _SHARED: True, _BUNDLED: False, _WORKERS: True, _SECRET: True, _ADMIN: False,
+    _SHARED: True, _BUNDLED: False, _WORKERS: True, _SECRET: True, _ADMIN: False, _AUTH: False,
 }  # fmt: skip
 _TOKEN = re.compile(r"{{-?\s*(.*?)\s*-?}}", re.S)
 
@@ -521,10 +527,13 @@ def test_redis_backend_rolls_gateways_and_bundles_a_noeviction_redis() -> None:
     redis_labels = _define("headroom.redisSelectorLabels")
     gateway_labels = _define("headroom.selectorLabels")
     assert "-redis" in redis_labels and "-redis" not in gateway_labels
-    # The gateway's URL is that Service's name.
-    assert 'printf "redis://%s:6379/0" (include "headroom.redisName" .)' in _define(
-        "headroom.config"
-    )
+    # The gateway's URL is that Service's name, and the password's URL the same address.
+    assert 'printf "%s:6379" (include "headroom.redisName" .)' in _define("headroom.redisAddress")
+    assert 'printf "redis://%s/0" (include "headroom.redisAddress" .)' in _define("headroom.config")
+    (gateway,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in gateway["env"]}
+    assert env["HEADROOM_ADMISSION__REDIS__URL"]["value"] == "redis://:$(REDIS_PASSWORD)@x/0"
+    assert "--requirepass" in args and "REDISCLI_AUTH" in {e["name"] for e in container["env"]}
 
 
 def test_external_redis_from_a_secret_and_several_workers() -> None:
@@ -580,3 +589,196 @@ def test_redis_values_render_a_loadable_shared_config() -> None:
     assert settings.warnings() == []
     # url, urlSecret and sentinel are rendered by their own branches of headroom.config.
     assert set(redis) - {"url", "urlSecret", "sentinel"} == {k for k, _ in keys}
+
+
+# --- image registry, Redis auth, NetworkPolicies (rendered) -------------------------------
+
+REDIS = ("--set", "admission.backend=redis")
+
+
+def _containers(docs: dict[str, dict[str, Any]], deployment: str) -> dict[str, Any]:
+    spec = docs[f"Deployment/{deployment}"]["spec"]["template"]["spec"]
+    return {c["name"]: c for c in spec["containers"]}
+
+
+def test_images_come_from_the_registry_the_values_name() -> None:
+    default = render_docs(*REDIS)
+    assert _containers(default, "gw-headroom")["headroom"]["image"] == "headroom:0.1.0"
+    assert _containers(default, "gw-headroom-redis")["redis"]["image"] == "redis:7.2-alpine"
+    docs = render_docs(
+        *REDIS, "--set", "image.registry=registry.example.com/voice/", "--set", "image.tag=1.2.3",
+        "--set", "admission.bundledRedis.image.registry=mirror.example.com",
+        "--set", "imagePullSecrets[0].name=pull",
+    )  # fmt: skip
+    gateway = _containers(docs, "gw-headroom")["headroom"]
+    assert gateway["image"] == "registry.example.com/voice/headroom:1.2.3"
+    assert _containers(docs, "gw-headroom-redis")["redis"]["image"] == (
+        "mirror.example.com/redis:7.2-alpine"
+    )
+    for name in ("gw-headroom", "gw-headroom-redis"):
+        pod = docs[f"Deployment/{name}"]["spec"]["template"]["spec"]
+        assert pod["imagePullSecrets"] == [{"name": "pull"}], name
+
+
+def _secret_ref(env: dict[str, Any], name: str) -> dict[str, str]:
+    ref: dict[str, str] = env[name]["valueFrom"]["secretKeyRef"]
+    return ref
+
+
+def test_the_bundled_redis_requires_a_password_that_the_gateways_send() -> None:
+    """The chart's Secret holds a random password; Redis requires it (and its readiness
+    probe's redis-cli sends it); the gateways' URL carries it once the kubelet expands
+    $(REDIS_PASSWORD), and overrides the ConfigMap's URL."""
+    import base64
+    from urllib.parse import urlsplit
+
+    from proxy.settings import settings_from_mapping
+
+    docs = render_docs(*REDIS)
+    secret = docs["Secret/gw-headroom-redis-auth"]
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    assert re.fullmatch(r"[A-Za-z0-9]{32}", password)
+    ref = {"name": "gw-headroom-redis-auth", "key": "password"}
+    redis = _containers(docs, "gw-headroom-redis")["redis"]
+    redis_env = {e["name"]: e for e in redis["env"]}
+    assert _secret_ref(redis_env, "REDIS_PASSWORD") == ref
+    assert _secret_ref(redis_env, "REDISCLI_AUTH") == ref
+    args = redis["args"]
+    assert args[args.index("--requirepass") + 1] == "$(REDIS_PASSWORD)"
+    assert redis["readinessProbe"]["exec"]["command"] == ["redis-cli", "ping"]
+    gateway = _containers(docs, "gw-headroom")["headroom"]
+    names = [e["name"] for e in gateway["env"]]
+    # The kubelet expands $(VAR) only from variables defined before it.
+    assert names.index("REDIS_PASSWORD") < names.index("HEADROOM_ADMISSION__REDIS__URL")
+    env = {e["name"]: e for e in gateway["env"]}
+    assert _secret_ref(env, "REDIS_PASSWORD") == ref
+    url = env["HEADROOM_ADMISSION__REDIS__URL"]["value"].replace("$(REDIS_PASSWORD)", password)
+    config = yaml.safe_load(docs["ConfigMap/gw-headroom"]["data"]["config.yaml"])
+    settings = settings_from_mapping(config, env={"HEADROOM_ADMISSION__REDIS__URL": url})
+    parts = urlsplit(settings.admission.redis.url)
+    assert (parts.password, parts.hostname, parts.port) == (password, "gw-headroom-redis", 6379)
+    assert password not in docs["ConfigMap/gw-headroom"]["data"]["config.yaml"]
+
+
+def test_redis_auth_from_an_existing_secret_or_none() -> None:
+    existing = render_docs(
+        *REDIS, "--set", "admission.bundledRedis.auth.existingSecret=team-redis",
+        "--set", "admission.bundledRedis.auth.existingSecretKey=pw",
+    )  # fmt: skip
+    assert not any(key.startswith("Secret/") for key in existing)
+    ref = {"name": "team-redis", "key": "pw"}
+    for deployment, container in (("gw-headroom", "headroom"), ("gw-headroom-redis", "redis")):
+        env = {e["name"]: e for e in _containers(existing, deployment)[container]["env"]}
+        assert _secret_ref(env, "REDIS_PASSWORD") == ref, deployment
+    refused = _render(*REDIS, "--set", "admission.bundledRedis.auth.existingSecret=team-redis",
+                      "--set", "admission.bundledRedis.auth.existingSecretKey=")  # fmt: skip
+    assert refused.returncode != 0 and "existingSecretKey" in refused.stderr
+    off = render_docs(*REDIS, "--set", "admission.bundledRedis.auth.enabled=false")
+    assert not any(key.startswith("Secret/") for key in off)
+    redis = _containers(off, "gw-headroom-redis")["redis"]
+    assert "--requirepass" not in redis["args"] and "env" not in redis
+    gateway_env = [e["name"] for e in _containers(off, "gw-headroom")["headroom"]["env"]]
+    assert gateway_env == ["HEADROOM_CONFIG"]
+    # An external Redis brings its own password (url / urlSecret): no Secret of the chart's.
+    external = render_docs(*REDIS, "--set", "admission.redis.url=rediss://:pw@r:6380/1")
+    assert not any(key.startswith(("Secret/", "NetworkPolicy/")) for key in external)
+
+
+def test_the_rendered_redis_args_and_probe_work_on_a_real_redis(tmp_path: Path) -> None:
+    """The bundled Redis's args, as the kubelet expands them, make a real redis-server refuse
+    a client without the password, and its readiness probe (redis-cli with REDISCLI_AUTH)
+    answer PONG."""
+    import base64
+    import os
+    import time
+
+    import redis as redis_py
+
+    server = require_tool("redis-server", "Debian: apt-get install redis-server")
+    cli = require_tool("redis-cli", "Debian: apt-get install redis-server")
+    docs = render_docs(*REDIS)
+    password = base64.b64decode(docs["Secret/gw-headroom-redis-auth"]["data"]["password"]).decode()
+    args = [a.replace("$(REDIS_PASSWORD)", password)
+            for a in _containers(docs, "gw-headroom-redis")["redis"]["args"]]  # fmt: skip
+    socket = tmp_path / "redis.sock"
+    process = subprocess.Popen(
+        [server, *args, "--port", "0", "--unixsocket", str(socket), "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not socket.exists():
+            assert process.poll() is None and time.monotonic() < deadline, "redis did not start"
+            time.sleep(0.02)
+        with pytest.raises(redis_py.AuthenticationError):
+            redis_py.Redis(unix_socket_path=str(socket)).ping()
+        assert redis_py.Redis(unix_socket_path=str(socket), password=password).ping()
+        probe = subprocess.run(
+            [cli, "-s", str(socket), "ping"], capture_output=True, text=True, timeout=30,
+            env={**os.environ, "REDISCLI_AUTH": password},
+        )  # fmt: skip
+        assert probe.stdout.strip() == "PONG", probe.stdout + probe.stderr
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def _labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_the_bundled_redis_takes_connections_from_the_gateways_only() -> None:
+    docs = render_docs(*REDIS)
+    policy = docs["NetworkPolicy/gw-headroom-redis"]["spec"]
+    gateway_pod = docs["Deployment/gw-headroom"]["spec"]["template"]["metadata"]["labels"]
+    redis_pod = docs["Deployment/gw-headroom-redis"]["spec"]["template"]["metadata"]["labels"]
+    assert _labels_match(policy["podSelector"]["matchLabels"], redis_pod)
+    assert not _labels_match(policy["podSelector"]["matchLabels"], gateway_pod)
+    assert policy["policyTypes"] == ["Ingress"]
+    (rule,) = policy["ingress"]
+    (peer,) = rule["from"]
+    assert peer.keys() == {"podSelector"}  # this namespace's pods, no other namespace
+    assert _labels_match(peer["podSelector"]["matchLabels"], gateway_pod)
+    assert not _labels_match(peer["podSelector"]["matchLabels"], redis_pod)
+    redis_ports = {p["name"] for p in _containers(docs, "gw-headroom-redis")["redis"]["ports"]}
+    assert [p["port"] for p in rule["ports"]] == ["redis"] and "redis" in redis_ports
+    off = render_docs(*REDIS, "--set", "networkPolicy.redis.enabled=false")
+    assert not any(key.startswith("NetworkPolicy/") for key in off)
+    assert not any(key.startswith("NetworkPolicy/") for key in render_docs())
+
+
+def test_the_gateway_policy_admits_clients_and_the_scraper_to_their_ports(tmp_path: Path) -> None:
+    assert "NetworkPolicy/gw-headroom" not in render_docs()
+    scraper = [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "mon"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+        }
+    ]
+    clients = [{"namespaceSelector": {"matchLabels": {"team": "voice"}}}]
+    admin = {"podMonitor": {"port": "admin", "adminKeySecret": {"name": "ha"}},
+             "networkPolicy": {"gateway": {"enabled": True, "scraper": scraper}}}  # fmt: skip
+    docs = render_docs("-f", _values_file(tmp_path, admin))
+    policy = docs["NetworkPolicy/gw-headroom"]["spec"]
+    pod = docs["Deployment/gw-headroom"]["spec"]["template"]
+    assert _labels_match(policy["podSelector"]["matchLabels"], pod["metadata"]["labels"])
+    port_names = {p["name"] for p in pod["spec"]["containers"][0]["ports"]}
+    client_rule, admin_rule = policy["ingress"]
+    assert [p["port"] for p in client_rule["ports"]] == ["http"]
+    assert "from" not in client_rule  # no clients listed: any source
+    assert [p["port"] for p in admin_rule["ports"]] == ["admin"]
+    assert admin_rule["from"] == scraper
+    assert {"http", "admin"} <= port_names
+    # Clients listed, /metrics on the client port: the scraper joins the clients, and
+    # there is no admin rule (the admin listener stays on loopback).
+    values = {"networkPolicy": {"gateway": {"enabled": True, "clients": clients,
+                                            "scraper": scraper}}}  # fmt: skip
+    (rule,) = render_docs("-f", _values_file(tmp_path, values))["NetworkPolicy/gw-headroom"][
+        "spec"
+    ]["ingress"]
+    assert [p["port"] for p in rule["ports"]] == ["http"]
+    assert rule["from"] == clients + scraper
+    no_scraper = {"podMonitor": admin["podMonitor"],
+                  "networkPolicy": {"gateway": {"enabled": True}}}  # fmt: skip
+    refused = _render("-f", _values_file(tmp_path, no_scraper))
+    assert refused.returncode != 0 and "networkPolicy.gateway.scraper" in refused.stderr

@@ -136,12 +136,33 @@ CHART_SHAPES = {
         "--set", "httpRoute.enabled=true", "--set", "httpRoute.parentRefs[0].name=igw",
         "--set", "httpRoute.hostnames[0]=tts.example.com",
     ],
+    "registry-redis-existing-secret": [
+        "--set", "admission.backend=redis", "--set", "image.registry=registry.example.com/v",
+        "--set", "admission.bundledRedis.image.registry=mirror.example.com",
+        "--set", "imagePullSecrets[0].name=pull",
+        "--set", "admission.bundledRedis.auth.existingSecret=team-redis",
+    ],
+    "network-policies": [
+        "--set", "admission.backend=redis", *MONITORING, "--set", "podMonitor.port=admin",
+        "--set", "podMonitor.adminKeySecret.name=headroom-admin",
+        "--set", "networkPolicy.gateway.enabled=true",
+        "--set", "networkPolicy.gateway.clients[0].namespaceSelector.matchLabels.team=voice",
+        "--set", "networkPolicy.gateway.scraper[0].podSelector.matchLabels.app=prometheus",
+        "--set", "networkPolicy.gateway.scraper[0].namespaceSelector.matchLabels.ns=mon",
+    ],
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("shape", list(CHART_SHAPES))
 def test_the_rendered_chart_validates(shape: str) -> None:
     validate(f"helm ({shape})", list(render_docs(*CHART_SHAPES[shape]).values()))
+
+
+def test_the_shapes_render_the_secret_and_the_network_policies() -> None:
+    """The validated shapes include the chart's Redis Secret and both NetworkPolicies."""
+    kinds = {key for shape in CHART_SHAPES.values() for key in render_docs(*shape)}
+    assert {"Secret/gw-headroom-redis-auth", "NetworkPolicy/gw-headroom-redis",
+            "NetworkPolicy/gw-headroom"} <= kinds  # fmt: skip
 
 
 def test_the_validator_rejects_what_the_cluster_would() -> None:

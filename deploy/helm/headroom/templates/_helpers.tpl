@@ -72,6 +72,45 @@ app.kubernetes.io/name: {{ printf "%s-redis" (include "headroom.name" .) | trunc
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
+{{/* The bundled Redis's address, host:port (its Service). */}}
+{{- define "headroom.redisAddress" -}}
+{{- printf "%s:6379" (include "headroom.redisName" .) }}
+{{- end }}
+
+{{/* "true" when the bundled Redis requires a password (admission.bundledRedis.auth). */}}
+{{- define "headroom.redisAuth" -}}
+{{- and (eq (include "headroom.bundledRedis" .) "true") .Values.admission.bundledRedis.auth.enabled -}}
+{{- end }}
+
+{{/* The Secret and key holding the bundled Redis's password: auth.existingSecret and
+auth.existingSecretKey, else the Secret the chart makes (redis-secret.yaml), key password. */}}
+{{- define "headroom.redisSecretName" -}}
+{{- if .Values.admission.bundledRedis.auth.existingSecret }}
+{{- .Values.admission.bundledRedis.auth.existingSecret }}
+{{- else }}
+{{- printf "%s-auth" (include "headroom.redisName" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+
+{{- define "headroom.redisSecretKey" -}}
+{{- if .Values.admission.bundledRedis.auth.existingSecret }}
+{{- .Values.admission.bundledRedis.auth.existingSecretKey }}
+{{- else }}
+{{- "password" }}
+{{- end }}
+{{- end }}
+
+{{/* An image reference, [registry/]repository:tag, from (list <image values> <tag>). */}}
+{{- define "headroom.image" -}}
+{{- $image := index . 0 }}
+{{- $tag := index . 1 }}
+{{- if $image.registry }}
+{{- printf "%s/%s:%s" (trimSuffix "/" $image.registry) $image.repository $tag }}
+{{- else }}
+{{- printf "%s:%s" $image.repository $tag }}
+{{- end }}
+{{- end }}
+
 {{/* Refuse values that would break the caps or cannot work. */}}
 {{- define "headroom.validate" -}}
 {{- if not (has .Values.admission.backend (list "memory" "redis")) }}
@@ -98,6 +137,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and .Values.podMonitor.enabled (eq .Values.podMonitor.port "client") (not (dig "metrics" "client_port" false .Values.config)) }}
 {{- fail "podMonitor.port client scrapes /metrics on the client port: set config.metrics.client_port true, or podMonitor.port admin" }}
 {{- end }}
+{{- if and .Values.networkPolicy.gateway.enabled .Values.podMonitor.enabled (eq .Values.podMonitor.port "admin") (not .Values.networkPolicy.gateway.scraper) }}
+{{- fail "networkPolicy.gateway.scraper: name the Prometheus pods allowed to the admin port (podMonitor.port admin), or the NetworkPolicy keeps them out" }}
+{{- end }}
+{{- if and (eq (include "headroom.redisAuth" .) "true") .Values.admission.bundledRedis.auth.existingSecret (not .Values.admission.bundledRedis.auth.existingSecretKey) }}
+{{- fail "admission.bundledRedis.auth.existingSecretKey: name the key of the password in auth.existingSecret" }}
+{{- end }}
 {{- end }}
 
 {{/* The Headroom configuration file: config with pools, routes and (redis) admission added.
@@ -113,7 +158,8 @@ With urlSecret the URL stays out of the file: HEADROOM_ADMISSION__REDIS__URL car
 {{- /* With Sentinel the URL's host is not used; a urlSecret still overrides it. */}}
 {{- $_ := set $redis "url" "redis://sentinel/0" }}
 {{- else if not $r.urlSecret.name }}
-{{- $_ := set $redis "url" (printf "redis://%s:6379/0" (include "headroom.redisName" .)) }}
+{{- /* With auth, HEADROOM_ADMISSION__REDIS__URL adds the password (deployment.yaml). */}}
+{{- $_ := set $redis "url" (printf "redis://%s/0" (include "headroom.redisAddress" .)) }}
 {{- end }}
 {{- if $r.sentinel.master }}
 {{- $_ := set $redis "sentinel" (dict "master" $r.sentinel.master "nodes" $r.sentinel.nodes) }}
