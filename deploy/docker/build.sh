@@ -50,7 +50,20 @@ wheels() {
         exit 2
     }
     scratch="$(mktemp -d)"
-    trap 'rm -rf "$scratch"' EXIT
+    # The builds write setuptools' build/ (mypyc's C sources too) and the project's
+    # .egg-info into the source tree: those the tree did not have before are removed when
+    # the script ends (unless DIR is inside one; *.egg-info, matching nothing yet, is
+    # expanded then). mypy's cache goes to the scratch directory.
+    created=""
+    mkdir -p "$out"
+    out_dir="$(cd "$out" && pwd)/"
+    for path in build .mypy_cache *.egg-info; do
+        [ -e "$path" ] && continue
+        case "$out_dir" in "$PWD/$path/"*) continue ;; esac
+        created="$created $path"
+    done
+    trap 'rm -rf "$scratch" $created' EXIT
+    export MYPY_CACHE_DIR="$scratch/mypy-cache"
     "$python" -m venv "$scratch/venv"
     pip="$scratch/venv/bin/python -m pip"
     $pip install 'setuptools>=68' wheel

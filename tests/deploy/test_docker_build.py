@@ -131,6 +131,11 @@ def _host_argv(command: str, paths: dict[str, Path]) -> list[str]:
     return argv
 
 
+def _tree(root: Path) -> set[str]:
+    """Every path under ``root``, relative to it."""
+    return {p.relative_to(root).as_posix() for p in root.rglob("*")}
+
+
 def _base_python_dir() -> Path:
     """The directory of this interpreter's base Python (not a virtualenv): the stand-in for
     the image's python:3.11-slim."""
@@ -262,9 +267,12 @@ def test_the_image_builds_and_serves(tmp_path: Path, mypyc: str | None) -> None:
     wheels = tmp_path / "wheels"
     builder_paths = {_workdir(builder): src, "/wheels": wheels}
     assert builder.runs(), "the builder stage runs the build script"
+    context = _tree(src)
     for run in builder.runs():
         argv = _host_argv(run, builder_paths)
         _run(argv, src, {**builder.env, "PATH": system_path, "HOME": str(home)}, log)
+    # The build cleans up after itself: no build/, .egg-info or .mypy_cache left behind.
+    assert _tree(src) == context, sorted(_tree(src) ^ context)[:20]
     built = sorted(p.name for p in wheels.glob("headroom_proxy-*.whl"))
     assert len(built) == 1, built
     assert ("-cp311-" in built[0]) is compiled, built  # a compiled wheel is per-interpreter
