@@ -29,16 +29,33 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from proxy.admission.redis_backend import BackendUnavailable
 
-__all__ = ["KeepFunction", "LeaseKeeper"]
+__all__ = ["KeepFunction", "Keeper", "LeaseKeeper"]
 
 log = logging.getLogger("headroom.lease_keeper")
 
 #: ``(pool, generation, lease ids) -> ids not found`` (None: another data generation).
 #: Raises :class:`BackendUnavailable` when Redis cannot be reached.
 KeepFunction = Callable[[str, str, Sequence[str]], "tuple[str, ...] | None"]
+
+
+class Keeper(Protocol):
+    """What the shared gate needs of a lease keeper: this thread keeper, or
+    :class:`~proxy.admission.keeper_process.ProcessKeeper`, which renews from a process
+    of its own. :meth:`start` and :meth:`stop` may block: the gate calls :meth:`stop`
+    off the event loop."""
+
+    def hold(self, pool: str, lease_id: str) -> None: ...
+    def drop(self, pool: str, lease_id: str) -> None: ...
+    def set_generation(self, pool: str, generation: str) -> None: ...
+    def ticked(self, pool: str) -> None: ...
+    def kept_age(self, pool: str) -> float | None: ...
+    def holding(self, pool: str) -> int: ...
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
 
 
 class LeaseKeeper:
@@ -113,6 +130,17 @@ class LeaseKeeper:
     def holding(self, pool: str) -> int:
         with self._lock:
             return len(self._held.get(pool, ()))
+
+    def held(self) -> dict[str, tuple[str, ...]]:
+        """pool -> the lease ids this process holds there now."""
+        with self._lock:
+            return {pool: tuple(ids) for pool, ids in self._held.items() if ids}
+
+    def proofs(self) -> dict[str, float]:
+        """pool -> when (``monotonic``) the last renewal that proved every lease was
+        sent: what :meth:`kept_age` measures from."""
+        with self._lock:
+            return dict(self._kept)
 
     # -- the thread's side --------------------------------------------------------------
 

@@ -479,7 +479,8 @@ class RedisAdmission:
             health_check_interval=30,
         )
         script = client.register_script(_pool_script("keep"))
-        return LeaseRenewer(client, script, self.keys, self.ttl_ms, self._clock_ms)
+        lapse = client.register_script(_pool_script("lapse"))
+        return LeaseRenewer(client, script, self.keys, self.ttl_ms, self._clock_ms, lapse)
 
     async def ping(self) -> None:
         try:
@@ -503,7 +504,8 @@ class RedisAdmission:
 
 class LeaseRenewer:
     """``keep.lua`` over a blocking Redis connection: extends leases this gateway still
-    holds, from a thread that does not need the event loop. Made by
+    holds, from a thread (or a process) that does not need the event loop; and
+    ``lapse.lua``, which hands back a dead gateway's leases. Made by
     :meth:`RedisAdmission.lease_renewer`; one thread uses it at a time."""
 
     def __init__(
@@ -513,8 +515,10 @@ class LeaseRenewer:
         keys: Callable[[str], list[str]],
         ttl_ms: int,
         clock_ms: Callable[[], int] | None = None,
+        lapse_script: Any = None,
     ) -> None:
         self._client = client
+        self._lapse = lapse_script
         self._keys = keys
         self._ttl_ms = ttl_ms
         self._clock_ms = clock_ms
@@ -546,6 +550,25 @@ class LeaseRenewer:
         if _text(reply[0]) != "ok":
             return None
         return tuple(_text(x) for x in reply[1])
+
+    def lapse(self, pool: str, lease_ids: Sequence[str]) -> int:
+        """Mark ``lease_ids`` of ``pool`` expired now where Redis still holds them, for a
+        gateway that has died (the next script on the pool frees their slots). Returns
+        how many it marked. Raises :class:`BackendUnavailable` when Redis cannot be
+        reached in time."""
+        if self._lapse is None:
+            raise RuntimeError("this renewer was made without lapse.lua")
+        clock = "" if self._clock_ms is None else self._clock_ms()
+        args: list[str | int] = [clock, *lease_ids]
+        keys = self._keys(pool)
+        try:
+            try:
+                reply = self._lapse(keys=keys, args=args)
+            except self._connection_errors:
+                reply = self._lapse(keys=keys, args=args)
+        except self._errors as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        return int(reply)
 
     def close(self) -> None:
         self._client.close()

@@ -52,12 +52,13 @@ import asyncio
 import contextlib
 import logging
 import random
+import sys
 from collections.abc import Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
 from proxy.admission import QueuePolicy, ReplicaSpec, Reserve
 from proxy.admission.interface import FenceCallback, ReservationStore, SlotCallback
-from proxy.admission.lease_keeper import LeaseKeeper
+from proxy.admission.lease_keeper import Keeper, LeaseKeeper
 from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission
 from proxy.admission.redis_clients import SentinelNodes
 from proxy.admission.shared_sessions import SharedSessions
@@ -103,7 +104,7 @@ class SharedGate(SharedSessions):
         lease_ttl_s: float = 10.0,
         on_backend_loss: Literal["close", "keep"] = "close",
         seed: int = 0,
-        keeper: LeaseKeeper | None = None,
+        keeper: Keeper | None = None,
     ) -> None:
         if not 0 < renew_interval_s < lease_ttl_s - fence_margin_s:
             raise ValueError("need 0 < renew_interval_s < lease_ttl_s - fence_margin_s")
@@ -114,7 +115,8 @@ class SharedGate(SharedSessions):
         self.fence_margin_s = fence_margin_s
         self.lease_ttl_s = lease_ttl_s
         self.on_backend_loss = on_backend_loss
-        #: Renews the leases from a thread of its own while the event loop is late.
+        #: Renews the leases while the event loop is late: a process of its own
+        #: (:mod:`proxy.admission.keeper_process`), or a thread.
         self.keeper = keeper
         self._pools = {}
         self._reserves = {}
@@ -255,12 +257,35 @@ def build_shared_gate(settings: Settings, clock: Clock, metrics: Metrics | None)
         fence_margin_s=r.fence_margin_s,
         lease_ttl_s=r.lease_ttl_s,
         on_backend_loss=settings.admission.on_backend_loss,
-        keeper=_keeper(backend, r.renew_interval_s),
+        keeper=_keeper(settings, backend),
     )
     gate.set_recheck_interval(settings.health.recheck_interval_s)
     return gate
 
 
-def _keeper(backend: RedisAdmission, interval_s: float) -> LeaseKeeper:
+def _keeper(settings: Settings, backend: RedisAdmission) -> Keeper:
+    """A keeper process where the platform allows (Linux), else the thread keeper."""
+    from proxy.admission.keeper_process import (
+        KeeperConfig,
+        ProcessKeeper,
+        process_keeper_supported,
+    )
+
+    r = settings.admission.redis
+    if process_keeper_supported():
+        return ProcessKeeper(
+            KeeperConfig(
+                r.url,
+                r.key_prefix,
+                r.lease_ttl_s,
+                r.timeout_s,
+                r.renew_interval_s,
+                r.fence_margin_s,
+                None
+                if r.sentinel is None
+                else SentinelNodes.parse(r.sentinel.master, r.sentinel.nodes, r.sentinel.password),
+            )
+        )
+    log.info("lease keeper: a thread (no keeper process on %s)", sys.platform)
     renewer = backend.lease_renewer()
-    return LeaseKeeper(renewer.keep, interval_s=interval_s, close=renewer.close)
+    return LeaseKeeper(renewer.keep, interval_s=r.renew_interval_s, close=renewer.close)

@@ -40,7 +40,7 @@ from proxy.admission import (
 )
 from proxy.admission.gate_series import count_decision, observe_queue_wait
 from proxy.admission.interface import FenceCallback
-from proxy.admission.lease_keeper import LeaseKeeper
+from proxy.admission.lease_keeper import Keeper
 from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission, ReplicaView
 from proxy.admission.retry_after import (
     SessionLengths,
@@ -229,8 +229,8 @@ class SharedGateState:
     fence_margin_s: float
     lease_ttl_s: float
     on_backend_loss: Literal["close", "keep"]
-    #: Renews the leases from a thread of its own while the event loop is late.
-    keeper: LeaseKeeper | None
+    #: Renews the leases while the event loop is late (a process, or a thread, of its own).
+    keeper: Keeper | None
     _pools: dict[str, PoolState]
     _reserves: dict[str, tuple[Reserve, ...]]
     _healthy_listeners: list[Callable[[str, str, bool], None]]
