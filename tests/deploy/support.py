@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shlex
@@ -31,6 +32,12 @@ DASHBOARD = DEPLOY / "grafana" / "dashboards" / "headroom-overview.json"
 CHART = DEPLOY / "helm" / "headroom"
 CONFIG_PATH = "/etc/headroom/config.yaml"
 PROXY_PORT, PROMETHEUS_PORT, GRAFANA_PORT = 8080, 9090, 3000
+#: The Kubernetes manifests' admin key: the Secret headroom-admin holds it (key token,
+#: which the PodMonitors send) and its SHA-256 (key sha256, which the pods get as
+#: HEADROOM_ADMIN__API_KEY_SHA256; without it an admin listener off loopback is refused).
+ADMIN_SECRET = "headroom-admin"
+ADMIN_KEY = "scrape-key"
+ADMIN_ENV = {"HEADROOM_ADMIN__API_KEY_SHA256": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()}
 
 
 def require_tool(name: str, install: str = "Debian: apt-get install prometheus") -> str:

@@ -9,9 +9,16 @@ from typing import Any
 import pytest
 import yaml
 
-from .support import DEPLOY, all_headroom_configs
+from .support import ADMIN_ENV, DEPLOY, all_headroom_configs
 
 CONFIGS = dict(all_headroom_configs())
+#: The Kubernetes manifests bind the admin listener for their PodMonitor; their pods get
+#: the admin key's hash from a Secret (test_deploy_kubernetes.py checks the wiring).
+KUBERNETES = {where for where in CONFIGS if where.startswith("deploy/kubernetes/")}
+
+
+def _pod_env(where: str) -> dict[str, str]:
+    return dict(ADMIN_ENV) if where in KUBERNETES else {}
 
 
 @pytest.mark.parametrize("where", sorted(CONFIGS))
@@ -20,7 +27,8 @@ def test_config_loads_with_load_settings(where: str, tmp_path: Path) -> None:
 
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(CONFIGS[where]))
-    settings = load_settings(path, env={})  # env={}: the test runner's HEADROOM_* must not leak
+    # Only the pod's environment: the test runner's HEADROOM_* must not leak.
+    settings = load_settings(path, env=_pod_env(where))
     assert settings.warnings() == [], f"{where}: {settings.warnings()}"
 
 
@@ -35,8 +43,9 @@ def test_the_compose_file_itself_loads() -> None:
 def test_production_shape(where: str) -> None:
     config: dict[str, Any] = CONFIGS[where]
     assert config["listen"] == {"host": "0.0.0.0", "port": 8080}
-    # Reload and drain stay on loopback: reachable with `kubectl exec` / `docker exec`.
-    assert config["admin"]["host"] == "127.0.0.1"
+    # The admin listener (reload, drain, /metrics) stays on loopback, reachable with
+    # `kubectl exec` / `docker exec`, except where a PodMonitor scrapes it with a key.
+    assert config["admin"]["host"] == ("0.0.0.0" if where in KUBERNETES else "127.0.0.1")
     # The guard is what keeps a cap that is slightly too high from hurting listeners.
     assert config["guard"]["mode"] == "enforce"
     assert config["guard"]["threshold"] == 1.2

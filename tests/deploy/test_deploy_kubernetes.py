@@ -6,7 +6,20 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .support import CONFIG_PATH, DEPLOY, PROXY_PORT, configmap_config, load_yaml, load_yaml_docs
+import pytest
+
+from proxy.errors import ConfigError
+
+from .support import (
+    ADMIN_ENV,
+    ADMIN_SECRET,
+    CONFIG_PATH,
+    DEPLOY,
+    PROXY_PORT,
+    configmap_config,
+    load_yaml,
+    load_yaml_docs,
+)
 
 GATEWAY = DEPLOY / "kubernetes" / "gateway"
 SIDECAR = DEPLOY / "kubernetes" / "sidecar" / "vllm-with-headroom.yaml"
@@ -106,9 +119,7 @@ def test_gateway_pod() -> None:
     service_port = kinds["Service"]["spec"]["ports"][0]
     assert service_port["port"] == PROXY_PORT
     assert service_port["targetPort"] == "http"
-    endpoint = kinds["PodMonitor"]["spec"]["podMetricsEndpoints"][0]
-    assert endpoint["path"] == "/metrics"
-    assert endpoint["port"] == "http"
+    assert [p["targetPort"] for p in kinds["Service"]["spec"]["ports"]] == ["http"]
 
 
 def test_sidecar_pod_pairs_vllm_and_headroom() -> None:
@@ -135,3 +146,41 @@ def test_sidecar_pod_pairs_vllm_and_headroom() -> None:
     wait_s = int(re.search(r"monotonic\(\) \+ (\d+)", pre_stop).group(1))  # type: ignore[union-attr]
     assert wait_s > config["drain_timeout_s"]
     assert pod_spec["terminationGracePeriodSeconds"] > wait_s
+
+
+def _by_kind(path: Path) -> dict[str, dict[str, Any]]:
+    return {d["kind"]: d for d in _docs(path)}
+
+
+@pytest.mark.parametrize(
+    "manifests", [GATEWAY / "configmap.yaml", SIDECAR], ids=["gateway", "sidecar"]
+)
+def test_metrics_are_scraped_on_the_admin_listener_with_a_key(manifests: Path) -> None:
+    """/metrics stays off the Service: the client port serves none, the admin listener is
+    bound on the pod's address with the key's hash from the Secret, the container names
+    its port (the Service does not list it), and the PodMonitor scrapes it with the key."""
+    from proxy.settings import settings_from_mapping
+
+    kinds = _gateway() if manifests.parent == GATEWAY else _by_kind(manifests)
+    config = configmap_config(manifests)
+    assert not config.get("metrics", {}).get("client_port", False)
+    assert config["admin"]["host"] == "0.0.0.0"
+    pod_spec = kinds["Deployment"]["spec"]["template"]["spec"]
+    headroom = _container(pod_spec, "headroom")
+    assert _port(headroom, "admin") == config["admin"]["port"]
+    env = {e["name"]: e for e in headroom["env"]}
+    assert env["HEADROOM_ADMIN__API_KEY_SHA256"]["valueFrom"]["secretKeyRef"] == {
+        "name": ADMIN_SECRET, "key": "sha256",
+    }  # fmt: skip
+    ports = kinds["Service"]["spec"]["ports"]
+    assert [p["targetPort"] for p in ports] == ["http"]
+    (endpoint,) = kinds["PodMonitor"]["spec"]["podMetricsEndpoints"]
+    assert (endpoint["port"], endpoint["path"]) == ("admin", "/metrics")
+    assert endpoint["authorization"] == {
+        "type": "Bearer", "credentials": {"name": ADMIN_SECRET, "key": "token"},
+    }  # fmt: skip
+    # Without the Secret's hash Headroom refuses the admin listener off loopback.
+    with pytest.raises(ConfigError, match="api_key_sha256"):
+        settings_from_mapping(config, env={})
+    settings = settings_from_mapping(config, env=ADMIN_ENV)
+    assert settings.admin.host == "0.0.0.0" and not settings.metrics.client_port

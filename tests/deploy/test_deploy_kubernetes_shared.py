@@ -7,7 +7,14 @@ from typing import Any
 
 import yaml
 
-from .support import DEPLOY, configmap_config, load_yaml, load_yaml_docs, require_tool
+from .support import (
+    ADMIN_ENV,
+    DEPLOY,
+    configmap_config,
+    load_yaml,
+    load_yaml_docs,
+    require_tool,
+)
 
 SHARED = DEPLOY / "kubernetes" / "gateway-shared"
 
@@ -35,7 +42,7 @@ def test_config_uses_the_redis_service_and_loads_cleanly() -> None:
     config = configmap_config(SHARED / "configmap-patch.yaml")
     base = configmap_config(DEPLOY / "kubernetes" / "gateway" / "configmap.yaml")
     assert {k: v for k, v in config.items() if k != "admission"} == base
-    settings = settings_from_mapping(config, env={})
+    settings = settings_from_mapping(config, env=ADMIN_ENV)  # the base Deployment's env
     assert settings.admission.backend == "redis"
     assert settings.admission.on_backend_loss == "close"
     assert settings.warnings() == []
@@ -64,4 +71,11 @@ def test_kustomize_renders_two_rolling_gateways_and_a_redis() -> None:
     configmap = next(d for d in docs if d["kind"] == "ConfigMap")
     config = yaml.safe_load(configmap["data"]["config.yaml"])
     assert config["admission"]["backend"] == "redis"
+    # The base's scrape of the admin listener holds in the overlay: listener, port, key.
+    assert config["admin"]["host"] == "0.0.0.0" and "metrics" not in config
+    (container,) = gateway["spec"]["template"]["spec"]["containers"]
+    assert "admin" in {p["name"] for p in container["ports"]}
+    assert "HEADROOM_ADMIN__API_KEY_SHA256" in {e["name"] for e in container["env"]}
+    (monitor,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    assert monitor["spec"]["podMetricsEndpoints"][0]["port"] == "admin"
     assert any(d["metadata"]["name"] == "headroom-redis" for d in docs if d["kind"] == "Service")

@@ -2,7 +2,8 @@
 the chart, compose) say ``readiness: self``, so a gateway whose engines are all down stays
 in its Service and answers refusals; the sidecar and SageMaker say ``upstream``, so the pod
 is ready only while its engine is. Run through each shipped configuration as it is, with
-only its addresses pointed at 127.0.0.1 (the engines: ports bound and closed)."""
+only its addresses pointed at 127.0.0.1 (the engines: ports bound and closed). The
+Kubernetes manifests' pods get the admin key's hash from a Secret (``ADMIN_ENV``)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,19 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from proxy.serving import bind_socket
+from proxy.admin import create_admin_app
+from proxy.serving import bind_socket, running_server
 from proxy.settings import settings_from_mapping
 
-from .support import DEPLOY, configmap_config, helm_values_config, load_yaml
+from .support import (
+    ADMIN_ENV,
+    ADMIN_KEY,
+    ADMIN_SECRET,
+    DEPLOY,
+    configmap_config,
+    helm_values_config,
+    load_yaml,
+)
 
 KUBERNETES = DEPLOY / "kubernetes"
 
@@ -50,7 +60,7 @@ SHAPES = {
 def test_each_shape_says_its_readiness(where: str, readiness: str) -> None:
     config = _shipped()[where]
     assert config["readiness"] == readiness, where
-    assert settings_from_mapping(config, env={}).readiness == readiness
+    assert settings_from_mapping(config, env=ADMIN_ENV).readiness == readiness
 
 
 def _dead_url() -> str:
@@ -117,14 +127,15 @@ async def test_a_sidecar_whose_engine_is_down_is_not_ready(start_proxy: Any) -> 
 # --- /metrics where the shipped scrape configurations read it -----------------------------
 
 
-def _scraped_ports() -> dict[str, tuple[str, str]]:
-    """Where each shape's Prometheus scrape reads Headroom: (port, path)."""
+def _scrapes() -> dict[str, dict[str, Any]]:
+    """Where each shape's Prometheus scrape reads Headroom: its endpoint (port, path and,
+    for the admin listener, the key it sends)."""
     from .support import load_yaml_docs
 
-    def podmonitor(path: Any) -> tuple[str, str]:
+    def podmonitor(path: Any) -> dict[str, Any]:
         (doc,) = [d for d in load_yaml_docs(path) if d["kind"] == "PodMonitor"]
         (endpoint,) = doc["spec"]["podMetricsEndpoints"]
-        return endpoint["port"], endpoint["path"]
+        return dict(endpoint)
 
     chart_podmonitor = (DEPLOY / "helm" / "headroom" / "templates" / "podmonitor.yaml").read_text()
     assert "- port: http\n      path: /metrics" in chart_podmonitor
@@ -135,22 +146,54 @@ def _scraped_ports() -> dict[str, tuple[str, str]]:
     return {
         "kubernetes/gateway": podmonitor(KUBERNETES / "gateway" / "podmonitor.yaml"),
         "kubernetes/sidecar": podmonitor(KUBERNETES / "sidecar" / "vllm-with-headroom.yaml"),
-        "helm/headroom": ("http", "/metrics"),
-        "compose": ("http", job.get("metrics_path", "/metrics")),
+        "helm/headroom": {"port": "http", "path": "/metrics"},  # podMonitor.port client
+        "compose": {"port": "http", "path": job.get("metrics_path", "/metrics")},
     }
 
 
-@pytest.mark.parametrize("where", ["kubernetes/gateway", "kubernetes/sidecar", "helm/headroom",
-                                   "compose"])  # fmt: skip
-async def test_the_scraped_port_serves_metrics(where: str, start_proxy: Any) -> None:
+@pytest.mark.parametrize("where", ["helm/headroom", "compose"])
+async def test_the_scraped_client_port_serves_metrics(where: str, start_proxy: Any) -> None:
     """/metrics is on the admin listener unless metrics.client_port: the shapes whose
     scrape reads the client port must say so, or their dashboards and alerts go empty."""
-    port, path = _scraped_ports()[where]
-    assert port == "http"  # the client listener (the admin one stays on loopback)
+    scrape = _scrapes()[where]
+    assert scrape["port"] == "http"  # the client listener (the admin one stays on loopback)
     config = _shipped()[where]
     assert config["metrics"] == {"client_port": True}, where
     proxy = await start_proxy(settings_from_mapping(_local(config), env={}))
     async with httpx.AsyncClient() as client:
-        answer = await client.get(proxy.http_url + path)
+        answer = await client.get(proxy.http_url + scrape["path"])
     assert answer.status_code == 200
     assert "headroom_sessions_active" in answer.text
+
+
+async def _never_reload() -> Any:
+    raise AssertionError("not reloaded here")
+
+
+@pytest.mark.parametrize("where", ["kubernetes/gateway", "kubernetes/sidecar"])
+async def test_the_scraped_admin_listener_serves_metrics_to_the_key_only(
+    where: str, start_proxy: Any
+) -> None:
+    """The Kubernetes manifests scrape the admin listener with the Secret's token: it
+    answers /metrics to that key and 401 without it, and the client port (the Service's)
+    serves none."""
+    scrape = _scrapes()[where]
+    assert (scrape["port"], scrape["path"]) == ("admin", "/metrics")
+    assert scrape["authorization"]["credentials"] == {"name": ADMIN_SECRET, "key": "token"}
+    config = _shipped()[where]
+    local = _local(config)
+    # The admin listener as configured, on 127.0.0.1 here, with the Secret's hash.
+    local["admin"] = {**config["admin"], "host": "127.0.0.1", "port": 0}
+    settings = settings_from_mapping(local, env=ADMIN_ENV)
+    assert settings.admin.api_key_sha256 == ADMIN_ENV["HEADROOM_ADMIN__API_KEY_SHA256"]
+    proxy = await start_proxy(settings)
+    admin_app = create_admin_app(proxy.runtime, _never_reload, lambda: None)
+    async with running_server(admin_app) as admin, httpx.AsyncClient() as client:
+        keyed = await client.get(
+            admin.http_url + scrape["path"], headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+        )
+        bare = await client.get(admin.http_url + scrape["path"])
+        on_client_port = await client.get(proxy.http_url + scrape["path"])
+    assert keyed.status_code == 200 and "headroom_sessions_active" in keyed.text
+    assert bare.status_code == 401
+    assert on_client_port.status_code == 404 and "headroom_" not in on_client_port.text
