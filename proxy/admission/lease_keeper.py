@@ -19,8 +19,9 @@ left to the gate's tick, which decides between re-asserting and fencing.
 
 What the keeper cannot do is close connections: if the loop is stalled *and* Redis is
 out of reach for longer than ``lease_ttl_s``, the leases lapse while this process's
-upstream streams still run, exactly as for a process paused by SIGSTOP
-(docs/shared-admission.md).
+upstream streams still run (docs/shared-admission.md). A thread stops with the
+interpreter (a stall that holds the GIL, SIGSTOP): on Linux the gateway runs this keeper
+in a process of its own instead (:mod:`proxy.admission.keeper_process`).
 """
 
 from __future__ import annotations
