@@ -17,6 +17,9 @@ from proxy.serving import RunningServer, running_server
 from proxy.settings import Settings, settings_from_mapping
 from tests import hypothesis_profiles
 
+#: Every test's result is reported under its name, even when building its report fails.
+pytest_plugins = ("tests.report_guard",)
+
 #: "ci" (full example counts) under CI, "dev" (a quarter) otherwise: see the module.
 HYPOTHESIS_PROFILE = hypothesis_profiles.load()
 
