@@ -37,12 +37,13 @@ async def test_slots_of_a_killed_gateway_return_after_its_lease_expires(
     redis_server: RedisServer,
 ) -> None:
     await seed_generation(redis_server.url)
+    survivor = RedisAdmission(redis_server.url, gateway_id="survivor", lease_ttl_s=1.0)
+    view = [ReplicaView("gpu0", 1)]
+    # started last, so that nothing between its start and the try below can leave it running
     holder = await asyncio.create_subprocess_exec(
         sys.executable, "-c", HOLDER, redis_server.url,
         stdout=asyncio.subprocess.PIPE, cwd=os.getcwd(),
     )  # fmt: skip
-    survivor = RedisAdmission(redis_server.url, gateway_id="survivor", lease_ttl_s=1.0)
-    view = [ReplicaView("gpu0", 1)]
     try:
         assert holder.stdout is not None
         assert await holder.stdout.readline() == b"held\n"
