@@ -17,7 +17,7 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,7 +25,9 @@ import pytest
 import redis.asyncio as aioredis
 
 from proxy.admission import QueuePolicy, ReplicaSpec
+from proxy.admission.keeper_process import KeeperConfig, ProcessKeeper
 from proxy.admission.redis_backend import RedisAdmission
+from proxy.admission.redis_clients import SentinelNodes
 from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
 from proxy.clock import LoopClock
 from proxy.errors import Refused
@@ -173,11 +175,11 @@ async def load(server: RedisServer) -> AsyncIterator[Load]:
     await client.aclose()
 
 
-async def _a_expiries(url: str) -> list[float]:
+async def _a_expiries(url: str, gateway: str = "gwa:") -> list[float]:
     client = aioredis.from_url(url)
     try:
         scores = await client.zrange(LEASES, 0, -1, withscores=True)
-        return [score for member, score in scores if member.startswith(b"gwa:")]
+        return [score for member, score in scores if member.startswith(gateway.encode())]
     finally:
         await client.aclose()
 
@@ -241,3 +243,75 @@ async def test_kill_9_hands_the_slots_back_before_the_leases_lapse(
               f"would have lapsed {min(expiries) - killed_ms:.0f} ms after it")  # fmt: skip
         assert back_ms < min(expiries)
         await _gone(a.keeper_pid)  # it handed them back and exited
+
+
+def _gate_with_keeper(url: str) -> tuple[SharedGate, ProcessKeeper]:
+    keeper = ProcessKeeper(KeeperConfig(url, "headroom:", TTL, 0.5, RENEW, MARGIN))
+    backend = RedisAdmission(url, gateway_id="gwk", lease_ttl_s=TTL, timeout_s=0.5)
+    pool = SharedPoolSpec("tts", (ReplicaSpec("gpu0", CAP),), QueuePolicy(0, 1))
+    gate = SharedGate([pool], backend=backend, clock=LoopClock(), lease_ttl_s=TTL,
+                      renew_interval_s=RENEW, fence_margin_s=MARGIN, keeper=keeper)  # fmt: skip
+    return gate, keeper
+
+
+async def _until(predicate: Callable[[], bool], what: str) -> None:
+    for _ in range(3000):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"never: {what}")
+
+
+async def test_a_keeper_process_that_dies_is_started_again_with_its_leases(
+    server: RedisServer,
+) -> None:
+    gate, keeper = _gate_with_keeper(server.url)
+    keeper.start()  # the loop's ticks are run by hand: no renew loop
+    try:
+        lease = await gate.acquire("tts")
+        await gate.renew()
+        await _until(keeper.running, "the keeper process runs")
+        first = keeper.pid
+        assert first is not None
+        os.kill(first, signal.SIGKILL)
+        for _ in range(3000):  # the first tick after it has exited starts another
+            await gate.renew()
+            if keeper.starts == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert keeper.starts == 2 and keeper.pid != first
+        # The new child was told of the lease and its generation: with no tick since,
+        # it renews the pool and proves it.
+        await _until(lambda: keeper.kept_age("tts") is not None, "a proof by the new child")
+        lease.release()
+    finally:
+        await gate.stop()
+
+
+async def test_a_stopped_keeper_hands_nothing_back(server: RedisServer) -> None:
+    gate, keeper = _gate_with_keeper(server.url)
+    keeper.start()
+    try:
+        lease = await gate.acquire("tts")
+        await gate.renew()
+        await _until(keeper.running, "the keeper process runs")
+        pid = keeper.pid
+        assert pid is not None
+        await asyncio.to_thread(keeper.stop)
+        await _gone(pid)
+        assert keeper.kept_age("tts") is None  # its state is removed with it
+        # The gateway still runs this session: its lease is still held in Redis.
+        assert len(await _a_expiries(server.url, "gwk:")) == 1
+        lease.release()
+    finally:
+        await gate.stop()
+
+
+def test_the_keeper_configuration_crosses_the_pipe_whole() -> None:
+    sentinel = SentinelNodes("primary", (("10.0.0.1", 26379), ("::1", 26380)), "s3cret")
+    config = KeeperConfig("redis://h:1/2", "hr:", 10.0, 1.0, 2.0, 1.0, sentinel)
+    assert KeeperConfig.from_json(config.to_json("/tmp/x")) == (config, "/tmp/x")
+    with pytest.raises(ValueError, match="interval_s"):
+        KeeperConfig("redis://h", "hr:", 10.0, 1.0, 0.0, 1.0)
+    with pytest.raises(ValueError, match="fence_margin_s"):
+        KeeperConfig("redis://h", "hr:", 10.0, 1.0, 2.0, -1.0)
