@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import sys
-import warnings
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,14 +36,6 @@ if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
 from wsraw import OP_TEXT, frame, handshake_request, read_frames, read_head  # noqa: E402
-
-# When a property fails, hypothesis' pytest plugin imports hypothesis.extra._patching to
-# suggest a patch; with libcst installed that import raises a DeprecationWarning (from
-# mypy_extensions), which filterwarnings=error turns into an INTERNALERROR that ends the
-# whole pytest session. Import it once here, warnings off, so a failure stays a failure.
-with warnings.catch_warnings(), contextlib.suppress(Exception):
-    warnings.simplefilter("ignore")
-    import hypothesis.extra._patching  # noqa: F401
 
 __all__ = ["FUZZ", "Live", "fuzz_settings", "normal_session", "scaled"]
 
