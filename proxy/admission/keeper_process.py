@@ -26,6 +26,22 @@ later. The child ignores SIGINT and SIGTERM and runs in a session of its own, so
 outlives its parent's signals; it exits when told to (``stop``) or after handing
 back a dead parent's leases.
 
+Every message carries a sequence number. A proof names the last message the child had
+applied before it read the leases it renewed, and :meth:`ProcessKeeper.kept_age` takes
+a proof only if it came after the pool's latest grant: a renewal that did not carry a
+lease proves nothing about it, however late the grant's message reached the child (a
+slow pipe, a starved child, a renewal of another pool in between). Until the child has
+renewed a new lease, the gate's own tick is the only proof -- at worst an early fence,
+never a lease held past its expiry.
+
+While the child is stopped its pipe fills; what the gateway has not written yet is
+bounded: past ``max_pending_bytes`` it is replaced by one snapshot of the leases held
+now (the child needs the current set, not the history of grants and releases that led
+to it). A child that cannot start, or exits before it runs, is started again after a
+back-off that doubles up to :data:`MAX_BACKOFF_S`; the failure and the recovery are
+logged once each. Meanwhile the gate's own ticks renew and its fence stays the last
+resort.
+
 This version tracks the parent process, not each lease's upstream connection: a
 connection that ends while the process is frozen keeps its lease until the process
 runs again and releases it.
@@ -48,6 +64,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -55,12 +72,23 @@ from proxy.admission.lease_keeper import LeaseKeeper
 from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission
 from proxy.admission.redis_clients import SentinelNodes
 
-__all__ = ["KeeperConfig", "ProcessKeeper", "process_keeper_supported"]
+__all__ = [
+    "MAX_BACKOFF_S",
+    "MAX_PENDING_BYTES",
+    "KeeperConfig",
+    "ProcessKeeper",
+    "process_keeper_supported",
+]
 
 log = logging.getLogger("headroom.lease_keeper")
 
 #: The proofs' file in the keeper's directory.
 _STATE = "kept.json"
+#: The longest wait before starting a child again after failed starts.
+MAX_BACKOFF_S = 30.0
+#: What the gateway keeps of its messages to a child that does not read them, by
+#: default, before it replaces them with a snapshot.
+MAX_PENDING_BYTES = 256 * 1024
 
 
 def process_keeper_supported() -> bool:
@@ -121,72 +149,115 @@ class ProcessKeeper:
     :class:`~proxy.admission.lease_keeper.Keeper`. :meth:`hold`, :meth:`drop`,
     :meth:`set_generation`, :meth:`ticked`, :meth:`kept_age` and :meth:`holding` run
     on the event loop and never block; :meth:`start` spawns the child, :meth:`stop`
-    waits for it."""
+    waits for it. ``monotonic`` times the back-off between failed starts (tests pass a
+    fake clock); proofs are always read on ``CLOCK_MONOTONIC``, the child's clock."""
 
-    def __init__(self, config: KeeperConfig, *, python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        config: KeeperConfig,
+        *,
+        python: str = sys.executable,
+        max_pending_bytes: int = MAX_PENDING_BYTES,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_pending_bytes <= 0:
+            raise ValueError("max_pending_bytes must be > 0")
         self.config = config
         self.interval_s = config.interval_s
         self._python = python
+        self._monotonic = monotonic
         self._lock = threading.Lock()
         self._held: dict[str, dict[str, None]] = {}
         self._generation: dict[str, str] = {}
         self._process: subprocess.Popen[bytes] | None = None
         self._stdin: IO[bytes] | None = None
         self._pending = bytearray()
+        #: Whether the pipe holds the start of a line whose end is still pending.
+        self._partial = False
+        self._max_pending = max_pending_bytes
+        self._coalesce_at = max_pending_bytes
+        #: The number of the last message; pool -> the number of its latest grant.
+        self._seq = 0
+        self._granted_seq: dict[str, int] = {}
         self._dir: str | None = None
         self._stopped = False
+        #: Whether the current child has been seen running (its proofs' file exists).
+        self._up = False
+        #: When (``monotonic``) a start may be tried again after failures.
+        self._retry_at = 0.0
         #: Children started (a child that died is started again at the next tick).
         self.starts = 0
+        #: Starts that failed in a row (the child could not start, or exited before it
+        #: ran); 0 once a child runs.
+        self.failures = 0
+        #: Times the unwritten messages were replaced by a snapshot.
+        self.coalesced = 0
 
     @property
     def pid(self) -> int | None:
         return None if self._process is None else self._process.pid
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of messages the child has not been able to take yet."""
+        with self._lock:
+            return len(self._pending)
 
     # -- the gate's side (event loop) -------------------------------------------------
 
     def hold(self, pool: str, lease_id: str) -> None:
         with self._lock:
             self._held.setdefault(pool, {})[lease_id] = None
-            self._send(["hold", pool, lease_id])
+            self._granted_seq[pool] = self._send("hold", pool, lease_id)
 
     def drop(self, pool: str, lease_id: str) -> None:
         with self._lock:
             held = self._held.get(pool)
             if held is not None:
                 held.pop(lease_id, None)
-            self._send(["drop", pool, lease_id])
+            self._send("drop", pool, lease_id)
 
     def set_generation(self, pool: str, generation: str) -> None:
         with self._lock:
             if self._generation.get(pool) == generation:
                 return
             self._generation[pool] = generation
-            self._send(["generation", pool, generation])
+            self._send("generation", pool, generation)
 
     def ticked(self, pool: str) -> None:
         """The gate's tick renewed ``pool``: the child leaves it alone until the tick
-        is late. A child that died is started again here, with what it must keep."""
+        is late. A child that exited is started again here, with what it must keep: at
+        once if it had run, else after the back-off."""
         with self._lock:
             if self._stopped:
                 return
-            if self._process is not None and self._process.poll() is not None:
-                log.error("lease keeper process %d exited with %s; starting another",
-                          self._process.pid, self._process.returncode)  # fmt: skip
-                self._close_pipe()
-                self._process = None
-            if self._process is None:
+            process = self._process
+            if process is not None and process.poll() is not None:
+                self._exited(process)
+            elif process is not None and not self._up and self._state_exists():
+                self._up = True
+                if self.failures:
+                    log.warning("lease keeper process %d runs (after %d failed start(s))",
+                                process.pid, self.failures)  # fmt: skip
+                self.failures = 0
+            if self._process is None and self._monotonic() >= self._retry_at:
                 self._spawn()
-            self._send(["ticked", pool])
+            self._send("ticked", pool)
 
     def kept_age(self, pool: str) -> float | None:
+        """Seconds since the child's last renewal of ``pool`` that proved every lease,
+        if that renewal carried the pool's latest grant; else None."""
         if self._dir is None:
             return None
         try:
             with open(os.path.join(self._dir, _STATE), "rb") as f:
                 proofs = json.loads(f.read())
-            kept = float(proofs[pool])
-        except (OSError, ValueError, KeyError, TypeError):
+            kept, seq = float(proofs[pool][0]), int(proofs[pool][1])
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
             return None
+        with self._lock:
+            if seq < self._granted_seq.get(pool, 0):
+                return None
         return max(0.0, time.monotonic() - kept)
 
     def holding(self, pool: str) -> int:
@@ -195,6 +266,9 @@ class ProcessKeeper:
 
     def running(self) -> bool:
         """Whether the child has read its configuration and runs its renewal loop."""
+        return self._state_exists()
+
+    def _state_exists(self) -> bool:
         return self._dir is not None and os.path.exists(os.path.join(self._dir, _STATE))
 
     # -- the child's life -------------------------------------------------------------
@@ -204,9 +278,35 @@ class ProcessKeeper:
             if self._process is None and not self._stopped:
                 self._spawn()
 
+    def _exited(self, process: subprocess.Popen[bytes]) -> None:
+        """The child has exited: start another at once if it had run, else back off."""
+        self._close_pipe()
+        self._process = None
+        if self._up or self._state_exists():
+            log.error("lease keeper process %d exited with %s; starting another",
+                      process.pid, process.returncode)  # fmt: skip
+            self._up = False
+            return
+        self._failed(f"it exited with {process.returncode} before it ran")
+
+    def _failed(self, why: str) -> None:
+        self.failures += 1
+        backoff = min(MAX_BACKOFF_S, self.interval_s * 2 ** (self.failures - 1))
+        self._retry_at = self._monotonic() + backoff
+        if self.failures == 1:
+            log.error("lease keeper process could not start (%s): until one runs, only "
+                      "the event loop renews the leases and the fence is the last resort; "
+                      "retrying with a back-off up to %g s", why, MAX_BACKOFF_S)  # fmt: skip
+        else:
+            log.debug("lease keeper process: start %d failed (%s); next in %.1f s",
+                      self.failures, why, backoff)  # fmt: skip
+
     def _spawn(self) -> None:
         if self._dir is None:
             self._dir = tempfile.mkdtemp(prefix="headroom-keeper-")
+        # A proof of an earlier child would let running() see this one up too soon.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self._dir, _STATE))
         # The child imports this very package, wherever this process found it.
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env = dict(os.environ)
@@ -217,26 +317,62 @@ class ProcessKeeper:
                 stdin=subprocess.PIPE, start_new_session=True, env=env,
             )  # fmt: skip
         except OSError as exc:
-            log.error("lease keeper process could not start (%s): leases are renewed by "
-                      "the event loop only until the next tick starts it", exc)  # fmt: skip
+            self._failed(str(exc))
             return
         assert process.stdin is not None
         os.set_blocking(process.stdin.fileno(), False)
         self._process, self._stdin = process, process.stdin
+        self._up = False
         self.starts += 1
         self._pending = bytearray(self.config.to_json(self._dir).encode() + b"\n")
-        for pool, generation in self._generation.items():
-            self._pending += _line(["generation", pool, generation])
-        for pool, ids in self._held.items():
-            for lease_id in ids:
-                self._pending += _line(["hold", pool, lease_id])
+        self._partial = False
+        self._pending += self._snapshot()
         self._flush()
 
-    def _send(self, message: list[str]) -> None:
+    def _snapshot(self) -> bytes:
+        """Messages that bring a child to what it must keep now: each pool's generation,
+        then one ``sync`` of every lease held (which counts as each pool's latest
+        grant)."""
+        out = bytearray()
+        for pool, generation in self._generation.items():
+            out += self._numbered("generation", pool, generation)
+        held = {pool: list(ids) for pool, ids in self._held.items() if ids}
+        out += self._numbered("sync", held)
+        for pool in held:
+            self._granted_seq[pool] = self._seq
+        return bytes(out)
+
+    def _numbered(self, *message: Any) -> bytes:
+        self._seq += 1
+        return _line([self._seq, *message])
+
+    def _send(self, *message: Any) -> int:
+        """Queue one message (numbered) and write what the pipe takes; returns its
+        number."""
+        line = self._numbered(*message)
         if self._stdin is None:
-            return
-        self._pending += _line(message)
+            return self._seq
+        self._pending += line
+        if len(self._pending) > self._coalesce_at:
+            self._coalesce()
         self._flush()
+        return self._seq
+
+    def _coalesce(self) -> None:
+        """The child is not reading: keep the end of a line it has the start of, and
+        replace the rest by a snapshot of what it must keep now."""
+        head = b""
+        if self._partial:
+            head = bytes(self._pending[: self._pending.index(b"\n") + 1])
+        snapshot = self._snapshot()
+        self._pending = bytearray(head + snapshot)
+        # A snapshot larger than the bound must not be rebuilt at every message.
+        self._coalesce_at = max(self._max_pending, 2 * len(snapshot))
+        self.coalesced += 1
+        if self.coalesced == 1 or self.coalesced % 1000 == 0:
+            log.warning("lease keeper process %s is not reading its messages: %d times "
+                        "replaced by a snapshot of %d lease(s)", self.pid, self.coalesced,
+                        sum(len(ids) for ids in self._held.values()))  # fmt: skip
 
     def _flush(self) -> None:
         """Write what the pipe takes now; the rest waits for the next message (the
@@ -246,6 +382,8 @@ class ProcessKeeper:
         try:
             while self._pending:
                 written = os.write(self._stdin.fileno(), self._pending)
+                if written:
+                    self._partial = self._pending[written - 1] != ord("\n")
                 del self._pending[:written]
         except BlockingIOError:
             pass
@@ -259,6 +397,8 @@ class ProcessKeeper:
                 self._stdin.close()
         self._stdin = None
         self._pending.clear()
+        self._partial = False
+        self._coalesce_at = self._max_pending
 
     def stop(self) -> None:
         """Tell the child to exit without handing anything back (the gate releases its
@@ -267,7 +407,7 @@ class ProcessKeeper:
             self._stopped = True
             process = self._process
             if self._stdin is not None:
-                self._pending += _line(["stop"])
+                self._pending += self._numbered("stop")
                 deadline = time.monotonic() + 2.0
                 self._flush()
                 while self._pending and self._stdin is not None and time.monotonic() < deadline:
@@ -291,7 +431,7 @@ class ProcessKeeper:
         return f"<ProcessKeeper pid={self.pid} held={held}>"
 
 
-def _line(message: list[str]) -> bytes:
+def _line(message: list[Any]) -> bytes:
     return json.dumps(message).encode() + b"\n"
 
 
@@ -319,7 +459,12 @@ class _Child:
         self._wake = threading.Event()
         self.orphaned = False
         self.stopping = False
-        self._published: dict[str, float] | None = None
+        #: The number of the last message applied.
+        self.applied = 0
+        #: pool -> the number of the last message applied before the renewal that gave
+        #: the pool's current proof read the leases it renewed.
+        self._proof_seq: dict[str, int] = {}
+        self._published: dict[str, list[float]] | None = None
 
     def read(self) -> None:
         for raw in self._stdin:
@@ -335,22 +480,43 @@ class _Child:
         self._wake.set()
 
     def _apply(self, message: list[Any]) -> None:
-        kind = message[0]
+        seq, kind, args = int(message[0]), message[1], message[2:]
         if kind == "hold":
-            self.keeper.hold(str(message[1]), str(message[2]))
+            self.keeper.hold(str(args[0]), str(args[1]))
         elif kind == "drop":
-            pool, lease_id = str(message[1]), str(message[2])
-            self.keeper.drop(pool, lease_id)
-            with self._lock:
-                self._dropped.setdefault(pool, {})[lease_id] = time.monotonic()
+            self._drop(str(args[0]), str(args[1]))
+        elif kind == "sync":
+            self._sync(args[0])
         elif kind == "generation":
-            self.keeper.set_generation(str(message[1]), str(message[2]))
+            self.keeper.set_generation(str(args[0]), str(args[1]))
         elif kind == "ticked":
-            self.keeper.ticked(str(message[1]))
+            self.keeper.ticked(str(args[0]))
         elif kind == "stop":
             self.stopping = True
         else:
             raise ValueError(f"unknown message kind {kind!r}")
+        with self._lock:
+            self.applied = seq
+
+    def _drop(self, pool: str, lease_id: str) -> None:
+        self.keeper.drop(pool, lease_id)
+        with self._lock:
+            self._dropped.setdefault(pool, {})[lease_id] = time.monotonic()
+
+    def _sync(self, held: dict[str, list[str]]) -> None:
+        """Keep exactly ``held`` (pool -> lease ids): the gateway's snapshot, which
+        replaces the messages it could not write."""
+        if not isinstance(held, dict):
+            raise TypeError("sync: a JSON object of pool -> lease ids")
+        want = {str(pool): [str(i) for i in ids] for pool, ids in held.items()}
+        for pool, kept in self.keeper.held().items():
+            keep = set(want.get(pool, ()))
+            for lease_id in kept:
+                if lease_id not in keep:
+                    self._drop(pool, lease_id)
+        for pool, ids in want.items():
+            for lease_id in ids:
+                self.keeper.hold(pool, lease_id)
 
     def run(self) -> None:
         reader = threading.Thread(target=self.read, name="keeper-reader", daemon=True)
@@ -363,15 +529,35 @@ class _Child:
             if self.orphaned or os.getppid() != self._parent:
                 self.hand_back()
                 return
-            try:
-                self.keeper.keep_once()
-            except Exception:  # the process must outlive any one failure
-                log.exception("lease keeper process: renewal failed")
+            self.renew_once()
             self._publish()
             self._forget_old_drops()
 
+    def renew_once(self) -> None:
+        """One renewal; each proof it gives is numbered with the last message applied
+        before it read the leases."""
+        with self._lock:
+            seq = self.applied
+        before = self.keeper.proofs()
+        try:
+            self.keeper.keep_once()
+        except Exception:  # the process must outlive any one failure
+            log.exception("lease keeper process: renewal failed")
+        for pool, kept in self.keeper.proofs().items():
+            if before.get(pool) != kept:
+                self._proof_seq[pool] = seq
+
+    def proofs(self) -> dict[str, list[float]]:
+        """What the state file says: pool -> [when the proving renewal was sent, the
+        number of the last message it carried]."""
+        return {
+            pool: [kept, self._proof_seq[pool]]
+            for pool, kept in self.keeper.proofs().items()
+            if pool in self._proof_seq
+        }
+
     def _publish(self) -> None:
-        proofs = self.keeper.proofs()
+        proofs = self.proofs()
         if proofs == self._published:
             return
         path = os.path.join(self.state_dir, _STATE)
