@@ -152,6 +152,7 @@ def _measure(preset: Preset, seed: int) -> tuple[tuple[str, Any], ...]:
         "model": preset.model,
         "gpu": preset.gpu.name,
         "description": preset.description,
+        "release": preset.release,
         "token_rate_hz": preset.token_rate_hz,
         "sample_rate": preset.sample_rate,
         "first_chunk_tokens": preset.first_chunk_tokens,

@@ -81,6 +81,7 @@ CODEC_PRESETS: dict[str, Preset] = {
                 "chunking: codec_chunk_frames 25, load-dependent first chunk 2/4/8/16; "
                 "left context fitted [U]",
             ),
+            release="vLLM-Omni main of 2026-05 with and without PR #3322 (H20-3e bench)",
             published_rtf=None,
             expected_ceiling="not rated",
         ),

@@ -98,6 +98,9 @@ class Preset:
     gpu_memory_utilization: float
     sources: tuple[str, ...]
     published_rtf: float | None = None  #: the single-stream RTF the fit reproduces
+    #: The engine software the fitted figures come from: its release, commit or
+    #: publication (a release moves these curves, so a fit holds for the one it names).
+    release: str = ""
     expected_ceiling: str = ""  #: the published estimate, for the docs
     #: The engine's own chunking (None: ``first_chunk_tokens`` then ``chunk_tokens``).
     chunk_schedule: ChunkSchedule | None = None
@@ -213,6 +216,7 @@ def _preset(
     chunk: int,
     prompt_overhead: int,
     sources: tuple[str, ...],
+    release: str,
     published_rtf: float | None,
     expected_ceiling: str,
     activations: float = 3 * GB,
@@ -275,6 +279,7 @@ def _preset(
         resident_bytes=resident_bytes,
         gpu_memory_utilization=utilization,
         sources=sources,
+        release=release,
         published_rtf=published_rtf,
         expected_ceiling=expected_ceiling,
         chunk_schedule=schedule,
@@ -315,6 +320,10 @@ PRESETS: dict[str, Preset] = {
                 "published: RTX 5090 vLLM RTF 0.43 at c=1, 1.21 at c=8 [U]",
                 "chunking: token_hop_len 25 growing x2 up to 4 x 25 (1 s, 2 s, 4 s)",
                 "published: CosyVoice 3 ~30% of time in token2wav",
+            ),
+            release=(
+                "CosyVoice 2 on TRT-LLM (FunAudioLLM/CosyVoice runtime/triton_trtllm) as its "
+                "README published it for an L20, scaled to an L4; not a vLLM release"
             ),
             published_rtf=0.25,
             expected_ceiling="~5 (derived; no published L4 curve)",
@@ -360,6 +369,10 @@ PRESETS: dict[str, Preset] = {
                 "first chunk 2/4/8/16, optional ramp [4,4,8,16,25]",
                 "derived: W 4.9 GB",
             ),
+            release=(
+                "vLLM-Omni as AWS's deep-learning-containers PR #6022 ran it on g6e (its version "
+                "and deploy file not published)"
+            ),
             published_rtf=0.245,
             expected_ceiling="~11 (mean model 15)",
         ),
@@ -402,6 +415,11 @@ PRESETS: dict[str, Preset] = {
                 "first chunk 2/4/8/16",
                 "derived: W 4.9 GB",
             ),
+            release=(
+                "vLLM-Omni of its Qwen3-TTS design doc "
+                "(qwen3_omni_tts_performance_optimization.md): talker batch 10, Code2Wav batch 1,"
+                " load-dependent first chunk; an older stack than the CI baselines"
+            ),
             published_rtf=0.160,
             expected_ceiling="~30 (mean model 40)",
         ),
@@ -440,6 +458,10 @@ PRESETS: dict[str, Preset] = {
                 "secondary sources) [U]",
                 "derived: W ~13 GB",
             ),
+            release=(
+                "vLLM-Omni at the Voxtral-4B-TTS-2603 model card's launch (figures via secondary "
+                "sources) [U]"
+            ),
             published_rtf=0.103,
             expected_ceiling="~65 (mean model 87; extrapolated past c=32)",
         ),
@@ -474,6 +496,7 @@ PRESETS: dict[str, Preset] = {
                 "derived: c0 1.5 ms [U], F_eff 1.8e11 (stock) with the memory "
                 "term added, RTF ~0.28; budget 10.2 ms, tail 7.8 ms",
             ),
+            release="stock vLLM as Baseten deployed Orpheus before tuning (version not published)",
             published_rtf=0.28,
             expected_ceiling="~24 stock (200-280 tuned)",
         ),
@@ -504,6 +527,7 @@ PRESETS: dict[str, Preset] = {
                 "~104 KiB/token [U]; delay 80 ms-2.4 s, default 480 ms",
                 "derived: Voxtral TTS c0 5.5 ms; Orpheus stock/roofline ~28x",
             ),
+            release="vLLM /v1/realtime; no published curve, so no release was fitted (derived)",
             published_rtf=None,
             expected_ceiling="no published curve; derived",
         ),

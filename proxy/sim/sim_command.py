@@ -6,6 +6,8 @@ The lead's ``proxy/cli.py`` wires :func:`add_arguments` and :func:`run` into the
     headroom sim --preset l40s-qwen3tts-1.7b --gpus 2 --host 127.0.0.1 --port 8000
     headroom sim --list-presets
     headroom sim --describe h200-qwen3tts-1.7b --json
+    headroom sim --calibrate http://127.0.0.1:8080 --write engine.json
+    headroom sim --describe engine.json      # a preset calibrated from a live engine
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import json
 import signal
 import sys
+from pathlib import Path
 from typing import TextIO
 
 from proxy.serving import signal_handlers
@@ -76,6 +79,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu-memory-utilization", default="0.45,0.45", metavar="UA,UB",
         help="with --colocate: each engine's share of the GPU's memory (default 0.45,0.45)",
     )  # fmt: skip
+    parser.add_argument(
+        "--calibrate", metavar="URL",
+        help="measure a running engine's step cost against batch size with a short ramp, "
+        "print the fit and the ceiling it predicts, and exit (--write keeps the preset)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--protocol", default="openai-completions-tokens",
+        help="with --calibrate: how to speak to the engine (a headroom probe protocol)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tokens-per-audio-second", type=float, default=12.5, metavar="N",
+        help="with --calibrate: tokens the engine makes per second of audio (default 12.5)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--calibrate-levels", default="1,2,4,8,16", metavar="LIST",
+        help="with --calibrate: the concurrency levels of the ramp (default 1,2,4,8,16)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--calibrate-hold", type=float, default=6.0, metavar="S",
+        help="with --calibrate: seconds each level is measured, after its warm-up",
+    )  # fmt: skip
+    parser.add_argument(
+        "--calibrate-warmup", type=float, default=3.0, metavar="S",
+        help="with --calibrate: seconds each level runs before it is measured",
+    )  # fmt: skip
+    parser.add_argument(
+        "--write", metavar="FILE",
+        help="with --calibrate: write the calibrated preset (JSON; give it to --describe "
+        "or --preset)",
+    )  # fmt: skip
     add_fault_arguments(parser)
 
 
@@ -83,7 +116,7 @@ def _print_presets(args: argparse.Namespace, out: TextIO) -> None:
     if args.json:
         rows = [
             {"preset": p.name, "kind": p.kind, "model": p.model, "gpu": p.gpu.name,
-             "description": p.description}
+             "description": p.description, "release": p.release}
             for p in PRESETS.values()
         ]  # fmt: skip
         print(json.dumps(rows, indent=2), file=out)
@@ -115,7 +148,7 @@ def _print_description(info: dict[str, object], args: argparse.Namespace, out: T
     if args.json:
         print(json.dumps(info, indent=2), file=out)
         return
-    keys = ("preset", "model", "gpu", "token_rate_hz", "chunk_schedule", "max_num_seqs",
+    keys = ("preset", "model", "gpu", "release", "token_rate_hz", "chunk_schedule", "max_num_seqs",
             "single_stream_rtf", "single_stream_delivery_ratio", "ttfa_s", "knee_batch",
             "recommended_cap", "ceiling", "ceiling_range", "limited_by", "ceiling_steady_only",
             "ceiling_steady_only_note", "min_prebuffer_s", "ceiling_at_min_prebuffer",
@@ -164,9 +197,18 @@ def _print_colocated(args: argparse.Namespace, out: TextIO) -> None:
     print(f"  both together pass at {info['shared_percent']}% of their ceilings", file=out)
 
 
+def _named_preset(name: str) -> Preset:
+    """A preset by name, or the preset of a calibration file (``*.json``)."""
+    if name.endswith(".json"):
+        from proxy.sim.calibrate import load_calibration
+
+        return load_calibration(name).preset(Path(name).stem)
+    return get_preset(name)
+
+
 def _preset_from_args(name: str, args: argparse.Namespace) -> Preset:
     """The named preset with the command line's engine options applied."""
-    preset = get_preset(name)
+    preset = _named_preset(name)
     if args.max_num_seqs is not None or args.kv_cache_gib is not None:
         preset = preset.with_overrides(
             max_num_seqs=args.max_num_seqs,
@@ -209,6 +251,43 @@ async def _serve(args: argparse.Namespace, out: TextIO) -> None:
                 await stop.wait()
 
 
+def _calibrate(args: argparse.Namespace, out: TextIO) -> None:
+    from proxy.sim.calibrate import measure, render
+
+    try:
+        levels = tuple(int(v) for v in args.calibrate_levels.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"--calibrate-levels: not integers: {args.calibrate_levels!r}") from None
+    _require_no_running_loop()
+    calibration = asyncio.run(
+        measure(
+            args.calibrate,
+            protocol=args.protocol,
+            tokens_per_audio_second=args.tokens_per_audio_second,
+            levels=levels,
+            hold_s=args.calibrate_hold,
+            warmup_s=args.calibrate_warmup,
+            seed=args.seed,
+            max_num_seqs=args.max_num_seqs,
+        )
+    )
+    if args.write:
+        Path(args.write).write_text(json.dumps(calibration.as_json(), indent=2) + "\n")
+    info = describe(calibration.preset(Path(args.write).stem if args.write else "calibrated"))
+    if args.json:
+        print(json.dumps({"calibration": calibration.as_json(), "describe": info}, indent=2),
+              file=out)  # fmt: skip
+        return
+    print(render(calibration), file=out)
+    print(
+        f"predicted ceiling {info['ceiling']} (seeds {info['ceiling_range'][0]}-"
+        f"{info['ceiling_range'][1]}), recommended cap {info['recommended_cap']}",
+        file=out,
+    )
+    if args.write:
+        print(f"wrote {args.write}: headroom sim --describe {args.write}", file=out)
+
+
 def _require_no_running_loop() -> None:
     try:
         asyncio.get_running_loop()
@@ -230,8 +309,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if args.colocate:
             _print_colocated(args, out)
             return 0
+        if args.calibrate:
+            _calibrate(args, out)
+            return 0
         if args.describe:
-            target = _preset_from_args(args.describe, args) if _customised(args) else args.describe
+            custom = _customised(args) or args.describe.endswith(".json")
+            target = _preset_from_args(args.describe, args) if custom else args.describe
             _print_description(describe(target, args.seed), args, out)
             return 0
         if args.gpus < 1:

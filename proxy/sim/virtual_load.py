@@ -81,6 +81,8 @@ class LoadResult:
     e2e_mean_s: float = float("nan")
     e2e_p95_s: float = float("nan")
     requests_per_s: float = 0.0  #: requests finished per wall second after the warm-up
+    #: the median over finished requests of (last chunk - submit) / audio seconds
+    request_rtf_p50: float = float("nan")
     streams: int = 0  #: streams that started playing after the warm-up
     stalled_streams: int = 0  #: of those, streams whose modelled playback ran dry
     startup_stalls: int = 0  #: streams whose first stall was at their first seam
@@ -118,10 +120,16 @@ def run_load(
     stagger_s: float = 1.0,
     think_s: float = 0.3,
     prebuffer_s: float = 0.2,
+    requests: int | None = None,
 ) -> LoadResult:
     """Drive ``concurrency`` closed-loop streams through the engine for ``duration_s``
     virtual seconds; see the module docstring. ``stagger_s`` 0 starts every client at
-    once (a benchmark's burst); ``prebuffer_s`` is the modelled listener's buffer."""
+    once (a benchmark's burst); ``prebuffer_s`` is the modelled listener's buffer.
+
+    ``requests`` set runs a serving benchmark's fixed prompt count instead: the clients
+    send ``requests`` in all (``duration_s`` is then only a bound), and throughput and
+    requests per second are over the whole run, from the first submit to the last
+    chunk, ramp-down included."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
     rng = random.Random(seed * 1_000_003 + concurrency)
@@ -143,9 +151,11 @@ def run_load(
     counted: list[PlaybackBuffer] = []
     max_waiting = 0
     now = 0.0
+    submitted = 0
+    last_at = 0.0
 
     def deliver(em: Emission) -> None:
-        nonlocal audio_total, wall_total, delivered, finished
+        nonlocal audio_total, wall_total, delivered, finished, last_at
         stream = streams[em.seq_id]
         audio, at = (em.end - em.start) / rate, em.at
         measuring = at >= warmup_s
@@ -164,6 +174,7 @@ def run_load(
                 delivered += audio
             stream.playback.add(at, audio)
             stream.last_at = at
+        last_at = max(last_at, at)
         if em.final:
             stream.playback.finish(at)
             del streams[em.seq_id]
@@ -173,11 +184,15 @@ def run_load(
             if warmup_s <= at <= duration_s:
                 finished += 1
             think = rng.uniform(0.0, think_s) if think_s > 0 else 0.0
-            heapq.heappush(arrivals, (at + think, stream.client))
+            if requests is None or submitted < requests:
+                heapq.heappush(arrivals, (at + think, stream.client))
 
     while now < duration_s:
         while arrivals and arrivals[0][0] <= now:
             _, client = heapq.heappop(arrivals)
+            if requests is not None and submitted >= requests:
+                continue
+            submitted += 1
             audio_s = rng.uniform(*utterance_s)
             text_tokens = 0 if preset.kind == "asr" else round(audio_s * TEXT_TOKENS_PER_AUDIO_S)
             output = max(1, round(audio_s * rate))
@@ -206,6 +221,7 @@ def run_load(
     if not steps or not (ratios or e2es):
         raise ValueError("the run measured nothing; lengthen duration_s")
     nan = float("nan")  # one chunk per request (no async chunk): no ratio to measure
+    span = max(duration_s - warmup_s, 1e-9) if requests is None else max(last_at, 1e-9)
     stalled = sum(1 for p in counted if p.underruns)
     startup = sum(1 for p in counted if p.first_chunk_underruns)
     return LoadResult(
@@ -223,10 +239,11 @@ def run_load(
         ttfa_mean_s=statistics.fmean(ttfas) if ttfas else float("nan"),
         ttfa_p95_s=percentile(ttfas, 0.95) if ttfas else float("nan"),
         request_rtf=statistics.fmean(rtfs) if rtfs else float("nan"),
-        throughput=delivered / max(duration_s - warmup_s, 1e-9),
+        throughput=delivered / span,
         e2e_mean_s=statistics.fmean(e2es) if e2es else float("nan"),
         e2e_p95_s=percentile(e2es, 0.95) if e2es else float("nan"),
-        requests_per_s=finished / max(duration_s - warmup_s, 1e-9),
+        requests_per_s=finished / span,
+        request_rtf_p50=statistics.median(rtfs) if rtfs else float("nan"),
         streams=len(counted),
         stalled_streams=stalled,
         startup_stalls=startup,
