@@ -167,7 +167,7 @@ def _draw_ratios(result: ProbeResult, levels: list[LevelStats], left: Any, strip
     low = min(values) / 1.25
     high = _top_margin(low, max(values) * 1.1)
     left.set_ylim(low, high)
-    ticks = [v for v in (0.25, 0.5, 0.75, 1, t, 1.5, 2, 3, 5, 10, 20, 50) if low <= v <= high]
+    ticks = _ticks(low, high, t)
     left.set_yticks(ticks, [f"{v:g}" for v in ticks])
     left.grid(True, which="major", alpha=0.3)
     if levels:
@@ -190,6 +190,18 @@ def _draw_ratios(result: ProbeResult, levels: list[LevelStats], left: Any, strip
     # The same free band at the top as the ratio axis.
     right.set_ylim(0.0, max(throughput, default=0.0) * 1.1 / (1.0 - _TOP_BAND) or 1.0)
     return right
+
+
+def _ticks(low: float, high: float, threshold: float) -> list[float]:
+    """Round ratios between ``low`` and ``high`` and the threshold, leaving out those
+    closer than 5 % of the (log) axis to one kept before them: labels that would touch."""
+    room = 0.05 * math.log(high / low)
+    candidates = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 50.0)
+    kept = [threshold]
+    for v in candidates:
+        if low <= v <= high and all(abs(math.log(v / k)) >= room for k in kept):
+            kept.append(v)
+    return sorted(kept)
 
 
 def _mark_ceiling(left: Any, strip: Any, ceiling: int, bounded: bool, highest: int) -> None:

@@ -278,12 +278,26 @@ def _stream_speeds(summary: ProbeSummary, level: int) -> str:
 def advice(result: ProbeResult) -> str | None:
     """What to do about the rule that set the ceiling, when the run says something a
     configuration cannot fix: the run measured a queue in front of the engine (any
-    ceiling), or level 1 failed (ceiling 0: there is no cap to set). None otherwise."""
+    ceiling), or level 1 failed (ceiling 0: there is no cap to set). None otherwise.
+    When the probe's own event loop lagged at the failing level, its readings (the wait
+    before the stream opened included) may be its own: the advice says so first."""
     summary, settings = result.summary, result.settings
     level = summary.bracket[1]
     failing = summary.failing(level) if level is not None else None
     if level is None or failing is None or not summary.bounded:
         return None
+    lag = failing.client_lag_p99_s
+    if (
+        lag is not None
+        and lag > LAG_WARNING_S
+        and (summary.ceiling == 0 or summary.limited_by_queue)
+    ):
+        return (
+            f"this client's event loop lagged {lag * 1e3:.0f} ms (p99) at {level} "
+            f"session{'s' * (level != 1)}, so the rule may have broken in this client, not "
+            "in the target: probe again from a less busy machine before acting on this "
+            "ceiling"
+        )
     if summary.limited_by_queue:
         return (
             f"only the wait before the streams opened broke a rule at {level} "

@@ -177,6 +177,20 @@ def test_a_ceiling_of_zero_names_the_rule_and_advice_that_fits_it(case: str) -> 
     assert ("faster GPU" in summary) == (case in ("steady", "ttfa engine"))
 
 
+@pytest.mark.parametrize("case", ["steady", "ttfa queue"])
+def test_a_lagging_client_is_blamed_before_the_gpu_or_a_queue(case: str) -> None:
+    """A client whose event loop lags reads every arrival late, the opening of the
+    stream included: its slow chunks and its waits may be its own."""
+    result = _one(*ZERO[case][0])
+    (stats,) = result.summary.levels
+    lagged = replace(stats, client_lag_p99_s=0.23)
+    busy = replace(result, summary=replace(result.summary, levels=(lagged,)))
+    text = format_summary(busy)
+    assert "advice: this client's event loop lagged 230 ms (p99) at 1 session" in text
+    assert "faster GPU" not in text and "measured a queue" not in text
+    assert "probe again from a less busy machine" in config_snippet(busy, "tts-main", "gpu0")
+
+
 def test_a_gateway_queue_is_named_and_measured_apart_from_the_engine() -> None:
     """Through a gateway whose cap is 2: every stream keeps 1.6x, and only the wait in
     its queue breaks the TTFA rule from 3 on. The run says it measured the queue."""
