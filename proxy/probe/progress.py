@@ -65,6 +65,13 @@ class TerminalProgress:
         clear = "\x1b[K" if self.tty else ""
         self._drawn = False
         extra = f"  ({stats.details[0]})" if stats.details and not stats.passed else ""
+        if stats.failed_rules and not stats.passed:
+            causes = {"queue": "ttfa by queue wait", "engine": "ttfa by the engine"}
+            rules = [
+                causes.get(stats.ttfa_cause or "", rule) if rule == "ttfa" else rule
+                for rule in stats.failed_rules
+            ]
+            extra = f"  (broke {', '.join(rules)}){extra}"
         self._write(
             f"{prefix}level {stats.level:>4} {stats.phase:6} {stats.verdict:11} "
             f"worst-1% {_ratio(stats.worst_1pct, 3):>6}  median {_ratio(stats.median_ratio):>5}  "

@@ -444,6 +444,9 @@ def test_progress_on_a_terminal_and_in_a_log() -> None:
     assert lines[0] == "level    1 (ramp): 1 sessions, warm-up 1.5 s, hold 4 s"
     assert lines[1].startswith("level    1 ramp   pass") and "\r" not in log.getvalue()
     assert lines[2] == "headroom probe: done"
+    queued = result_of([queued_level(1, "ramp", wait_s=5.0)]).summary.levels[0]
+    progress.level_done(queued)
+    assert log.getvalue().splitlines()[3].endswith("refused 0  (broke ttfa by queue wait)")
 
 
 def args(*argv: str) -> argparse.Namespace:
