@@ -160,6 +160,8 @@ class Gateway:
                 raise
             self.admin_port = self._admin_sock.getsockname()[1]
         self._drain_task: asyncio.Task[None] | None = None
+        self._reload_lock = asyncio.Lock()  # reloads apply one at a time, in order
+        self._reload_tasks: set[asyncio.Task[None]] = set()
         self._signals = 0
         self._admin_lifecycle = _AdminLifecycleFilter()
         self._reloads = Counter(
@@ -277,11 +279,17 @@ class Gateway:
         log.info("configuration reloaded: %s", "; ".join(changes) or "no changes")
         return changes
 
+    async def reload_off_loop(self) -> list[str]:
+        """:meth:`reload` with the file read, parsed and validated in a worker thread (a
+        large configuration takes a while to parse), then applied on the event loop;
+        reloads asked for together run one at a time, in order."""
+        async with self._reload_lock:
+            settings = await asyncio.to_thread(self._read_and_validate)
+            return self.apply_reload(settings)
+
     async def admin_reload(self) -> ReloadAnswer:
-        """``POST /admin/reload``: this gateway's reload (ConfigError: refused, 400). The
-        file is read and validated off the event loop, then applied on it."""
-        settings = await asyncio.to_thread(self._read_and_validate)
-        return ReloadAnswer(200, {"reloaded": True, "changes": self.apply_reload(settings)})
+        """``POST /admin/reload``: this gateway's reload (ConfigError: refused, 400)."""
+        return ReloadAnswer(200, {"reloaded": True, "changes": await self.reload_off_loop()})
 
     def _admin_host(self) -> str | None:
         """The host the admin listener is bound to (None without one)."""
@@ -289,9 +297,17 @@ class Gateway:
             return None
         return str(self._admin_sock.getsockname()[0])
 
-    def _on_sighup(self) -> None:
-        with contextlib.suppress(ConfigError):  # reload() has logged why
-            self.reload()
+    def _on_sighup(self) -> asyncio.Task[None] | None:
+        """SIGHUP: :meth:`reload_off_loop` in the background; its task (a worker of
+        ``serve --workers`` forwards the signal instead, and has none)."""
+        task = asyncio.ensure_future(self._sighup_reload())
+        self._reload_tasks.add(task)
+        task.add_done_callback(self._reload_tasks.discard)
+        return task
+
+    async def _sighup_reload(self) -> None:
+        with contextlib.suppress(ConfigError):  # the reload has logged why
+            await self.reload_off_loop()
 
     @property
     def started(self) -> bool:

@@ -3,6 +3,8 @@ SHA-256, with its pools, caps and scheduling class) and whether keys are checked
 
 from __future__ import annotations
 
+import functools
+
 from pydantic import Field, model_validator
 
 from proxy.settings.fields import Frozen, Name, Sha256
@@ -59,5 +61,15 @@ class AuthSettings(Frozen):
             raise Problems([(("keys",), why)])
         return self
 
+    @functools.cached_property
+    def keys_by_sha256(self) -> tuple[tuple[ApiKeySettings, ...], dict[str, ApiKeySettings]]:
+        """``keys`` and the index of them by SHA-256 (built once: a lookup is per request,
+        and a gateway may hold tens of thousands of keys)."""
+        return self.keys, {key.sha256: key for key in reversed(self.keys)}  # the first wins
+
     def key_for(self, sha256_hex: str) -> ApiKeySettings | None:
-        return next((key for key in self.keys if key.sha256 == sha256_hex), None)
+        keys, index = self.keys_by_sha256
+        if keys is not self.keys:  # a model_copy that replaced the keys copied the index too
+            del self.__dict__["keys_by_sha256"]
+            keys, index = self.keys_by_sha256
+        return index.get(sha256_hex)

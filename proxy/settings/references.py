@@ -54,7 +54,7 @@ def _reference_problems(data: Any) -> list[tuple[Loc, str]]:
     keys = _entries(auth.get("keys")) if isinstance(auth, Mapping) else []
     named = [(("pools", i, "name"), _text(p.get("name"))) for i, p in pools]
     problems = _duplicates(named, "pool name")
-    names = list(dict.fromkeys(name for _, name in named if name is not None))
+    names = dict.fromkeys(name for _, name in named if name is not None)  # ordered, a set
     defined = ", ".join(names) or "(none)"
 
     def check(loc: Loc, target: Any, own: str | None = None) -> None:
@@ -125,7 +125,7 @@ def _pipeline_problems(data: Any) -> list[tuple[Loc, str]]:
         "pipeline name",
     )
     pools = [_text(p.get("name")) for _, p in _entries(data.get("pools"))]
-    names = [name for name in dict.fromkeys(pools) if name is not None]
+    names = dict.fromkeys(name for name in pools if name is not None)  # ordered, a set
     defined = ", ".join(names) or "(none)"
     for i, pipeline in pipelines:
         stages = pipeline.get("stages")

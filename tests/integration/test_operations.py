@@ -131,7 +131,7 @@ async def test_reload_lowers_and_raises_caps_under_live_sessions(
         with pytest.raises(InvalidStatus):  # 1 active = the new cap
             await connect(ws(gateway), compression=None)
         path.write_text(yaml.safe_dump(config(server.http_url, 3)))
-        gateway._on_sighup()  # the SIGHUP path
+        await gateway._on_sighup()  # the SIGHUP path
         c, d = await open_session(gateway), await open_session(gateway)
         assert gateway.runtime.gate.active == 3
         for client_ws in (b, c, d):
@@ -153,7 +153,7 @@ async def test_bad_reload_keeps_the_running_configuration(upstream: Any, tmp_pat
         problems = response.json()["problems"]
         assert problems[0]["field"] == "pools[0].replicas[0].max_sessions"
         path.write_text("pools: [unclosed")
-        gateway._on_sighup()  # logged and refused
+        await gateway._on_sighup()  # logged and refused
         assert gateway.runtime.settings is before
         session = await open_session(gateway)
         await session.close()
@@ -385,7 +385,7 @@ async def test_reload_cannot_remove_the_admin_key_while_bound_off_loopback(
         assert not gateway.runtime.gate.draining
         cfg["admin"] = {"host": "127.0.0.1", "port": 0, "enabled": False}  # same hole
         path.write_text(yaml.safe_dump(cfg))
-        gateway._on_sighup()
+        await gateway._on_sighup()
         assert gateway.runtime.settings is before and reloads(gateway, "refused") == 2
         rotated = hashlib.sha256(b"rotated-key").hexdigest()  # rotating the key is fine
         cfg["admin"] = {"host": "0.0.0.0", "port": 0, "api_key_sha256": rotated}
@@ -424,7 +424,7 @@ async def test_truncated_file_cannot_turn_authentication_off(
             await connect(ws(gateway), compression=None)
         assert denied.value.response.status_code == 401
         path.write_text("pools: [unclosed")
-        gateway._on_sighup()
+        await gateway._on_sighup()
         assert reloads(gateway, "invalid") == 1 and gateway.runtime.settings is before
         # Turning it off on purpose is applied, and logged loudly.
         path.write_text(full.replace("auth:\n", "auth:\n  enabled: false\n"))
