@@ -27,12 +27,13 @@ outlives its parent's signals; it exits when told to (``stop``) or after handing
 back a dead parent's leases.
 
 Every message carries a sequence number. A proof names the last message the child had
-applied before it read the leases it renewed, and :meth:`ProcessKeeper.kept_age` takes
-a proof only if it came after the pool's latest grant: a renewal that did not carry a
-lease proves nothing about it, however late the grant's message reached the child (a
-slow pipe, a starved child, a renewal of another pool in between). Until the child has
-renewed a new lease, the gate's own tick is the only proof -- at worst an early fence,
-never a lease held past its expiry.
+applied before it read the leases it renewed: a renewal that did not carry a grant
+proves nothing about that lease, however late the grant's message reached the child (a
+slow pipe, a starved or stopped child, a renewal of another pool in between). So
+:meth:`ProcessKeeper.kept_age` dates a proof no later than the earliest grant it did
+not carry (when the gateway made the grant, as the gate's own renewals date a grant
+made while one is in flight): at worst an early fence, never a fence deadline past a
+lease's expiry.
 
 While the child is stopped its pipe fills; what the gateway has not written yet is
 bounded: past ``max_pending_bytes`` it is replaced by one snapshot of the leases held
@@ -89,6 +90,9 @@ MAX_BACKOFF_S = 30.0
 #: What the gateway keeps of its messages to a child that does not read them, by
 #: default, before it replaces them with a snapshot.
 MAX_PENDING_BYTES = 256 * 1024
+#: Grants a pool remembers as not yet carried by a proof; past it, the two oldest are
+#: merged (the earlier time, the later number: a proof must carry both to pass it).
+_UNCOVERED = 64
 
 
 def process_keeper_supported() -> bool:
@@ -149,8 +153,9 @@ class ProcessKeeper:
     :class:`~proxy.admission.lease_keeper.Keeper`. :meth:`hold`, :meth:`drop`,
     :meth:`set_generation`, :meth:`ticked`, :meth:`kept_age` and :meth:`holding` run
     on the event loop and never block; :meth:`start` spawns the child, :meth:`stop`
-    waits for it. ``monotonic`` times the back-off between failed starts (tests pass a
-    fake clock); proofs are always read on ``CLOCK_MONOTONIC``, the child's clock."""
+    waits for it. ``monotonic`` is ``CLOCK_MONOTONIC``, the child's clock, on which the
+    proofs, the grants and the back-off between failed starts are timed (tests pass a
+    fake clock)."""
 
     def __init__(
         self,
@@ -176,9 +181,10 @@ class ProcessKeeper:
         self._partial = False
         self._max_pending = max_pending_bytes
         self._coalesce_at = max_pending_bytes
-        #: The number of the last message; pool -> the number of its latest grant.
+        #: The number of the last message; pool -> (number, when on CLOCK_MONOTONIC)
+        #: of the grants no proof has carried yet, oldest first.
         self._seq = 0
-        self._granted_seq: dict[str, int] = {}
+        self._uncovered: dict[str, list[tuple[int, float]]] = {}
         self._dir: str | None = None
         self._stopped = False
         #: Whether the current child has been seen running (its proofs' file exists).
@@ -208,7 +214,11 @@ class ProcessKeeper:
     def hold(self, pool: str, lease_id: str) -> None:
         with self._lock:
             self._held.setdefault(pool, {})[lease_id] = None
-            self._granted_seq[pool] = self._send("hold", pool, lease_id)
+            seq = self._send("hold", pool, lease_id)
+            uncovered = self._uncovered.setdefault(pool, [])
+            uncovered.append((seq, self._monotonic()))
+            if len(uncovered) > _UNCOVERED:
+                uncovered[:2] = [(uncovered[1][0], uncovered[0][1])]
 
     def drop(self, pool: str, lease_id: str) -> None:
         with self._lock:
@@ -245,8 +255,9 @@ class ProcessKeeper:
             self._send("ticked", pool)
 
     def kept_age(self, pool: str) -> float | None:
-        """Seconds since the child's last renewal of ``pool`` that proved every lease,
-        if that renewal carried the pool's latest grant; else None."""
+        """Seconds since the child's last renewal of ``pool`` that proved every lease it
+        carried, or since the earliest grant it did not carry if that is later; None
+        without a proof."""
         if self._dir is None:
             return None
         try:
@@ -256,9 +267,12 @@ class ProcessKeeper:
         except (OSError, ValueError, KeyError, TypeError, IndexError):
             return None
         with self._lock:
-            if seq < self._granted_seq.get(pool, 0):
-                return None
-        return max(0.0, time.monotonic() - kept)
+            uncovered = self._uncovered.get(pool, [])
+            while uncovered and uncovered[0][0] <= seq:
+                del uncovered[0]
+            if uncovered:
+                kept = min(kept, uncovered[0][1])
+        return max(0.0, self._monotonic() - kept)
 
     def holding(self, pool: str) -> int:
         with self._lock:
@@ -331,15 +345,12 @@ class ProcessKeeper:
 
     def _snapshot(self) -> bytes:
         """Messages that bring a child to what it must keep now: each pool's generation,
-        then one ``sync`` of every lease held (which counts as each pool's latest
-        grant)."""
+        then one ``sync`` of every lease held."""
         out = bytearray()
         for pool, generation in self._generation.items():
             out += self._numbered("generation", pool, generation)
         held = {pool: list(ids) for pool, ids in self._held.items() if ids}
         out += self._numbered("sync", held)
-        for pool in held:
-            self._granted_seq[pool] = self._seq
         return bytes(out)
 
     def _numbered(self, *message: Any) -> bytes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import os
 import signal
@@ -74,27 +75,54 @@ class _Stopped:
         os.kill(self.pid, signal.SIGCONT)
 
 
-@pytest.mark.slow
-async def test_a_proof_does_not_cover_a_grant_its_renewal_did_not_carry(
-    server: RedisServer,
+async def test_a_proof_is_dated_no_later_than_the_grants_it_did_not_carry(
+    tmp_path: Path,
 ) -> None:
-    keeper = ProcessKeeper(_config(server.url))
-    gate = _gate(server.url, keeper, LoopClock())
-    keeper.start()
+    # A stand-in child: it takes its configuration, then reads and ignores the rest;
+    # the test writes its proofs.
+    config_out = tmp_path / "config.json"
+    child = tmp_path / "child"
+    child.write_text(f'#!/bin/sh\nIFS= read -r line\nprintf "%s\\n" "$line" > "{config_out}"\n'
+                     "exec cat > /dev/null\n")  # fmt: skip
+    child.chmod(child.stat().st_mode | stat.S_IXUSR)
+    ticks = _Ticks()
+    ticks.now = 100.0
+    keeper = ProcessKeeper(_config(CONFIG_URL), python=str(child), monotonic=ticks)
     try:
-        first = await gate.acquire("tts")
-        await gate.renew()
-        await _until(lambda: keeper.kept_age("tts") is not None, "the child proves the lease")
-        with _Stopped(keeper.pid):
-            # The child cannot read this grant's message: its proofs, however recent,
-            # were made without the new lease, whose expiry is its acquire's alone.
-            second = await gate.acquire("tts")
-            assert keeper.kept_age("tts") is None
-        await _until(lambda: keeper.kept_age("tts") is not None, "a proof carrying the grant")
-        first.release()
-        second.release()
+        keeper.start()
+        await _until(lambda: config_out.exists() and config_out.read_text().endswith("\n"),
+                     "the stand-in's configuration")  # fmt: skip
+        _, state_dir = KeeperConfig.from_json(config_out.read_text())
+        state = Path(state_dir) / "kept.json"
+
+        def prove(kept: float, carried: int) -> None:
+            state.write_text(json.dumps({"tts": [kept, carried]}))
+
+        prove(90.0, 0)
+        assert keeper.kept_age("tts") == 10.0  # no grant since: the proof as it is
+        keeper.hold("tts", "a")  # granted at 100
+        ticks.now = 110.0
+        prove(105.0, 0)  # renewed at 105, but without the grant's message
+        assert keeper.kept_age("tts") == 10.0  # dated to the grant, not 5.0
+        prove(107.0, 10**6)  # a renewal that carried it
+        assert keeper.kept_age("tts") == 3.0
+        ticks.now = 120.0
+        keeper.hold("tts", "b")  # granted at 120, then proven by an older renewal
+        ticks.now = 121.0
+        assert keeper.kept_age("tts") == 14.0  # the older proof (107) is the earlier
+        # Messages so far: the start's sync (1), a (2), b (3). Then 200 grants, c0..c199
+        # (4..203), at 130..329, more than the keeper remembers one by one.
+        for i in range(200):
+            ticks.now = 130.0 + i
+            keeper.hold("tts", f"c{i}")
+        ticks.now = 400.0
+        prove(300.0, 103)  # carried c0..c99, not c100 (granted at 230)
+        age = keeper.kept_age("tts")
+        assert age is not None and age >= 400.0 - 230.0
+        prove(300.0, 203)  # carried them all
+        assert keeper.kept_age("tts") == 100.0
     finally:
-        await gate.stop()
+        await asyncio.to_thread(keeper.stop)
 
 
 @pytest.mark.slow
