@@ -22,9 +22,11 @@ Python (its transformers, tokenizers and torch), from fixed seeds and fixed text
 of the recipe that built it and is rebuilt when the recipe changes.
 
 :func:`vllm_server` starts ``python -m vllm.entrypoints.openai.api_server`` under ``nice``
-on a free port (``VLLM_CPU_KVCACHE_SPACE=1``, ``--dtype bfloat16``, ``--enforce-eager``),
+on a free port (``VLLM_CPU_KVCACHE_SPACE=1``, ``--dtype float32``, ``--enforce-eager``),
 yields a :class:`VllmServer` once ``GET /health`` answers 200, and always stops it by its
-process group.
+process group. Its dtype is float32 by default: with ``bfloat16`` the worker of this CPU
+build died of SIGILL (exit code -4) at the first request on a machine whose CPU lists
+``avx512_bf16`` and ``amx_bf16``.
 
 Every step prints how long it took.
 """
@@ -220,7 +222,7 @@ async def metric_value(url: str, name: str) -> float:
 @contextlib.asynccontextmanager
 async def vllm_server(
     engine: VllmEngine, model: Path, *, name: str = "tiny", max_num_seqs: int = 4,
-    max_model_len: int = 512, extra: Sequence[str] = (), nice: int = 10,
+    max_model_len: int = 512, dtype: str = "float32", extra: Sequence[str] = (), nice: int = 10,
     ready_s: float = 300.0, port: int | None = None,
 ) -> AsyncIterator[VllmServer]:  # fmt: skip
     """Run vLLM's OpenAI-compatible server for ``model`` (served as ``name``) on
@@ -231,7 +233,7 @@ async def vllm_server(
     cmd = ["nice", "-n", str(nice), str(engine.python), "-m",
            "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
+           "--dtype", dtype, "--max-model-len", str(max_model_len),
            "--max-num-seqs", str(max_num_seqs), "--enforce-eager", *extra]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",

@@ -1,0 +1,91 @@
+"""What the vLLM tests share: the engine (or the test's failure or skip without it), a
+``headroom serve`` process in front of it, and the readings compared on both sides."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from bench.overload import _child
+from bench.vllm_engine import VllmEngine, cached_vllm, metric_value
+
+__all__ = ["gateway", "metric_value", "need_vllm", "normalize_sse", "wait_for"]
+
+#: Fields that differ between two runs of the same request: ids and timestamps.
+RUN_FIELDS = frozenset({"id", "created"})
+
+
+def need_vllm() -> VllmEngine:
+    """The installed engine; without it the test fails under CI (``.ci/run`` installs it
+    first) and is skipped elsewhere."""
+    engine = cached_vllm()
+    if engine is None:
+        message = "vLLM is not installed: python -m bench.vllm_engine (a few minutes)"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message}; CI must install it")
+        pytest.skip(message)
+    return engine
+
+
+@contextlib.asynccontextmanager
+async def gateway(engine_url: str, routes: list[dict[str, Any]], *, cap: int) -> AsyncIterator[str]:
+    """``headroom serve`` (a child process) with one pool of one replica, ``engine_url``
+    at ``max_sessions=cap``, no queue; yields its URL. Metrics are on the client port."""
+    config = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "admin": {"enabled": False},
+        "metrics": {"client_port": True},
+        "log_level": "warning",
+        "log_format": "text",
+        "pools": [{"name": "main", "queue": {"max_depth": 0, "max_wait_s": 10},
+                   "replicas": [{"name": "vllm0", "url": engine_url, "max_sessions": cap}]}],
+        "routes": [{"pool": "main", **route} for route in routes],
+    }  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "headroom.yaml"
+        path.write_text(yaml.safe_dump(config))
+        serve = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)]
+        async with _child(serve, "stderr", "headroom: serving on ") as banner:
+            yield banner.rsplit(" ", 1)[-1]
+
+
+def normalize_sse(lines: list[str]) -> list[Any]:
+    """An SSE body's events in order: each ``data:`` payload parsed as JSON without the
+    fields that differ between runs, or the literal ``[DONE]``; other lines are kept as
+    they are (blank separators dropped)."""
+    events: list[Any] = []
+    for line in lines:
+        if not line:
+            continue
+        if line.startswith("data: ") and line != "data: [DONE]":
+            data = json.loads(line[len("data: ") :])
+            if isinstance(data, dict):
+                data = {k: v for k, v in data.items() if k not in RUN_FIELDS}
+            events.append(data)
+        else:
+            events.append(line)
+    return events
+
+
+async def wait_for(
+    read: Callable[[], Any], done: Callable[[Any], bool], *, within_s: float = 30.0
+) -> Any:
+    """Read until ``done(value)`` or ``within_s`` passed; return the last value read (the
+    caller asserts on it, so a value that never came shows in the failure)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within_s
+    while True:
+        value = await read()
+        if done(value) or loop.time() > deadline:
+            return value
+        await asyncio.sleep(0.1)
