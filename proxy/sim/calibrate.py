@@ -15,8 +15,11 @@ to first audio.
 
     step(batch) = c0 + per_stream x batch          (least squares over the levels)
 
-with the tail of the measured per-token times as the step-time jitter and the time
-to first audio of one stream, less one step, as the cost of admitting a request. A
+with the tail of the measured per-token times as the step-time jitter. The time to
+first audio of one stream, less one step, is reported as the cost of admitting a
+request (``admit_s``) but not charged to the preset's steps: engines that chunk a prompt
+into their decode steps (llama.cpp, vLLM) spread it over many, and the steps measured
+under load already hold that share. A
 :class:`Calibration` holds the measurement and the fit; :meth:`Calibration.preset`
 makes the preset (one chunk per token, ``tokens_per_audio_second`` tokens per second
 of audio) that ``describe()`` rates like any other, and ``to_json``/``from_json``
@@ -76,7 +79,7 @@ class Calibration:
     c0_s: float
     per_stream_s: float
     jitter_p95: float
-    admit_s: float  #: per admitted request (prompt processing), in its first step
+    admit_s: float  #: time to first audio of one stream less one step (reported only)
     max_num_seqs: int
     measured_at: str = ""  #: when (ISO 8601, UTC)
 
@@ -102,7 +105,7 @@ class Calibration:
             fit_c0=False,
             vocoder_share=0.0,
             prefill_params=0.0,
-            prefill_overhead_s=self.admit_s,
+            prefill_overhead_s=0.0,
             jitter_p95=self.jitter_p95,
             token_rate_hz=rate,
             sample_rate=24000,

@@ -5,15 +5,21 @@ engine at scrape time, so they are always the truth; latency histograms are fed 
 each engine :class:`~proxy.sim.engine.Step`. Inter-token latency is observed once per
 step with the batch size as weight (every sequence in the step waited that long),
 which keeps the per-step cost O(1).
+
+A page can be made to lie or to crawl, as a broken engine or exporter would
+(:attr:`EngineMetrics.page`, set by ``POST /sim/metrics_page``): ``nan`` reports
+``vllm:num_requests_running`` as NaN, ``slow`` sends the page one byte every
+``drip_s`` seconds and never ends it while the mode lasts.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -24,7 +30,11 @@ from prometheus_client.registry import Collector
 
 from proxy.sim.engine import Engine, Step
 
-__all__ = ["EngineMetrics", "WeightedHistogram"]
+__all__ = ["PAGE_MODES", "EngineMetrics", "WeightedHistogram"]
+
+#: What ``/metrics`` serves: the truth, a NaN in-flight figure, or a dripping page.
+PAGE_MODES = ("honest", "nan", "slow")
+_RUNNING = re.compile(rb"^(vllm:num_requests_running(?:\{[^}]*\})?) \S+$", re.MULTILINE)
 
 # vLLM's bucket boundaries (vllm/v1/metrics/loggers.py).
 _TTFT_BUCKETS = (
@@ -105,6 +115,9 @@ class EngineMetrics:
 
     def __init__(self, engine: Engine, model_name: str) -> None:
         self.engine = engine
+        #: One of :data:`PAGE_MODES`; ``drip_s``: the seconds between a slow page's bytes.
+        self.page = "honest"
+        self.drip_s = 1.5
         self.labels = {"model_name": model_name, "engine": "0"}
         self.registry = CollectorRegistry(auto_describe=True)
         self.ttft = WeightedHistogram(
@@ -140,6 +153,13 @@ class EngineMetrics:
             buckets=_WS_BUCKETS,
             registry=self.registry,
         )
+
+    def render(self) -> bytes:
+        """The page as the mode has it (a ``slow`` page's whole text: the app drips it)."""
+        body = generate_latest(self.registry)
+        if self.page == "nan":
+            body = _RUNNING.sub(rb"\1 NaN", body)
+        return body
 
     def on_step(self, step: Step) -> None:
         """Feed one engine step (called by the runner)."""

@@ -13,6 +13,7 @@
 ``GET|POST|DELETE /sim/faults[?gpu=N]``      read, change, clear the faults
 ``GET /sim/stats``                           engine snapshot (JSON)
 ``GET|POST|DELETE /sim/bypass[?gpu=N]``      streams no gateway admitted (``streams``)
+``GET|POST|DELETE /sim/metrics_page[?gpu=N]`` ``/metrics`` honest, NaN or dripping
 ===========================================  ===========================================
 
 The SageMaker WebSocket runs the endpoint named by ``X-Amzn-SageMaker-Model-
@@ -23,20 +24,22 @@ sample bridge.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route, WebSocketRoute
 from starlette.websockets import WebSocket
 
 from proxy.sim.common import ChannelClosed, WsChannel, error_response, unavailable_response
 from proxy.sim.completions_api import create_completion
+from proxy.sim.engine_metrics import PAGE_MODES
 from proxy.sim.realtime_api import realtime
 from proxy.sim.speech_http import create_speech
 from proxy.sim.speech_ws_api import speech_stream
@@ -141,7 +144,50 @@ def build_app(gpu: SimGpu) -> Starlette:
         return JSONResponse({"object": "list", "data": [card]})
 
     async def metrics(request: Request) -> Response:
-        return Response(generate_latest(gpu.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        page = gpu.metrics
+        if page.page != "slow":
+            return Response(page.render(), media_type=CONTENT_TYPE_LATEST)
+
+        async def drip() -> AsyncIterator[bytes]:
+            # One byte every drip_s until the mode changes; then the rest at once.
+            body = page.render()
+            sent = 0
+            while page.page == "slow" and sent < len(body) - 1:
+                yield body[sent : sent + 1]
+                sent += 1
+                await asyncio.sleep(page.drip_s)
+            yield body[sent:]
+
+        return StreamingResponse(drip(), media_type=CONTENT_TYPE_LATEST)
+
+    async def metrics_page(request: Request) -> Response:
+        target = _target(gpu, request)
+        if isinstance(target, JSONResponse):
+            return target
+        page = target.metrics
+        if request.method == "DELETE":
+            page.page = "honest"
+        elif request.method == "POST":
+            body = await request.body()
+            try:
+                if len(body) > _ADMIN_BODY_LIMIT:
+                    raise ValueError("the body is too large")
+                doc = json.loads(body)
+                if not isinstance(doc, dict) or set(doc) - {"page", "drip_s"}:
+                    raise ValueError('the body must be {"page": MODE[, "drip_s": S]}')
+                mode, drip_s = doc.get("page", page.page), doc.get("drip_s", page.drip_s)
+                if mode not in PAGE_MODES:
+                    raise ValueError(f"page must be one of {', '.join(PAGE_MODES)}")
+                if isinstance(drip_s, bool) or not isinstance(drip_s, int | float):
+                    raise ValueError("drip_s must be a number of seconds")
+                if not 0 < drip_s <= 60:
+                    raise ValueError("drip_s must be above 0 and at most 60")
+            except json.JSONDecodeError:
+                return error_response("Invalid JSON body", 400)
+            except ValueError as exc:
+                return error_response(str(exc), 400)
+            page.page, page.drip_s = mode, float(drip_s)
+        return JSONResponse({"page": page.page, "drip_s": page.drip_s})
 
     async def version(request: Request) -> Response:
         return JSONResponse({"version": "headroom-sim", "preset": gpu.preset.name})
@@ -220,5 +266,6 @@ def build_app(gpu: SimGpu) -> Starlette:
         Route("/sim/faults", faults, methods=["GET", "POST", "DELETE"]),
         Route("/sim/stats", stats, methods=["GET"]),
         Route("/sim/bypass", bypass, methods=["GET", "POST", "DELETE"]),
+        Route("/sim/metrics_page", metrics_page, methods=["GET", "POST", "DELETE"]),
     ]
     return Starlette(routes=routes)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from proxy.sim.chunks import ChunkSchedule
+from proxy.sim.codec import SharedCodecSpec
 from proxy.sim.spec import CodecSpec, EngineSpec
 
 __all__ = [
@@ -50,10 +51,30 @@ QWEN3_TTS_CHUNKS = ChunkSchedule(steady=25, load_first=(2, 4, 8, 16), left_conte
 QWEN3_TTS_HANDOFF = (0.0024743, 0.00065746)
 #: The talker step's extra cost without CUDA graphs (the same H200 fit).
 QWEN3_TTS_EAGER_STEP_S = 0.0082723
+#: vLLM-Omni's current Qwen3-TTS deploy file: ``initial_codec_chunk_frames: 1`` (only the
+#: first chunk early), then 25 frames with 72 frames of left context.
+QWEN3_TTS_DEPLOY_CHUNKS = ChunkSchedule(steady=25, initial=(1,), left_context=72)
+#: vLLM-Omni's Voxtral TTS deploy file: 5-frame chunks at the start, then 25, with 25
+#: frames of left context.
+VOXTRAL_TTS_DEPLOY_CHUNKS = ChunkSchedule(steady=25, initial=(5, 5, 5, 5, 5), left_context=25)
+#: The vLLM-Omni CI performance baselines both H100 presets are fitted to.
+VLLM_OMNI_CI = (
+    "vLLM-Omni main as its CI performance baselines measured it (tests/dfx/perf/tests/"
+    "test_tts.json at commit 1f76b511), deploy files vllm_omni/deploy/{}"
+)
 #: Voxtral TTS: five 5-frame chunks, then 25-frame ones (left context not published).
 VOXTRAL_TTS_CHUNKS = ChunkSchedule(steady=25, initial=(5, 5, 5, 5, 5))
 #: CosyVoice 2: token_hop_len 25 doubling (stream_scale_factor 2) up to 4 x 25.
 COSYVOICE2_CHUNKS = ChunkSchedule(steady=100, initial=(25, 50))
+
+
+#: The H100 Qwen3-TTS fit (docs/sim.md §2): per-stream seconds, c0, bend, codec call
+#: latency and per-frame cost.
+H100_QWEN_FIT = (0.0010419926, 0.0077030984, 0.97004231, 0.034957159, 5.0654775e-05)
+#: The H100 Voxtral TTS fit: per-stream seconds, c0, codec call latency, per-frame
+#: cost, the codec's share of the card, bend.
+H100_VOXTRAL_FIT = (0.0046721836, 0.0039676099, 0.028916049, 0.00017968890, 0.24706368,
+                    0.39286149)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,6 +443,102 @@ PRESETS: dict[str, Preset] = {
             ),
             published_rtf=0.160,
             expected_ceiling="~30 (mean model 40)",
+        ),
+        _preset(
+            name="h100-qwen3tts-1.7b",
+            kind="tts",
+            model="Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice",
+            gpu=GPUS["H100"],
+            description="Qwen3-TTS 12Hz 1.7B CustomVoice on two H100s (talker on one, "
+            "Code2Wav on the other), vLLM-Omni async chunk, first chunk 1 frame",
+            weight_bytes=4.9 * GB,
+            resident_bytes=4.5 * GB,
+            kv_per_token=112 * KIB,
+            # Fitted to the CI baselines' TTFP, RTF and throughput at c=1/8/16/64
+            # (docs/sim.md §2): per-stream cost and bend, c0, and the codec's call latency
+            # and frame cost. No hand-off term: this release's step already holds it.
+            f_eff=H100_QWEN_FIT[0] * GPUS["H100"].peak_flops,
+            c0=H100_QWEN_FIT[1],
+            batch_exponent=H100_QWEN_FIT[2],
+            fit_c0=False,
+            eager_step_s=QWEN3_TTS_EAGER_STEP_S,
+            vocoder_share=0.0,
+            # Code2Wav on its own card, an engine of max_num_seqs requests: a request
+            # holds a slot from its first chunk to its last [U: 10, see docs/sim.md].
+            codec=SharedCodecSpec(
+                batch=10,
+                call_s=H100_QWEN_FIT[3],
+                frame_s=H100_QWEN_FIT[4],
+                gpu_share=0.0,
+                request_slots=True,
+            ),
+            max_num_seqs=64,  # the deploy file's talker
+            prefill_params=1.7e9,
+            token_rate_hz=12.5,
+            sample_rate=24000,
+            first_chunk=1,  # initial_codec_chunk_frames 1, then codec_chunk_frames 25
+            chunk=25,
+            schedule=QWEN3_TTS_DEPLOY_CHUNKS,
+            prompt_overhead=32,
+            sources=(
+                "GPU: H100 SXM 3.35 TB/s, 989 TF",
+                "published: vLLM-Omni CI baselines, Qwen3-TTS-12Hz-1.7B-CustomVoice on 2 x "
+                "H100, medians at c=1/8/16/64: TTFP 46.8/75.3/713.8/5,941.7 ms, RTF "
+                "0.137/0.186/0.315/1.166, audio throughput 38.4/55.4/68.7x (c=8/16/64)",
+                "deploy: qwen3_tts.yaml, stage 1 on device 1 (stage_overrides); talker "
+                "max_num_seqs 64; initial_codec_chunk_frames 1, codec_chunk_frames 25, "
+                "left context 72",
+                "derived: W 4.9 GB; requests ~7.5 s (Little's law at c=64)",
+            ),
+            release=VLLM_OMNI_CI.format("qwen3_tts.yaml"),
+            published_rtf=None,
+            expected_ceiling="not published",
+        ),
+        _preset(
+            name="h100-voxtral-tts-4b",
+            kind="tts",
+            model="mistralai/Voxtral-4B-TTS-2603",
+            gpu=GPUS["H100"],
+            description="Voxtral TTS 4B on one H100 (generator and codec stage on the same "
+            "card), vLLM-Omni async chunk",
+            weight_bytes=13 * GB,  # as the H200 preset [D, U]
+            resident_bytes=8.5 * GB,
+            kv_per_token=104 * KIB,
+            # Fitted to the CI baselines' TTFP, RTF and throughput at c=1/8 (docs/sim.md
+            # §2); the H200 fit's admission cost kept.
+            f_eff=H100_VOXTRAL_FIT[0] * GPUS["H100"].peak_flops,
+            c0=H100_VOXTRAL_FIT[1],
+            batch_exponent=H100_VOXTRAL_FIT[5],
+            fit_c0=False,
+            prefill_overhead_s=0.017421,
+            vocoder_share=0.0,
+            # The codec stage beside the generator, an engine of 32 requests (eager).
+            codec=SharedCodecSpec(
+                batch=32,
+                call_s=H100_VOXTRAL_FIT[2],
+                frame_s=H100_VOXTRAL_FIT[3],
+                gpu_share=H100_VOXTRAL_FIT[4],
+                request_slots=True,
+            ),
+            max_num_seqs=32,  # the deploy file's
+            prefill_params=3.4e9,
+            token_rate_hz=12.5,
+            sample_rate=24000,
+            first_chunk=5,
+            chunk=25,
+            schedule=VOXTRAL_TTS_DEPLOY_CHUNKS,
+            prompt_overhead=32,
+            sources=(
+                "GPU: H100 SXM 3.35 TB/s, 989 TF",
+                "published: vLLM-Omni CI baselines, Voxtral-4B-TTS-2603 on 1 x H100, medians "
+                "at c=1/8: TTFP 82.6/170.4 ms, RTF 0.128/0.208, audio throughput 37.1x (c=8)",
+                "deploy: voxtral_tts.yaml, both stages on device 0, max_num_seqs 32 each; "
+                "codec_chunk_frames 25, 5 at the start, left context 25",
+                "derived: W ~13 GB; requests ~7.5 s (the Qwen3-TTS run's text set)",
+            ),
+            release=VLLM_OMNI_CI.format("voxtral_tts.yaml"),
+            published_rtf=None,
+            expected_ceiling="not published",
         ),
         _preset(
             name="h200-voxtral-tts-4b",

@@ -7,11 +7,15 @@ Each published point is re-run on the virtual clock the way serving benchmarks r
 ``concurrency`` clients start together and each sends its next request the moment the
 previous one ends (closed loop, no think time), for 120 virtual seconds, averaged over
 seeds 0-2. Requests are ``audio_s`` long (the run's own numbers give it: docs/sim.md),
-or drawn uniformly within ``spread`` of it. Per point:
+or drawn uniformly within ``spread`` of it. A point with ``prompts`` runs that many
+requests instead, as ``vllm bench serve --num-prompts`` does, and its throughput spans
+the whole run. Per point:
 
 - **RTF**: the mean over requests of (last audio - submit) / audio seconds (what
   vLLM-Omni's benchmarks report per request);
+- **RTF median**: their median (vLLM-Omni's CI baselines report medians);
 - **TTFA**: the mean (or 95th percentile) time from submit to the first audio chunk;
+  **TTFP median** its median;
 - **E2EL**: the mean or 95th percentile of (last audio - submit);
 - **req/s**: requests finished per second; **aggregate**: audio seconds delivered
   per wall second, all streams together;
@@ -79,13 +83,15 @@ class Row:
         return abs(self.error) <= self.point.tolerance
 
 
-_RunKey = tuple[str, Setup, int, float, float, tuple[int, ...]]
+_RunKey = tuple[str, Setup, int, float, float, int | None, tuple[int, ...]]
 
 
 def _figure(result: LoadResult, metric: Metric) -> float:
     return {
         "rtf": result.request_rtf,
+        "rtf_p50": result.request_rtf_p50,
         "ttfa": result.ttfa_mean_s,
+        "ttfa_p50": result.ttfa_p50_s,
         "ttfa_p95": result.ttfa_p95_s,
         "e2e_mean": result.e2e_mean_s,
         "e2e_p95": result.e2e_p95_s,
@@ -97,7 +103,8 @@ def _figure(result: LoadResult, metric: Metric) -> float:
 def _measure(
     point: Point, setup: Setup, seeds: tuple[int, ...], runs: dict[_RunKey, list[LoadResult]]
 ) -> float:
-    key = (point.preset, setup, point.concurrency, point.audio_s, point.spread, seeds)
+    key = (point.preset, setup, point.concurrency, point.audio_s, point.spread, point.prompts,
+           seeds)  # fmt: skip
     if key not in runs:
         preset = setup.apply(get_preset(point.preset))
         low, high = point.audio_s * (1 - point.spread), point.audio_s * (1 + point.spread)
@@ -106,11 +113,12 @@ def _measure(
                 preset,
                 point.concurrency,
                 seed=seed,
-                duration_s=120.0,
+                duration_s=120.0 if point.prompts is None else 3600.0,
                 warmup_s=0.0,
                 utterance_s=(low, high),
                 stagger_s=0.0,
                 think_s=0.0,
+                requests=point.prompts,
             )
             for seed in seeds
         ]
@@ -142,7 +150,9 @@ def compare(seeds: tuple[int, ...] = SEEDS, points: tuple[Point, ...] | None = N
 
 _NAMES = {
     "rtf": "RTF",
+    "rtf_p50": "RTF median",
     "ttfa": "TTFA",
+    "ttfa_p50": "TTFP median",
     "ttfa_p95": "TTFA p95",
     "e2e_mean": "E2EL",
     "e2e_p95": "E2EL p95",
@@ -156,7 +166,7 @@ def _fmt(point: Point, value: float) -> str:
     metric = point.metric
     if point.versus is not None:
         return f"{value:.2f}x"
-    if metric in ("ttfa", "ttfa_p95", "e2e_mean", "e2e_p95"):
+    if metric in ("ttfa", "ttfa_p50", "ttfa_p95", "e2e_mean", "e2e_p95"):
         return f"{value * 1e3:,.0f} ms"
     if metric == "aggregate":
         return f"{value:.2f}x"

@@ -14,6 +14,7 @@ import pytest
 
 from proxy.sim.capacity import BEGIN, END, describe
 from proxy.sim.capacity import main as capacity_main
+from proxy.sim.codec import SharedCodecSpec
 from proxy.sim.engine import Engine
 from proxy.sim.presets import DEFAULT_PRESET, PRESETS, get_preset, preset_names
 from proxy.sim.virtual_load import THRESHOLD, Rules, find_ceiling, min_prebuffer, run_load
@@ -26,6 +27,8 @@ def test_presets_have_the_agreed_names() -> None:
         "l4-cosyvoice2-0.5b",
         "l40s-qwen3tts-1.7b",
         "h200-qwen3tts-1.7b",
+        "h100-qwen3tts-1.7b",
+        "h100-voxtral-tts-4b",
         "h200-voxtral-tts-4b",
         "h100-orpheus-3b",
         "h100-voxtral-realtime-4b",
@@ -35,6 +38,25 @@ def test_presets_have_the_agreed_names() -> None:
     assert PRESETS["h100-voxtral-realtime-4b"].kind == "asr"
     with pytest.raises(ValueError, match=r"l40s-qwen3tts-1\.7b"):
         get_preset("a100-nothing")
+
+
+def test_every_preset_names_the_engine_release_of_its_figures() -> None:
+    for name in preset_names():
+        assert PRESETS[name].release, name
+    for name in ("h100-qwen3tts-1.7b", "h100-voxtral-tts-4b"):
+        assert "test_tts.json at commit 1f76b511" in PRESETS[name].release
+    assert "design doc" in PRESETS["h200-qwen3tts-1.7b"].release
+
+
+def test_the_ci_release_presets_run_the_deploy_files_codec_and_first_chunk() -> None:
+    qwen, voxtral = PRESETS["h100-qwen3tts-1.7b"], PRESETS["h100-voxtral-tts-4b"]
+    for preset, slots, first in ((qwen, 10, (1,)), (voxtral, 32, (5, 5, 5, 5, 5))):
+        codec = preset.engine.codec
+        assert isinstance(codec, SharedCodecSpec) and codec.request_slots
+        assert codec.batch == slots
+        assert preset.schedule.initial == first and preset.schedule.load_first == ()
+    assert qwen.engine.codec is not None and qwen.engine.codec.gpu_share == 0.0  # own card
+    assert qwen.engine.max_num_seqs == 64 and voxtral.engine.max_num_seqs == 32
 
 
 @pytest.mark.parametrize("name", preset_names())

@@ -151,6 +151,41 @@ def test_each_run_uses_the_request_length_its_own_numbers_give() -> None:
             assert point.audio_s == pytest.approx(aggregate / rate)
 
 
+def _simulated(rows: list[Row], preset: str, metric: str, c: int) -> float:
+    return next(
+        r.simulated for r in rows
+        if (r.point.preset, r.point.metric, r.point.concurrency) == (preset, metric, c)
+    )  # fmt: skip
+
+
+def test_the_ci_release_runs_are_rows_and_their_ttfp_jumps_between_8_and_16(
+    rows: list[Row], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Request slots: past the Code2Wav stage's 10 slots a first chunk waits for a whole
+    request, so time to first audio jumps as the published run's does (x9.5)."""
+    ci = [p for p in PUBLISHED if p.preset in ("h100-qwen3tts-1.7b", "h100-voxtral-tts-4b")]
+    assert {p.prompts for p in ci} == {20, 80, 128}
+    assert all(p.sample == "in-sample" and p.audio_s == 7.5 for p in ci)
+    qwen = "h100-qwen3tts-1.7b"
+    jump = _simulated(rows, qwen, "ttfa_p50", 16) / _simulated(rows, qwen, "ttfa_p50", 8)
+    assert jump == pytest.approx(0.7138 / 0.0753, rel=EFFECT_TOLERANCE)
+    # With a chunk queue instead of request slots the stage keeps up: no jump.
+    preset = get_preset(qwen)
+    codec = preset.engine.codec
+    assert isinstance(codec, SharedCodecSpec) and codec.request_slots
+    queue = replace(codec, request_slots=False)
+    monkeypatch.setattr(
+        validate,
+        "get_preset",
+        lambda name: replace(preset, engine=replace(preset.engine, codec=queue)),
+    )
+    points = tuple(
+        p for p in ci if p.preset == qwen and p.metric == "ttfa_p50" and p.concurrency in (8, 16)
+    )
+    by_c = {r.point.concurrency: r.simulated for r in compare(seeds=(0,), points=points)}
+    assert by_c[16] / by_c[8] < 3
+
+
 def test_a_drifted_preset_fails_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
     h200 = get_preset("h200-qwen3tts-1.7b")
     drifted = replace(h200, engine=replace(h200.engine, handoff_per_seq_s=0.003))

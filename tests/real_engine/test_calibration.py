@@ -1,0 +1,71 @@
+"""The calibration round trip on a real engine: ``headroom sim --calibrate`` measures
+llama.cpp's ``llama-server`` (built by ``python -m bench.llama_engine``; .ci/run builds
+it), the preset it writes predicts a ceiling, and ``headroom probe`` then measures the
+ceiling on the same engine: the prediction must be within one level of what the probe
+saw (its range widened by one stream each side).
+
+The engine is CPU-bound on a machine other tests share, so no figure is fixed in
+advance; both sides measure the same engine minutes apart, with the probe's own rules
+(worst-1 % ratio 1.2, no stalls with a 0.2 s buffer, TTFA p99 within the real-engine
+tier's 3 s) given to the simulator's ceiling search.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from typing import Any
+
+import pytest
+
+from bench.harness import free_port
+from bench.llama_engine import cached_llama_server, default_cache, llama_server
+from bench.real_engine import _probe, build_parser
+from bench.tiny_model import TinyModel, ensure_model
+from proxy.sim.calibrate import Calibration, measure, render
+from proxy.sim.virtual_load import Rules, find_ceiling
+
+pytestmark = pytest.mark.slow
+
+TOKENS_PER_AUDIO_SECOND = 8.0
+SLOTS = 16  # llama_server()'s default -np
+#: The probe as the real-engine tier runs it in CI (tests/real_engine/test_real_engine.py).
+PROBE = ["--levels", "2,4,...", "--max-level", str(SLOTS), "--hold", "6", "--warmup", "4",
+         "--repeat", "1", "--probe-time-limit", "420"]  # fmt: skip
+
+
+def predicted_ceiling(calibration: Calibration, ttfa_limit_s: float) -> int:
+    """The calibrated preset's ceiling under the probe's rules."""
+    rules = Rules(ttfa_p99_s=ttfa_limit_s)
+    ceiling, _ = find_ceiling(calibration.preset(), rules=rules, limit=4 * SLOTS)
+    return ceiling
+
+
+def test_a_preset_calibrated_from_llama_server_predicts_the_probed_ceiling() -> None:
+    binary = cached_llama_server()
+    if binary is None:
+        message = "llama-server is not built: python -m bench.llama_engine (a few minutes)"
+        if os.environ.get("CI"):  # .ci/run builds it: a missing engine is a failure
+            pytest.fail(f"{message}; CI must build it")
+        pytest.skip(message)
+    model = ensure_model(default_cache(), TinyModel())
+    args = build_parser().parse_args(PROBE)
+
+    async def main() -> tuple[Calibration, dict[str, Any]]:
+        async with llama_server(binary, model, free_port(), slots=SLOTS) as url:
+            calibration = await measure(
+                url, tokens_per_audio_second=TOKENS_PER_AUDIO_SECOND,
+                levels=(1, 2, 4, 8, 16), hold_s=6.0, warmup_s=3.0, max_num_seqs=SLOTS,
+            )  # fmt: skip
+            args.tokens_per_audio_second = TOKENS_PER_AUDIO_SECOND
+            probe = await _probe(url, args)
+        return calibration, probe
+
+    calibration, probe = asyncio.run(main())
+    predicted = predicted_ceiling(calibration, args.ttfa_limit)
+    low, high = probe["ceiling_range"]
+    print(render(calibration))
+    print(f"predicted ceiling {predicted}; probe {probe['ceiling']} (range {low}-{high})")
+    print(probe["table"])
+    assert calibration.per_stream_s > 0, render(calibration)
+    assert low - 1 <= predicted <= high + 1, (predicted, probe["ceiling_range"])
