@@ -30,10 +30,27 @@ gateway -- for the workers gateway the supervisor and its workers, like a pod ki
 then start it again on the same ports), ``redis_restart`` (SIGKILL redis-server, start
 it again empty), ``stall`` (block one gateway process's event loop -- one worker of the
 workers gateway -- for ``2 x lease_ttl_s``: the run starts gateways with a
-``sitecustomize`` whose SIGUSR1 handler sleeps on the main thread), ``reload`` (write
-new caps, each GPU's drawn from 1 to ``--cap``, into both gateways' files and
-``POST /admin/reload`` to each), ``big_body`` (a 480 MB JSON body with no key to one
-gateway's reservation endpoint, the control-plane attack of a loop stalled by its input).
+``sitecustomize`` whose SIGUSR1 handler sleeps on the main thread, releasing the GIL),
+``gil_stall`` (the same, but the SIGUSR2 handler calls libc ``sleep`` through
+:class:`ctypes.PyDLL`, which holds the GIL: no thread of the process runs),
+``sigstop`` (SIGSTOP a gateway -- the workers gateway's supervisor and workers -- for
+``2 x lease_ttl_s``, then SIGCONT), ``reload`` (write new caps, each GPU's drawn from 1
+to ``--cap``, into both gateways' files and ``POST /admin/reload`` to each),
+``big_body`` (a 480 MB JSON body with no key to one gateway's reservation endpoint, the
+control-plane attack of a loop stalled by its input), ``nan_page`` and ``slow_page``
+(one GPU's engine ``/metrics`` page reports ``vllm:num_requests_running`` as NaN, or
+drips one byte every 1.5 s, for ``2 x lease_ttl_s``: ``POST /sim/metrics_page``). The
+gateways scrape every engine page each second with ``engine_reconcile`` on, and a
+fifth invariant joins the four above:
+
+* **engine scraping outlives a bad page**: each bad page is counted by some gateway
+  (``headroom_engine_scrape_errors_total``, reason ``not_finite`` or ``timeout``) and,
+  a few seconds after the page is honest again, every gateway has fresh figures from
+  every GPU (``headroom_engine_figures_age_seconds``).
+
+The stall hooks are installed only by this run's launcher (the ``sitecustomize`` in its
+work directory, active only with ``HEADROOM_BENCH_STALL_S`` set); a gateway started
+otherwise has none.
 """
 
 from __future__ import annotations
@@ -61,8 +78,17 @@ if str(ROOT) not in sys.path:
 
 from bench import chaos_shared as cs  # noqa: E402
 
-KINDS = ("kill9", "redis_restart", "stall", "reload", "big_body")
+KINDS = ("kill9", "redis_restart", "stall", "gil_stall", "sigstop", "reload", "big_body",
+         "nan_page", "slow_page")  # fmt: skip
+#: The kinds that freeze a gateway's loop: none may end in a fence.
+STALLS = ("stall", "gil_stall", "sigstop")
+#: The error each bad engine page must be counted as.
+PAGE_ERRORS = {"nan_page": "not_finite", "slow_page": "timeout"}
 RESERVATIONS = "/v1/headroom/reservations"
+#: The gateways' engine scrape interval (s), and how old a figure may be after a bad
+#: page is honest again: an interval, the scrape's own bound (2 s), and slack.
+SCRAPE_S = 1.0
+FRESH_S = SCRAPE_S + 2.0 + 3.0
 
 STALL_HOOK = """\
 import os
@@ -74,7 +100,13 @@ if _STALL_S:
     def _stall(signum, frame):
         time.sleep(float(_STALL_S))
 
+    def _gil_stall(signum, frame):
+        import ctypes
+
+        ctypes.PyDLL(None).sleep(ctypes.c_uint(round(float(_STALL_S))))
+
     signal.signal(signal.SIGUSR1, _stall)
+    signal.signal(signal.SIGUSR2, _gil_stall)
 """
 
 
@@ -126,6 +158,9 @@ def gateway_config(cfg: InvariantConfig, port: int, admin_port: int, redis_url: 
     data["admin"] = {"enabled": True, "host": "127.0.0.1", "port": admin_port}
     # A stalled loop must be measured against the fence alone, not the idle timeout.
     data["limits"]["idle_timeout_s"] = cfg.stall_s + 10
+    data["health"]["engine_metrics_interval_s"] = SCRAPE_S
+    data["pools"][0]["engine_reconcile"] = True
+    data["pools"][0]["engine_reconcile_hold_s"] = 5 * SCRAPE_S
     data["limits"]["max_session_s"] = 60
     for replica, cap in zip(data["pools"][0]["replicas"], caps, strict=True):
         replica["max_sessions"] = cap
@@ -319,6 +354,75 @@ async def _big_body(state: State, g: Gateway) -> dict[str, Any]:
             "answered_s": round(time.monotonic() - started, 3)}  # fmt: skip
 
 
+async def _set_page(url: str, page: str) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        r = await http.post(f"{url}/sim/metrics_page", json={"page": page, "drip_s": 1.5})
+        r.raise_for_status()
+
+
+async def _scrape_figures(state: State) -> dict[str, Any]:
+    """Each gateway's engine scrape errors (reason -> replica -> count) and the oldest
+    engine figure it has (s), from its ``/metrics``."""
+    import httpx
+
+    out: dict[str, Any] = {"errors": {}, "max_age_s": 0.0, "unanswered": 0}
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        for g in state.gateways:
+            try:
+                text = (await http.get(f"{g.process.url}/metrics")).text
+            except httpx.HTTPError:
+                out["unanswered"] += 1
+                continue
+            for name, labels, value in _samples(text):
+                if name == "headroom_engine_scrape_errors_total":
+                    by = out["errors"].setdefault(labels.get("reason", ""), {})
+                    replica = labels.get("replica", "")
+                    by[replica] = by.get(replica, 0) + value
+                elif name == "headroom_engine_figures_age_seconds":
+                    out["max_age_s"] = max(out["max_age_s"], value)
+    return out
+
+
+def _samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(name, labels, value) of each sample of a Prometheus text page."""
+    out = []
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        name, _, rest = head.partition("{")
+        labels = dict(
+            (k, v.strip('"')) for k, _, v in (pair.partition("=") for pair in
+                                              rest.rstrip("}").split(",") if pair)
+        )  # fmt: skip
+        with contextlib.suppress(ValueError):
+            out.append((name, labels, float(value)))
+    return out
+
+
+async def _bad_page(state: State, urls: list[str], kind: str) -> dict[str, Any]:
+    """One GPU's engine page lies (NaN) or drips for ``2 x lease_ttl_s``; then honest
+    again. Counts the scrape errors it caused and the figures' age after it."""
+    gpu = state.rng.randrange(len(urls))
+    before = await _scrape_figures(state)
+    await _set_page(urls[gpu], "nan" if kind == "nan_page" else "slow")
+    try:
+        await asyncio.sleep(state.cfg.stall_s)
+    finally:
+        await _set_page(urls[gpu], "honest")
+    during = await _scrape_figures(state)
+    await asyncio.sleep(FRESH_S)
+    after = await _scrape_figures(state)
+    reason, replica = PAGE_ERRORS[kind], f"gpu{gpu}"
+    counted = during["errors"].get(reason, {}).get(replica, 0) - before["errors"].get(
+        reason, {}
+    ).get(replica, 0)
+    return {"gpu": gpu, "errors_counted": counted, "max_age_after_s": after["max_age_s"],
+            "unanswered": after["unanswered"]}  # fmt: skip
+
+
 async def _kill9(state: State, g: Gateway) -> dict[str, Any]:
     pids = [g.process.pid, *([] if g.workers == 1 else g.pids())]
     for pid in pids:
@@ -350,12 +454,26 @@ async def _ops(state: State, redis: cs.RedisProcess, urls: list[str]) -> None:
             redis.kill()
             await asyncio.sleep(0.5)
             await redis.start()
-        elif kind == "stall":
+        elif kind in ("stall", "gil_stall"):
             pids = g.pids()
             pid = rng.choice(pids) if pids else g.process.pid
             op.update(gateway=target, pid=pid)
-            os.kill(pid, signal.SIGUSR1)
+            os.kill(pid, signal.SIGUSR1 if kind == "stall" else signal.SIGUSR2)
             await asyncio.sleep(cfg.stall_s + cfg.lease_ttl_s)
+        elif kind == "sigstop":
+            pids = [g.process.pid, *([] if g.workers == 1 else g.pids())]
+            op.update(gateway=target, pids=len(pids))
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(cfg.stall_s)
+            finally:
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGCONT)
+            await asyncio.sleep(cfg.lease_ttl_s)
+        elif kind in PAGE_ERRORS:
+            op.update(await _bad_page(state, urls, kind))
         elif kind == "big_body":
             op["gateway"] = target
             op.update(await _big_body(state, g))
@@ -419,6 +537,32 @@ def fences(workdir: Path) -> list[tuple[int, float]]:
                     whole = calendar.timegm(time.strptime(ts[:19], "%Y-%m-%dT%H:%M:%S"))
                     out.append((index, whole + int(ts[20:23]) / 1000))
     return out
+
+
+def _timed(op: dict[str, Any], t0: float) -> dict[str, Any]:
+    """An operation on the run's clock (seconds from its start)."""
+    where = {k: op[k] for k in ("gateway", "gpu") if k in op}
+    return {"kind": op["kind"], "at_s": round(op["at"] - t0, 2),
+            "until_s": round(op["until"] - t0, 2), **where}  # fmt: skip
+
+
+def _page_survived(op: dict[str, Any]) -> bool:
+    """A bad page was counted and left every figure fresh (other operations: True)."""
+    if op["kind"] not in PAGE_ERRORS:
+        return True
+    return bool(op["errors_counted"] > 0 and op["max_age_after_s"] <= FRESH_S
+                and not op["unanswered"])  # fmt: skip
+
+
+def _cut(workdir: Path) -> int:
+    """Sessions the fences ended: the sum of each fence line's count."""
+    total = 0
+    for path in sorted(workdir.glob("gateway*.log")):
+        for line in path.read_text(errors="replace").splitlines():
+            if "closing this gateway's" in line and line.startswith("{"):
+                with contextlib.suppress(ValueError, IndexError):
+                    total += int(line.split("closing this gateway's ", 1)[1].split()[0])
+    return total
 
 
 async def run(cfg: InvariantConfig) -> dict[str, Any]:
@@ -515,7 +659,11 @@ def report(cfg: InvariantConfig, state: State, sim: dict[str, Any], redis_state:
                   ["upstream_connect_timeout_s"]) + 0.5  # fmt: skip
     initial = [cfg.cap] * cfg.gpus
     over = starts_over_cap(sim["events"], state.changes, initial, grace)
-    stalls = [op for op in state.ops if op["kind"] == "stall"]
+    for o in over:  # when, and what operation it fell in (until one TTL after it)
+        o["at_s"] = round(o["t"] - state.t0, 2)
+        o["during"] = [op["kind"] for op in state.ops
+                       if op["at"] <= o["t"] <= op["until"] + cfg.lease_ttl_s]  # fmt: skip
+    stalls = [op for op in state.ops if op["kind"] in STALLS]
     fenced = [(gw, t - wall0 + state.t0) for gw, t in fences(workdir)]
     # A fence from the stall's start until one TTL after the loop ran again (plus a
     # second for the clocks) counts against the stall.
@@ -536,6 +684,7 @@ def report(cfg: InvariantConfig, state: State, sim: dict[str, Any], redis_state:
         "no_leaked_slot": leaked == 0 and redis_state["negative"] == 0,
         "stalls_fence_nothing": not stall_fences,
         "no_client_error": not any(o.startswith("client_error") for o in outcomes),
+        "engine_scraping_outlives_bad_pages": all(map(_page_survived, state.ops)),
     }
     return {
         "config": {**asdict(cfg), "offered": cfg.offered, "stall_s": cfg.stall_s},
@@ -551,6 +700,12 @@ def report(cfg: InvariantConfig, state: State, sim: dict[str, Any], redis_state:
             {k: op.get(k) for k in ("gateway", "status", "sent_mb", "answered_s")}
             for op in state.ops
             if op["kind"] == "big_body"
+        ],
+        "timeline": [_timed(op, state.t0) for op in state.ops],
+        "bad_pages": [
+            {k: op.get(k) for k in ("kind", "gpu", "errors_counted", "max_age_after_s")}
+            for op in state.ops
+            if op["kind"] in PAGE_ERRORS
         ],
         "reloads": [
             {
@@ -584,6 +739,7 @@ def report(cfg: InvariantConfig, state: State, sim: dict[str, Any], redis_state:
             "total": leaked,
         },
         "fences": {"total": len(fenced), "during_stalls": len(stall_fences)},
+        "sessions_cut": _cut(workdir),
         "gateway_exit_codes": exit_codes,
         "logs": cs.read_logs(workdir),
         "invariants": invariants,
@@ -613,7 +769,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"starts over the cap in force: {len(r['starts_over_cap_in_force'])}; "
         f"samples over the highest cap: {r['engine']['over_highest_cap_samples']}",
         f"leaked slots: {r['leaks']['total']}; fences: {r['fences']['total']} "
-        f"({r['fences']['during_stalls']} during stalls)",
+        f"({r['fences']['during_stalls']} during stalls), sessions cut by them: "
+        f"{r['sessions_cut']}",
+        f"bad engine pages: {r['bad_pages']}",
         "",
         "| invariant | held |",
         "|---|---|",

@@ -58,8 +58,9 @@ def test_a_short_seeded_run_holds_every_invariant(tmp_path: Path) -> None:
         pytest.skip(message)
     out = tmp_path / "report.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "cap_invariant.py"), "--duration", "90",
-         "--seed", "11", "--long-share", "0.4", "--settle", "20", "--op-gap", "2,4",
+        [sys.executable, str(ROOT / "bench" / "cap_invariant.py"), "--duration", "150",
+         "--seed", "11", "--long-share", "0.4", "--settle", "20", "--op-gap", "1,2",
+         "--lease-ttl", "3",
          "--workdir", str(tmp_path / "work"), "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
