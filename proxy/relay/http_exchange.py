@@ -27,6 +27,13 @@ without the end of the body (no terminating chunk; a ``Content-Length`` left sho
 so the client sees a truncated response (curl exits 18, HTTP libraries raise an
 incomplete-read error) and never mistakes cut audio for a complete answer.
 
+The relay yields to the event loop after every :data:`CHUNKS_PER_TURN` body chunks,
+so an upstream that always has data ready cannot hold the loop. A client that stops
+reading stops the upstream reads: a send to it waits while its socket buffer is full
+(uvicorn's flow control, which the client listener passes on), and the exchange reads
+from the upstream only between sends, its socket paused meanwhile; what is in flight is
+bounded by the socket buffers and one upstream read.
+
 The upstream gets the client's end-to-end headers and nothing else (no default
 ``Accept``, ``Accept-Encoding`` or ``User-Agent`` from the HTTP client library, no
 cookies from earlier responses). A response with a ``Content-Encoding`` other than
@@ -66,7 +73,7 @@ if TYPE_CHECKING:
     from proxy.relay.services import RelayServices
     from proxy.settings import RouteSettings
 
-__all__ = ["Ending", "HttpExchange", "send_error"]
+__all__ = ["CHUNKS_PER_TURN", "Ending", "HttpExchange", "send_error"]
 
 log = logging.getLogger("headroom.relay.http")
 
@@ -77,6 +84,14 @@ Send = Any
 
 #: Sends of one request after the upstream closed a kept-alive connection on it unanswered.
 _STALE_RESENDS = 2
+
+#: Body chunks relayed before the relay yields to the event loop once. Neither side
+#: bounds a run by itself: a read from the upstream suspends at most once and may hold
+#: hundreds of small chunks (up to 64 KiB), and a send suspends only while the client's
+#: socket buffer is full -- not while the client keeps up, nor once it has gone (the
+#: server drops what is sent on a closed connection, and the disconnect watch waits
+#: for the loop's turn).
+CHUNKS_PER_TURN = 32
 
 
 async def _send_fresh(http: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
@@ -358,6 +373,7 @@ class HttpExchange:
                     {"type": "http.response.start", "status": response.status_code,
                      "headers": headers}
                 )  # fmt: skip
+                turn = 0
                 try:
                     async for chunk in response.aiter_raw():
                         self.timers.last_activity = now = clock.now()
@@ -366,6 +382,10 @@ class HttpExchange:
                         record.bytes_down += len(chunk)
                         record.frames_down += 1
                         await self._send_body(chunk, True, now)
+                        turn += 1
+                        if turn == CHUNKS_PER_TURN:
+                            turn = 0
+                            await asyncio.sleep(0)
                 except httpx.HTTPError as exc:
                     # Bytes have flowed: nothing is retried, and the client must see the
                     # stream cut, not end (the caller aborts the response).
