@@ -216,6 +216,15 @@ def test_past_the_ceiling_the_tail_is_below_threshold_and_keeps_falling(name: st
     loads = [ceiling + 1, round(ceiling * 1.5) + 1, ceiling * 2 + 2, ceiling * 3 + 3]
     results = [run_load(preset, n, seed=0) for n in loads]
     assert results[0].worst_1pct < THRESHOLD
+    codec = preset.engine.codec
+    if isinstance(codec, SharedCodecSpec) and codec.request_slots:
+        # A codec of request slots queues whole requests past the knee: a stream that
+        # has a slot gets its already-made chunks quickly, so the load shows as time
+        # to first audio, which keeps growing, and a slower talker step.
+        ttfas = [r.ttfa_p50_s for r in results]
+        assert ttfas == sorted(ttfas) and len(set(ttfas)) == len(ttfas)
+        assert results[-1].mean_step_ms > results[0].mean_step_ms
+        return
     tails = [r.worst_1pct for r in results]
     medians = [r.median_delivery_ratio for r in results]
     assert tails == sorted(tails, reverse=True)
