@@ -13,13 +13,13 @@ to first audio.
 
 :func:`fit` turns the levels into the simulator's step formula (docs/sim.md §1)::
 
-    step(batch) = c0 + per_stream x batch          (least squares over the levels)
+    step(batch) = c0 + max(memory, per_stream x batch)   (least squares over the levels)
 
-with the tail of the measured per-token times as the step-time jitter. The time to
-first audio of one stream, less one step, is reported as the cost of admitting a
-request (``admit_s``) but not charged to the preset's steps: engines that chunk a prompt
-into their decode steps (llama.cpp, vLLM) spread it over many, and the steps measured
-under load already hold that share. A
+a floor the step never goes below (reading the weights) and a cost per stream past
+it, with the tail of the measured per-token times as the step-time jitter. The time
+to first audio of one stream, less one step, is the cost of admitting a request
+(``admit_s``: its prompt), charged to the step that admits it, as the simulator
+charges a prefill: every running stream waits for it. A
 :class:`Calibration` holds the measurement and the fit; :meth:`Calibration.preset`
 makes the preset (one chunk per token, ``tokens_per_audio_second`` tokens per second
 of audio) that ``describe()`` rates like any other, and ``to_json``/``from_json``
@@ -77,15 +77,16 @@ class Calibration:
     tokens_per_audio_second: float
     levels: tuple[LevelCost, ...]
     c0_s: float
+    memory_s: float  #: the step's floor: the memory term of the formula
     per_stream_s: float
     jitter_p95: float
-    admit_s: float  #: time to first audio of one stream less one step (reported only)
+    admit_s: float  #: per admitted request: time to first audio alone less one step
     max_num_seqs: int
     measured_at: str = ""  #: when (ISO 8601, UTC)
 
     def step_s(self, batch: int) -> float:
         """The fitted mean step time at ``batch`` sequences."""
-        return self.c0_s + self.per_stream_s * batch
+        return self.c0_s + max(self.memory_s, self.per_stream_s * batch)
 
     def preset(self, name: str = "calibrated") -> Preset:
         """The preset of this engine: one chunk per token, the fitted step costs."""
@@ -96,7 +97,7 @@ class Calibration:
             model="calibrated",
             gpu=_MEASURED,
             description=f"the engine at {self.url} ({self.protocol}), step costs measured",
-            weight_bytes=1.0,
+            weight_bytes=max(self.memory_s, 1e-9) * _MEASURED.bandwidth,
             resident_bytes=0.0,
             activations=0.0,
             kv_per_token=1,
@@ -105,7 +106,7 @@ class Calibration:
             fit_c0=False,
             vocoder_share=0.0,
             prefill_params=0.0,
-            prefill_overhead_s=0.0,
+            prefill_overhead_s=self.admit_s,
             jitter_p95=self.jitter_p95,
             token_rate_hz=rate,
             sample_rate=24000,
@@ -134,7 +135,8 @@ class Calibration:
         try:
             levels = tuple(LevelCost(**lv) for lv in data["levels"])
             fields = {k: data[k] for k in ("url", "protocol", "tokens_per_audio_second",
-                                           "c0_s", "per_stream_s", "jitter_p95", "admit_s",
+                                           "c0_s", "memory_s", "per_stream_s", "jitter_p95",
+                                           "admit_s",
                                            "max_num_seqs")}  # fmt: skip
             calibration = cls(levels=levels, measured_at=str(data.get("measured_at", "")),
                               **fields)  # fmt: skip
@@ -169,19 +171,7 @@ def fit(
     used = [lv for lv in levels if lv.tokens > 0 and lv.mean_step_s > 0]
     if not used:
         raise ValueError("no level measured any tokens: is the engine streaming?")
-    xs = [float(lv.batch) for lv in used]
-    ys = [lv.mean_step_s for lv in used]
-    if len(used) > 1 and len(set(xs)) > 1:
-        mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-        sxx = sum((x - mean_x) ** 2 for x in xs)
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sxx
-        slope = max(slope, 0.0)
-        c0 = mean_y - slope * mean_x
-    else:
-        slope, c0 = 0.0, ys[0] / xs[0]
-    if c0 <= 0:  # a steep line through the origin: all the cost is per stream
-        slope = sum(y for y in ys) / sum(xs)
-        c0 = 0.05 * min(ys)
+    c0, memory, slope = _fit_step(used)
     tails = [lv.p95_step_s / lv.mean_step_s for lv in used]
     low, high = _JITTER_RANGE
     jitter = min(high, max(low, statistics.median(tails)))
@@ -194,12 +184,45 @@ def fit(
         tokens_per_audio_second=tokens_per_audio_second,
         levels=tuple(levels),
         c0_s=c0,
+        memory_s=memory,
         per_stream_s=slope,
         jitter_p95=jitter,
         admit_s=admit,
         max_num_seqs=max_num_seqs,
         measured_at=measured_at,
     )
+
+
+def _fit_step(levels: Sequence[LevelCost]) -> tuple[float, float, float]:
+    """``(c0, memory, per_stream)`` minimising the squared relative error of
+    ``c0 + max(memory, per_stream x batch)`` over ``levels``: a grid over the floor's
+    share and the slope, each candidate's c0 solved in closed form."""
+    xs = [float(lv.batch) for lv in levels]
+    ys = [lv.mean_step_s for lv in levels]
+    low = min(ys)
+    slopes = {0.0, *(y / x for x, y in zip(xs, ys, strict=True))}
+    for i in range(len(xs)):
+        for j in range(len(xs)):
+            if xs[j] > xs[i] and ys[j] > ys[i]:
+                slopes.add((ys[j] - ys[i]) / (xs[j] - xs[i]))
+    best: tuple[float, float, float, float] | None = None
+    for slope in sorted(slopes):
+        for step in range(41):
+            memory = low * step / 40
+            shape = [max(memory, slope * x) for x in xs]
+            # c0 minimising sum(((c0 + f) / y - 1)^2): weighted least squares.
+            c0 = sum((y - f) / (y * y) for f, y in zip(shape, ys, strict=True)) / sum(
+                1 / (y * y) for y in ys
+            )
+            if c0 < -1e-9 * low:
+                continue
+            c0 = max(c0, 1e-6 * low)  # the simulator needs a positive c0
+            error = sum(((c0 + f) / y - 1) ** 2 for f, y in zip(shape, ys, strict=True))
+            if best is None or error < best[0]:
+                best = (error, c0, memory, slope)
+    if best is None:  # every candidate put the whole cost past the floor
+        return 0.05 * low, 0.0, statistics.fmean(y / x for x, y in zip(xs, ys, strict=True))
+    return best[1], best[2], best[3]
 
 
 def _level_cost(batch: int, run: Any, tokens_per_audio_second: float) -> LevelCost:
@@ -313,8 +336,9 @@ def render(calibration: Calibration) -> str:
             f"{lv.p95_step_s * 1e3:8.2f}  {calibration.step_s(lv.batch) * 1e3:8.2f}  {ttfa}"
         )
     lines.append(
-        f"fit: step = {calibration.c0_s * 1e3:.3f} ms + {calibration.per_stream_s * 1e3:.4f} ms "
-        f"x streams; jitter p95 {calibration.jitter_p95:.2f}; admission "
+        f"fit: step = {calibration.c0_s * 1e3:.3f} ms + max({calibration.memory_s * 1e3:.3f} ms, "
+        f"{calibration.per_stream_s * 1e3:.4f} ms x streams); jitter p95 "
+        f"{calibration.jitter_p95:.2f}; admission "
         f"{calibration.admit_s * 1e3:.1f} ms; max_num_seqs {calibration.max_num_seqs}"
     )
     return "\n".join(lines)
