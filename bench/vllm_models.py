@@ -16,6 +16,12 @@ fetched from a hub. This file imports nothing from the project.
   ``<|startoftranscript|>``, a token per language, ``<|transcribe|>``, ``<|translate|>``,
   ``<|notimestamps|>`` ...) on a byte-level BPE like the Llama's, and Whisper's processor
   (feature extractor and tokenizer).
+- ``qwen3asr``: Qwen3-ASR for vLLM's ``/v1/realtime`` (architecture
+  ``Qwen3ASRRealtimeGeneration``, vLLM's own ``qwen3_asr`` config with a thinker of one
+  audio-encoder layer of width 64 and a 2-layer Qwen3 of width 128), a byte-level BPE with
+  the chat and audio special tokens (``<|im_start|>``, ``<|audio_start|>``,
+  ``<|audio_pad|>`` ...) and transformers' Qwen3-ASR processor. No weights are written:
+  vLLM fills them at random (:data:`SERVER_ARGS`, ``--load-format dummy``) from its seed.
 """
 
 from __future__ import annotations
@@ -112,7 +118,50 @@ def build_whisper(out: Path) -> None:
     WhisperForConditionalGeneration(config).to(torch.bfloat16).save_pretrained(out)
 
 
-BUILDERS = {"llama": build_llama, "whisper": build_whisper}
+def build_qwen3asr(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen3_asr import Qwen3ASRFeatureExtractor, Qwen3ASRProcessor
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|audio_start|>",
+               "<|audio_end|>", "<|audio_pad|>", "<timestamp>"]  # fmt: skip
+    vocab, merges = _bpe(400, special)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        extra_special_tokens={"audio_token": "<|audio_pad|>",
+                              "audio_bos_token": "<|audio_start|>",
+                              "audio_eos_token": "<|audio_end|>"},
+    )  # fmt: skip
+    features = Qwen3ASRFeatureExtractor(feature_size=128)
+    Qwen3ASRProcessor(feature_extractor=features, tokenizer=fast).save_pretrained(out)
+    config = {
+        "architectures": ["Qwen3ASRRealtimeGeneration"],
+        "model_type": "qwen3_asr",
+        "support_languages": ["English"],
+        "thinker_config": {
+            "audio_config": {"num_mel_bins": 128, "encoder_layers": 1,
+                             "encoder_attention_heads": 2, "encoder_ffn_dim": 128,
+                             "d_model": 64, "output_dim": 128,
+                             "downsample_hidden_size": 32, "n_window": 50,
+                             "n_window_infer": 800},
+            "text_config": {"vocab_size": len(vocab), "hidden_size": 128,
+                            "intermediate_size": 256, "num_hidden_layers": 2,
+                            "num_attention_heads": 2, "num_key_value_heads": 2,
+                            "head_dim": 64, "max_position_embeddings": 4096,
+                            "tie_word_embeddings": True},
+            "audio_token_id": vocab["<|audio_pad|>"],
+            "audio_start_token_id": vocab["<|audio_start|>"],
+        },
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+
+
+BUILDERS = {"llama": build_llama, "whisper": build_whisper, "qwen3asr": build_qwen3asr}
+#: What a model needs on vLLM's command line beyond the usual.
+SERVER_ARGS: dict[str, list[str]] = {"qwen3asr": ["--load-format", "dummy"]}
 
 
 def main(argv: list[str]) -> int:
