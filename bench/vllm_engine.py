@@ -60,6 +60,8 @@ from bench.vllm_models import SERVER_ARGS
 __all__ = [
     "MODELS",
     "REMOVED",
+    "REQUIREMENTS",
+    "TORCHVISION_OPS",
     "VERSION",
     "VllmEngine",
     "VllmServer",
