@@ -163,6 +163,7 @@ class _Side:
             ttfa_mean_s=statistics.fmean(ttfas) if ttfas else float("nan"),
             ttfa_p95_s=percentile(ttfas, 0.95) if ttfas else float("nan"),
             request_rtf=statistics.fmean(rtfs) if rtfs else float("nan"),
+            request_rtf_p50=statistics.median(rtfs) if rtfs else float("nan"),
             throughput=self.delivered / measured_s,
             e2e_mean_s=statistics.fmean(e2es) if e2es else float("nan"),
             e2e_p95_s=percentile(e2es, 0.95) if e2es else float("nan"),

@@ -30,6 +30,8 @@ def test_list_presets() -> None:
         "l4-cosyvoice2-0.5b",
         "l40s-qwen3tts-1.7b",
         "h200-qwen3tts-1.7b",
+        "h100-qwen3tts-1.7b",
+        "h100-voxtral-tts-4b",
         "h200-voxtral-tts-4b",
         "h100-orpheus-3b",
         "h100-voxtral-realtime-4b",
