@@ -34,9 +34,12 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from proxy.sim.presets import Gpu, Preset, _preset
+
+if TYPE_CHECKING:
+    from proxy.probe.workload import Workload
 
 __all__ = [
     "DEFAULT_LEVELS",
@@ -268,11 +271,14 @@ async def measure(
     seed: int = 0,
     max_num_seqs: int | None = None,
     model: str | None = None,
+    workload: Workload | None = None,
 ) -> Calibration:
     """Ramp the engine at ``url`` through ``levels`` and fit its step costs.
 
     ``max_num_seqs`` is the engine's own batch limit (its slots); by default the
-    largest level measured."""
+    largest level measured. ``workload`` is the probe's (default its bundled TTS
+    texts): an engine that needs fields in each request (vLLM's running usage,
+    ``ignore_eos``) gets them through the workload's ``extra``."""
     import time
 
     from proxy.probe.probe_session import ClientOptions, endpoint_url
@@ -293,7 +299,7 @@ async def measure(
     for batch in levels:
         settings = ProbeSettings(
             client=client,
-            workload=bundled("tts"),
+            workload=workload or bundled("tts"),
             levels=(batch,),
             extend=False,
             bisect=False,
