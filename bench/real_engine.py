@@ -3,7 +3,7 @@
     python -m bench.real_engine [--tokens-per-audio-second 8] [--levels 2,4,...]
                                 [--hold 20] [--warmup 6] [--repeat 2] [--load 3]
                                 [--overload-hold 40] [--overload-warmup 8] [--clients 2]
-                                [--cache DIR] [--json OUT]
+                                [--workload FILE] [--cache DIR] [--json OUT]
 
 It builds (or reuses) ``llama-server`` from the pinned sdist (:mod:`bench.llama_engine`),
 writes the random-weight model (:mod:`bench.tiny_model`; kept in the cache), starts the
@@ -45,7 +45,7 @@ from bench.tiny_model import TinyModel, ensure_model
 from proxy.probe.analysis import LevelWindow, SessionTrace, level_stats
 from proxy.probe.probe_session import ClientOptions, endpoint_url
 from proxy.probe.ramp import ProbeSettings
-from proxy.probe.workload import bundled
+from proxy.probe.workload import Workload, bundled, load_workload
 
 __all__ = ["engine_figures", "main", "render", "run_on_engine"]
 
@@ -70,12 +70,20 @@ def _headroom_config(engine_url: str, cap: int, tokens: float, window_s: float) 
     }  # fmt: skip
 
 
+def _workload(args: argparse.Namespace) -> Workload:
+    """``--workload``'s file, else the probe's bundled TTS texts."""
+    if not args.workload:
+        return bundled("tts")
+    path = Path(args.workload)
+    return load_workload(path.read_text("utf-8"), str(path), path.parent)
+
+
 def _settings(url: str, args: argparse.Namespace, users: int, seed: int) -> ProbeSettings:
     client = ClientOptions(url=endpoint_url(url, PROTOCOL), protocol=PROTOCOL,
                            tokens_per_audio_second=args.tokens_per_audio_second)  # fmt: skip
     return ProbeSettings(
         client=client,
-        workload=bundled("tts"),
+        workload=_workload(args),
         levels=(users,),
         extend=False,
         bisect=False,
@@ -104,7 +112,8 @@ async def _measure(url: str, args: argparse.Namespace, users: int) -> dict[str, 
                          "--traces-out", str(out), "--seed", str(args.seed + 1000 * i),
                          "--tokens-per-audio-second", str(args.tokens_per_audio_second),
                          "--overload-hold", str(args.overload_hold),
-                         "--overload-warmup", str(args.overload_warmup)])  # fmt: skip
+                         "--overload-warmup", str(args.overload_warmup),
+                         *(["--workload", args.workload] if args.workload else [])])  # fmt: skip
         async with worker_processes(cmds) as procs:
             await wait_workers(procs, args.overload_warmup + args.overload_hold + 300)
         traces: list[SessionTrace] = []
@@ -142,6 +151,7 @@ async def _probe(url: str, args: argparse.Namespace) -> dict[str, Any]:
                "--repeat", str(args.repeat), "--seed", str(args.seed),
                "--ttfa-limit", str(args.ttfa_limit),
                "--time-limit", str(args.probe_time_limit), "--session-timeout", "300",
+               *(["--workload", args.workload] if args.workload else []),
                "--quiet", "--json", str(out)]  # fmt: skip
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
@@ -298,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="the probe's TTFA p99 limit (a CPU's prefill of the workload's long texts "
            "takes 1-2 s at any concurrency)")  # fmt: skip
     a("--probe-time-limit", type=float, default=900.0)
+    a("--workload", help="the probe's and the users' workload file (default: the bundled "
+                         "TTS texts)")  # fmt: skip
     a("--cap", type=int, help="overload cap (default: the probed ceiling)")
     a("--load", type=float, default=3.0, help="offered load x cap")
     a("--min-users", type=int, default=0,
