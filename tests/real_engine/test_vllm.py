@@ -30,7 +30,11 @@ from tests.real_engine.vllm_support import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.xdist_group("vllm_completions"),
+    pytest.mark.asyncio(loop_scope="module"),
+]
 
 #: Every generated token is 20 ms of audio.
 TOKENS_PER_AUDIO_SECOND = 50.0

@@ -37,7 +37,11 @@ from bench.vllm_engine import VllmServer, ensure_model, vllm_server
 from tests.real_engine.test_vllm_transcription import wav
 from tests.real_engine.vllm_support import gateway, metric_value, need_vllm, wait_for
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.xdist_group("vllm_realtime"),
+    pytest.mark.asyncio(loop_scope="module"),
+]
 
 PCM = wav(3.0)[44:]  # the WAV's PCM16 samples, without its 44-byte header
 FINALS = "headroom_asr_finalize_seconds_count"

@@ -33,7 +33,11 @@ from tests.real_engine.vllm_support import (
     wait_for,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.xdist_group("vllm_transcription"),
+    pytest.mark.asyncio(loop_scope="module"),
+]
 
 ROUTES = [{"path": "/v1/audio/transcriptions", "protocol": "openai-transcription-sse"}]
 FINALS = "headroom_asr_finalize_seconds_count"
