@@ -38,6 +38,7 @@ import contextlib
 import itertools
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -511,7 +512,10 @@ async def probe_and_overload(
     out["probe_loadavg"] = _load()
     cap = int(probe["ceiling_range"][0])
     if cap < 1:
-        raise RuntimeError(f"the probe found no passing level (range {probe['ceiling_range']})")
+        raise RuntimeError(
+            f"the probe found no passing level (range {probe['ceiling_range']}; load "
+            f"{out['probe_loadavg']}):\n{probe['table']}"
+        )
     users = max(1, round(args.load * cap), args.min_users)
     out.update(cap=cap, load_factor=args.load, users=users, clients=args.clients,
                overload_hold_s=args.overload_hold,
@@ -665,8 +669,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM (timeout, kill) unwinds like Ctrl-C, so the servers started here are stopped.
+    signal.signal(signal.SIGTERM, _interrupt)
     result = asyncio.run(run(args))
     print(render(result))
     if args.json:
