@@ -2,23 +2,29 @@
 engine's bypass streams and the refusal latency, through an ``openai-completions-tokens``
 route to the tiny Llama of :mod:`bench.vllm_engine`.
 
-    python -m bench.vllm_capacity [--max-num-seqs 16] [--tokens-per-audio-second 50]
-                                  [--levels 1,2,4,8,12] [--json OUT]
+    python -m bench.vllm_capacity [--steps ramp,overload,reconcile,refusals]
+                                  [--max-num-seqs 2] [--tokens-per-audio-second 12.5]
+                                  [--max-tokens 1000] [--stream-interval 25]
+                                  [--levels 1,2,4,8,12] [--engine-url URL] [--json OUT]
 
-One vLLM server (niced, ``--max-num-seqs`` above every level measured, so its own queue
-stays empty until the batch is full) serves every step:
+One vLLM server serves every step of a run, niced and its session's scheduling group too
+(:func:`nice_session`). Its ``--max-num-seqs`` is the bottleneck the probe and the
+overload find (a low one, by default); for the ramp, give one above every level, so that
+its own queue stays empty until the batch is full. The steps:
 
 1. **ramp** (:func:`bend_ramp`): ``N`` closed-loop streams straight at vLLM per level,
-   each request ``max_tokens`` long with ``ignore_eos`` and vLLM's running usage (one SSE
-   event per step, tokens counted from ``usage.completion_tokens``); over each level's
+   each request ``max_tokens`` long with ``ignore_eos`` and vLLM's running usage (an SSE
+   event per ``--stream-interval`` tokens, counted from ``usage.completion_tokens``); over
+   each level's
    hold, the p99 gap between a stream's consecutive events, the worst-1 % per-event
    delivery ratio (the event's audio, its tokens over the route's tokens per audio
    second, over its gap) and vLLM's own ``vllm:num_requests_waiting`` and
    ``vllm:num_requests_running`` sampled from ``/metrics``;
-2. **probe and overload** (:func:`bench.real_engine.run_on_engine` with
-   :func:`workload_file`'s requests): ``headroom probe`` finds the ceiling with its range;
-   ``load x`` that many closed-loop users straight at vLLM, then through ``headroom
-   serve`` capped at the low end of the range;
+2. **probe and overload** (:func:`probe_and_overload`: :mod:`bench.real_engine`'s steps
+   with :func:`workload_file`'s requests): ``headroom probe`` finds the ceiling with its
+   range; ``load x`` that many closed-loop users straight at vLLM, then through
+   ``headroom serve`` capped at the low end of the range, with vLLM's waiting and running
+   gauges sampled on each side;
 3. **bypass** (:func:`reconcile_timeline`): a gateway scraping vLLM's ``/metrics`` every
    second with ``engine_reconcile`` on; clients that go straight to vLLM, then leave; the
    timeline of ``headroom_engine_unadmitted_streams`` and ``headroom_session_slots``, and
@@ -60,16 +66,16 @@ from proxy.probe.analysis import quantile
 
 __all__ = [
     "MODEL",
-    "nice_session",
-    "ROUTE",
     "StreamLog",
     "bend_ramp",
     "capacity_gateway",
     "main",
+    "nice_session",
     "probe_and_overload",
     "reconcile_timeline",
     "refusal_latency",
     "render",
+    "route",
     "workload_file",
 ]
 
@@ -84,7 +90,7 @@ UNADMITTED = "headroom_engine_unadmitted_streams"
 SLOTS = "headroom_session_slots"
 
 
-def ROUTE(tokens_per_audio_second: float) -> dict[str, Any]:
+def route(tokens_per_audio_second: float) -> dict[str, Any]:
     """The route every step uses."""
     return {"path": PATH, "protocol": PROTOCOL, "tokens_per_audio_second": tokens_per_audio_second}
 
@@ -184,8 +190,9 @@ async def _sample(
     """Append (time, value of each name) from ``url``/metrics every ``every_s`` until
     cancelled."""
     while True:
-        values = [await metric_value(url, name) for name in names]
-        out.append((time.monotonic(), *values))
+        with contextlib.suppress(httpx.HTTPError):
+            values = [await metric_value(url, name) for name in names]
+            out.append((time.monotonic(), *values))
         await asyncio.sleep(every_s)
 
 
@@ -284,7 +291,7 @@ async def capacity_gateway(
         "log_level": "warning",
         "log_format": "text",
         "pools": [pool],
-        "routes": [{"pool": "main", **ROUTE(tokens_per_audio_second)}],
+        "routes": [{"pool": "main", **route(tokens_per_audio_second)}],
     }
     if reconcile:
         config["health"] = {"engine_metrics_interval_s": 1}
@@ -300,8 +307,9 @@ async def capacity_gateway(
 async def _wait_value(url: str, name: str, want: float, within_s: float) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        if await metric_value(url, name) == want:
-            return True
+        with contextlib.suppress(httpx.HTTPError):
+            if await metric_value(url, name) == want:
+                return True
         await asyncio.sleep(0.2)
     return False
 
@@ -364,10 +372,11 @@ async def reconcile_timeline(
 
         async def sample() -> None:
             while True:
-                row = [await metric_value(url, UNADMITTED), await metric_value(url, SLOTS),
-                       await metric_value(engine_url, RUNNING),
-                       await metric_value(engine_url, WAITING)]  # fmt: skip
-                samples.append((time.monotonic(), *row))
+                with contextlib.suppress(httpx.HTTPError):
+                    row = [await metric_value(url, UNADMITTED), await metric_value(url, SLOTS),
+                           await metric_value(engine_url, RUNNING),
+                           await metric_value(engine_url, WAITING)]  # fmt: skip
+                    samples.append((time.monotonic(), *row))
                 await asyncio.sleep(0.5)
 
         sampler = asyncio.create_task(sample())
