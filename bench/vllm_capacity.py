@@ -8,7 +8,7 @@ route to the tiny Llama of :mod:`bench.vllm_engine`.
                                   [--levels 1,2,4,8,12] [--engine-url URL] [--json OUT]
 
 One vLLM server serves every step of a run, niced and its session's scheduling group too
-(:func:`nice_session`). Its ``--max-num-seqs`` is the bottleneck the probe and the
+(:func:`bench.vllm_engine.nice_session`). Its ``--max-num-seqs`` is the bottleneck the probe and the
 overload find (a low one, by default); for the ramp, give one above every level, so that
 its own queue stays empty until the batch is full. The steps:
 
@@ -70,7 +70,6 @@ __all__ = [
     "bend_ramp",
     "capacity_gateway",
     "main",
-    "nice_session",
     "probe_and_overload",
     "reconcile_timeline",
     "refusal_latency",
@@ -93,20 +92,6 @@ SLOTS = "headroom_session_slots"
 def route(tokens_per_audio_second: float) -> dict[str, Any]:
     """The route every step uses."""
     return {"path": PATH, "protocol": PROTOCOL, "tokens_per_audio_second": tokens_per_audio_second}
-
-
-def nice_session(server_pid: int, nice: int = 10) -> bool:
-    """Give the scheduling group of the server's session (``/proc/PID/autogroup``) the
-    niceness ``nice``; whether it could. :func:`bench.vllm_engine.vllm_server` starts the
-    server niced in a session of its own, and with the kernel's autogroups
-    (``/proc/sys/kernel/sched_autogroup_enabled``) a session is a group that shares the
-    CPUs with other groups as an equal whatever its processes' niceness: the group's own
-    niceness is what yields to the gateway and the clients."""
-    try:
-        Path(f"/proc/{server_pid}/autogroup").write_text(f"{nice}\n")
-    except OSError:
-        return False
-    return True
 
 
 def _load() -> float:
@@ -613,8 +598,6 @@ async def _server(args: argparse.Namespace) -> AsyncIterator[str]:
     extra = ("--stream-interval", str(args.stream_interval))
     async with vllm_server(engine, model, name=MODEL, max_num_seqs=args.max_num_seqs,
                            max_model_len=4096, extra=extra) as server:  # fmt: skip
-        if not nice_session(server.pid):
-            print("warning: vLLM's session group could not be niced", file=sys.stderr)
         yield server.url
 
 

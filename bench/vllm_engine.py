@@ -70,6 +70,7 @@ __all__ = [
     "ensure_model",
     "ensure_vllm",
     "metric_value",
+    "nice_session",
     "vllm_server",
 ]
 
@@ -267,6 +268,20 @@ async def metric_value(url: str, name: str) -> float:
     return total
 
 
+def nice_session(server_pid: int, nice: int = 10) -> bool:
+    """Give the scheduling group of the server's session (``/proc/PID/autogroup``) the
+    niceness ``nice``; whether it could. :func:`vllm_server` starts the server niced in a
+    session of its own (and calls this), and with the kernel's autogroups
+    (``/proc/sys/kernel/sched_autogroup_enabled``) a session is a group that shares the
+    CPUs with other groups as an equal whatever its processes' niceness: the group's own
+    niceness is what yields to the gateway and the clients."""
+    try:
+        Path(f"/proc/{server_pid}/autogroup").write_text(f"{nice}\n")
+    except OSError:
+        return False
+    return True
+
+
 @contextlib.asynccontextmanager
 async def vllm_server(
     engine: VllmEngine, model: Path, *, name: str = "tiny", max_num_seqs: int = 4,
@@ -295,6 +310,11 @@ async def vllm_server(
     with log_path.open("wb") as log:
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    if not nice_session(proc.pid, nice):
+        _log(
+            "vLLM's session group could not be niced (no /proc/PID/autogroup): it competes "
+            "with the gateway and the clients as an equal"
         )
     url = f"http://127.0.0.1:{port}"
     try:

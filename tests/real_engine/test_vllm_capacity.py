@@ -3,7 +3,7 @@ streams that bypass Headroom and the caps they take, refusals at the cap, all th
 ``openai-completions-tokens`` route to vLLM's CPU build serving the tiny Llama.
 
 One server serves the module, niced (its session's scheduling group too:
-:func:`bench.vllm_capacity.nice_session`), with ``--max-num-seqs 2`` and requests of
+:func:`bench.vllm_engine.nice_session`), with ``--max-num-seqs 2`` and requests of
 1,000 tokens (``ignore_eos``), so that its batch limit is the bottleneck: a third stream
 waits in vLLM's own queue (``vllm:num_requests_waiting``) for a running one to end,
 longer than the probe's TTFA limit once two wait. Each SSE event carries vLLM's running
@@ -32,7 +32,6 @@ import pytest_asyncio
 
 from bench.vllm_capacity import (
     MODEL,
-    nice_session,
     probe_and_overload,
     reconcile_timeline,
     refusal_latency,
@@ -73,7 +72,8 @@ async def vllm_url() -> AsyncIterator[str]:
     async with vllm_server(
         engine, model, name=MODEL, max_num_seqs=SLOTS, max_model_len=4096, extra=extra
     ) as server:
-        assert nice_session(server.pid), "vLLM's session group could not be niced"
+        group = await asyncio.to_thread(Path(f"/proc/{server.pid}/autogroup").read_text)
+        assert group.rstrip().endswith("nice 10"), f"vLLM's session group is not niced: {group}"
         yield server.url
 
 
