@@ -78,7 +78,7 @@ STOPSIGNAL SIGTERM
 # asks the port the gateway listens on; it exits 1 on a refused connection, a timeout or a
 # non-2xx answer.
 HEALTHCHECK --interval=10s --timeout=3s --start-period=10s --retries=3 \
-    CMD ["python", "-m", "proxy.healthcheck"]
+    CMD ["python", "-m", "proxy.process.healthcheck"]
 
 ENTRYPOINT ["headroom"]
 CMD ["serve", "--config", "/etc/headroom/config.yaml"]

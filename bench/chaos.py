@@ -913,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir=args.workdir,
         progress_s=args.progress,
     )
-    from proxy.cli import run_async
+    from proxy.process.cli import run_async
 
     result: dict[str, Any] = {}
 

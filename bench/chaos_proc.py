@@ -2,7 +2,7 @@
 
     python bench/chaos_proc.py --config settings.yaml
 
-Runs exactly what ``headroom serve`` runs (:class:`proxy.gateway.Gateway`, uvloop, JSON
+Runs exactly what ``headroom serve`` runs (:class:`proxy.process.gateway.Gateway`, uvloop, JSON
 logs on stderr, SIGTERM drains), in its own process so its RSS and file descriptors are
 its own, plus two things for the soak:
 
@@ -35,11 +35,11 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from proxy.admission import PoolCore
-from proxy.cli import run_async
-from proxy.gateway import Gateway
 from proxy.logs import configure_logging
+from proxy.process.cli import run_async
+from proxy.process.gateway import Gateway
+from proxy.process.serving import running_server
 from proxy.runtime import Runtime
-from proxy.serving import running_server
 from proxy.settings import load_settings
 
 __all__ = ["Audit", "install_audit", "main", "snapshot"]

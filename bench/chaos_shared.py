@@ -511,8 +511,8 @@ class GatewayProcess:
     async def start(self, timeout: float = 60.0) -> None:
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(  # noqa: ASYNC220 -- returns at once
-                [sys.executable, "-m", "proxy.cli", "serve", "--config", str(self.config_path),
-                 *self.args],
+                [sys.executable, "-m", "proxy.process.cli", "serve",
+                 "--config", str(self.config_path), *self.args],
                 stdout=log, stderr=log, cwd=ROOT, start_new_session=True,
             )  # fmt: skip
         self.pids.append(self.proc.pid)

@@ -11,7 +11,7 @@ many API keys (``auth.keys``: name, SHA-256, one pool, a session cap) as fill th
 the shape of a gateway serving many tenants. Then, in this process, ``--repeat`` times
 each (the best run is reported, the machine is shared):
 
-1. parse: :func:`proxy.strict_yaml.load` of the text (duplicate keys refused);
+1. parse: :func:`proxy.settings.strict_yaml.load` of the text (duplicate keys refused);
 2. validate: :func:`proxy.settings.settings_from_mapping` of the parsed data;
 3. apply: :meth:`proxy.runtime.Runtime.apply` of the settings to a runtime started on a
    small configuration (what a reload changes live).
@@ -127,9 +127,8 @@ def _best(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
 
 
 def in_process(mib: float, repeat: int) -> dict[str, Any]:
-    from proxy import strict_yaml
     from proxy.runtime import Runtime
-    from proxy.settings import settings_from_mapping
+    from proxy.settings import settings_from_mapping, strict_yaml
 
     text, keys = generate(int(mib * MiB))
     small, _ = generate(len(_head(0, 0, "")) + 400)

@@ -41,9 +41,9 @@ from websockets.asyncio.client import connect  # noqa: E402
 from websockets.exceptions import InvalidStatus, WebSocketException  # noqa: E402
 
 from proxy.app import create_app  # noqa: E402
-from proxy.gateway import uvicorn_options  # noqa: E402
+from proxy.process.gateway import uvicorn_options  # noqa: E402
+from proxy.process.serving import running_server  # noqa: E402
 from proxy.runtime import Runtime  # noqa: E402
-from proxy.serving import running_server  # noqa: E402
 from proxy.settings import Settings, settings_from_mapping  # noqa: E402
 from proxy.sim.cluster import running_cluster  # noqa: E402
 

@@ -47,7 +47,7 @@ def main() -> int:
         timer = threading.Timer(float(args[2]), gc.freeze)
         timer.daemon = True
         timer.start()
-    from proxy.cli import main as headroom
+    from proxy.process.cli import main as headroom
 
     return int(headroom(args[split + 1 :]))
 

@@ -146,7 +146,7 @@ routes:
         path = Path(tmp) / "headroom.yaml"
         path.write_text(config)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "proxy.cli", "serve", "--config", str(path), cwd=ROOT,
+            sys.executable, "-m", "proxy.process.cli", "serve", "--config", str(path), cwd=ROOT,
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         try:

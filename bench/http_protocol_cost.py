@@ -26,9 +26,9 @@ from typing import Any
 if __package__ in (None, ""):  # `python bench/http_protocol_cost.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from proxy.process.serving import running_server
 from proxy.relay.listener import client_listener
 from proxy.relay.ws_server import WebSocketSessions
-from proxy.serving import running_server
 from proxy.settings import LimitsSettings
 
 CHUNK = b"\0" * 9600

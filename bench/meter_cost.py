@@ -29,10 +29,10 @@ from typing import Any
 if __package__ in (None, ""):  # `python bench/meter_cost.py` from a checkout
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from proxy.meter import PrometheusReplicaSink, SessionMeter
-from proxy.metering import AudioFormat, http_adapter, ws_adapter
-from proxy.metrics import Metrics
-from proxy.replica_signals import ReplicaSignals
+from proxy.metering.adapters import AudioFormat, http_adapter, ws_adapter
+from proxy.metering.rolling import ReplicaSignals
+from proxy.metering.series import Metrics
+from proxy.metering.session_meter import PrometheusReplicaSink, SessionMeter
 
 FORMAT = AudioFormat(24000, 1, 2)
 FRAME = bytes(range(256)) * 37 + bytes(128)  # 9600 bytes = 0.2 s of 24 kHz PCM16

@@ -1,7 +1,8 @@
 """Memory a session meter holds as its session streams, under tracemalloc.
 
 Run: ``python bench/meter_memory.py [--sessions 500] [--tree DIR]``. It makes
-``--sessions`` :class:`proxy.meter.SessionMeter` objects with a sink that discards what it
+``--sessions`` :class:`proxy.metering.session_meter.SessionMeter` objects with a sink that discards
+what it
 is given, feeds each one chunk of 40 ms audio every 40 ms (arrivals jittered by up to
 +-2 ms, seeded), and prints the bytes traced per session after 100, 300 and 1,500 chunks:
 the exact-sample phase of a session's quantile sketches, just after they turn to
@@ -35,7 +36,7 @@ def main() -> None:
     parser.add_argument("--tree", type=Path, default=Path(__file__).resolve().parent.parent)
     args = parser.parse_args()
     sys.path.insert(0, str(args.tree.resolve()))
-    from proxy.meter import SessionMeter  # the tree's own
+    from proxy.metering.session_meter import SessionMeter  # the tree's own
 
     rng = random.Random(1)
     tracemalloc.start()

@@ -68,7 +68,7 @@ from proxy.sim.presets import Preset, get_preset
 
 __all__ = ["main", "recommended_cap", "run_overload"]
 
-_PY = [sys.executable, "-m", "proxy.cli"]
+_PY = [sys.executable, "-m", "proxy.process.cli"]
 
 
 async def _read_line(proc: asyncio.subprocess.Process, stream: str, prefix: str) -> str:

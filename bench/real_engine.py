@@ -49,7 +49,7 @@ from proxy.probe.workload import Workload, bundled, load_workload
 
 __all__ = ["engine_figures", "main", "render", "run_on_engine"]
 
-_PY = [sys.executable, "-m", "proxy.cli"]
+_PY = [sys.executable, "-m", "proxy.process.cli"]
 PROTOCOL = "openai-completions-tokens"
 PATH = "/v1/completions"
 

@@ -1,6 +1,7 @@
 """CPU of the splice's per-chunk path in one process: a spliced session's upstream leg
 reads one 9.6 KB binary frame (0.2 s of 24 kHz PCM16) and relays it, metered on
-``vllm-omni-speech-ws`` into a real :class:`proxy.meter.SessionMeter` and the replica's
+``vllm-omni-speech-ws`` into a real :class:`proxy.metering.session_meter.SessionMeter` and the
+replica's
 Prometheus sink, on transports whose ``write`` does nothing.
 
     python bench/splice_path.py                  # the working tree
@@ -64,12 +65,12 @@ class Lease:
 def run(sessions: int, warmup: int, chunks: int) -> list[float]:
     """Microseconds of process CPU per chunk, one figure per session."""
     from proxy.clock import FakeClock
-    from proxy.meter import PrometheusReplicaSink, SessionMeter
-    from proxy.metering import AudioFormat, ws_adapter
-    from proxy.metrics import Metrics
+    from proxy.metering.adapters import AudioFormat, ws_adapter
+    from proxy.metering.rolling import ReplicaSignals
+    from proxy.metering.series import Metrics
+    from proxy.metering.session_meter import PrometheusReplicaSink, SessionMeter
     from proxy.relay.session_record import SessionRecord
     from proxy.relay.splice import Splice, frame
-    from proxy.replica_signals import ReplicaSignals
     from proxy.settings import LimitsSettings
 
     class Services:

@@ -10,7 +10,8 @@ protocol callbacks (no task per message, no re-framing: a server frame is valid 
 stands on the client leg and a masked client frame on the upstream leg). The
 upstream -> client direction tracks frame headers incrementally (no payload copy) so each
 binary frame can be metered by its length; with ``--meter`` every frame goes through
-Headroom's real :class:`proxy.meter.SessionMeter` and Prometheus sink (PCM length ->
+Headroom's real :class:`proxy.metering.session_meter.SessionMeter` and Prometheus sink (PCM length
+->
 seconds, as the ``vllm-omni-speech-ws`` adapter does for PCM), otherwise frames are only
 counted.
 """
@@ -196,16 +197,16 @@ class SpliceRelay:
         self.metering = meter
         self._sink: Any = None
         if meter:
-            from proxy.meter import PrometheusReplicaSink
-            from proxy.metrics import Metrics
-            from proxy.replica_signals import ReplicaSignals
+            from proxy.metering.rolling import ReplicaSignals
+            from proxy.metering.series import Metrics
+            from proxy.metering.session_meter import PrometheusReplicaSink
 
             self._sink = PrometheusReplicaSink(Metrics(), "bench", "up0", ReplicaSignals())
 
     def new_meter(self) -> Any:
         if not self.metering:
             return None
-        from proxy.meter import SessionMeter
+        from proxy.metering.session_meter import SessionMeter
 
         return SessionMeter(asyncio.get_running_loop().time(), self._sink)
 

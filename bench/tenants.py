@@ -69,7 +69,7 @@ from proxy.probe.workload import bundled
 
 __all__ = ["jain", "main"]
 
-_PY = [sys.executable, "-m", "proxy.cli"]
+_PY = [sys.executable, "-m", "proxy.process.cli"]
 _PATH = "/v1/audio/speech/stream"
 _PROTOCOL = "vllm-omni-speech-ws"
 #: The load goes on this long after the measured window, so that the users stopping (and

@@ -284,7 +284,7 @@ async def capacity_gateway(
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "headroom.yaml"
         path.write_text(yaml.safe_dump(config))
-        serve = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)]
+        serve = [sys.executable, "-m", "proxy.process.cli", "serve", "--config", str(path)]
         async with _child(serve, "stderr", "headroom: serving on ") as banner:
             yield banner.rsplit(" ", 1)[-1]
 
@@ -524,7 +524,7 @@ async def probe_and_overload(
         settings = real_engine._headroom_config(engine_url, cap, tokens_per_audio_second,
                                                 args.window)  # fmt: skip
         config.write_text(yaml.safe_dump(settings))
-        serve = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(config)]
+        serve = [sys.executable, "-m", "proxy.process.cli", "serve", "--config", str(config)]
         async with _child(serve, "stderr", "headroom: serving on ") as banner:
             proxy_url = banner.rsplit(" ", 1)[-1]
             async with _gauges(engine_url) as gauges:

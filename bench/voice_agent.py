@@ -77,7 +77,7 @@ from proxy.sim.presets import get_preset
 
 __all__ = ["classify", "main", "render", "run_voice_agent", "summarize"]
 
-_PY = [sys.executable, "-m", "proxy.cli"]
+_PY = [sys.executable, "-m", "proxy.process.cli"]
 RESERVE = "/v1/headroom/reservations"
 ASR_PATH = "/v1/realtime"
 TTS_PATH = "/v1/audio/speech/stream"

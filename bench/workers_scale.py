@@ -90,7 +90,7 @@ def _patch(workers: int, redis_url: str) -> None:
 
     harness.headroom_config = shared_config
     script = (
-        "import sys; from proxy.cli import main; "
+        "import sys; from proxy.process.cli import main; "
         f"sys.exit(main(sys.argv[1:] + ['--workers', '{workers}']))"
     )
     harness.headroom_command = lambda: [sys.executable, "-c", script]

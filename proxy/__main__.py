@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from proxy.cli import main
+from proxy.process.cli import main
 
 sys.exit(main())

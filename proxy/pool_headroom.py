@@ -10,7 +10,7 @@ stage nearest its knee. This module measures, per pool, how much is left:
   gateway's sessions; never less than this gateway's own), so every gateway reports the
   same figure.
 * **delivery**: the lowest rolling worst-1% delivery ratio among those replicas (the
-  guard's signal, :class:`proxy.replica_signals.ReplicaSignals`; None without recent audio, e.g.
+  guard's signal, :class:`proxy.metering.rolling.ReplicaSignals`; None without recent audio, e.g.
   an ASR pool) against ``guard.threshold``: ``delivery_margin = ratio / threshold - 1``
   (0 at the threshold, negative below it). On the ``redis`` backend it is this gateway's
   sessions' view.
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from proxy.runtime import Runtime
 
 __all__ = [
-    "Headroom",
+    "HeadroomReport",
     "PipelineHeadroom",
     "PoolHeadroom",
     "headroom_of",
@@ -113,7 +113,7 @@ class PipelineHeadroom:
 
 
 @dataclass(frozen=True, slots=True)
-class Headroom:
+class HeadroomReport:
     """Every pool's headroom and every pipeline's limiting stage, at one instant."""
 
     pools: tuple[PoolHeadroom, ...]
@@ -165,7 +165,7 @@ def pipeline_headroom(
     return PipelineHeadroom(name, tuple(found), limiting_stage(found))
 
 
-def headroom_of(runtime: Runtime) -> Headroom:
+def headroom_of(runtime: Runtime) -> HeadroomReport:
     """Every pool's headroom and every configured pipeline's limiting stage, now."""
     gate = runtime.gate
     settings = runtime.settings
@@ -182,4 +182,4 @@ def headroom_of(runtime: Runtime) -> Headroom:
 
         pools[name] = pool_headroom(stats, ratio=ratio, threshold=threshold, held=held)
     pipelines = [pipeline_headroom(p.name, p.stages, pools) for p in settings.pipelines]
-    return Headroom(tuple(pools.values()), tuple(p for p in pipelines if p is not None))
+    return HeadroomReport(tuple(pools.values()), tuple(p for p in pipelines if p is not None))

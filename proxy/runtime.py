@@ -39,12 +39,12 @@ from proxy.admission.shared_gate import build_shared_gate
 from proxy.client_request import ClientRequest
 from proxy.clock import Clock, LoopClock
 from proxy.errors import Refused
-from proxy.loop_watch import LoopWatch
-from proxy.meter import PrometheusReplicaSink, SessionMeter
-from proxy.metering import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
-from proxy.metrics import Metrics
+from proxy.metering.adapters import AudioFormat, HttpAdapter, WsAdapter, http_adapter, ws_adapter
+from proxy.metering.loop_lateness import LoopWatch
+from proxy.metering.rolling import ReplicaSignals
+from proxy.metering.series import Metrics
+from proxy.metering.session_meter import PrometheusReplicaSink, SessionMeter
 from proxy.pool_headroom import headroom_of
-from proxy.replica_signals import ReplicaSignals
 from proxy.settings import GuardSettings, PoolSettings, RouteSettings, Settings
 from proxy.tracing import SessionTracer, make_tracer
 from proxy.upstreams import Upstreams

@@ -36,17 +36,17 @@ __all__ = ["HOT_MODULES", "STALE_AFTER_S", "BuildStatus", "build_status", "main"
 HOT_MODULES: tuple[str, ...] = (
     "proxy.relay.splice_leg",
     "proxy.relay.splice",
-    "proxy.relay.session_rules",
+    "proxy.relay.relay_core",
     "proxy.relay.session_states",
     "proxy.relay.session_actions",
     "proxy.relay.deadlines",
     "proxy.relay.session_record",
-    "proxy.metering.speech_ws_audio",
-    "proxy.meter",
-    "proxy.playback",
-    "proxy.quantiles",
-    "proxy.replica_signals",
-    "proxy.replica_series",
+    "proxy.metering.adapters.speech_ws_audio",
+    "proxy.metering.session_meter",
+    "proxy.metering.playback",
+    "proxy.metering.sketches",
+    "proxy.metering.rolling",
+    "proxy.metering.replica_series",
 )
 
 

@@ -40,7 +40,7 @@ from proxy.relay.failover import Unreachable, open_tcp
 from proxy.settings import Settings
 
 if TYPE_CHECKING:
-    from proxy.metrics import Metrics
+    from proxy.metering.series import Metrics
 
 __all__ = [
     "ENGINE_METRICS_MAX_BYTES",

@@ -11,9 +11,9 @@ import pytest
 
 from proxy.app import create_app
 from proxy.clock import Clock
-from proxy.gateway import uvicorn_options
+from proxy.process.gateway import uvicorn_options
+from proxy.process.serving import RunningServer, running_server
 from proxy.runtime import Runtime
-from proxy.serving import RunningServer, running_server
 from proxy.settings import Settings, settings_from_mapping
 from tests import hypothesis_profiles
 

@@ -48,8 +48,8 @@ from proxy.admission.gate_waiters import GateWaiters, LocalPool, LocalWaiter
 from proxy.admission.session_lease import Lease, PositionCallback, Waiting
 from proxy.clock import Clock
 from proxy.errors import FallbackHint
-from proxy.metrics import Metrics
-from proxy.scrape_collectors import ReplicaGauges, TenantGauges
+from proxy.metering.scrape import ReplicaGauges, TenantGauges
+from proxy.metering.series import Metrics
 
 if TYPE_CHECKING:
     from proxy.admission.auth import TenantQuotas

@@ -5,7 +5,7 @@ Both gates (:class:`proxy.admission.gate.Gate` and the shared gate's
 ``max_sessions`` refusal record here, so ``headroom_session_decisions_total`` and
 ``headroom_queue_wait_seconds`` mean the same under either ``admission.backend``; a
 session with an API key is also counted in the per-key ``headroom_tenant_*`` series
-(one without a key is not). The families are :class:`proxy.metrics.Metrics`'s; the
+(one without a key is not). The families are :class:`proxy.metering.series.Metrics`'s; the
 shared gate's own series are :class:`~proxy.admission.shared_state.SharedAdmissionMetrics`.
 """
 
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from proxy.admission.tenants import TenantSpec
-    from proxy.metrics import Metrics
+    from proxy.metering.series import Metrics
 
 __all__ = ["count_decision", "observe_queue_wait"]
 

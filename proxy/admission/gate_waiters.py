@@ -25,7 +25,7 @@ from proxy.errors import FallbackHint, Refused, refusal_for
 if TYPE_CHECKING:
     from proxy.admission.session_lease import PositionCallback
     from proxy.clock import Clock, TimerHandle
-    from proxy.metrics import Metrics
+    from proxy.metering.series import Metrics
 
 __all__ = ["GateWaiters", "LocalPool", "LocalWaiter"]
 

@@ -2,7 +2,7 @@
 
 A static cap is measured once; a GPU's real ceiling moves (longer texts grow the KV
 cache, a noisy neighbour, thermal throttling). The guard watches each replica's
-rolling worst-1% per-chunk delivery ratio (:class:`~proxy.replica_signals.ReplicaSignals`) and,
+rolling worst-1% per-chunk delivery ratio (:class:`~proxy.metering.rolling.ReplicaSignals`) and,
 when it falls below ``threshold`` (default 1.2x realtime) with at least
 ``min_samples`` chunks in the window, holds new admissions to that replica -- even
 below its cap -- until the ratio has stayed at or above ``threshold + hysteresis`` for
@@ -14,7 +14,7 @@ The two thresholds and the hold time make it a Schmitt trigger: a ratio hovering
 around the threshold trips it once and it stays tripped, instead of admitting and
 refusing on alternate evaluations.
 
-**Start-up signals** (:class:`~proxy.replica_signals.StartupSignals`, off unless configured): a
+**Start-up signals** (:class:`~proxy.metering.rolling.StartupSignals`, off unless configured): a
 replica past its knee may keep its running streams' chunks on time while the streams it
 admits next start badly -- their first seam stalls (the second chunk, a full-size one,
 takes longer to make than the small first one lasts) or their first audio comes late
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from proxy.clock import Clock, TimerHandle
-from proxy.replica_signals import ReplicaSignals, StartupSignals
+from proxy.metering.rolling import ReplicaSignals, StartupSignals
 
 __all__ = ["GUARD_INTERVAL_S", "GuardLoop", "GuardPolicy", "GuardTarget", "ReplicaGuard"]
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from proxy.admission.tenants import Reserve, TenantSpec
     from proxy.clock import Clock, TimerHandle
     from proxy.errors import FallbackHint
-    from proxy.scrape_collectors import ReplicaGauges, TenantGauges
+    from proxy.metering.scrape import ReplicaGauges, TenantGauges
     from proxy.settings import ApiKeySettings
 
 __all__ = [

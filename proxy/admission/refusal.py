@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from proxy.errors import HeadroomError, Refused, Unauthorized
-from proxy.metering.table import generic_error, spec
+from proxy.metering.adapters.registry import generic_error, spec
 
 __all__ = ["close_reason", "error_body", "error_event", "http_error", "truncate_reason"]
 
@@ -91,7 +91,7 @@ def close_reason(err: HeadroomError) -> str:
 
 def error_event(protocol: str, err: HeadroomError) -> str:
     """One JSON error event in ``protocol``'s own shape (its ``error_shape`` in
-    :mod:`proxy.metering.table`), carrying the contract fields."""
+    :mod:`proxy.metering.adapters.registry`), carrying the contract fields."""
     inner = error_body(err)["error"]
     extra = {
         "retry_after_s": inner["retry_after_s"],

@@ -70,7 +70,7 @@ from proxy.admission.shared_state import (
 )
 from proxy.admission.shared_withdrawals import Withdrawals
 from proxy.clock import Clock
-from proxy.metrics import Metrics
+from proxy.metering.series import Metrics
 
 if TYPE_CHECKING:
     from proxy.admission.auth import TenantQuotas

@@ -52,7 +52,7 @@ from proxy.admission.session_lease import Lease, PositionCallback, Waiting
 from proxy.admission.shared_withdrawals import Withdrawals
 from proxy.clock import Clock, TimerHandle
 from proxy.errors import FallbackHint, Refused, refusal_for
-from proxy.metrics import Metrics
+from proxy.metering.series import Metrics
 
 if TYPE_CHECKING:
     from proxy.admission.shared_sessions import SharedSessions
@@ -136,7 +136,7 @@ class PoolState:
 
 
 class SharedAdmissionMetrics:
-    """The shared gate's own series, registered beside :class:`~proxy.metrics.Metrics`.
+    """The shared gate's own series, registered beside :class:`~proxy.metering.series.Metrics`.
     Pool-wide figures carry ``scope="pool"``: every gateway reports the same value, so
     dashboards take ``max``, never ``sum``."""
 

@@ -6,7 +6,7 @@ that reports without changing anything: the pools, their fallbacks and reserves,
 waiters), the sessions held per replica over every gateway as of the last renewal,
 this gateway's name in Redis, its sessions active and queued, and the per-replica,
 per-queue and per-tenant gauges the scrape collectors
-(:mod:`proxy.scrape_collectors`) read.
+(:mod:`proxy.metering.scrape`) read.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from proxy.admission import PoolStatistics, ReplicaStatistics, Reserve
 from proxy.admission.shared_state import SharedGateState
 from proxy.errors import FallbackHint
-from proxy.scrape_collectors import ReplicaGauges, TenantGauges
+from proxy.metering.scrape import ReplicaGauges, TenantGauges
 
 __all__ = ["SharedViews"]
 

@@ -1,94 +1,17 @@
-"""Audio extraction per upstream protocol: one small adapter per protocol family.
+"""What listeners hear, measured: everything that turns relayed chunks into figures.
 
-The relay builds one adapter per session with :func:`ws_adapter` or :func:`http_adapter`
-and calls it for every relayed message or chunk, with the arrival time; the adapter turns
-what it reads into :class:`MeterSink` calls (usually a :class:`proxy.meter.SessionMeter`).
-Both factories look the protocol up in :data:`PROTOCOL_TABLE` (:mod:`.table`), which also
-holds each protocol's transport and error-event shape, and is what the settings check.
-Adapters only read: they never modify, delay or buffer the bytes relayed, and they never
-raise (malformed data counts nothing; an internal failure increments ``adapter.errors``).
+* :mod:`proxy.metering.adapters` -- one adapter per upstream protocol, finding the audio
+  (or tokens) in each frame or event, and the registry of route protocols.
+* :mod:`proxy.metering.session_meter` -- the per-session meter: gaps, delivery ratio,
+  time to first audio, playback stalls.
+* :mod:`proxy.metering.playback` -- the listener's playback buffer model.
+* :mod:`proxy.metering.sketches` -- quantiles in bounded memory.
+* :mod:`proxy.metering.rolling` -- rolling per-replica signals the guard reads.
+* :mod:`proxy.metering.replica_series` -- a replica's per-chunk series and their export.
+* :mod:`proxy.metering.series` -- the Prometheus metrics of the contract.
+* :mod:`proxy.metering.scrape` -- gauges read from the gate's state at scrape time.
+* :mod:`proxy.metering.loop_lateness` -- how late the event loop runs.
 
-=============================  =========  ==================================================
-protocol                       transport  module
-=============================  =========  ==================================================
-``vllm-realtime``              WS         :mod:`.realtime` (ASR text events, omni audio)
-``openai-realtime``            WS         :mod:`.realtime` (``response.output_audio.delta``)
-``vllm-omni-speech-ws``        WS         :mod:`.speech_ws` (JSON control + binary PCM/WAV)
-``sagemaker-bidi``             WS         the inner protocol's adapter (default passthrough)
-``passthrough-ws``             WS         :mod:`.passthrough` (frame gaps only)
-``openai-speech-http``         HTTP       :mod:`.http` (SSE base64, raw PCM, WAV)
-``openai-transcription-sse``   HTTP       :mod:`.http` (text events, ``[DONE]``)
-``openai-completions-tokens``  HTTP       :mod:`.tokens` (completion tokens as audio)
-``passthrough-http``           HTTP       :mod:`.passthrough` (chunk gaps only)
-=============================  =========  ==================================================
-
-Building blocks: :mod:`.b64json` (base64 length from JSON without decoding), :mod:`.sse`
-(incremental event-stream parser), :mod:`.wav` (streaming RIFF header).
+The meters are pure (every call takes the arrival time); only the series touch
+prometheus_client.
 """
-
-from __future__ import annotations
-
-from proxy.metering.base import AudioFormat, HttpAdapter, MeterSink, WsAdapter
-from proxy.metering.table import (
-    HTTP_PROTOCOLS,
-    PROTOCOL_TABLE,
-    PROTOCOLS,
-    WS_PROTOCOLS,
-    Protocol,
-    ProtocolSpec,
-    spec,
-)
-
-__all__ = [
-    "HTTP_PROTOCOLS",
-    "PROTOCOLS",
-    "PROTOCOL_TABLE",
-    "WS_PROTOCOLS",
-    "AudioFormat",
-    "HttpAdapter",
-    "MeterSink",
-    "Protocol",
-    "ProtocolSpec",
-    "WsAdapter",
-    "http_adapter",
-    "spec",
-    "ws_adapter",
-]
-
-
-def ws_adapter(
-    protocol: str,
-    sink: MeterSink,
-    default_format: AudioFormat,
-    inner_protocol: str | None = None,
-) -> WsAdapter:
-    """The adapter metering one WebSocket session of ``protocol``.
-
-    ``default_format`` is the route's audio format, used where the stream does not say.
-    A protocol that carries another (``sagemaker-bidi`` relays one WebSocket frame per
-    SageMaker payload part) is metered as its ``inner_protocol`` (a WS protocol that
-    carries none); without one, as its ``default_inner`` (``passthrough-ws``). Raises
-    ValueError for a protocol that is not a WS protocol (a configuration error, caught
-    when settings are validated)."""
-    entry = spec(protocol)
-    if entry is not None and entry.carries_inner:
-        inner = inner_protocol or entry.default_inner
-        carried = spec(inner) if inner is not None else None
-        if carried is None or not carried.carriable:
-            raise ValueError(f"{protocol} cannot carry inner protocol {inner!r}")
-        return ws_adapter(carried.name, sink, default_format)
-    if entry is None or entry.ws_adapter is None:
-        expected = ", ".join(sorted(WS_PROTOCOLS))
-        raise ValueError(f"{protocol!r} is not a WebSocket protocol; expected one of: {expected}")
-    return entry.ws_adapter(sink, default_format)
-
-
-def http_adapter(protocol: str, sink: MeterSink, default_format: AudioFormat) -> HttpAdapter:
-    """The adapter metering one streaming HTTP exchange of ``protocol``.
-
-    Raises ValueError for a protocol that is not an HTTP protocol."""
-    entry = spec(protocol)
-    if entry is None or entry.http_adapter is None:
-        expected = ", ".join(sorted(HTTP_PROTOCOLS))
-        raise ValueError(f"{protocol!r} is not an HTTP protocol; expected one of: {expected}")
-    return entry.http_adapter(sink, default_format)

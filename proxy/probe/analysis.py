@@ -1,8 +1,8 @@
 """What one probe level measured, and whether it passes. Pure: no I/O, no clock.
 
 Input: the :class:`SessionTrace` of every session a level opened (arrival times as the
-client saw them, metered by :class:`proxy.meter.SessionMeter` with the adapters of
-:mod:`proxy.metering`) and the level's :class:`LevelWindow`. Output: the level's
+client saw them, metered by :class:`proxy.metering.session_meter.SessionMeter` with the adapters of
+:mod:`proxy.metering.adapters`) and the level's :class:`LevelWindow`. Output: the level's
 :class:`LevelStats` (:mod:`proxy.probe.ceiling` turns the levels into a ceiling).
 
 Definitions (a level's *window* runs from the end of its warm-up to its end; only what
@@ -14,7 +14,7 @@ arrives inside it counts):
   *remainder*: a few frames, or a fraction of one, arriving a step after a full chunk
   say nothing about keeping up; a late one still shows as a gap and an underrun).
 - **stalled streams** (TTS): of the streams that started playing in the window or ran
-  dry in it, those whose modelled playback (:class:`proxy.playback.PlaybackBuffer`,
+  dry in it, those whose modelled playback (:class:`proxy.metering.playback.PlaybackBuffer`,
   the client's ``prebuffer``) ran dry in the window; **startup stalls**: those whose
   first stall came at the stream's first seam (its second chunk). A stream that started
   and stalled during the warm-up is not counted (the simulator's ``describe`` counts the
@@ -26,7 +26,7 @@ arrives inside it counts):
   deltas are judged over spans as long as a TTS chunk's. A finished session's last event
   carries only the clip's remainder: it has no ratio.
 - **worst-1%**: the nearest-rank 1st percentile (:func:`quantile`) of every ratio in the
-  window, all streams pooled; the same rank rule as the guard (:mod:`proxy.replica_signals`).
+  window, all streams pooled; the same rank rule as the guard (:mod:`proxy.metering.rolling`).
 - **stream ratio**: one stream's own speed in the window, ``sum(audio) / sum(spans)``
   over its ratio samples; the level reports their distribution.
 - **throughput**: audio seconds delivered (ASR: transcribed) in the window / its length.
@@ -59,7 +59,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from proxy.meter import RATIO_CAP
+from proxy.metering.session_meter import RATIO_CAP
 
 __all__ = [
     "ASR_MIN_SPAN_S",
@@ -85,7 +85,8 @@ Kind = Literal["tts", "asr"]
 
 @dataclass(frozen=True, slots=True)
 class Arrival:
-    """One metered upstream chunk: what :class:`proxy.meter.ReplicaSink.chunk` received.
+    """One metered upstream chunk: what :class:`proxy.metering.session_meter.ReplicaSink.chunk`
+    received.
     ``audio_s`` is 0.0 for a text event; ``gap``/``ratio`` None where the meter has none."""
 
     at: float

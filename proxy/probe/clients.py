@@ -1,7 +1,8 @@
 """One probe session per protocol, as a client: send a request, meter what comes back.
 
-Every arrival goes through Headroom's own adapters (:func:`proxy.metering.ws_adapter`,
-:func:`proxy.metering.http_adapter`) into a :class:`proxy.meter.SessionMeter`, so the
+Every arrival goes through Headroom's own adapters (:func:`proxy.metering.adapters.ws_adapter`,
+:func:`proxy.metering.adapters.http_adapter`) into a
+:class:`proxy.metering.session_meter.SessionMeter`, so the
 probe measures with exactly the definitions the gateway uses; a :class:`SessionRecorder`
 turns the meter's observations into an :class:`~proxy.probe.analysis.SessionTrace`.
 
@@ -40,8 +41,8 @@ import httpx
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus, WebSocketException
 
-from proxy.metering import AudioFormat, http_adapter, ws_adapter
-from proxy.metering.sse import SseParser
+from proxy.metering.adapters import AudioFormat, http_adapter, ws_adapter
+from proxy.metering.adapters.sse import SseParser
 from proxy.probe.completions_session import run_completion
 from proxy.probe.probe_session import ClientOptions, Refusal, SessionFailed, SessionRecorder
 from proxy.probe.workload import ASR_SAMPLE_RATE, AudioRequest, Request, SpeechRequest

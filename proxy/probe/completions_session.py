@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
-from proxy.metering import AudioFormat, http_adapter
-from proxy.metering.sse import SseParser
+from proxy.metering.adapters import AudioFormat, http_adapter
+from proxy.metering.adapters.sse import SseParser
 from proxy.probe.probe_session import ClientOptions, Refusal, SessionFailed, SessionRecorder
 from proxy.probe.workload import SpeechRequest
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import yaml
 from yaml.nodes import MappingNode, Node, ScalarNode, SequenceNode
 
-from proxy import strict_yaml
+from proxy.settings import strict_yaml
 
 __all__ = ["ConfigEditError", "replica_url", "set_max_sessions", "write_max_sessions"]
 

@@ -1,6 +1,6 @@
 """``headroom probe``: find a GPU's real ceiling by ramping concurrency.
 
-The lead's ``proxy/cli.py`` wires :func:`add_arguments` and :func:`run` into the
+``proxy/process/cli.py`` wires :func:`add_arguments` and :func:`run` into the
 ``probe`` subcommand (``python -m proxy.probe`` runs it stand-alone)::
 
     headroom probe --target http://gpu0:8000 --protocol vllm-omni-speech-ws \\
@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from proxy.metering.base import MAX_TOKENS_PER_SECOND
+from proxy.metering.adapters.base import MAX_TOKENS_PER_SECOND
 from proxy.probe.config_edit import (
     ConfigEditError,
     replica_url,
@@ -37,7 +37,7 @@ from proxy.probe.report import config_snippet, csv_text, format_summary, format_
 from proxy.probe.report import replica_url as probed_url
 from proxy.probe.traces import RecordedLevel, write_traces
 from proxy.probe.workload import open_workload
-from proxy.serving import signal_handlers
+from proxy.process.serving import signal_handlers
 
 __all__ = ["add_arguments", "main", "parse_levels", "run", "settings_from_args"]
 

@@ -2,7 +2,7 @@
 
 :class:`ClientOptions` says how to reach the target (:func:`endpoint_url` builds the
 endpoint from a base URL and a protocol); :class:`SessionRecorder` holds one session's
-:class:`proxy.meter.SessionMeter` (with a recording sink) and freezes it into an
+:class:`proxy.metering.session_meter.SessionMeter` (with a recording sink) and freezes it into an
 :class:`~proxy.probe.analysis.SessionTrace`; :class:`Refusal` and :class:`SessionFailed`
 are how a session ends early (:mod:`proxy.probe.clients` raises them).
 """
@@ -15,8 +15,8 @@ from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
-from proxy.meter import RecordingReplicaSink, SessionMeter
-from proxy.metering.table import PROTOCOL_TABLE
+from proxy.metering.adapters.registry import PROTOCOL_TABLE
+from proxy.metering.session_meter import RecordingReplicaSink, SessionMeter
 from proxy.probe.analysis import Arrival, Outcome, SessionTrace
 
 __all__ = [

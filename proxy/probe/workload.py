@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 import yaml
 
-from proxy import strict_yaml
+from proxy.settings import strict_yaml
 
 __all__ = [
     "ASR_SAMPLE_RATE",

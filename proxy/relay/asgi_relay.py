@@ -5,7 +5,7 @@ connection (:mod:`proxy.relay.listener`).
 
 Upstream -> client runs in the session's own task; client -> upstream in one extra
 task. Messages are relayed as they arrive, text as text and binary as binary. This
-module is a shell over the session's :class:`~proxy.relay.session_rules.RelayCore`, like the
+module is a shell over the session's :class:`~proxy.relay.relay_core.RelayCore`, like the
 splice: the core decides what is forwarded and metered, when a limit or timeout ends
 the session and with which close codes; the shell feeds it the server's ASGI messages, the
 websockets client connection's messages and closes, and its one timer, and maps the
@@ -27,13 +27,13 @@ from websockets.exceptions import ConnectionClosed, PayloadTooBig
 
 from proxy.admission.refusal import truncate_reason
 from proxy.admission.session_lease import Lease
+from proxy.relay.relay_core import RelayCore
 from proxy.relay.session_actions import DropSocket, RelayClose, SendClose, Wake
 from proxy.relay.session_record import SessionRecord
-from proxy.relay.session_rules import RelayCore
 from proxy.relay.session_states import Side
 
 if TYPE_CHECKING:
-    from proxy.meter import SessionMeter
+    from proxy.metering.session_meter import SessionMeter
     from proxy.relay.lifecycle import SessionStop
     from proxy.relay.services import RelayServices
     from proxy.settings import RouteSettings

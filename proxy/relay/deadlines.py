@@ -1,6 +1,6 @@
 """The session timers every relay shares, WebSocket and HTTP (:class:`Deadlines`), on the
 session clock, and which of them passed (:class:`Expiry`). The WebSocket core
-(:class:`~proxy.relay.session_rules.RelayCore`) extends them with the close deadline's
+(:class:`~proxy.relay.relay_core.RelayCore`) extends them with the close deadline's
 handshake; the HTTP exchange (:mod:`proxy.relay.http_exchange`) uses them as they are.
 """
 

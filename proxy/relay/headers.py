@@ -6,7 +6,7 @@ headers the client library regenerates) are dropped.
 
 ``X-Forwarded-For``: the client's chain as it sent it (several header lines joined in
 order), then the peer address -- the TCP peer, since uvicorn's own proxy-header
-rewrite is off (:func:`proxy.gateway.uvicorn_options`) -- appended exactly once.
+rewrite is off (:func:`proxy.process.gateway.uvicorn_options`) -- appended exactly once.
 ``X-Forwarded-Proto``: the scheme the client used to reach Headroom, unless the peer
 is one of ``forwarded.trusted_proxies`` and sent its own (``http`` or ``https``, e.g.
 a load balancer that terminated TLS): that one is kept. An untrusted peer cannot

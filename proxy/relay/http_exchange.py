@@ -68,7 +68,7 @@ from proxy.relay.session_record import SessionRecord
 
 if TYPE_CHECKING:
     from proxy.clock import TimerHandle
-    from proxy.meter import SessionMeter
+    from proxy.metering.session_meter import SessionMeter
     from proxy.relay.lifecycle import SessionStop
     from proxy.relay.services import RelayServices
     from proxy.settings import RouteSettings

@@ -35,7 +35,7 @@ from proxy.relay.lifecycle import Declined, run_session
 
 if TYPE_CHECKING:
     from proxy.admission.session_lease import Lease, PositionCallback
-    from proxy.meter import SessionMeter
+    from proxy.metering.session_meter import SessionMeter
     from proxy.relay.lifecycle import SessionStop
     from proxy.relay.services import RelayServices
     from proxy.relay.session_record import SessionRecord

@@ -59,7 +59,7 @@ from proxy.relay.session_record import SessionRecord, new_session_id
 
 if TYPE_CHECKING:
     from proxy.client_request import ClientRequest
-    from proxy.meter import SessionMeter
+    from proxy.metering.session_meter import SessionMeter
     from proxy.relay.services import RelayServices, StopSession
     from proxy.settings import RouteSettings
 

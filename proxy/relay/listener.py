@@ -60,6 +60,7 @@ from typing import Any, ClassVar, cast
 
 import httptools
 
+from proxy.process.serving import UVICORN_HTTP
 from proxy.relay.ws_handshake import (
     ASGIApp,
     build_scope,
@@ -68,7 +69,6 @@ from proxy.relay.ws_handshake import (
     refusal_for,
 )
 from proxy.relay.ws_server import ClientWebSocket, WebSocketOptions, WebSocketSessions
-from proxy.serving import UVICORN_HTTP
 from proxy.settings import LimitsSettings
 
 __all__ = ["LINGER_S", "ClientListener", "client_listener", "websocket_options"]

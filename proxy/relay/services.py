@@ -26,8 +26,8 @@ if TYPE_CHECKING:
     from proxy.client_request import ClientRequest
     from proxy.clock import Clock
     from proxy.errors import Refused
-    from proxy.meter import ReplicaSink, SessionMeter
-    from proxy.metering import HttpAdapter, WsAdapter
+    from proxy.metering.adapters import HttpAdapter, WsAdapter
+    from proxy.metering.session_meter import ReplicaSink, SessionMeter
     from proxy.settings import RouteSettings, Settings
     from proxy.tracing import SessionTracer
 

@@ -1,5 +1,5 @@
-"""What a :class:`~proxy.relay.session_rules.RelayCore` asks its shell to do, queued in
-:attr:`~proxy.relay.session_rules.RelayCore.actions` and carried out in order: write a
+"""What a :class:`~proxy.relay.relay_core.RelayCore` asks its shell to do, queued in
+:attr:`~proxy.relay.relay_core.RelayCore.actions` and carried out in order: write a
 close frame, forward the endpoint's own close, ping, close or drop a socket, pause or
 resume reading, wake the core at a time, end the session. Data frames are not actions
 (the shell forwards a frame when the core's ``data_frame`` says so), so the hot path
@@ -114,7 +114,7 @@ class CloseSocket(_SideAction):
 
 
 class Wake:
-    """Call :meth:`~proxy.relay.session_rules.RelayCore.tick` at ``at`` (an earlier
+    """Call :meth:`~proxy.relay.relay_core.RelayCore.tick` at ``at`` (an earlier
     deadline than announced)."""
 
     __slots__ = ("at",)

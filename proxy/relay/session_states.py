@@ -1,5 +1,5 @@
 """Where a relayed WebSocket session stands, as its
-:class:`~proxy.relay.session_rules.RelayCore` keeps it: the two sides, each leg's
+:class:`~proxy.relay.relay_core.RelayCore` keeps it: the two sides, each leg's
 closing handshake (:class:`LegState`) and status (:class:`LegStatus`), and the session's
 phase (:class:`Phase`). The core changes them; the shells read them.
 """

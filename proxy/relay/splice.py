@@ -10,7 +10,7 @@ what it reads, incrementally (:mod:`proxy.relay.splice_leg`).
 
 This module is a shell: every session rule -- limits, timeouts, the write watchdog,
 the closing handshake and its codes, metering, keepalive, back-pressure -- is decided
-by the session's :class:`~proxy.relay.session_rules.RelayCore`; :class:`Splice` feeds it the
+by the session's :class:`~proxy.relay.relay_core.RelayCore`; :class:`Splice` feeds it the
 socket events and carries out its actions on the two transports: close frames and
 pings are written at a frame boundary of the forwarded stream, sockets are paused,
 resumed, closed or dropped. One timer per session stands for the core's next
@@ -28,6 +28,7 @@ import weakref
 from typing import TYPE_CHECKING, Protocol
 
 from proxy.relay.frames import PING, close_frame, frame
+from proxy.relay.relay_core import CLOSE_TIMEOUT_S, RelayCore
 from proxy.relay.session_actions import (
     CloseSocket,
     Done,
@@ -39,14 +40,13 @@ from proxy.relay.session_actions import (
     SendClose,
     Wake,
 )  # fmt: skip
-from proxy.relay.session_rules import CLOSE_TIMEOUT_S, RelayCore
 from proxy.relay.session_states import Side
 from proxy.relay.splice_leg import Leg
 
 if TYPE_CHECKING:
     from proxy.admission.session_lease import Lease
     from proxy.clock import Clock, TimerHandle
-    from proxy.metering.base import WsAdapter
+    from proxy.metering.adapters.base import WsAdapter
     from proxy.relay.services import RelayServices
     from proxy.relay.session_record import SessionRecord
     from proxy.settings import LimitsSettings

@@ -3,7 +3,7 @@ walked and forwarded into the other leg's socket as they are read.
 
 The walk reads frame headers incrementally across reads, with no payload copy except
 for what the meter needs: text messages, and upstream binary messages when the session's
-adapter reads their content (:attr:`proxy.metering.base.WsAdapter.reads_binary`; PCM is
+adapter reads their content (:attr:`proxy.metering.adapters.base.WsAdapter.reads_binary`; PCM is
 metered by length). Control frames are
 handled whole: close frames go to the session, pings and pongs pass through. Frames
 injected by Headroom (its close frames, keepalive pings) are written at a frame
@@ -14,13 +14,13 @@ extension is ever negotiated on either leg), a reserved opcode, the wrong maskin
 its direction (5.1: client frames masked, server frames not), a continuation frame with
 no message in progress or a new message inside a fragmented one (5.4), an invalid
 control frame (5.5). The frames before it are forwarded; the session ends at once
-(:meth:`proxy.relay.session_rules.RelayCore.protocol_error`: 1002 for a client, 1014 for the
+(:meth:`proxy.relay.relay_core.RelayCore.protocol_error`: 1002 for a client, 1014 for the
 client when its upstream is at fault).
 
 Whether a data frame is forwarded (the size limit, a leg that is closing) and what a
 complete message means (metering, text validity) are the core's decisions
-(:meth:`~proxy.relay.session_rules.RelayCore.data_frame`,
-:meth:`~proxy.relay.session_rules.RelayCore.message`).
+(:meth:`~proxy.relay.relay_core.RelayCore.data_frame`,
+:meth:`~proxy.relay.relay_core.RelayCore.message`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The validated configuration: one frozen :class:`Settings`, the only reader of files/env.
 
 Sources, highest priority first: ``HEADROOM_*`` environment variables (rules in
-:mod:`proxy.settings_env`), then one YAML file (``headroom serve --config FILE`` or
+:mod:`proxy.settings.environment`), then one YAML file (``headroom serve --config FILE`` or
 ``HEADROOM_CONFIG``), then the defaults declared in the models.
 
 Every failure -- a missing or unreadable file, YAML syntax (with line and column), a
@@ -9,7 +9,7 @@ top level that is not a mapping, a bad environment variable, and every validatio
 -- is one :class:`~proxy.errors.ConfigError` listing all problems at once as
 ``(field path, reason)``, e.g. ``("pools[0].replicas[1].max_sessions", "must be >= 1
 (got 0)")``. Unknown keys are errors, with a "did you mean" where a name is close; so
-is a key repeated in one mapping (:mod:`proxy.strict_yaml`), in the file or in a
+is a key repeated in one mapping (:mod:`proxy.settings.strict_yaml`), in the file or in a
 variable's YAML value.
 
 All models are frozen and hashable, so a reload can compare old and new settings.
@@ -39,7 +39,7 @@ Import from ``proxy.settings``; the names below are its public interface.
 
 from __future__ import annotations
 
-from proxy.metering.table import HTTP_PROTOCOLS, WS_PROTOCOLS, Protocol
+from proxy.metering.adapters.registry import HTTP_ROUTE_PROTOCOLS, WS_ROUTE_PROTOCOLS, Protocol
 from proxy.settings.admission import (
     AdmissionSettings,
     RedisSettings,
@@ -80,8 +80,8 @@ from proxy.settings.topology import (
 )
 
 __all__ = [
-    "HTTP_PROTOCOLS",
-    "WS_PROTOCOLS",
+    "HTTP_ROUTE_PROTOCOLS",
+    "WS_ROUTE_PROTOCOLS",
     "AdmissionSettings",
     "AdminSettings",
     "ApiKeySettings",

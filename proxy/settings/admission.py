@@ -9,8 +9,8 @@ from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, model_validator
 
+from proxy.settings.environment import Problems
 from proxy.settings.fields import Frozen, PositiveSeconds
-from proxy.settings_env import Problems
 
 __all__ = [
     "AdmissionSettings",

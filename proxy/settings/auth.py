@@ -7,8 +7,8 @@ import functools
 
 from pydantic import Field, model_validator
 
+from proxy.settings.environment import Problems
 from proxy.settings.fields import Frozen, Name, Sha256
-from proxy.settings_env import Problems
 
 __all__ = ["ApiKeySettings", "AuthSettings"]
 

@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
+from proxy.settings.environment import Problems
 from proxy.settings.fields import (
     HASH_HOWTO,
     Frozen,
@@ -19,7 +20,6 @@ from proxy.settings.fields import (
     Sha256,
     is_loopback,
 )
-from proxy.settings_env import Problems
 
 __all__ = [
     "AdminSettings",

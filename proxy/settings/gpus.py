@@ -1,6 +1,6 @@
 """The models of co-location: physical GPUs and the engines (replicas) sharing each.
 
-Optional. Read only by ``headroom check`` (proxy.colocation): the gateway routes the same
+Optional. Read only by ``headroom check`` (proxy.sim.colocation_check): the gateway routes the same
 with or without it. Cross-references (replicas exist, each on one GPU) are checked in
 proxy.settings.references (_gpu_problems), with the other cross-references.
 """
@@ -12,8 +12,8 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field, model_validator
 
+from proxy.settings.environment import Problems, did_you_mean
 from proxy.settings.fields import Frozen, Name, PositiveSeconds
-from proxy.settings_env import Problems, did_you_mean
 
 __all__ = ["GpuEngineSettings", "GpuSettings"]
 

@@ -1,5 +1,6 @@
 """Reading the configuration: one YAML file, the ``HEADROOM_*`` environment over it
-(rules in :mod:`proxy.settings_env`), validation into :class:`~proxy.settings.schema.Settings`,
+(rules in :mod:`proxy.settings.environment`), validation into
+:class:`~proxy.settings.schema.Settings`,
 and whether a new configuration may replace the running one live.
 """
 
@@ -13,12 +14,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from proxy import strict_yaml
 from proxy.errors import ConfigError
-from proxy.settings.fields import is_loopback
-from proxy.settings.schema import Settings
-from proxy.settings.sources import Layer, layers_for
-from proxy.settings_env import (
+from proxy.settings import strict_yaml
+from proxy.settings.environment import (
     CONFIG_VAR,
     Loc,
     apply_env,
@@ -26,6 +24,9 @@ from proxy.settings_env import (
     explain,
     format_loc,
 )
+from proxy.settings.fields import is_loopback
+from proxy.settings.schema import Settings
+from proxy.settings.sources import Layer, layers_for
 
 _FILE = "<file>"
 _TOP = "<top level>"

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from proxy.settings_env import Loc, format_loc
+from proxy.settings.environment import Loc, format_loc
 
 if TYPE_CHECKING:
     from proxy.settings.schema import Settings

@@ -30,6 +30,7 @@ from pydantic import (
 
 from proxy.settings.admission import AdmissionSettings, ReservationSettings
 from proxy.settings.auth import AuthSettings
+from proxy.settings.environment import Problems
 from proxy.settings.fields import PositiveSeconds
 from proxy.settings.gateway import (
     AdminSettings,
@@ -50,7 +51,6 @@ from proxy.settings.references import (
     _reference_problems,
 )
 from proxy.settings.topology import PipelineSettings, PoolSettings, RouteSettings
-from proxy.settings_env import Problems
 
 __all__ = ["Settings"]
 

@@ -1,6 +1,6 @@
 """The sources of settings below the environment: a directory of secret files and a
 ``.env`` file, read with pydantic-settings and applied by the same overlay as the
-``HEADROOM_*`` environment (:mod:`proxy.settings_env`).
+``HEADROOM_*`` environment (:mod:`proxy.settings.environment`).
 
 Each entry is a setting named like its variable: a file ``headroom_admission__redis__url``
 in the secrets directory (a mounted Kubernetes or Docker secret) or a line
@@ -46,7 +46,7 @@ from pydantic_settings import (
 )
 
 from proxy.errors import ConfigError
-from proxy.settings_env import ENV_FILE_VAR, LOCATORS, SECRETS_DIR_VAR
+from proxy.settings.environment import ENV_FILE_VAR, LOCATORS, SECRETS_DIR_VAR
 
 __all__ = [
     "DEFAULT_SECRETS_DIR",

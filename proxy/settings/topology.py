@@ -10,14 +10,14 @@ from urllib.parse import urlsplit, urlunsplit
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from proxy.errors import FallbackHint
-from proxy.metering.base import MAX_TOKENS_PER_SECOND
-from proxy.metering.table import (
+from proxy.metering.adapters.base import MAX_TOKENS_PER_SECOND
+from proxy.metering.adapters.registry import (
     PROTOCOL_TABLE,
     Protocol,
     inner_protocols,
 )
+from proxy.settings.environment import Loc, Problems
 from proxy.settings.fields import Frozen, Name, PositiveSeconds, Seconds, UrlPath
-from proxy.settings_env import Loc, Problems
 
 __all__ = [
     "HANDSHAKE_WAIT_S",
@@ -204,7 +204,7 @@ class RouteSettings(Frozen):
     protocol that carries another (``sagemaker-bidi``); ``tokens_per_audio_second`` is
     required for, and only for, a protocol that counts generated tokens as audio
     (``openai-completions-tokens``); ``upstream_path`` relays to a different upstream
-    path. What each protocol is: :mod:`proxy.metering.table`.
+    path. What each protocol is: :mod:`proxy.metering.adapters.registry`.
     """
 
     path: UrlPath

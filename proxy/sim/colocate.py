@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.playback import PlaybackBuffer
+from proxy.metering.playback import PlaybackBuffer
 from proxy.sim.engine import Emission, Engine
 from proxy.sim.presets import TEXT_TOKENS_PER_AUDIO_S, Preset, get_preset
 from proxy.sim.virtual_load import LoadResult, Rules, VirtualStream, percentile

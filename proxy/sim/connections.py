@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, ClassVar, cast
 
-from proxy.serving import UVICORN_HTTP
+from proxy.process.serving import UVICORN_HTTP
 
 __all__ = ["ConnectionTable", "TrackedHttp", "tracked_http"]
 

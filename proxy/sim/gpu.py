@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.serving import EmbeddedServer, make_config
+from proxy.process.serving import EmbeddedServer, make_config
 from proxy.sim.bypass import BypassStreams
 from proxy.sim.connections import ConnectionTable, tracked_http
 from proxy.sim.engine import Engine

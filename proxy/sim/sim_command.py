@@ -1,6 +1,6 @@
 """``headroom sim``: serve simulated GPUs, list presets, describe a preset.
 
-The lead's ``proxy/cli.py`` wires :func:`add_arguments` and :func:`run` into the
+``proxy/process/cli.py`` wires :func:`add_arguments` and :func:`run` into the
 ``sim`` subcommand::
 
     headroom sim --preset l40s-qwen3tts-1.7b --gpus 2 --host 127.0.0.1 --port 8000
@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from proxy.serving import signal_handlers
+from proxy.process.serving import signal_handlers
 from proxy.sim.capacity import describe
 from proxy.sim.chunks import parse_ramp
 from proxy.sim.cluster import running_cluster

@@ -25,7 +25,7 @@ import statistics
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from proxy.playback import PlaybackBuffer
+from proxy.metering.playback import PlaybackBuffer
 from proxy.sim.engine import Emission, Engine
 from proxy.sim.presets import TEXT_TOKENS_PER_AUDIO_S, Preset
 

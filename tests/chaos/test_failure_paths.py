@@ -32,8 +32,8 @@ from wsraw import (  # bench/wsraw.py
 )
 
 from proxy.clock import FakeClock
-from proxy.gateway import Gateway
 from proxy.logs import JsonFormatter, configure_logging
+from proxy.process.gateway import Gateway
 from proxy.settings import settings_from_mapping
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_relay import upstream, wait_until

@@ -18,10 +18,10 @@ from prometheus_client import Counter, Histogram
 
 from proxy.admission.reservations import ReservationMetrics
 from proxy.admission.shared_gate import SharedAdmissionMetrics
-from proxy.loop_watch import LoopWatch
-from proxy.metrics import Metrics
-from proxy.pool_headroom import Headroom, PipelineHeadroom, PoolHeadroom
-from proxy.scrape_collectors import ReplicaGauges, TenantGauges
+from proxy.metering.loop_lateness import LoopWatch
+from proxy.metering.scrape import ReplicaGauges, TenantGauges
+from proxy.metering.series import Metrics
+from proxy.pool_headroom import HeadroomReport, PipelineHeadroom, PoolHeadroom
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -103,7 +103,7 @@ def selectors(expr: str) -> list[tuple[str, str]]:
     return [(m.group(1), m.group(2) or "") for m in _SELECTOR.finditer(expr)]
 
 
-# --- what proxy.metrics exports -----
+# --- what proxy.metering.series exports -----
 
 
 def _metrics() -> tuple[Metrics, list[object]]:
@@ -121,7 +121,7 @@ def _metrics() -> tuple[Metrics, list[object]]:
     # Headroom left per pool and a pipeline's limiting stage (pipelines: configured).
     pool = PoolHeadroom("p", slots_usable=2, slots_free=1, delivery_ratio_worst_1pct=1.5,
                         threshold=1.2)  # fmt: skip
-    headroom = Headroom((pool,), (PipelineHeadroom("agent", (pool,), "p"),))
+    headroom = HeadroomReport((pool,), (PipelineHeadroom("agent", (pool,), "p"),))
     metrics.bind_headroom(lambda: headroom)
     # Per API key (auth.keys): scrape-time gauges and session-seconds (issue 18).
     metrics.bind_tenants(lambda: [TenantGauges("p", "t", 0, 1, 0, 1.0)])
@@ -133,7 +133,7 @@ def _metrics() -> tuple[Metrics, list[object]]:
     shared.lease_loss_closes.labels("p")
     # Gang reservations (issue 19): counters on the gateway's registry.
     reservations = ReservationMetrics(metrics.registry)
-    # The event loop's lag and stalls (every gateway: proxy/loop_watch.py).
+    # The event loop's lag and stalls (every gateway: proxy/metering/loop_lateness.py).
     watch = LoopWatch(metrics.registry)
     loop = [watch.lag_histogram, watch.stall_counter]
     return metrics, [*vars(shared).values(), *vars(reservations).values(), *loop]

@@ -202,7 +202,7 @@ def test_the_load_commands_drive_the_compose_gateway_past_its_slots() -> None:
     `headroom probe` the CLI accepts, aimed at the published gateway port on a route the
     compose configuration serves, holding more sessions than the GPUs have slots (so
     sessions queue and some are refused), bounded in time and at one level."""
-    from proxy.cli import build_parser
+    from proxy.process.cli import build_parser
 
     config = load_yaml(REPO / "deploy" / "compose" / "headroom.yaml")
     slots = sum(r["max_sessions"] for p in config["pools"] for r in p["replicas"])

@@ -98,7 +98,7 @@ def test_healthcheck_reads_the_configuration_as_serve_does() -> None:
     args = _one("HEALTHCHECK").args
     options, _, command = args.partition("CMD ")
     assert "--interval" in options and "--timeout" in options
-    assert json.loads(command) == ["python", "-m", "proxy.healthcheck"]
+    assert json.loads(command) == ["python", "-m", "proxy.process.healthcheck"]
 
 
 def test_comments_say_what_the_image_does_today() -> None:
@@ -117,7 +117,7 @@ def test_build_context_keeps_what_the_builder_copies() -> None:
         for source in copy_sources(instruction):
             assert (REPO / source).exists(), f"COPY source {source} missing from the repo"
             assert not dockerignore_excludes(patterns, source), f"{source} is .dockerignored"
-    for kept in ("proxy/metrics.py", "pyproject.toml", "deploy/docker/build.sh"):
+    for kept in ("proxy/metering/series.py", "pyproject.toml", "deploy/docker/build.sh"):
         assert not dockerignore_excludes(patterns, kept)
     for dropped in (
         ".git/HEAD",

@@ -113,15 +113,15 @@ def test_the_environment_overrides_the_file_as_for_serve(tmp_path: Path) -> None
 
 @pytest.mark.parametrize(("status", "code"), [(200, 0), (204, 0), (503, 1), (404, 1)])
 def test_exit_status_follows_healthz(tmp_path: Path, status: int, code: int) -> None:
-    from proxy.cli import main
+    from proxy.process.cli import main
 
     with _server(status) as port:
         assert main(["healthcheck", "--config", _write(tmp_path, port)]) == code
 
 
 def test_a_listener_on_a_named_loopback_host_is_asked_there(tmp_path: Path) -> None:
-    from proxy.cli import main
-    from proxy.healthcheck import probe_address
+    from proxy.process.cli import main
+    from proxy.process.healthcheck import probe_address
 
     assert probe_address("0.0.0.0") == "127.0.0.1" and probe_address("::") == "::1"
     assert probe_address("127.0.0.1") == "127.0.0.1"
@@ -132,7 +132,7 @@ def test_a_listener_on_a_named_loopback_host_is_asked_there(tmp_path: Path) -> N
 def test_an_invalid_configuration_is_exit_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from proxy.cli import main
+    from proxy.process.cli import main
 
     path = tmp_path / "bad.yaml"
     path.write_text("listen: {port: eighty}\n")
@@ -145,7 +145,7 @@ def test_an_invalid_configuration_is_exit_2(
 
 
 def test_check_shows_the_memory_backend(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from proxy.cli import main
+    from proxy.process.cli import main
 
     assert main(["check", "--config", _write(tmp_path, 8080)]) == 0
     out = capsys.readouterr().out
@@ -155,7 +155,7 @@ def test_check_shows_the_memory_backend(tmp_path: Path, capsys: pytest.CaptureFi
 def test_check_shows_the_redis_backend_without_its_password(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from proxy.cli import main
+    from proxy.process.cli import main
 
     assert main(["check", "--config", _write(tmp_path, 8080, backend="redis")]) == 0
     out = capsys.readouterr().out
@@ -167,7 +167,7 @@ def test_check_shows_the_redis_backend_without_its_password(
 def test_check_names_the_sentinels_rather_than_the_urls_host(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from proxy.cli import main
+    from proxy.process.cli import main
 
     config = _write(tmp_path, 8080, backend="redis")
     text = (
@@ -193,7 +193,7 @@ def test_check_refuses_a_redis_config_without_the_redis_package(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The package made unimportable as it is when the extra is not installed."""
-    from proxy.cli import main
+    from proxy.process.cli import main
 
     monkeypatch.setitem(sys.modules, "redis", None)
     monkeypatch.setitem(sys.modules, "redis.asyncio", None)

@@ -1,4 +1,4 @@
-"""Every metric the rules and the dashboard query is one that proxy.metrics exports."""
+"""Every metric the rules and the dashboard query is one that proxy.metering.series exports."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from proxy.metrics import DELIVERY_RATIO_BUCKETS, GAP_BUCKETS, Metrics
+from proxy.metering.series import DELIVERY_RATIO_BUCKETS, GAP_BUCKETS, Metrics
 
 from .support import (
     DASHBOARD,
@@ -72,7 +72,9 @@ def test_every_queried_metric_is_exported(source: str) -> None:
     used = set().union(*(headroom_series(e) for e in exprs))
     assert used, "no headroom_* metric found: the extractor or the file is broken"
     missing = used - exported_series().keys()
-    assert not missing, f"{source} query metrics proxy.metrics does not export: {sorted(missing)}"
+    assert not missing, (
+        f"{source} query metrics proxy.metering.series does not export: {sorted(missing)}"
+    )
 
 
 @pytest.mark.parametrize("source", ["rules", "dashboard"])
@@ -119,7 +121,7 @@ def test_recording_rules_used_by_alerts_are_defined() -> None:
 def test_no_deprecated_name_is_queried(source: str) -> None:
     """Alerts, recording rules and the dashboard use the new names; the deprecated ones are
     only exported (and one recording rule re-records its new name under its old one)."""
-    from proxy.metrics import DEPRECATED_ALIASES
+    from proxy.metering.series import DEPRECATED_ALIASES
 
     deprecated_rules = {"pool_replica:headroom_chunk_delivery_ratio:p01_5m"}
     exprs = _rule_exprs() if source == "rules" else _dashboard_exprs()

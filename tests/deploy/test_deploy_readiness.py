@@ -16,8 +16,8 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from proxy.admin import create_admin_app
-from proxy.serving import bind_socket, running_server
+from proxy.process.admin import create_admin_app
+from proxy.process.serving import bind_socket, running_server
 from proxy.settings import settings_from_mapping
 
 from .support import (

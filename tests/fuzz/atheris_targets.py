@@ -35,11 +35,11 @@ with atheris.instrument_imports():
 
     from proxy.client_request import ClientRequest
     from proxy.errors import ConfigError
-    from proxy.metering import AudioFormat, http_adapter, ws_adapter
-    from proxy.metering.b64json import scan_event
-    from proxy.metering.http_streams import request_fields
-    from proxy.metering.sse import SseParser
-    from proxy.metering.wav import WavStream
+    from proxy.metering.adapters import AudioFormat, http_adapter, ws_adapter
+    from proxy.metering.adapters.b64json import scan_event
+    from proxy.metering.adapters.http_streams import request_fields
+    from proxy.metering.adapters.sse import SseParser
+    from proxy.metering.adapters.wav import WavStream
     from proxy.relay.headers import forwarded_request_headers, response_headers
     from proxy.settings import settings_from_mapping
 

@@ -5,7 +5,7 @@ Campaign size: each property runs ``scaled(n)`` examples, ``n`` as written in th
 ``HEADROOM_SLOW=1`` multiplies by 10, ``HEADROOM_FUZZ_SCALE=F`` by ``F`` (e.g. 100 for an
 overnight run). ``docs/reliability.md`` lists the targets and sizes.
 
-The live stack (:func:`live`) is what ``headroom serve`` runs -- :class:`proxy.gateway.
+The live stack (:func:`live`) is what ``headroom serve`` runs -- :class:`proxy.process.gateway.
 Gateway`, with its uvicorn options (frame limits) -- in front of a simulated GPU, on
 127.0.0.1 port 0, with short limits so a stuck example ends quickly.
 """
@@ -25,7 +25,7 @@ from typing import Any
 import pytest_asyncio
 from hypothesis import HealthCheck, settings
 
-from proxy.gateway import Gateway
+from proxy.process.gateway import Gateway
 from proxy.runtime import Runtime
 from proxy.settings import settings_from_mapping
 from proxy.sim import Timeouts, get_preset, running_cluster

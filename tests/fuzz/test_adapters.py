@@ -24,8 +24,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.metering import HTTP_PROTOCOLS, WS_PROTOCOLS, AudioFormat, http_adapter, ws_adapter
-from proxy.metering.http_streams import media_type, request_fields
+from proxy.metering.adapters import (
+    HTTP_ROUTE_PROTOCOLS,
+    WS_ROUTE_PROTOCOLS,
+    AudioFormat,
+    http_adapter,
+    ws_adapter,
+)
+from proxy.metering.adapters.http_streams import media_type, request_fields
 from tests.fuzz.conftest import fuzz_settings
 
 DEFAULT = AudioFormat(24000, 1, 2)
@@ -146,8 +152,8 @@ binary_frames = st.one_of(
 messages = st.lists(
     st.tuples(st.booleans(), event() | st.text(max_size=40) | binary_frames), max_size=25
 )
-WS_CASES = sorted(WS_PROTOCOLS - {"sagemaker-bidi"}) + [
-    f"sagemaker-bidi/{inner}" for inner in sorted(WS_PROTOCOLS - {"sagemaker-bidi"})
+WS_CASES = sorted(WS_ROUTE_PROTOCOLS - {"sagemaker-bidi"}) + [
+    f"sagemaker-bidi/{inner}" for inner in sorted(WS_ROUTE_PROTOCOLS - {"sagemaker-bidi"})
 ]
 
 
@@ -234,7 +240,7 @@ chunks = st.lists(
 )
 
 
-@pytest.mark.parametrize("protocol", sorted(HTTP_PROTOCOLS))
+@pytest.mark.parametrize("protocol", sorted(HTTP_ROUTE_PROTOCOLS))
 @fuzz_settings(300)
 @given(
     query=st.dictionaries(st.text(max_size=12), st.text(max_size=12), max_size=4),

@@ -17,10 +17,10 @@ import struct
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.metering.b64json import B64Span, b64_decoded_len, scan_event
-from proxy.metering.base import AudioFormat
-from proxy.metering.sse import SseParser
-from proxy.metering.wav import WavStream
+from proxy.metering.adapters.b64json import B64Span, b64_decoded_len, scan_event
+from proxy.metering.adapters.base import AudioFormat
+from proxy.metering.adapters.sse import SseParser
+from proxy.metering.adapters.wav import WavStream
 from tests.fuzz.conftest import fuzz_settings
 
 

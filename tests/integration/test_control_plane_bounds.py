@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 
-from proxy.admin import create_admin_app
 from proxy.clock import FakeClock
+from proxy.process.admin import create_admin_app
+from proxy.process.serving import running_server
 from proxy.relay.listener import client_listener
 from proxy.relay.ws_server import WebSocketSessions
 from proxy.runtime import Runtime
-from proxy.serving import running_server
 from proxy.settings import Settings
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.raw_upstream import RawUpstream, raw_upstream

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
-from proxy.demo import (
+from proxy.process.demo import (
     DEMO_RAMP,
     _banner,
     _run,

@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from bench.wsraw import handshake_request, read_head
-from proxy.gateway import Gateway
+from proxy.process.gateway import Gateway
+from proxy.process.serving import RunningServer, running_server
 from proxy.relay.listener import client_listener
 from proxy.relay.ws_server import WebSocketSessions
-from proxy.serving import RunningServer, running_server
 from proxy.settings import LimitsSettings, load_settings
 from tests.conftest import Proxy, proxy_settings
 

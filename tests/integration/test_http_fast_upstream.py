@@ -22,13 +22,13 @@ from typing import Any
 
 import httpx
 
-from proxy.admin import create_admin_app
 from proxy.app import create_app
 from proxy.clock import FakeClock
-from proxy.gateway import uvicorn_options
+from proxy.process.admin import create_admin_app
+from proxy.process.gateway import uvicorn_options
+from proxy.process.serving import RunningServer, running_server
 from proxy.relay.http_exchange import CHUNKS_PER_TURN
 from proxy.runtime import Runtime
-from proxy.serving import RunningServer, running_server
 from proxy.settings import Settings
 from tests.conftest import proxy_settings
 from tests.integration.test_ws_relay import wait_until

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.serving import RunningServer, bind_socket, running_server
+from proxy.process.serving import RunningServer, bind_socket, running_server
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_relay import wait_until
 from tests.integration.upstream import FakeEngine

@@ -12,8 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
 
-from proxy.metrics import Metrics
-from proxy.serving import RunningServer, running_server
+from proxy.metering.series import Metrics
+from proxy.process.serving import RunningServer, running_server
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.audio_engine import AudioEngine
 from tests.integration.test_ws_relay import wait_until

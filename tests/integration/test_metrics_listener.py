@@ -11,10 +11,10 @@ from typing import Any
 import httpx
 
 from proxy import __version__
-from proxy.admin import create_admin_app
-from proxy.metrics import build_labels
+from proxy.metering.series import build_labels
+from proxy.process.admin import create_admin_app
+from proxy.process.serving import running_server
 from proxy.runtime import Runtime
-from proxy.serving import running_server
 from tests.conftest import Proxy, proxy_settings
 
 ROUTE = {"path": "/ws", "pool": "main", "protocol": "passthrough-ws"}

@@ -20,7 +20,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from proxy.errors import ConfigError, ListenError
-from proxy.gateway import Gateway
+from proxy.process.gateway import Gateway
 from proxy.settings import load_settings, settings_from_mapping
 from proxy.speedups import build_status
 from tests.integration.test_ws_relay import hello, upstream, wait_until

@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus
 
-from proxy.gateway import Gateway
+from proxy.process.gateway import Gateway
 from tests.integration.test_operations import running_gateway
 from tests.integration.test_ws_relay import hello, upstream, wait_until
 

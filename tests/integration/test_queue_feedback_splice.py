@@ -23,8 +23,8 @@ from bench.wsraw import (
     read_frames,
     read_head,
 )
+from proxy.process.serving import UVICORN_ONLY
 from proxy.relay.ws_session import _WebSocket
-from proxy.serving import UVICORN_ONLY
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_frame_violations import RecordingUpstream, recording_upstream
 from tests.integration.test_ws_relay import wait_until

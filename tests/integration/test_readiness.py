@@ -23,9 +23,9 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from proxy.admin import create_admin_app
+from proxy.process.admin import create_admin_app
+from proxy.process.serving import bind_socket, running_server
 from proxy.runtime import Runtime
-from proxy.serving import bind_socket, running_server
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.upstream import FakeEngine
 from tests.redis_support import RedisServer

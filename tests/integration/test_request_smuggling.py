@@ -16,8 +16,8 @@ import pytest
 import yaml
 
 from bench.wsraw import read_head, read_http_body
-from proxy.gateway import Gateway
-from proxy.serving import RunningServer, running_server
+from proxy.process.gateway import Gateway
+from proxy.process.serving import RunningServer, running_server
 from proxy.settings import load_settings
 from tests.integration.test_head_limits import CountingUpstream, send_and_read_head
 

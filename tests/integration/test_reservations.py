@@ -13,7 +13,7 @@ import yaml
 from websockets.asyncio.client import connect
 from websockets.exceptions import InvalidStatus
 
-from proxy.gateway import Gateway
+from proxy.process.gateway import Gateway
 from tests.integration.test_operations import running_gateway
 from tests.integration.test_pipelines import voice_agent_config
 from tests.integration.test_ws_relay import hello, upstream, wait_until

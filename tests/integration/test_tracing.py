@@ -181,7 +181,7 @@ def test_tracing_without_the_extra_is_refused_by_name(
     import yaml
 
     import proxy.tracing
-    from proxy import cli
+    from proxy.process import cli
     from tests.unit.test_settings import valid
 
     monkeypatch.setattr(proxy.tracing, "otel_available", lambda: False)

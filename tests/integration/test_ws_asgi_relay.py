@@ -15,7 +15,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
 from proxy.clock import FakeClock
-from proxy.serving import UVICORN_ONLY
+from proxy.process.serving import UVICORN_ONLY
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_relay import hello, upstream, wait_until, ws_route
 

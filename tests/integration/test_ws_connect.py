@@ -22,9 +22,9 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from proxy.clock import FakeClock
-from proxy.gateway import Gateway
+from proxy.process.gateway import Gateway
+from proxy.process.serving import RunningServer, running_server
 from proxy.runtime import Runtime
-from proxy.serving import RunningServer, running_server
 from proxy.settings import Settings
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_relay import hello, wait_until

@@ -28,7 +28,7 @@ from bench.wsraw import (
     read_frames,
     read_head,
 )
-from proxy.serving import UVICORN_ONLY
+from proxy.process.serving import UVICORN_ONLY
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_relay import wait_until
 

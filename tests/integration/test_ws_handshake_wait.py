@@ -133,8 +133,8 @@ async def test_a_handshake_wait_of_0_refuses_a_plain_client_at_once_while_http_q
 
 
 def test_the_demo_states_both_waits_and_takes_its_handshake_wait() -> None:
-    from proxy.demo import _queue_lines, demo_settings
     from proxy.errors import ConfigError
+    from proxy.process.demo import _queue_lines, demo_settings
     from proxy.sim.presets import get_preset
 
     preset = get_preset("l40s-qwen3tts-1.7b")

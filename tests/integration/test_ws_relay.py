@@ -11,7 +11,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from proxy.serving import RunningServer, running_server
+from proxy.process.serving import RunningServer, running_server
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.upstream import FakeEngine
 
@@ -217,7 +217,7 @@ async def test_refusal_close_mode_sends_event_and_1013(start_proxy: Any, upstrea
 
 async def test_unreachable_replica_is_skipped(start_proxy: Any, upstream: Any) -> None:
     server, _ = upstream
-    from proxy.serving import bind_socket
+    from proxy.process.serving import bind_socket
 
     dying = bind_socket()  # listening through the start-up check, refusing after it
     dead_port = dying.getsockname()[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from proxy.metering import AudioFormat, ws_adapter
+from proxy.metering.adapters import AudioFormat, ws_adapter
 from proxy.probe.analysis import LevelStats, LevelWindow, SessionTrace, level_stats
 from proxy.probe.ceiling import summarize
 from proxy.probe.probe_session import ClientOptions, SessionRecorder

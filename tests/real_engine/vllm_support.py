@@ -54,7 +54,7 @@ async def gateway(engine_url: str, routes: list[dict[str, Any]], *, cap: int) ->
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "headroom.yaml"
         path.write_text(yaml.safe_dump(config))
-        serve = [sys.executable, "-m", "proxy.cli", "serve", "--config", str(path)]
+        serve = [sys.executable, "-m", "proxy.process.cli", "serve", "--config", str(path)]
         async with _child(serve, "stderr", "headroom: serving on ") as banner:
             yield banner.rsplit(" ", 1)[-1]
 

@@ -18,7 +18,7 @@ from proxy.admission.redis_backend import RedisAdmission
 from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
 from proxy.clock import FakeClock
 from proxy.errors import FallbackHint
-from proxy.metrics import Metrics
+from proxy.metering.series import Metrics
 from tests.redis_support import RedisServer
 
 __all__ = ["Backend", "eventually", "seed_generation"]

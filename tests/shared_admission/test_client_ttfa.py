@@ -20,12 +20,12 @@ from proxy.admission.auth import NO_KEY, Authorization
 from proxy.admission.session_lease import Lease
 from proxy.client_request import ClientRequest
 from proxy.errors import HeadroomError, Refused
-from proxy.meter import PrometheusReplicaSink, SessionMeter
-from proxy.metrics import Metrics
+from proxy.metering.rolling import ReplicaSignals
+from proxy.metering.series import Metrics
+from proxy.metering.session_meter import PrometheusReplicaSink, SessionMeter
 from proxy.relay.lifecycle import SessionStop, run_session
 from proxy.relay.services import StopSession
 from proxy.relay.session_record import SessionRecord
-from proxy.replica_signals import ReplicaSignals
 from proxy.settings import Settings, settings_from_mapping
 from tests.shared_admission.conftest import Backend, eventually
 

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from proxy.cli import main
 from proxy.errors import ConfigError
+from proxy.process.cli import main
 from proxy.settings import settings_from_mapping
 
 BASE: dict[str, Any] = {

@@ -19,7 +19,7 @@ from proxy.admission.session_lease import Lease, Waiting
 from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
 from proxy.client_request import ClientRequest
 from proxy.errors import FallbackHint
-from proxy.metrics import Metrics
+from proxy.metering.series import Metrics
 from proxy.relay.admit import enter
 from proxy.settings import RouteSettings
 from tests.shared_admission.conftest import Backend, seed_generation

@@ -17,7 +17,7 @@ import httpx
 import pytest
 import yaml
 
-from proxy.serving import RunningServer, running_server
+from proxy.process.serving import RunningServer, running_server
 from proxy.settings import Settings, settings_from_mapping
 from tests.conftest import Proxy
 from tests.integration.upstream import FakeEngine

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy.serving import RunningServer, running_server
+from proxy.process.serving import RunningServer, running_server
 from proxy.settings import Settings
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_relay import wait_until

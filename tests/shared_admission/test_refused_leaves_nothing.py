@@ -22,7 +22,7 @@ from proxy.admission.redis_backend import RedisAdmission, ReplicaView
 from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
 from proxy.clock import FakeClock
 from proxy.errors import Refused
-from proxy.metrics import Metrics
+from proxy.metering.series import Metrics
 from tests.redis_support import RedisServer
 from tests.shared_admission.conftest import eventually, seed_generation
 

@@ -24,7 +24,7 @@ from proxy.admission.session_lease import Lease
 from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
 from proxy.clock import FakeClock
 from proxy.errors import FallbackHint, Refused
-from proxy.metrics import Metrics
+from proxy.metering.series import Metrics
 from proxy.settings import ApiKeySettings
 from tests.redis_support import RedisServer
 from tests.shared_admission.conftest import seed_generation

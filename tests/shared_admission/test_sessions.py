@@ -14,7 +14,7 @@ import redis.asyncio as aioredis
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from proxy.serving import bind_socket
+from proxy.process.serving import bind_socket
 from proxy.settings import Settings, settings_from_mapping
 from tests.conftest import Proxy
 from tests.integration.test_ws_relay import hello, upstream, wait_until

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from proxy.serving import RunningServer, running_server
+from proxy.process.serving import RunningServer, running_server
 from tests.redis_support import RedisServer
 from tests.shared_admission.conftest import seed_generation
 from tests.shared_admission.test_workers import Served, _gone, _lease_holders, _wait_ready

@@ -19,7 +19,7 @@ import pytest
 import redis.asyncio as aioredis
 import yaml
 
-from proxy.serving import RunningServer, running_server
+from proxy.process.serving import RunningServer, running_server
 from tests.integration.upstream import FakeEngine
 from tests.redis_support import RedisServer
 from tests.shared_admission.conftest import seed_generation

@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from proxy.meter import RecordingReplicaSink, SessionMeter
-from proxy.metering import AudioFormat, http_adapter
+from proxy.metering.adapters import AudioFormat, http_adapter
+from proxy.metering.session_meter import RecordingReplicaSink, SessionMeter
 from proxy.sim.cluster import Cluster
 from proxy.sim.completions_api import token_text
 from tests.sim.helpers import sse_events

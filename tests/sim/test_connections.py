@@ -10,7 +10,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedError
 
-from proxy.serving import running_server
+from proxy.process.serving import running_server
 from proxy.sim.connections import ConnectionTable, tracked_http
 
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from proxy.colocation import GB, check_gpu, check_gpus, engine_figures
 from proxy.errors import ConfigError
 from proxy.settings import GpuEngineSettings, GpuSettings, load_settings, settings_from_mapping
+from proxy.sim.colocation_check import GB, check_gpu, check_gpus, engine_figures
 from proxy.sim.presets import get_preset
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
@@ -190,7 +190,7 @@ gpus:
 def test_check_refuses_an_over_committed_gpu(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from proxy.cli import main
+    from proxy.process.cli import main
 
     path = write(tmp_path, CONFIG.replace("ASR", "0.6").replace("TTS", "0.5"))
     assert main(["check", "--config", path]) == 2
@@ -202,7 +202,7 @@ def test_check_refuses_an_over_committed_gpu(
 def test_check_warns_when_a_share_leaves_too_little_kv(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from proxy.cli import main
+    from proxy.process.cli import main
 
     path = write(tmp_path, CONFIG.replace("ASR", "0.8").replace("TTS", "0.15"))
     assert main(["check", "--config", path]) == 0
@@ -216,7 +216,7 @@ def test_check_warns_when_a_share_leaves_too_little_kv(
 def test_check_passes_a_sound_co_location(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from proxy.cli import main
+    from proxy.process.cli import main
 
     path = write(tmp_path, CONFIG.replace("ASR", "0.45").replace("TTS", "0.45"))
     assert main(["check", "--config", path]) == 0
@@ -225,7 +225,7 @@ def test_check_passes_a_sound_co_location(
 
 
 def test_the_example_config_passes_the_check(capsys: pytest.CaptureFixture[str]) -> None:
-    from proxy.cli import main
+    from proxy.process.cli import main
 
     settings = load_settings(CONFIG_DIR / "colocated.yaml", env={})
     assert len(settings.gpus) == 1 and len(settings.gpus[0].engines) == 2

@@ -22,9 +22,8 @@ import httpx
 import pytest
 
 from bench.config_apply import generate, mapping_keys
-from proxy import strict_yaml
-from proxy.gateway import Gateway
-from proxy.settings import load_settings, settings_from_text
+from proxy.process.gateway import Gateway
+from proxy.settings import load_settings, settings_from_text, strict_yaml
 
 KiB = 1024
 #: Python function calls per mapping key, at most: a load builds a document from the
@@ -130,7 +129,7 @@ async def running_gateway(path: Path) -> AsyncIterator[Gateway]:
 
 @pytest.fixture
 def parse_threads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The threads :func:`proxy.strict_yaml.load` runs in, in order."""
+    """The threads :func:`proxy.settings.strict_yaml.load` runs in, in order."""
     threads: list[int] = []
     load = strict_yaml.load
 

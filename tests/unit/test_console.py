@@ -1,4 +1,4 @@
-"""proxy.console.say: an operator line reaches stderr in one write, so lines from
+"""proxy.process.console.say: an operator line reaches stderr in one write, so lines from
 ``--workers`` processes sharing one stderr never break into each other."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.console import say
+from proxy.process.console import say
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def test_lines_from_processes_sharing_stderr_arrive_whole() -> None:
     whole (print would write the text and its newline apart)."""
     read_end, write_end = os.pipe()
     script = (
-        "import sys; from proxy.console import say\n"
+        "import sys; from proxy.process.console import say\n"
         "for n in range(300): say(f'headroom: worker {sys.argv[1]} line {n} ' + 'x' * 60)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -56,7 +56,7 @@ def test_lines_from_processes_sharing_stderr_arrive_whole() -> None:
     assert all(whole.fullmatch(line) for line in lines)
 
 
-@pytest.mark.parametrize("module", ["proxy/cli.py", "proxy/workers.py"])
+@pytest.mark.parametrize("module", ["proxy/process/cli.py", "proxy/process/workers.py"])
 def test_the_serve_commands_write_operator_lines_with_say(module: str) -> None:
     """Those two run in every worker and in the supervisor at once."""
     assert "file=sys.stderr" not in (ROOT / module).read_text()

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from proxy.clock import FakeClock
+from proxy.process.serving import running_server
 from proxy.runtime import Runtime
-from proxy.serving import running_server
 from proxy.settings import Settings, settings_from_mapping
 from proxy.upstreams import (
     ENGINE_METRICS_TIMEOUT_S,

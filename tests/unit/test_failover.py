@@ -11,8 +11,8 @@ import pytest
 from proxy.admission import PoolCore, QueuePolicy, ReplicaSpec
 from proxy.admission.gate import Gate
 from proxy.clock import FakeClock
+from proxy.process.serving import bind_socket
 from proxy.relay.failover import Failover, Unreachable, describe, open_tcp, open_tcp_transport
-from proxy.serving import bind_socket
 
 
 def make_gate(replicas: int) -> Gate:

@@ -12,7 +12,7 @@ from proxy.admission.gate import Gate
 from proxy.admission.session_lease import Lease
 from proxy.clock import FakeClock
 from proxy.errors import CapacityRefused, DrainingRefused, FallbackHint, Refused
-from proxy.metrics import Metrics
+from proxy.metering.series import Metrics
 
 
 async def settle() -> None:

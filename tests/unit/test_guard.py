@@ -7,7 +7,7 @@ import random
 import pytest
 
 from proxy.admission.guard import GuardPolicy, ReplicaGuard
-from proxy.replica_signals import StartupSignals
+from proxy.metering.rolling import StartupSignals
 
 POLICY = GuardPolicy(threshold=1.2, hysteresis=0.1, hold_s=10.0, min_samples=50)
 

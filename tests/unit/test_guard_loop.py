@@ -8,7 +8,7 @@ from __future__ import annotations
 from proxy.admission.gate import Gate
 from proxy.admission.guard import GUARD_INTERVAL_S, GuardLoop, GuardPolicy
 from proxy.clock import FakeClock
-from proxy.replica_signals import ReplicaSignals
+from proxy.metering.rolling import ReplicaSignals
 from proxy.runtime import build_gate
 from tests.conftest import proxy_settings
 

@@ -176,7 +176,7 @@ def test_the_graph_sees_every_kind_of_import() -> None:
     graph = import_graph()
     assert "proxy.upstreams" in graph["proxy.runtime"]  # module level, from-import
     assert "proxy.relay.failover" in graph["proxy.upstreams"]  # a module inside a package
-    assert "proxy.demo" in graph["proxy.cli"]  # inside a function
+    assert "proxy.process.demo" in graph["proxy.process.cli"]  # inside a function
     assert "proxy.runtime" not in graph["proxy.relay.services"]  # TYPE_CHECKING only
 
 

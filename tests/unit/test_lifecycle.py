@@ -29,7 +29,7 @@ from proxy.errors import (
     Unauthorized,
     UpstreamConnectError,
 )
-from proxy.meter import RecordingReplicaSink, SessionMeter
+from proxy.metering.session_meter import RecordingReplicaSink, SessionMeter
 from proxy.relay.failover import AttemptFailed, walk
 from proxy.relay.lifecycle import Declined, SessionStop, race_client, run_session
 from proxy.relay.services import StopSession

@@ -15,9 +15,9 @@ import pytest
 import uvicorn
 from uvicorn.server import ServerState
 
+from proxy.process.serving import running_server
 from proxy.relay.listener import LINGER_S, ClientListener, client_listener
 from proxy.relay.ws_server import ClientWebSocket, WebSocketSessions
-from proxy.serving import running_server
 from proxy.settings import LimitsSettings
 
 __all__ = ["Timers", "Transport", "open_listener", "settle"]

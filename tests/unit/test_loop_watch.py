@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from proxy.clock import FakeClock
-from proxy.loop_watch import LoopWatch
+from proxy.metering.loop_lateness import LoopWatch
 
 
 def test_a_stall_is_logged_once_while_it_lasts_and_once_when_it_ends(

@@ -10,16 +10,16 @@ from hypothesis import strategies as st
 from prometheus_client import generate_latest
 from prometheus_client.samples import Sample
 
-from proxy.meter import (
+from proxy.metering.adapters import AudioFormat, http_adapter, ws_adapter
+from proxy.metering.rolling import ReplicaSignals
+from proxy.metering.series import Metrics
+from proxy.metering.session_meter import (
     RATIO_CAP,
     PrometheusReplicaSink,
     RecordingReplicaSink,
     SessionMeter,
     SessionSummary,
 )
-from proxy.metering import AudioFormat, http_adapter, ws_adapter
-from proxy.metrics import Metrics
-from proxy.replica_signals import ReplicaSignals
 
 
 def meter(

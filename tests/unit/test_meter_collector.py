@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from proxy.meter import PrometheusReplicaSink, SessionMeter
-from proxy.metrics import Metrics
-from proxy.replica_series import bucket_index
-from proxy.replica_signals import ReplicaSignals
+from proxy.metering.replica_series import bucket_index
+from proxy.metering.rolling import ReplicaSignals
+from proxy.metering.series import Metrics
+from proxy.metering.session_meter import PrometheusReplicaSink, SessionMeter
 from tests.hypothesis_profiles import examples
 
 REPLICA_FAMILIES = (
@@ -194,7 +194,7 @@ def test_registry_sample_lookup_sees_the_collector() -> None:
 
 class Reference:
     """The pre-collector implementation: prometheus_client metrics with the definitions
-    copied literally from the old ``proxy.metrics``, observed the way the old
+    copied literally from the old ``proxy.metering.series``, observed the way the old
     ``PrometheusReplicaSink`` observed them."""
 
     def __init__(self, gap_buckets: tuple[float, ...]) -> None:
@@ -442,8 +442,8 @@ def test_a_metered_session_matches_prometheus_client() -> None:
 def test_the_deprecated_p99_gauge_is_the_worst_1pct_gauge_under_its_old_name() -> None:
     """``headroom_delivery_ratio_p99`` was the 1st percentile all along; it is renamed
     ``headroom_delivery_ratio_worst_1pct`` and kept, same value, for one release."""
-    from proxy.metrics import DEPRECATED_ALIASES
-    from proxy.scrape_collectors import ReplicaGauges
+    from proxy.metering.scrape import ReplicaGauges
+    from proxy.metering.series import DEPRECATED_ALIASES
 
     metrics = Metrics()
     gauges = [

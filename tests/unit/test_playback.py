@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.playback import PlaybackBuffer
+from proxy.metering.playback import PlaybackBuffer
 
 
 def play(chunks: list[tuple[float, float]], prebuffer_s: float = 0.2) -> PlaybackBuffer:

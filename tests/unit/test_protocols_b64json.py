@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.metering.b64json import (
+from proxy.metering.adapters.b64json import (
     FAST_PATH_MIN,
     B64Span,
     b64_decoded_len,

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.metering import HTTP_PROTOCOLS, AudioFormat, HttpAdapter, http_adapter
-from proxy.metering.http_streams import media_type, request_fields
-from proxy.metering.sse import SseParser
+from proxy.metering.adapters import HTTP_ROUTE_PROTOCOLS, AudioFormat, HttpAdapter, http_adapter
+from proxy.metering.adapters.http_streams import media_type, request_fields
+from proxy.metering.adapters.sse import SseParser
 
 DEFAULT = AudioFormat(24000, 1, 2)
 JSON = "application/json"
@@ -338,7 +338,7 @@ bodies = st.binary(max_size=100) | st.builds(
 special_chunks = st.sampled_from([sse_delta(30), b"data: [DONE]\n\n", wav_header(0)])
 
 
-@pytest.mark.parametrize("protocol", sorted(HTTP_PROTOCOLS))
+@pytest.mark.parametrize("protocol", sorted(HTTP_ROUTE_PROTOCOLS))
 @given(
     body=bodies,
     content_type=content_types,

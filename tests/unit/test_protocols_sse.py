@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.metering.sse import SseEvent, SseParser
+from proxy.metering.adapters.sse import SseEvent, SseParser
 
 
 def parse_whole(stream: bytes) -> list[SseEvent]:

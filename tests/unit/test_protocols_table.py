@@ -1,4 +1,5 @@
-"""The protocol table (proxy/metering/table.py): every route protocol the settings accept
+"""The protocol table (proxy/metering/adapters/registry.py): every route protocol the settings
+accept
 has one complete entry, and every place that varies by protocol reads it."""
 
 from __future__ import annotations
@@ -10,16 +11,16 @@ import pytest
 
 from proxy.admission.refusal import error_event
 from proxy.errors import CapacityRefused, ConfigError, FallbackHint
-from proxy.metering import (
-    HTTP_PROTOCOLS,
+from proxy.metering.adapters import (
+    HTTP_ROUTE_PROTOCOLS,
     PROTOCOL_TABLE,
     PROTOCOLS,
-    WS_PROTOCOLS,
+    WS_ROUTE_PROTOCOLS,
     AudioFormat,
     http_adapter,
     ws_adapter,
 )
-from proxy.metering.table import inner_protocols
+from proxy.metering.adapters.registry import inner_protocols
 from proxy.settings import Protocol, RouteSettings, settings_from_mapping
 from tests.unit.test_protocols_ws import Recorder
 
@@ -43,8 +44,8 @@ def route_problems(**route: Any) -> list[tuple[str, str]]:
 
 def test_the_settings_accept_exactly_the_tables_names_in_its_order() -> None:
     assert list(get_args(Protocol)) == list(PROTOCOL_TABLE)
-    assert set(PROTOCOL_TABLE) == PROTOCOLS == WS_PROTOCOLS | HTTP_PROTOCOLS
-    assert not WS_PROTOCOLS & HTTP_PROTOCOLS
+    assert set(PROTOCOL_TABLE) == PROTOCOLS == WS_ROUTE_PROTOCOLS | HTTP_ROUTE_PROTOCOLS
+    assert not WS_ROUTE_PROTOCOLS & HTTP_ROUTE_PROTOCOLS
 
 
 @pytest.mark.parametrize("name", list(get_args(Protocol)))
@@ -98,7 +99,7 @@ def test_inner_protocol_rules_come_from_the_table() -> None:
     carriers = [n for n, s in PROTOCOL_TABLE.items() if s.carries_inner]
     assert carriers == ["sagemaker-bidi"]
     listed = ", ".join(inner_protocols())
-    assert inner_protocols() == sorted(WS_PROTOCOLS - set(carriers))
+    assert inner_protocols() == sorted(WS_ROUTE_PROTOCOLS - set(carriers))
     assert route_problems(protocol="sagemaker-bidi") == [
         (
             "routes[0].inner_protocol",
@@ -169,7 +170,7 @@ EVENTS: dict[str, Any] = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(WS_PROTOCOLS))
+@pytest.mark.parametrize("name", sorted(WS_ROUTE_PROTOCOLS))
 def test_each_ws_protocols_error_event_has_its_own_shape_and_the_contract_fields(
     name: str,
 ) -> None:

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.meter import RecordingReplicaSink, SessionMeter
-from proxy.metering import AudioFormat, HttpAdapter, http_adapter
-from proxy.metering.tokens import event_tokens
+from proxy.metering.adapters import AudioFormat, HttpAdapter, http_adapter
+from proxy.metering.adapters.tokens import event_tokens
+from proxy.metering.session_meter import RecordingReplicaSink, SessionMeter
 from tests.unit.test_protocols_http import Recorder
 
 ORPHEUS = AudioFormat(24000, 1, 2, tokens_per_second=84.0)

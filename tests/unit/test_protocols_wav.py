@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.metering.base import AudioFormat
-from proxy.metering.wav import WavStream
+from proxy.metering.adapters.base import AudioFormat
+from proxy.metering.adapters.wav import WavStream
 
 DEFAULT = AudioFormat(24000, 1, 2)
 

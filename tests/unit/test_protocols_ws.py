@@ -11,7 +11,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.metering import WS_PROTOCOLS, AudioFormat, WsAdapter, http_adapter, ws_adapter
+from proxy.metering.adapters import (
+    WS_ROUTE_PROTOCOLS,
+    AudioFormat,
+    WsAdapter,
+    http_adapter,
+    ws_adapter,
+)
 
 DEFAULT = AudioFormat(24000, 1, 2)
 
@@ -101,7 +107,7 @@ def test_omni_speech_reads_binary_content_only_for_wav() -> None:
     assert ws.errors == 0
 
 
-@pytest.mark.parametrize("protocol", sorted(WS_PROTOCOLS - {"vllm-omni-speech-ws"}))
+@pytest.mark.parametrize("protocol", sorted(WS_ROUTE_PROTOCOLS - {"vllm-omni-speech-ws"}))
 def test_other_adapters_never_read_binary_content(protocol: str) -> None:
     ws, _ = adapter(protocol, "vllm-omni-speech-ws" if protocol == "sagemaker-bidi" else None)
     assert ws.reads_binary is False
@@ -299,7 +305,7 @@ def test_ws_factory_rejects_other_protocols(protocol: str) -> None:
         ws_adapter(protocol, Recorder(), DEFAULT)
 
 
-@pytest.mark.parametrize("protocol", sorted(WS_PROTOCOLS))
+@pytest.mark.parametrize("protocol", sorted(WS_ROUTE_PROTOCOLS))
 def test_http_factory_rejects_ws_protocols(protocol: str) -> None:
     with pytest.raises(ValueError, match="not an HTTP protocol"):
         http_adapter(protocol, Recorder(), DEFAULT)
@@ -314,7 +320,7 @@ class ExplodingSink(Recorder):
 
 
 def test_a_failing_sink_is_counted_not_raised() -> None:
-    for protocol in sorted(WS_PROTOCOLS):
+    for protocol in sorted(WS_ROUTE_PROTOCOLS):
         ws = ws_adapter(protocol, ExplodingSink(), DEFAULT)
         ws.upstream_binary(0.0, bytes(4800))
         ws.upstream_text(0.0, j(type="response.output_audio.delta", delta=b64(480)))
@@ -366,7 +372,7 @@ frames = st.one_of(
 )
 
 
-@pytest.mark.parametrize("protocol", sorted(WS_PROTOCOLS))
+@pytest.mark.parametrize("protocol", sorted(WS_ROUTE_PROTOCOLS))
 @given(messages=st.lists(st.tuples(st.booleans(), frames), max_size=20))
 def test_adapters_never_raise_and_never_fail_internally(
     protocol: str, messages: list[tuple[bool, str | bytes]]

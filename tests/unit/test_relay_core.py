@@ -1,4 +1,4 @@
-"""The relay core (proxy.relay.session_rules) as a playbook: sequences of events at explicit
+"""The relay core (proxy.relay.relay_core) as a playbook: sequences of events at explicit
 times, and the actions each must produce, in order. No sockets, no clock, no loop:
 every session rule both relays share is pinned here once."""
 
@@ -12,6 +12,7 @@ import pytest
 
 from proxy.relay.deadlines import Deadlines, Expiry
 from proxy.relay.frames import BINARY, TEXT
+from proxy.relay.relay_core import CLOSE_TIMEOUT_S, RelayCore
 from proxy.relay.session_actions import (
     Action,
     CloseSocket,
@@ -25,7 +26,6 @@ from proxy.relay.session_actions import (
     Wake,
 )  # fmt: skip
 from proxy.relay.session_record import SessionRecord
-from proxy.relay.session_rules import CLOSE_TIMEOUT_S, RelayCore
 from proxy.relay.session_states import LegState, Phase, Side
 from proxy.settings import LimitsSettings
 

@@ -1,4 +1,4 @@
-"""proxy.serving: uvicorn servers embedded in a running event loop, with Headroom's
+"""proxy.process.serving: uvicorn servers embedded in a running event loop, with Headroom's
 client listener (proxy.relay.listener) told of the shut-down."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from proxy.process.serving import running_server
 from proxy.relay.listener import client_listener
 from proxy.relay.ws_server import WebSocketSessions
-from proxy.serving import running_server
 from proxy.settings import LimitsSettings
 
 

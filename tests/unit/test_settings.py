@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 from proxy.errors import ConfigError
 from proxy.settings import (
-    HTTP_PROTOCOLS,
-    WS_PROTOCOLS,
+    HTTP_ROUTE_PROTOCOLS,
+    WS_ROUTE_PROTOCOLS,
     Protocol,
     Settings,
     load_settings,
@@ -390,8 +390,8 @@ def test_ws_base() -> None:
 
 
 def test_protocol_sets_partition_the_protocols() -> None:
-    assert set(get_args(Protocol)) == WS_PROTOCOLS | HTTP_PROTOCOLS
-    assert not WS_PROTOCOLS & HTTP_PROTOCOLS
+    assert set(get_args(Protocol)) == WS_ROUTE_PROTOCOLS | HTTP_ROUTE_PROTOCOLS
+    assert not WS_ROUTE_PROTOCOLS & HTTP_ROUTE_PROTOCOLS
 
 
 def test_warnings_for_unused_pool_and_useless_feedback() -> None:

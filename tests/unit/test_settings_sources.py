@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from proxy import cli
 from proxy.errors import ConfigError
+from proxy.process import cli
 from proxy.settings import load_settings, sources
 from tests.unit.test_settings import valid
 

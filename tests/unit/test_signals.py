@@ -9,8 +9,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.quantiles import _SPAN, GAMMA, LogHistogram, QuantileSketch, SparseLogHistogram, _key
-from proxy.replica_signals import ReplicaSignals
+from proxy.metering.rolling import ReplicaSignals
+from proxy.metering.sketches import (
+    _SPAN,
+    GAMMA,
+    LogHistogram,
+    QuantileSketch,
+    SparseLogHistogram,
+    _key,
+)
 
 ERROR = (GAMMA - 1) / (GAMMA + 1) + 1e-9
 

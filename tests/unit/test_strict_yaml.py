@@ -10,9 +10,8 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy import strict_yaml
 from proxy.errors import ConfigError
-from proxy.settings import load_settings
+from proxy.settings import load_settings, strict_yaml
 
 CAPPED = """\
 pools:
@@ -86,7 +85,7 @@ def test_serve_check_and_reload_refuse_a_repeated_cap(tmp_path: Path) -> None:
 def test_cli_check_fails_with_exit_code_2(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from proxy.cli import main
+    from proxy.process.cli import main
 
     path = tmp_path / "headroom.yaml"
     path.write_text(CAPPED)

@@ -1,4 +1,4 @@
-"""The ``--workers`` supervisor's verdict (proxy.workers.Supervisor.run), with stand-in
+"""The ``--workers`` supervisor's verdict (proxy.process.workers.Supervisor.run), with stand-in
 worker processes: no process starts, no signal is sent."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import signal
 
 import pytest
 
-from proxy.workers import Supervisor
+from proxy.process.workers import Supervisor
 
 
 class Worker:
@@ -54,7 +54,7 @@ async def test_a_worker_that_fails_drains_the_others_and_the_supervisor_fails(co
 
 
 async def test_a_reload_applied_by_some_workers_only_drains_all_and_fails() -> None:
-    """The workers would run two configurations (proxy.reload_rounds): never served on."""
+    """The workers would run two configurations (proxy.process.reload_rounds): never served on."""
     supervisor, sent = _supervisor(Worker(101), Worker(102))
     supervisor.on_split("generation 2 was applied by some workers but not by worker 1")
     assert sent == [signal.SIGTERM]

@@ -20,7 +20,7 @@ from proxy.admission.gate import Gate
 from proxy.admission.session_lease import Lease
 from proxy.clock import FakeClock
 from proxy.errors import ConfigError, Refused, TenantLimitRefused
-from proxy.metrics import Metrics
+from proxy.metering.series import Metrics
 from proxy.settings import Settings, settings_from_mapping
 from tests.conftest import Proxy
 from tests.integration.test_ws_relay import hello, upstream, wait_until

@@ -20,8 +20,8 @@ import pytest
 from proxy import upstreams as upstreams_module
 from proxy.admission.gate import Gate
 from proxy.clock import FakeClock
+from proxy.process.serving import bind_socket, running_server
 from proxy.runtime import build_gate
-from proxy.serving import bind_socket, running_server
 from proxy.settings import Settings
 from proxy.upstreams import (
     ENGINE_METRICS_MAX_BYTES,

@@ -1,4 +1,4 @@
-"""Reload rounds over the control channels of ``serve --workers`` (proxy.worker_control),
+"""Reload rounds over the control channels of ``serve --workers`` (proxy.process.worker_control),
 with workers in this process: every worker applies a file or none does."""
 
 from __future__ import annotations
@@ -13,17 +13,17 @@ from typing import Any
 
 import pytest
 
-from proxy import worker_control
 from proxy.errors import ConfigError
-from proxy.reload_rounds import ReloadRounds
-from proxy.settings.loading import MAX_CONFIG_BYTES
-from proxy.worker_control import (
+from proxy.process import worker_control
+from proxy.process.reload_rounds import ReloadRounds
+from proxy.process.worker_control import (
     MAX_MESSAGE_BYTES,
     Channel,
     WorkerControl,
     read_start,
     start_frame,
 )
+from proxy.settings.loading import MAX_CONFIG_BYTES
 
 
 class Target:

@@ -16,6 +16,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedOK
 
+from proxy.process.serving import running_server
 from proxy.relay.listener import ClientListener, client_listener
 from proxy.relay.ws_server import (
     EARLY_LIMIT,
@@ -23,7 +24,6 @@ from proxy.relay.ws_server import (
     ClientWebSocket,
     WebSocketSessions,
 )
-from proxy.serving import running_server
 from proxy.settings import LimitsSettings
 from tests.unit.test_listener import Timers, Transport, open_listener, settle
 from tests.unit.test_splice import Harness, client_frame, parse_frames

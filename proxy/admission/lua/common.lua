@@ -1,7 +1,7 @@
 -- Shared part of every Headroom admission script (prepended to each one at load).
 --
--- Every key of one pool shares the hash tag {<prefix>:<pool>}, so a script touches
--- one cluster slot. KEYS, in this order, for every script:
+-- Every key of one pool shares the hash tag {<pool>} ('<prefix>{<pool>}:<name>'), so a
+-- script touches one cluster slot. KEYS, in this order, for every script:
 --   1 leases  zset   lease id -> expiry (ms, Redis clock)
 --   2 owner   hash   lease id -> replica
 --   3 held    hash   replica -> leases held (all gateways)
@@ -19,6 +19,12 @@
 --  13 gone    zset   id -> expiry (ms): ids withdrawn by their gateway after it gave up
 --                    on their acquire (withdraw.lua); a late acquire or hold of one is
 --                    refused
+--  14 moving never written. While the pool's slot migrates between cluster shards,
+--                    this key is missing on both, so the source redirects the call and
+--                    the target answers TRYAGAIN until the slot has moved (Redis serves
+--                    a multi-key call in a migrating slot only if it holds every key):
+--                    no script runs on a half-moved pool, and none writes a wake list
+--                    the other shard holds.
 -- Wake lists ('<prefix>wake:<gateway>') are named from ARGV but share the hash tag.
 --
 -- A replica view (the caller's configured, healthy, non-retired replicas, in
@@ -596,8 +602,10 @@ local function grant(id, replica, now, ttl)
   redis.call('HINCRBY', K_HELD, replica, 1)
 end
 
--- The session ended at now: its slot frees and its lane is charged its length.
-local function drop_lease(id, now, ctx)
+-- The lease ends at now: its slot frees. ``ran`` says a session used it, so its lane
+-- is charged its length and the pool's mean session length observes it (a release);
+-- false for a lease whose session never ran (a withdrawn acquire).
+local function drop_lease(id, now, ctx, ran)
   local replica = redis.call('HGET', K_OWNER, id)
   if not replica then
     return false
@@ -605,7 +613,7 @@ local function drop_lease(id, now, ctx)
   redis.call('HINCRBY', K_HELD, replica, -1)
   redis.call('HDEL', K_OWNER, id)
   redis.call('ZREM', K_LEASES, id)
-  tq_released(ctx, id, now, true)
+  tq_released(ctx, id, now, ran)
   return true
 end
 

@@ -6,7 +6,7 @@ local id, ttl, prefix = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local ctx, at = ctx_of(4)
 local view = view_of(at, #ARGV - at + 1)
 local now = now_ms(ctx)
-local dropped = drop_lease(id, now, ctx)
+local dropped = drop_lease(id, now, ctx, true)
 purge(now, ctx)
 local _, blocked_until = generation(now, ttl)
 assign(now, ttl, prefix, view, blocked_until, ctx)

@@ -18,12 +18,7 @@ if redis.call('ZREM', K_QUEUE, id) == 1 then
   TQ = nil
   outcome = 'left'
 end
-local replica = redis.call('HGET', K_OWNER, id)
-if replica then
-  redis.call('HINCRBY', K_HELD, replica, -1)
-  redis.call('HDEL', K_OWNER, id)
-  redis.call('ZREM', K_LEASES, id)
-  tq_released(ctx, id, now, false)
+if drop_lease(id, now, ctx, false) then
   outcome = 'released'
 end
 if redis.call('ZREM', K_SHED, id) == 1 then

@@ -37,10 +37,10 @@ import math
 from collections.abc import Mapping
 from urllib.parse import parse_qsl
 
-from proxy.metering.b64json import scan_event
-from proxy.metering.base import AudioFormat, MeterSink, header
-from proxy.metering.sse import SseParser
-from proxy.metering.wav import WavStream
+from proxy.metering.adapters.b64json import scan_event
+from proxy.metering.adapters.base import AudioFormat, MeterSink, header
+from proxy.metering.adapters.sse import SseParser
+from proxy.metering.adapters.wav import WavStream
 
 __all__ = ["SpeechHttpAdapter", "TranscriptionSseAdapter", "media_type", "request_fields"]
 

@@ -3,7 +3,7 @@
 Active sessions, slots, queue depth, health, guard, rolling delivery ratio, the engine's
 own queue and the age of its figures, each API key's sessions, and the headroom left per
 pool are not pushed: a collector reads the gate's frozen snapshots at scrape time, so they
-can never drift from the truth. :class:`proxy.metrics.Metrics` registers these collectors
+can never drift from the truth. :class:`proxy.metering.series.Metrics` registers these collectors
 (``bind_state``, ``bind_tenants``, ``bind_headroom``, ``bind_engine_scrape``).
 """
 
@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from proxy.pool_headroom import Headroom
+    from proxy.pool_headroom import HeadroomReport
 
 __all__ = [
     "TENANT_LABELS",
@@ -196,7 +196,7 @@ class HeadroomCollector(Collector):
     """Headroom left per pool and each pipeline's limiting stage (:mod:`proxy.pool_headroom`),
     computed at scrape time like the state gauges above."""
 
-    def __init__(self, headroom: Callable[[], Headroom]) -> None:
+    def __init__(self, headroom: Callable[[], HeadroomReport]) -> None:
         self._headroom = headroom
 
     def collect(self) -> Iterator[Metric]:

@@ -9,7 +9,7 @@ Each :class:`Metrics` owns its own ``CollectorRegistry`` so several apps (tests,
 
 Gauges that describe the gate's state (active sessions, slots, queue depth, health,
 guard, rolling delivery ratio) are not pushed: collectors read the gate's frozen
-snapshots at scrape time (:mod:`proxy.scrape_collectors`), so they can never drift from
+snapshots at scrape time (:mod:`proxy.metering.scrape`), so they can never drift from
 the truth.
 
 Naming: the slow tail of the delivery ratio is the *worst 1%* (the 1st percentile; low is
@@ -21,7 +21,7 @@ too, with the same value, for one release (:data:`DEPRECATED_ALIASES`).
 
 The per-chunk metrics of a replica (gap and delivery-ratio histograms, audio-delivered and
 stream-active counters, and the underrun counters next to them) are not prometheus_client
-metrics either: :class:`proxy.replica_series.ReplicaSeries` accumulates them in plain
+metrics either: :class:`proxy.metering.replica_series.ReplicaSeries` accumulates them in plain
 numbers and a collector exports them at scrape time, with the same names, help, labels and
 buckets (see that module for how, and for the threading assumption).
 """
@@ -44,7 +44,7 @@ from prometheus_client import (
 )
 from prometheus_client.metrics import MetricWrapperBase
 
-from proxy.replica_series import (
+from proxy.metering.replica_series import (
     AUDIO_DELIVERED,
     CHUNK_DELIVERY_RATIO,
     CHUNK_GAP,
@@ -57,7 +57,7 @@ from proxy.replica_series import (
     ReplicaSeries,
     ReplicaStore,
 )
-from proxy.scrape_collectors import (
+from proxy.metering.scrape import (
     TENANT_LABELS,
     TENANT_SESSION_SECONDS,
     EngineScrapeCollector,
@@ -69,7 +69,7 @@ from proxy.scrape_collectors import (
 )
 
 if TYPE_CHECKING:
-    from proxy.pool_headroom import Headroom
+    from proxy.pool_headroom import HeadroomReport
 
 _M = TypeVar("_M", bound=MetricWrapperBase)
 
@@ -138,7 +138,7 @@ def gap_buckets(chunk_durations_s: Iterable[float] = ()) -> tuple[float, ...]:
 
 
 class _CollectedHistogram(Histogram):
-    """The definition of a histogram that a :class:`~proxy.replica_series.ReplicaCollector`
+    """The definition of a histogram that a :class:`~proxy.metering.replica_series.ReplicaCollector`
     exports: name, help, labels and buckets, for code that inspects the metrics. Not
     registered; observing through it would be lost, so it refuses label children."""
 
@@ -172,7 +172,7 @@ class Metrics:
             ["pool", "decision"], registry=r,
         )  # fmt: skip
         # The per-chunk replica metrics: accumulated by ReplicaSeries, exported at scrape
-        # time by a collector (proxy.replica_series). The attributes below are their
+        # time by a collector (proxy.metering.replica_series). The attributes below are their
         # definitions, for code that inspects them; they are not registered.
         self._replica = ReplicaStore(gaps, DELIVERY_RATIO_BUCKETS)
         r.register(ReplicaCollector(self._replica.histograms))
@@ -217,7 +217,8 @@ class Metrics:
             "listener (the gateway's own handling raised), error.",
             ["pool", "replica", "reason"], registry=r,
         )  # fmt: skip
-        # A pool's series appears with its first answered ASR commit (proxy.meter), so
+        # A pool's series appears with its first answered ASR commit
+        # (proxy.metering.session_meter), so
         # pools that only speak (TTS) export none.
         self.asr_finalize = Histogram(
             "headroom_asr_finalize_seconds",
@@ -288,12 +289,12 @@ class Metrics:
         scrape time. Call once per registry."""
         self.registry.register(TenantCollector(tenants))
 
-    def bind_headroom(self, headroom: Callable[[], Headroom]) -> None:
+    def bind_headroom(self, headroom: Callable[[], HeadroomReport]) -> None:
         """Report each pool's headroom left and each pipeline's limiting stage at scrape
         time (:mod:`proxy.pool_headroom`). Call once per registry."""
         self.registry.register(HeadroomCollector(headroom))
 
     def bind_engine_scrape(self, ages: Callable[[], Sequence[tuple[str, str, float]]]) -> None:
         """Report how old each replica's engine figures are at scrape time
-        (:class:`~proxy.scrape_collectors.EngineScrapeCollector`). Call once per registry."""
+        (:class:`~proxy.metering.scrape.EngineScrapeCollector`). Call once per registry."""
         self.registry.register(EngineScrapeCollector(ages))

@@ -1,6 +1,6 @@
 """Quantiles of a stream of values in bounded memory: log-bucket histograms (a
-replica's rolling windows, :mod:`proxy.replica_signals`) and a session's sketch
-(:class:`QuantileSketch`, :mod:`proxy.meter`).
+replica's rolling windows, :mod:`proxy.metering.rolling`) and a session's sketch
+(:class:`QuantileSketch`, :mod:`proxy.metering.session_meter`).
 
 Quantile method. Values go into a log-bucket histogram (:class:`LogHistogram`):
 bucket ``k`` holds ``(GAMMA**(k-1), GAMMA**k]`` and reports ``2*GAMMA**k/(GAMMA+1)``, so

@@ -5,7 +5,7 @@ served through an OpenAI-compatible streaming completions endpoint (vLLM's, llam
 ``llama-server``, LM Studio's); a codec decoder beside it turns a fixed number of tokens
 into one second of audio. So each generated token is a fixed duration of audio: the
 route's ``tokens_per_audio_second`` (carried here as
-:attr:`~proxy.metering.base.AudioFormat.tokens_per_second`), and the stream is metered
+:attr:`~proxy.metering.adapters.base.AudioFormat.tokens_per_second`), and the stream is metered
 like any audio stream: gaps, delivery ratio, playback, time to first audio.
 
 The response is ``text/event-stream``: ``data: {"choices": [{"text": ...}]}``
@@ -34,9 +34,9 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.metering.base import AudioFormat, MeterSink, header
-from proxy.metering.http_streams import media_type
-from proxy.metering.sse import SseParser
+from proxy.metering.adapters.base import AudioFormat, MeterSink, header
+from proxy.metering.adapters.http_streams import media_type
+from proxy.metering.adapters.sse import SseParser
 
 __all__ = ["TokenStreamAdapter", "event_tokens"]
 

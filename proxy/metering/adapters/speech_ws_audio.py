@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from typing import Final
 
-from proxy.meter import SessionMeter
-from proxy.metering.b64json import scan_event
-from proxy.metering.base import AudioFormat, MeterSink
-from proxy.metering.wav import WavStream
+from proxy.metering.adapters.b64json import scan_event
+from proxy.metering.adapters.base import AudioFormat, MeterSink
+from proxy.metering.adapters.wav import WavStream
+from proxy.metering.session_meter import SessionMeter
 
 __all__ = ["OmniSpeechWsAdapter"]
 

@@ -1,8 +1,8 @@
 """The per-session meter: gaps, delivery ratio, time to first audio, playback stalls.
 
 Pure: no clock reads, no asyncio; every call takes the arrival time ``now``. A protocol
-adapter (:mod:`proxy.metering`) feeds a :class:`SessionMeter` as its
-:class:`~proxy.metering.MeterSink`; the meter pushes per-chunk observations to a
+adapter (:mod:`proxy.metering.adapters`) feeds a :class:`SessionMeter` as its
+:class:`~proxy.metering.adapters.MeterSink`; the meter pushes per-chunk observations to a
 :class:`ReplicaSink` (Prometheus and the guard's rolling signals in production, a
 :class:`RecordingReplicaSink` in tests) and returns a :class:`SessionSummary` at the end.
 
@@ -35,11 +35,11 @@ Definitions (per session):
   (a neutral 1.0x: never faster than measured, never slowed by the client). Every audio
   second thus has wall time behind it and ``audio / active`` is the delivery speed a
   listener saw from request to last chunk.
-- **playback**: :class:`proxy.playback.PlaybackBuffer` (prebuffer, immediate resume).
+- **playback**: :class:`proxy.metering.playback.PlaybackBuffer` (prebuffer, immediate resume).
 - **finalize latency** (ASR): the earliest unanswered ``commit_final`` to the next
   ``transcript_final``; each answered commit is observed once. The summary keeps the worst.
 - **session p99 gap / worst-1% ratio**: nearest-rank quantiles over the session's samples
-  with :class:`proxy.quantiles.QuantileSketch` (exact for the first 256 samples, then
+  with :class:`proxy.metering.sketches.QuantileSketch` (exact for the first 256 samples, then
   log buckets with <= 1.96 % error): bounded memory per session.
 
 Audio of zero, negative, infinite or NaN length, and anything fed after :meth:`SessionMeter.finish`
@@ -54,10 +54,10 @@ from typing import Final, Protocol
 
 from prometheus_client import Histogram
 
-from proxy.metrics import Metrics
-from proxy.playback import PlaybackBuffer
-from proxy.quantiles import QuantileSketch
-from proxy.replica_signals import ReplicaSignals
+from proxy.metering.playback import PlaybackBuffer
+from proxy.metering.rolling import ReplicaSignals
+from proxy.metering.series import Metrics
+from proxy.metering.sketches import QuantileSketch
 
 __all__ = [
     "RATIO_CAP",
@@ -143,7 +143,7 @@ class ReplicaSink(Protocol):
 
     def first_chunk_underrun(self) -> None:
         """The underrun just reported was ended by its stream's second chunk (a start-up
-        transient, see :mod:`proxy.playback`); called right after that ``underrun``."""
+        transient, see :mod:`proxy.metering.playback`); called right after that ``underrun``."""
 
     def first_seam(self, now: float, stalled: bool) -> None:
         """A stream's second audio chunk (its first seam) arrived at ``now``; ``stalled``
@@ -161,10 +161,10 @@ class PrometheusReplicaSink:
     :class:`ReplicaSignals`.
 
     Build one per replica and share it between that replica's sessions: the replica's
-    :class:`~proxy.replica_series.ReplicaSeries` and the pool's label children are
+    :class:`~proxy.metering.replica_series.ReplicaSeries` and the pool's label children are
     resolved here, once. Per chunk it only adds plain numbers
-    (:meth:`~proxy.replica_series.ReplicaSeries.observe_gap`), no prometheus_client call
-    and no lock: see :mod:`proxy.replica_series` for the threading assumption (one
+    (:meth:`~proxy.metering.replica_series.ReplicaSeries.observe_gap`), no prometheus_client call
+    and no lock: see :mod:`proxy.metering.replica_series` for the threading assumption (one
     event-loop thread).
     ``headroom_session_duration_seconds`` is not
     observed here (the relay knows the session's end);
@@ -308,7 +308,7 @@ class RecordingReplicaSink:
 
 
 class SessionMeter:
-    """Meters one admitted session; implements :class:`proxy.metering.MeterSink`."""
+    """Meters one admitted session; implements :class:`proxy.metering.adapters.MeterSink`."""
 
     __slots__ = (
         "_active",

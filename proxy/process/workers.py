@@ -14,7 +14,7 @@ Signals go to the supervisor (PID 1 in a container) and reach every worker:
 
 * SIGTERM/SIGINT: forwarded to every worker (the first drains, a second closes at once);
 * SIGHUP: one reload round over every worker's control channel
-  (:mod:`proxy.worker_control`): the supervisor reads the file once, every worker
+  (:mod:`proxy.process.worker_control`): the supervisor reads the file once, every worker
   validates that text, and it is applied by all of them or by none;
 * the admin listener runs in worker 0 only (only it inherits the admin socket); its
   ``POST /admin/reload`` asks the supervisor for the same round and answers with every
@@ -47,14 +47,14 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from proxy.admin import ReloadAnswer
-from proxy.console import say
 from proxy.errors import ConfigError
-from proxy.gateway import Gateway, _listen
-from proxy.reload_rounds import ReloadRounds
+from proxy.process.admin import ReloadAnswer
+from proxy.process.console import say
+from proxy.process.gateway import Gateway, _listen
+from proxy.process.reload_rounds import ReloadRounds
+from proxy.process.worker_control import WorkerControl, digest, read_start, start_frame
 from proxy.runtime import Runtime
 from proxy.settings import Settings, read_config_text, settings_from_text
-from proxy.worker_control import WorkerControl, digest, read_start, start_frame
 
 __all__ = [
     "WorkerGateway",
@@ -99,7 +99,7 @@ class WorkerGateway(Gateway):
 
     Only worker 0 gets the admin socket; its reload and drain reach the other workers
     through the supervisor. Reloads come over the ``control`` socket
-    (:class:`~proxy.worker_control.WorkerControl`)."""
+    (:class:`~proxy.process.worker_control.WorkerControl`)."""
 
     def __init__(
         self,
@@ -337,7 +337,7 @@ class Supervisor:
 
 def supervise(settings: Settings, workers: int, args: Any) -> int:
     """Bind the sockets, run ``workers`` worker processes, return the exit code."""
-    from proxy.eventloop import run_async
+    from proxy.process.eventloop import run_async
 
     config_path = args.config or os.environ.get("HEADROOM_CONFIG")
     if config_path is None:

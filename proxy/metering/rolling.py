@@ -3,7 +3,7 @@ chunks, and how recent streams started (stalls at their first seam, time to firs
 
 Pure: no clock reads, no asyncio; every call takes ``now`` (monotonic seconds).
 
-Quantiles come from log-bucket histograms (:class:`proxy.quantiles.LogHistogram`, whose
+Quantiles come from log-bucket histograms (:class:`proxy.metering.sketches.LogHistogram`, whose
 error bound its module states).
 
 Rolling window (:class:`ReplicaSignals`): samples land in the open ``slice_s`` time slice
@@ -15,7 +15,7 @@ stays in it for between ``W`` and ``W + slice_s`` seconds (30 to 31 s by default
 
 Start-up signals (the guard's second and third inputs, :class:`StartupSignals`): each
 stream's *first seam* -- its second audio chunk, where the listener's modelled playback
-(:class:`proxy.playback.PlaybackBuffer`) either still had audio or ran dry, the
+(:class:`proxy.metering.playback.PlaybackBuffer`) either still had audio or ran dry, the
 ``headroom_playback_first_chunk_underruns_total`` case -- and each session's time to
 first audio, in the same slices and window as the ratios.
 """
@@ -26,7 +26,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
-from proxy.quantiles import LogHistogram
+from proxy.metering.sketches import LogHistogram
 
 __all__ = ["ReplicaSignals", "StartupSignals"]
 

@@ -54,7 +54,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Final
 
-from proxy.metering.speech_ws_audio import OmniSpeechWsAdapter
+from proxy.metering.adapters.speech_ws_audio import OmniSpeechWsAdapter
 from proxy.relay.deadlines import Deadlines, Expiry
 from proxy.relay.frames import (
     BINARY,
@@ -77,7 +77,7 @@ from proxy.relay.session_actions import (
 from proxy.relay.session_states import CLIENT, UPSTREAM, LegState, LegStatus, Phase
 
 if TYPE_CHECKING:
-    from proxy.metering.base import WsAdapter
+    from proxy.metering.adapters.base import WsAdapter
     from proxy.relay.session_record import SessionRecord
     from proxy.settings import LimitsSettings
 

@@ -2,7 +2,8 @@
 
 Every place that varies by protocol looks it up here: the settings (which names a route
 may use, which need a WebSocket, which carry another protocol inside), the adapter
-factories (:func:`proxy.metering.ws_adapter`, :func:`proxy.metering.http_adapter`) and
+factories (:func:`proxy.metering.adapters.ws_adapter`,
+:func:`proxy.metering.adapters.http_adapter`) and
 the in-band error event a ``refusal: close`` route sends
 (:func:`proxy.admission.refusal.error_event`).
 Adding a protocol is one :class:`ProtocolSpec` here (plus its adapter module); the contract
@@ -16,18 +17,18 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final, Literal, get_args
 
-from proxy.metering.base import AudioFormat, HttpAdapter, MeterSink, WsAdapter
-from proxy.metering.http_streams import SpeechHttpAdapter, TranscriptionSseAdapter
-from proxy.metering.passthrough import PassthroughHttpAdapter, PassthroughWsAdapter
-from proxy.metering.realtime_events import RealtimeAdapter
-from proxy.metering.speech_ws_audio import OmniSpeechWsAdapter
-from proxy.metering.tokens import TokenStreamAdapter
+from proxy.metering.adapters.base import AudioFormat, HttpAdapter, MeterSink, WsAdapter
+from proxy.metering.adapters.http_streams import SpeechHttpAdapter, TranscriptionSseAdapter
+from proxy.metering.adapters.passthrough import PassthroughHttpAdapter, PassthroughWsAdapter
+from proxy.metering.adapters.realtime_events import RealtimeAdapter
+from proxy.metering.adapters.speech_ws_audio import OmniSpeechWsAdapter
+from proxy.metering.adapters.tokens import TokenStreamAdapter
 
 __all__ = [
-    "HTTP_PROTOCOLS",
+    "HTTP_ROUTE_PROTOCOLS",
     "PROTOCOLS",
     "PROTOCOL_TABLE",
-    "WS_PROTOCOLS",
+    "WS_ROUTE_PROTOCOLS",
     "ErrorShape",
     "Protocol",
     "ProtocolSpec",
@@ -166,9 +167,11 @@ if list(PROTOCOL_TABLE) != list(get_args(Protocol)):  # pragma: no cover -- caug
 #: Every route protocol.
 PROTOCOLS: Final = frozenset(PROTOCOL_TABLE)
 #: Route protocols relayed over WebSocket.
-WS_PROTOCOLS: Final = frozenset(n for n, s in PROTOCOL_TABLE.items() if s.transport == "ws")
+WS_ROUTE_PROTOCOLS: Final = frozenset(n for n, s in PROTOCOL_TABLE.items() if s.transport == "ws")
 #: Route protocols relayed over HTTP.
-HTTP_PROTOCOLS: Final = frozenset(n for n, s in PROTOCOL_TABLE.items() if s.transport == "http")
+HTTP_ROUTE_PROTOCOLS: Final = frozenset(
+    n for n, s in PROTOCOL_TABLE.items() if s.transport == "http"
+)
 
 
 def spec(protocol: str) -> ProtocolSpec | None:

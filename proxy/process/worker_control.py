@@ -23,7 +23,7 @@ configuration: the text the supervisor read, the first bytes on each control soc
 (:func:`start_frame`), never the file as it is when each worker starts (generation 0).
 
 This module is the channel and the worker's end; the supervisor's is
-:mod:`proxy.reload_rounds`.
+:mod:`proxy.process.reload_rounds`.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ import socket
 import struct
 from typing import Any, Protocol
 
-from proxy.admin import ReloadAnswer, problem_list
 from proxy.errors import ConfigError
+from proxy.process.admin import ReloadAnswer, problem_list
 from proxy.settings import Settings
 from proxy.settings.loading import MAX_CONFIG_BYTES
 
@@ -195,7 +195,7 @@ class Channel:
 
 
 class ReloadTarget(Protocol):
-    """What a worker's gateway does with a reload (:class:`~proxy.gateway.Gateway`)."""
+    """What a worker's gateway does with a reload (:class:`~proxy.process.gateway.Gateway`)."""
 
     def validate_reload(self, text: str, source: str) -> Settings: ...
 

@@ -1,7 +1,7 @@
 """How every ``headroom`` command runs its event loop: uvloop where the platform has it.
 
-Its own module so that the commands (:mod:`proxy.cli`, :mod:`proxy.demo`,
-:mod:`proxy.workers`) share it without importing each other
+Its own module so that the commands (:mod:`proxy.process.cli`, :mod:`proxy.process.demo`,
+:mod:`proxy.process.workers`) share it without importing each other
 (``tests/unit/test_import_graph.py``).
 """
 

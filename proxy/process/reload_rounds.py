@@ -1,5 +1,5 @@
 """The supervisor's end of a reload under ``headroom serve --workers N``: rounds over
-every worker's control channel (:mod:`proxy.worker_control`, which describes a round),
+every worker's control channel (:mod:`proxy.process.worker_control`, which describes a round),
 one at a time, and the answer that lists what every worker now runs."""
 
 from __future__ import annotations
@@ -13,16 +13,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.admin import ReloadAnswer
 from proxy.errors import ConfigError
-from proxy.settings import cut_short_problems, read_config_text
-from proxy.worker_control import (
+from proxy.process.admin import ReloadAnswer
+from proxy.process.worker_control import (
     RELOAD_DEADLINE_S,
     Channel,
     describe,
     digest,
     prepare_problems,
 )
+from proxy.settings import cut_short_problems, read_config_text
 
 __all__ = ["ReloadRounds"]
 

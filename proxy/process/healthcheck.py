@@ -7,7 +7,7 @@ the environment.
 Exit status: 0 when ``/healthz`` answers 2xx, 1 when it answers anything else, refuses the
 connection or does not answer within ``--timeout``, 2 for an invalid configuration.
 
-``python -m proxy.healthcheck`` is the same without the rest of the ``headroom`` command's
+``python -m proxy.process.healthcheck`` is the same without the rest of the ``headroom`` command's
 imports (the simulator, the probe): the image runs it every few seconds.
 """
 
@@ -18,8 +18,8 @@ import http.client
 import ipaddress
 import sys
 
-from proxy.console import say
 from proxy.errors import ConfigError
+from proxy.process.console import say
 
 __all__ = ["add_arguments", "main", "probe_address", "run"]
 
@@ -71,9 +71,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m proxy.healthcheck [--config FILE] [--timeout S]``."""
+    """``python -m proxy.process.healthcheck [--config FILE] [--timeout S]``."""
     parser = argparse.ArgumentParser(
-        prog="python -m proxy.healthcheck", description=__doc__.split("\n\n")[0]
+        prog="python -m proxy.process.healthcheck", description=__doc__.split("\n\n")[0]
     )
     add_arguments(parser)
     try:

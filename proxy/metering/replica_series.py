@@ -7,7 +7,7 @@ observation takes a lock per value, and the relay makes four per audio chunk.
 on the same upper bounds, sums and counter totals as floats, added in the same order, so
 every exported number is what prometheus_client would have exported) and a collector turns
 them into histogram and counter families at scrape time, with the same names, help, labels
-and buckets. :class:`proxy.metrics.Metrics` owns the store and registers its collectors.
+and buckets. :class:`proxy.metering.series.Metrics` owns the store and registers its collectors.
 
 Threading: one writer, the event-loop thread (the meters). ``/metrics`` is served from the
 same loop (:mod:`proxy.app` calls ``generate_latest`` in its handler), so a scrape never
@@ -45,7 +45,7 @@ __all__ = [
 ]
 
 #: The series' labels, and each family's name and help: exported here, and the
-#: definitions :class:`proxy.metrics.Metrics` keeps for code that inspects them.
+#: definitions :class:`proxy.metering.series.Metrics` keeps for code that inspects them.
 REPLICA_LABELS = ("pool", "replica")
 CHUNK_GAP = (
     "headroom_chunk_gap_seconds",
@@ -102,8 +102,9 @@ class ReplicaSeries:
     ``_upper_bounds``); an observation ``v`` goes to ``counts[bucket_index(bounds, v)]``,
     the first bucket whose bound is ``>= v`` (non-cumulative; the collector accumulates),
     and is added to ``*_sum``. Counters are float totals. Values must not be NaN (the meter
-    never produces one). Written by :class:`proxy.meter.PrometheusReplicaSink`, read at
-    scrape time by :meth:`proxy.metrics.Metrics.replica_series`'s collector."""
+    never produces one). Written by :class:`proxy.metering.session_meter.PrometheusReplicaSink`,
+    read at
+    scrape time by :meth:`proxy.metering.series.Metrics.replica_series`'s collector."""
 
     __slots__ = (
         "active",
@@ -176,7 +177,7 @@ def _cumulative(counts: Sequence[int], les: Sequence[str]) -> list[tuple[str, fl
 
 
 class ReplicaStore:
-    """Every :class:`ReplicaSeries` of one :class:`proxy.metrics.Metrics`, and the
+    """Every :class:`ReplicaSeries` of one :class:`proxy.metering.series.Metrics`, and the
     scrape-time export. ``*_buckets`` are the histograms' upper bounds without ``+Inf``."""
 
     def __init__(self, gap_buckets: Sequence[float], ratio_buckets: Sequence[float]) -> None:

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from proxy import __version__
-from proxy.console import say
 from proxy.errors import ConfigError, ListenError
-from proxy.eventloop import run_async
+from proxy.process.console import say
+from proxy.process.eventloop import run_async
 
 if TYPE_CHECKING:
     from proxy.settings import Settings
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="worker processes on one listen socket; more than 1 needs admission.backend "
         "redis (caps shared through Redis; see docs/shared-admission.md)",
     )
-    # A worker started by `serve --workers N` (proxy.workers): its index and the file
+    # A worker started by `serve --workers N` (proxy.process.workers): its index and the file
     # descriptors of the sockets the supervisor bound.
     serve.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--worker-fds", default=None, help=argparse.SUPPRESS)
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="validate a configuration and print a summary")
     _add_config(check)
 
-    from proxy.healthcheck import add_arguments as add_healthcheck_arguments
+    from proxy.process.healthcheck import add_arguments as add_healthcheck_arguments
 
     healthcheck = sub.add_parser(
         "healthcheck", help="exit 0 if the configured listener's /healthz answers 2xx"
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_probe_arguments(probe)
 
-    from proxy.demo import add_arguments as add_demo_arguments
+    from proxy.process.demo import add_arguments as add_demo_arguments
 
     demo = sub.add_parser("demo", help="run the gateway in front of a 2-GPU simulator")
     add_demo_arguments(demo)
@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _load(args: argparse.Namespace, overrides: dict[str, Any] | None = None) -> Any:
     from proxy.settings import load_settings
-    from proxy.settings_env import ENV_FILE_VAR
+    from proxy.settings.environment import ENV_FILE_VAR
 
     if args.env_file:
         # In the environment, so a reload and the --workers processes read it too.
@@ -127,7 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     start = None
     if args.worker_fds is not None:  # a worker of `serve --workers`: the supervisor's text
-        from proxy.workers import worker_start
+        from proxy.process.workers import worker_start
 
         start = worker_start(args.worker_fds, args.config or os.environ.get("HEADROOM_CONFIG"),
                              overrides)  # fmt: skip
@@ -147,17 +147,17 @@ def _serve(args: argparse.Namespace) -> int:
         say(f"headroom: {refusal}")
         return 2
     if args.workers > 1 and settings.admission.backend != "redis":
-        from proxy.workers import memory_refusal
+        from proxy.process.workers import memory_refusal
 
         say(memory_refusal(args.workers))
         return 2
-    from proxy.gateway import Gateway
     from proxy.logs import configure_logging
+    from proxy.process.gateway import Gateway
 
     configure_logging(settings.log_level, settings.log_format)
     config_path = args.config or os.environ.get("HEADROOM_CONFIG")
     if args.workers > 1:
-        from proxy.workers import supervise
+        from proxy.process.workers import supervise
 
         for warning in settings.warnings():
             say(f"headroom: warning: {warning}")
@@ -169,7 +169,7 @@ def _serve(args: argparse.Namespace) -> int:
     async def run() -> None:
         gateway: Gateway
         if start is not None:
-            from proxy.workers import make_worker
+            from proxy.process.workers import make_worker
 
             gateway = make_worker(start, args.worker_fds, args.worker_index, config_path)
         else:
@@ -182,8 +182,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from proxy.colocation import check_gpus
     from proxy.settings import summary
+    from proxy.sim.colocation_check import check_gpus
 
     settings = _load(args)
     print(summary(settings))
@@ -199,7 +199,7 @@ def _check(args: argparse.Namespace) -> int:
     if refusal is not None:
         say(f"headroom check: refused: {refusal}")
         return 2
-    gpu_lines, findings = check_gpus(settings)  # co-location (proxy.colocation)
+    gpu_lines, findings = check_gpus(settings)  # co-location (proxy.sim.colocation_check)
     for line in gpu_lines:
         print(line)
     for warning in settings.warnings():
@@ -222,7 +222,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "check":
             return _check(args)
         if args.command == "healthcheck":
-            from proxy.healthcheck import run as run_healthcheck
+            from proxy.process.healthcheck import run as run_healthcheck
 
             return run_healthcheck(args)
         if args.command == "sim":
@@ -234,7 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_probe(args)
         if args.command == "demo":
-            from proxy.demo import run as run_demo
+            from proxy.process.demo import run as run_demo
 
             return run_demo(args)
     except ConfigError as err:

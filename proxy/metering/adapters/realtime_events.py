@@ -35,8 +35,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.metering.b64json import scan_event
-from proxy.metering.base import AudioFormat, MeterSink
+from proxy.metering.adapters.b64json import scan_event
+from proxy.metering.adapters.base import AudioFormat, MeterSink
 
 __all__ = ["RealtimeAdapter"]
 

@@ -22,14 +22,14 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from proxy.admin import ReloadAnswer, create_admin_app
 from proxy.app import create_app
 from proxy.errors import ConfigError, ListenError
+from proxy.process.admin import ReloadAnswer, create_admin_app
+from proxy.process.serving import EmbeddedServer, bind_socket, make_config
 from proxy.relay.listener import client_listener, websocket_options
 from proxy.relay.ws_handshake import ASGIApp
 from proxy.relay.ws_server import WebSocketSessions
 from proxy.runtime import Runtime
-from proxy.serving import EmbeddedServer, bind_socket, make_config
 from proxy.settings import (
     LimitsSettings,
     Settings,

@@ -45,8 +45,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails, PydanticUndefined
 
-from proxy import strict_yaml
 from proxy.errors import ConfigError
+from proxy.settings import strict_yaml
 
 __all__ = [
     "CONFIG_VAR",

@@ -6,7 +6,7 @@
 * ``POST /admin/reload`` -- re-read the configuration file and apply it live (as SIGHUP
   does); an invalid file is refused with 400 and the problems, the old one stays. Under
   ``serve --workers`` the listener runs in worker 0 and a reload is applied by every
-  worker or none, the answer listing each (:mod:`proxy.worker_control`).
+  worker or none, the answer listing each (:mod:`proxy.process.worker_control`).
 * ``POST /admin/drain``  -- start a graceful drain (as SIGTERM does).
 * ``GET /metrics``       -- the Prometheus exposition (on the client listener too only
   with ``metrics: {client_port: true}``: it names tenants and the topology).
@@ -86,7 +86,7 @@ def create_admin_app(
     drain: Callable[[], Awaitable[None] | Any],
 ) -> ASGIApp:
     """``reload`` re-reads and applies the configuration everywhere it must apply (one
-    gateway, or every worker of ``serve --workers``: :mod:`proxy.worker_control`) and
+    gateway, or every worker of ``serve --workers``: :mod:`proxy.process.worker_control`) and
     answers; a ConfigError it raises is answered 400 with the problems;
     ``drain`` starts a graceful drain. The key and the body are checked before the
     endpoints' app sees a request (:func:`_bounded`)."""

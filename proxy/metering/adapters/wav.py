@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import struct
 
-from proxy.metering.base import AudioFormat
+from proxy.metering.adapters.base import AudioFormat
 
 __all__ = ["WavStream"]
 

@@ -285,7 +285,7 @@ def _banner(
 
 
 async def _run(args: argparse.Namespace, out: TextIO) -> None:
-    from proxy.gateway import Gateway
+    from proxy.process.gateway import Gateway
     from proxy.sim.capacity import describe
     from proxy.sim.cluster import running_cluster
 
@@ -320,8 +320,8 @@ async def _run(args: argparse.Namespace, out: TextIO) -> None:
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    from proxy.eventloop import run_async
     from proxy.logs import configure_logging
+    from proxy.process.eventloop import run_async
 
     configure_logging("warning", "text")
     run_async(_run(args, out or sys.stdout))

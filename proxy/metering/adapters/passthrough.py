@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from proxy.metering.base import MeterSink
+from proxy.metering.adapters.base import MeterSink
 
 __all__ = ["PassthroughHttpAdapter", "PassthroughWsAdapter"]
 
