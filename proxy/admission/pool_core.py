@@ -61,7 +61,7 @@ from proxy.admission.retry_after import (
     RETRY_AFTER_MIN_S,
     SessionLengths,
     SlotForecast,
-    next_recheck_s,
+    refusal_estimate_s,
     retry_after_s,
 )
 from proxy.admission.tenants import ANONYMOUS, Reserve, TenantQueue, TenantSpec, reserve_allows
@@ -405,8 +405,7 @@ class PoolCore:
                 if lease.tenant.name == name]  # fmt: skip
         if not name or not ages:
             return None
-        lengths = self._lengths
-        return SlotForecast([(ages, 0)], mean_s=lengths.mean, cv=lengths.cv).wait_s(1)
+        return self._lengths.forecast([(ages, 0)]).wait_s(1)
 
     def session_seconds(self, now: float) -> dict[TenantSpec, float]:
         """Slot-seconds each tenant's sessions have held in this pool: the finished ones
@@ -461,26 +460,23 @@ class PoolCore:
                 (running, max(0, self._replicas[name].active - self._replicas[name].cap))
                 for name, running in ages.items()
             ]
-        lengths = self._lengths
-        return SlotForecast(groups, mean_s=lengths.mean, cv=lengths.cv, free_now=free_now)
+        return self._lengths.forecast(groups, free_now)
 
     def retry_after(self, reason: str, position: int, now: float) -> float:
         """The ``Retry-After`` (whole seconds, jittered upward) for a client refused for
-        ``reason`` that would stand at queue ``position``. ``no_healthy_replica``: until
-        the next health re-check of an ejected replica, if :attr:`recheck_interval_s`
-        is known; otherwise until the ``position``-th slot frees."""
-        estimate: float | None = None
-        if reason == "no_healthy_replica" and self.recheck_interval_s is not None:
-            estimate = next_recheck_s(
-                (
-                    now - r.ejected_at
-                    for r in self._replicas.values()
-                    if not r.healthy and not r.retired and r.ejected_at is not None
-                ),
-                self.recheck_interval_s,
-            )
-        if estimate is None:
-            estimate = self.estimate_wait(position, now)
+        ``reason`` that would stand at queue ``position``
+        (:func:`~proxy.admission.retry_after.refusal_estimate_s`: ``no_healthy_replica``
+        advises the next health re-check of an ejected replica, if
+        :attr:`recheck_interval_s` is known; otherwise until the ``position``-th slot
+        frees)."""
+        ejected_for = (
+            now - r.ejected_at
+            for r in self._replicas.values()
+            if not r.healthy and not r.retired and r.ejected_at is not None
+        )
+        estimate = refusal_estimate_s(
+            reason, lambda: self.estimate_wait(position, now), ejected_for, self.recheck_interval_s
+        )
         return retry_after_s(estimate, self._rng.random())
 
     def statistics(self) -> PoolStatistics:

@@ -31,7 +31,7 @@ none is told to come back before the estimate.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 __all__ = [
     "JITTER_FRACTION",
@@ -41,6 +41,7 @@ __all__ = [
     "SessionLengths",
     "SlotForecast",
     "next_recheck_s",
+    "refusal_estimate_s",
     "retry_after_s",
     "slot_wait_s",
 ]
@@ -87,6 +88,12 @@ class SessionLengths:
     def cv(self) -> float:
         """Coefficient of variation (standard deviation / mean)."""
         return math.sqrt(self.variance) / self.mean
+
+    def forecast(
+        self, replicas: Iterable[tuple[Sequence[float], int]], free_now: int = 0
+    ) -> SlotForecast:
+        """A :class:`SlotForecast` of ``replicas`` with these lengths' mean and spread."""
+        return SlotForecast(replicas, mean_s=self.mean, cv=self.cv, free_now=free_now)
 
     def __repr__(self) -> str:
         return f"<SessionLengths mean={self.mean:.2f}s cv={self.cv:.2f}>"
@@ -286,6 +293,24 @@ def next_recheck_s(ejected_for: Iterable[float], interval_s: float) -> float | N
             wait = interval_s
         soonest = wait if soonest is None else min(soonest, wait)
     return soonest
+
+
+def refusal_estimate_s(
+    reason: str,
+    wait_s: Callable[[], float],
+    ejected_for: Iterable[float],
+    recheck_interval_s: float | None,
+) -> float:
+    """The estimate behind a refusal's ``Retry-After`` (before :func:`retry_after_s`):
+    for ``no_healthy_replica``, until the next health re-check of an ejected replica
+    (``ejected_for``: how long each has been ejected) when ``recheck_interval_s`` is
+    known and one is ejected; otherwise ``wait_s()``, when the slot the client would
+    have been handed frees."""
+    if reason == "no_healthy_replica" and recheck_interval_s is not None:
+        recheck = next_recheck_s(ejected_for, recheck_interval_s)
+        if recheck is not None:
+            return recheck
+    return wait_s()
 
 
 def retry_after_s(estimate_s: float, u: float) -> float:
