@@ -6,7 +6,8 @@ only when the server lost its script cache). It holds no admission state of its 
 the asyncio shell :class:`proxy.admission.shared_gate.SharedGate` keeps the gateway's side.
 
 Model, per pool (every key under the hash tag ``{pool}`` so one script touches one
-Redis Cluster slot):
+Redis Cluster slot; a ``redis+cluster://`` URL makes the clients redis-py's cluster
+clients, :mod:`proxy.admission.redis_clients`, and each pool's calls go to its shard):
 
 * a **lease** per admitted session, with an expiry on Redis's own clock (``TIME``
   inside the scripts), extended by the owning gateway's batched renewals; an expired
@@ -41,7 +42,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.admission.redis_clients import SentinelNodes, async_client, sync_client
+from proxy.admission.redis_clients import (
+    SentinelNodes,
+    async_client,
+    cluster_nodes,
+    sync_client,
+)
 from proxy.admission.tenants import ANONYMOUS, Reserve, TenantSpec
 
 __all__ = [
@@ -60,7 +66,7 @@ _SCRIPTS = ("acquire", "release", "leave", "renew", "relocate", "hold", "withdra
 _FRAGMENTS = {"acquire": ("newcomer",), "hold": ("newcomer",)}
 _KEYS = (
     "leases", "owner", "held", "queue", "beats", "gen", "seq", "flags", "tw", "lanes", "run",
-    "shed", "gone",
+    "shed", "gone", "moving",
 )  # fmt: skip
 
 
@@ -117,6 +123,20 @@ class TickResult:
     queue_depth: int
     #: How long grants stay blocked (a new generation: Redis lost its data), seconds.
     blocked_s: float = 0.0
+
+
+def _redis_errors() -> tuple[type[BaseException], ...]:
+    """What a failed call to Redis raises, of any client kind (a cluster client's
+    slot-map errors too)."""
+    from redis import exceptions
+
+    return (exceptions.RedisError, exceptions.RedisClusterException, OSError, TimeoutError)
+
+
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    from redis import exceptions
+
+    return (exceptions.ConnectionError,)
 
 
 def _load(name: str) -> str:
@@ -181,6 +201,8 @@ class RedisAdmission:
         self.key_prefix = key_prefix
         self._url = url
         self._sentinel = sentinel
+        #: Whether the store is a Redis Cluster (a ``redis+cluster://`` URL).
+        self.cluster = cluster_nodes(url) is not None
         self.ttl_ms = round(lease_ttl_s * 1000)
         self.beat_ms = round(heartbeat_ttl_s * 1000)
         self.timeout_s = timeout_s
@@ -194,7 +216,8 @@ class RedisAdmission:
         )
         self._client: Any = async_client(url, sentinel, socket_timeout=timeout_s, **common)
         # BLPOP holds its connection while it blocks: a client of its own, whose socket
-        # timeout outlasts the longest block.
+        # timeout outlasts the longest block. With a cluster, it is sent to the shard of
+        # the wake list's slot (the pool's), so each pool's wake-ups follow its shard.
         self._blocking: Any = async_client(url, sentinel, socket_timeout=timeout_s + 5.0,
                                            **common)  # fmt: skip
         self._closed = False
@@ -208,14 +231,10 @@ class RedisAdmission:
         # Gang reservations: the tenants' hash tag too (a reservation counts in its
         # key's quota).
         self._reservations = self._client.register_script(_load("reservations"))
-        from redis import exceptions
-
-        self._errors: tuple[type[BaseException], ...] = (
-            exceptions.RedisError,
-            OSError,
-            TimeoutError,
-        )
-        self._connection_errors: tuple[type[BaseException], ...] = (exceptions.ConnectionError,)
+        self._errors = _redis_errors()
+        # A cluster client retries a dropped connection itself (after reloading the
+        # slot map); a plain one gets one more try here.
+        self._connection_errors = () if self.cluster else _connection_errors()
 
     # -- keys -------------------------------------------------------------------------
 
@@ -228,6 +247,12 @@ class RedisAdmission:
 
     def wake_key(self, pool: str) -> str:
         return f"{self.prefix(pool)}wake:{self.gateway_id}"
+
+    def slot(self, pool: str) -> int:
+        """The Redis Cluster hash slot of every key of ``pool`` (its hash tag's)."""
+        from redis.crc import key_slot
+
+        return int(key_slot(self.prefix(pool).encode()))
 
     def configure_pool(
         self, pool: str, *, session_estimate_s: float = 20.0, reserves: Sequence[Reserve] = ()
@@ -301,13 +326,7 @@ class RedisAdmission:
 
     async def tenant_active(self, tenant: str) -> int:
         """Sessions ``tenant`` holds over every gateway (unexpired reservations)."""
-        key = self.tenant_key(tenant)
-        try:
-            now_s, now_us = await self._client.time()
-            now_ms = int(now_s) * 1000 + int(now_us) // 1000
-            return int(await self._client.zcount(key, f"({now_ms}", "+inf"))
-        except self._errors as exc:
-            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        return int(await self._run_tenants([self.tenant_key(tenant)], ["active"]))
 
     # -- gang reservations (reservations.lua, hold.lua) ---------------------------------
 
@@ -479,8 +498,9 @@ class RedisAdmission:
             health_check_interval=30,
         )
         script = client.register_script(_pool_script("keep"))
-        lapse = client.register_script(_pool_script("lapse"))
-        return LeaseRenewer(client, script, self.keys, self.ttl_ms, self._clock_ms, lapse)
+        return LeaseRenewer(
+            client, script, self.keys, self.ttl_ms, self._clock_ms, cluster=self.cluster
+        )
 
     async def ping(self) -> None:
         try:
@@ -504,9 +524,12 @@ class RedisAdmission:
 
 class LeaseRenewer:
     """``keep.lua`` over a blocking Redis connection: extends leases this gateway still
-    holds, from a thread (or a process) that does not need the event loop; and
-    ``lapse.lua``, which hands back a dead gateway's leases. Made by
-    :meth:`RedisAdmission.lease_renewer`; one thread uses it at a time."""
+    holds (``keep``), from a thread (or a process) that does not need the event loop,
+    and hands back a dead gateway's leases (``lapse``). Made by
+    :meth:`RedisAdmission.lease_renewer`; one thread uses it at a time. With a Redis
+    Cluster each pool's call goes to the primary of the pool's slot, so the pools of
+    one shard are renewed while another shard is out of reach (each unreachable
+    shard's pools cost up to the client's timeout per round)."""
 
     def __init__(
         self,
@@ -515,22 +538,26 @@ class LeaseRenewer:
         keys: Callable[[str], list[str]],
         ttl_ms: int,
         clock_ms: Callable[[], int] | None = None,
-        lapse_script: Any = None,
+        *,
+        cluster: bool = False,
     ) -> None:
         self._client = client
-        self._lapse = lapse_script
         self._keys = keys
         self._ttl_ms = ttl_ms
         self._clock_ms = clock_ms
         self._script = script
-        from redis import exceptions
+        self._errors = _redis_errors()
+        self._connection_errors = () if cluster else _connection_errors()
 
-        self._errors: tuple[type[BaseException], ...] = (
-            exceptions.RedisError,
-            OSError,
-            TimeoutError,
-        )
-        self._connection_errors: tuple[type[BaseException], ...] = (exceptions.ConnectionError,)
+    def _call(self, pool: str, args: list[str | int]) -> Any:
+        keys = self._keys(pool)
+        try:
+            try:
+                return self._script(keys=keys, args=args)
+            except self._connection_errors:  # a pooled connection the server dropped
+                return self._script(keys=keys, args=args)
+        except self._errors as exc:
+            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
 
     def keep(self, pool: str, generation: str, lease_ids: Sequence[str]) -> tuple[str, ...] | None:
         """Extend ``lease_ids`` of ``pool`` by one lease TTL where Redis still holds them
@@ -538,15 +565,7 @@ class LeaseRenewer:
         data generation is not ``generation`` (nothing was extended). Raises
         :class:`BackendUnavailable` when Redis cannot be reached in time."""
         clock = "" if self._clock_ms is None else self._clock_ms()
-        args: list[str | int] = [self._ttl_ms, generation, clock, *lease_ids]
-        keys = self._keys(pool)
-        try:
-            try:
-                reply = self._script(keys=keys, args=args)
-            except self._connection_errors:  # a pooled connection the server dropped
-                reply = self._script(keys=keys, args=args)
-        except self._errors as exc:
-            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        reply = self._call(pool, ["keep", self._ttl_ms, generation, clock, *lease_ids])
         if _text(reply[0]) != "ok":
             return None
         return tuple(_text(x) for x in reply[1])
@@ -556,19 +575,9 @@ class LeaseRenewer:
         gateway that has died (the next script on the pool frees their slots). Returns
         how many it marked. Raises :class:`BackendUnavailable` when Redis cannot be
         reached in time."""
-        if self._lapse is None:
-            raise RuntimeError("this renewer was made without lapse.lua")
         clock = "" if self._clock_ms is None else self._clock_ms()
-        args: list[str | int] = [clock, *lease_ids]
-        keys = self._keys(pool)
-        try:
-            try:
-                reply = self._lapse(keys=keys, args=args)
-            except self._connection_errors:
-                reply = self._lapse(keys=keys, args=args)
-        except self._errors as exc:
-            raise BackendUnavailable(f"{type(exc).__name__}: {exc}") from exc
-        return int(reply)
+        reply = self._call(pool, ["lapse", self._ttl_ms, "", clock, *lease_ids])
+        return len(lease_ids) - len(reply[1])
 
     def close(self) -> None:
         self._client.close()

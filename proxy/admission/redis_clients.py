@@ -1,4 +1,5 @@
-"""How the shared admission store's clients reach Redis: one URL, or Redis Sentinel.
+"""How the shared admission store's clients reach Redis: one URL, Redis Sentinel, or a
+Redis Cluster.
 
 With a :class:`SentinelNodes`, every client is redis-py's ``Sentinel(...).master_for``:
 its connection pool asks the sentinels for the current primary whenever it opens a
@@ -6,6 +7,14 @@ connection, so after a failover the next connection (the one after an error) goe
 the promoted replica. The data nodes' credentials, database, TLS and query options
 (timeouts, TLS settings) come from the configured URL, read as redis-py reads any URL;
 its host and port are not used.
+
+A ``redis+cluster://`` URL (``rediss+cluster://`` for TLS) names seed nodes of a Redis
+Cluster, ``redis+cluster://[user:password@]host:port[,host:port...][/0][?options]``:
+every client is then redis-py's cluster client (``RedisCluster``), which learns the
+slot map from any reachable seed, sends each call to the primary of its keys' slot,
+follows MOVED and ASK, waits out TRYAGAIN, and reloads the map after a connection error
+(a primary that died and a promoted replica). Each pool's keys share one hash tag, so
+each script call goes to one shard.
 """
 
 from __future__ import annotations
@@ -14,7 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["NO_RETRY", "SentinelNodes", "async_client", "sync_client"]
+__all__ = [
+    "CLUSTER_RETRIES",
+    "CLUSTER_SCHEMES",
+    "NO_RETRY",
+    "ClusterNodes",
+    "SentinelNodes",
+    "async_client",
+    "cluster_nodes",
+    "sync_client",
+]
 
 #: Retries redis-py's clients make themselves: none. The backend retries once itself
 #: (``RedisBackend._run``): every script is idempotent per lease and waiter id, so a reply
@@ -22,6 +40,50 @@ __all__ = ["NO_RETRY", "SentinelNodes", "async_client", "sync_client"]
 #: ``Retry`` of its own kind (redis-py warns when an asyncio client is given the blocking
 #: one).
 NO_RETRY = 0
+
+#: Attempts the cluster client makes after a failed one (a connection error or a
+#: CLUSTERDOWN while a replica is promoted): each reloads the slot map first, so a call
+#: that met a dead primary reaches the promoted replica once the cluster names it.
+#: MOVED, ASK and TRYAGAIN are followed within one attempt.
+CLUSTER_RETRIES = 2
+
+#: URL schemes that name a Redis Cluster's seed nodes (TLS with ``rediss+cluster``).
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterNodes:
+    """A ``redis+cluster://`` URL read: the seed nodes, and the data nodes' connection
+    options (credentials, TLS, query options) as redis-py reads them from a URL."""
+
+    seeds: tuple[tuple[str, int], ...]
+    options: dict[str, Any]
+
+    def __repr__(self) -> str:  # never the password
+        return f"ClusterNodes(seeds={list(self.seeds)!r})"
+
+
+def cluster_nodes(url: str) -> ClusterNodes | None:
+    """The seeds and options of a ``redis+cluster://`` URL; None for any other URL.
+    Raises ValueError (never echoing the URL, which may carry a password) when it is
+    malformed: no seed, a seed without a port, a database other than 0."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in CLUSTER_SCHEMES:
+        return None
+    rest, _, query = rest.partition("?")
+    location, _, path = rest.partition("/")
+    credentials, at, hosts = location.rpartition("@")
+    seeds: list[tuple[str, int]] = []
+    for node in hosts.split(","):
+        host, colon, port = node.strip().rpartition(":")
+        if not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError("each cluster seed must be host:port (e.g. redis-0:6379)")
+        seeds.append((host.strip("[]"), int(port)))
+    if path not in ("", "0"):
+        raise ValueError("a Redis Cluster has only database 0")
+    plain = f"{'rediss' if scheme == 'rediss+cluster' else 'redis'}://"
+    plain += f"{credentials}{at}{seeds[0][0]}:{seeds[0][1]}/0"
+    return ClusterNodes(tuple(seeds), _data_node_options(plain + (f"?{query}" if query else "")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +128,14 @@ def _master_options(url: str, socket_timeout: float, options: dict[str, Any]) ->
     return {"socket_timeout": socket_timeout, **options, **_data_node_options(url)}
 
 
+def _cluster_backoff() -> Any:
+    """The pause before a cluster client's next attempt: short and growing, so a
+    promotion that takes a moment is waited for without holding a call for long."""
+    from redis.backoff import ExponentialBackoff
+
+    return ExponentialBackoff(cap=0.2, base=0.05)
+
+
 def _sentinel_options(sentinel: SentinelNodes, timeout_s: float) -> dict[str, Any]:
     options: dict[str, Any] = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s}
     if sentinel.password:
@@ -77,12 +147,25 @@ def async_client(
     url: str, sentinel: SentinelNodes | None, *, socket_timeout: float, **options: Any
 ) -> Any:
     """An asyncio client (``redis.asyncio.Redis``) for ``url``, or for the primary the
-    sentinels name. ``options`` are connection options (timeouts); the client retries
-    nothing itself (:data:`NO_RETRY`), with redis-py's asyncio ``Retry``."""
+    sentinels name, or a cluster client (``redis.asyncio.cluster.RedisCluster``) for a
+    ``redis+cluster://`` URL. ``options`` are connection options (timeouts); a plain or
+    Sentinel client retries nothing itself (:data:`NO_RETRY`), a cluster client
+    :data:`CLUSTER_RETRIES` times, with redis-py's asyncio ``Retry``."""
     import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
+    cluster = cluster_nodes(url)
+    if cluster is not None:
+        from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+        make_cluster: Any = RedisCluster  # its __init__ is only partly annotated
+        return make_cluster(
+            startup_nodes=[ClusterNode(host, port) for host, port in cluster.seeds],
+            require_full_coverage=False,
+            retry=Retry(_cluster_backoff(), CLUSTER_RETRIES),
+            **{"socket_timeout": socket_timeout, **options, **cluster.options},
+        )
     options = {"retry": Retry(NoBackoff(), NO_RETRY), **options}
 
     if sentinel is None:
@@ -100,12 +183,24 @@ def async_client(
 def sync_client(
     url: str, sentinel: SentinelNodes | None, *, socket_timeout: float, **options: Any
 ) -> Any:
-    """The blocking counterpart of :func:`async_client` (``redis.Redis``, with the
-    blocking ``Retry``)."""
+    """The blocking counterpart of :func:`async_client` (``redis.Redis`` or
+    ``redis.cluster.RedisCluster``, with the blocking ``Retry``)."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
+    cluster = cluster_nodes(url)
+    if cluster is not None:
+        from redis.cluster import ClusterNode, RedisCluster
+
+        make_cluster: Any = RedisCluster  # its __init__ is only partly annotated
+        make_node: Any = ClusterNode  # unannotated
+        return make_cluster(
+            startup_nodes=[make_node(host, port) for host, port in cluster.seeds],
+            require_full_coverage=False,
+            retry=Retry(_cluster_backoff(), CLUSTER_RETRIES),
+            **{"socket_timeout": socket_timeout, **options, **cluster.options},
+        )
     options = {"retry": Retry(NoBackoff(), NO_RETRY), **options}
 
     if sentinel is None:

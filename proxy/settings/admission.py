@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, Field, model_validator
 
+from proxy.admission.redis_clients import CLUSTER_SCHEMES, cluster_nodes
 from proxy.settings.environment import Problems
 from proxy.settings.fields import Frozen, PositiveSeconds
 
@@ -22,13 +23,18 @@ __all__ = [
 
 def _check_redis_url(value: str) -> str:
     # Never echo the URL: it may carry the Redis password.
+    if cluster_nodes(value) is not None:  # raises ValueError with the reason
+        return value
     try:
         parts = urlsplit(value)
         parts.port  # noqa: B018 -- raises ValueError on a bad port
     except ValueError:
         raise ValueError("is not a valid URL") from None
     if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ValueError("must use redis://, rediss:// (TLS) or unix://")
+        raise ValueError(
+            "must use redis://, rediss:// (TLS), unix://, or redis+cluster:// "
+            "(rediss+cluster:// for TLS) for a Redis Cluster"
+        )
     if parts.scheme != "unix" and not parts.hostname:
         raise ValueError("must include a host")
     return value
@@ -59,7 +65,8 @@ class SentinelSettings(Frozen):
 class RedisSettings(Frozen):
     """The shared admission store (``admission.backend: redis``). TLS (``rediss://``)
     and AUTH (``redis://:password@host``) come with the URL; with ``sentinel``, the
-    primary is found through Redis Sentinel."""
+    primary is found through Redis Sentinel; a ``redis+cluster://host:port,...`` URL
+    names seed nodes of a Redis Cluster (each pool's keys on the shard of its slot)."""
 
     url: Annotated[str, AfterValidator(_check_redis_url), Field(repr=False)] = (
         "redis://127.0.0.1:6379/0"
@@ -86,6 +93,9 @@ class RedisSettings(Frozen):
         if self.sentinel is not None and self.url.startswith("unix:"):
             why = "a unix:// socket cannot be used with sentinel: use redis:// or rediss://"
             raise Problems([(("url",), why)])
+        if self.sentinel is not None and self.url.split("://")[0] in CLUSTER_SCHEMES:
+            why = "a Redis Cluster (redis+cluster://) is not found through sentinel: drop one"
+            raise Problems([(("sentinel",), why)])
         return self
 
 

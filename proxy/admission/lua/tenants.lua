@@ -13,6 +13,8 @@
 --       -> {'ok', active} | {'limit', active}; idempotent per id
 --   'release', id               (KEYS[1] the tenant) -> 1 if it was held, else 0
 --   'renew', ttl_ms, then per key: count, ids...  -> number of reservations renewed
+--   'active'                    (KEYS[1] the tenant) -> its unexpired reservations, on
+--       the clock of the shard that holds them
 local op = ARGV[1]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -57,5 +59,7 @@ elseif op == 'renew' then
     at = at + n + 1
   end
   return renewed
+elseif op == 'active' then
+  return redis.call('ZCOUNT', KEYS[1], '(' .. now, '+inf')
 end
 return redis.error_reply('tenants.lua: unknown op ' .. tostring(op))
