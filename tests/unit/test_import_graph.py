@@ -1,4 +1,4 @@
-"""The import graph under ``proxy/`` has no cycles (issue 17).
+"""The import graph under ``proxy/``: no cycles, and every import goes down the layers.
 
 Every ``import`` and ``from ... import`` in a module counts -- at module level, inside
 functions and classes, in ``try``/``if`` blocks -- except those under
@@ -6,6 +6,10 @@ functions and classes, in ``try``/``if`` blocks -- except those under
 ``proxy.x.y`` when that is a module, else to ``proxy.x``. A cycle makes the import order
 matter and the layers impossible to read apart; the failure names one cycle per
 strongly connected component, edge by edge.
+
+The layers (:data:`LAYERS`, lowest first) name the architecture: a module may import
+its own layer and the ones below; an import that goes up is a failure naming the edge,
+unless :data:`UPWARD` lists it with its reason.
 
 ``python -m tests.unit.test_import_graph`` prints the graph by package (which imports
 which), for reviews.
@@ -162,6 +166,57 @@ def a_cycle(graph: Mapping[str, set[str]], component: list[str]) -> list[str]:
     raise AssertionError(f"no cycle through {start}")  # not a component
 
 
+#: The packages and top-level modules of ``proxy/``, lowest layer first.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # foundation: no I/O policy of its own
+    ("proxy", "proxy.clock", "proxy.errors", "proxy.client_request", "proxy.speedups",
+     "proxy.tracing"),
+    # what listeners hear, measured: pure meters, the Prometheus series
+    ("proxy.metering",),
+    # the configuration and how it is read
+    ("proxy.settings",),
+    # who gets a slot: the gates, their Redis store
+    ("proxy.admission",),
+    # sessions relayed to the upstream replicas
+    ("proxy.relay", "proxy.upstreams"),
+    # one running gateway: its shared state, the ASGI app, its logs and headroom report
+    ("proxy.runtime", "proxy.app", "proxy.logs", "proxy.pool_headroom"),
+    # the commands: the process, the simulator, the probe
+    ("proxy.process", "proxy.sim", "proxy.probe", "proxy.__main__"),
+)  # fmt: skip
+
+#: Imports that go up a layer, each with the reason it is allowed.
+UPWARD: dict[tuple[str, str], str] = {
+    ("proxy.settings.gpus", "proxy.sim.presets"):
+        "a GPU given by preset name takes the simulator's figures (imported when named)",
+    ("proxy.relay.listener", "proxy.process.serving"):
+        "plain HTTP on the client listener goes to the h11 protocol class serving resolves",
+    ("proxy.settings.admission", "proxy.admission.redis_clients"):
+        "the Redis URL forms are checked by the module that builds the clients",
+}  # fmt: skip
+
+
+def layer_of(module: str) -> int:
+    """The index in :data:`LAYERS` of a module's package (or of the module itself)."""
+    parts = module.split(".")
+    for depth in (2, 1):
+        name = ".".join(parts[:depth])
+        for index, members in enumerate(LAYERS):
+            if name in members:
+                return index
+    raise KeyError(f"{module} is in no layer: add its package to LAYERS")
+
+
+def upward_imports(graph: Mapping[str, set[str]]) -> list[str]:
+    """Every import from a lower layer to a higher one not listed in :data:`UPWARD`."""
+    return [
+        f"{module} (layer {layer_of(module)}) imports {dep} (layer {layer_of(dep)})"
+        for module in sorted(graph)
+        for dep in sorted(graph[module])
+        if layer_of(dep) > layer_of(module) and (module, dep) not in UPWARD
+    ]
+
+
 def describe(graph: Mapping[str, set[str]]) -> list[str]:
     return [" -> ".join(a_cycle(graph, c)) for c in strongly_connected(graph)]
 
@@ -170,6 +225,36 @@ def test_the_import_graph_under_proxy_has_no_cycle() -> None:
     graph = import_graph()
     cycles = describe(graph)
     assert cycles == [], "import cycles under proxy/:\n  " + "\n  ".join(cycles)
+
+
+def test_every_module_is_in_a_layer() -> None:
+    unplaced = []
+    for module in import_graph():
+        try:
+            layer_of(module)
+        except KeyError as exc:
+            unplaced.append(str(exc))
+    assert unplaced == []
+
+
+def test_imports_go_down_the_layers() -> None:
+    found = upward_imports(import_graph())
+    assert found == [], "imports that go up a layer:\n  " + "\n  ".join(found)
+
+
+def test_every_allowed_upward_import_exists() -> None:
+    """An entry of UPWARD whose import is gone is stale: remove it."""
+    graph = import_graph()
+    stale = [f"{a} -> {b}" for a, b in UPWARD if b not in graph.get(a, set())]
+    assert stale == []
+
+
+def test_an_upward_import_is_found() -> None:
+    """The layer check can fail: the settings importing the relay is named."""
+    graph = {"proxy.settings.gateway": {"proxy.relay.listener"}, "proxy.relay.listener": set()}
+    assert upward_imports(graph) == [
+        "proxy.settings.gateway (layer 2) imports proxy.relay.listener (layer 4)"
+    ]
 
 
 def test_the_graph_sees_every_kind_of_import() -> None:
