@@ -34,6 +34,7 @@ __all__ = ["HOT_MODULES", "STALE_AFTER_S", "BuildStatus", "build_status", "main"
 
 #: The modules setup.py compiles when HEADROOM_MYPYC=1 (setup.py reads this tuple).
 HOT_MODULES: tuple[str, ...] = (
+    "proxy.relay.wsframes",
     "proxy.relay.splice_leg",
     "proxy.relay.splice",
     "proxy.relay.relay_core",

@@ -56,12 +56,6 @@ from typing import TYPE_CHECKING, Final
 
 from proxy.metering.adapters.speech_ws_audio import OmniSpeechWsAdapter
 from proxy.relay.deadlines import Deadlines, Expiry
-from proxy.relay.frames import (
-    BINARY,
-    client_code_for_upstream_close,
-    close_fields,
-    sendable_code,
-)  # fmt: skip
 from proxy.relay.session_actions import (
     Action,
     CloseSocket,
@@ -75,13 +69,22 @@ from proxy.relay.session_actions import (
     Wake,
 )  # fmt: skip
 from proxy.relay.session_states import CLIENT, UPSTREAM, LegState, LegStatus, Phase
+from proxy.relay.wsframes import (
+    BINARY,
+    INVALID_TEXT,
+    client_code_for_upstream_close,
+    close_error,
+    close_fields,
+    decode_text,
+    sendable_code,
+)  # fmt: skip
 
 if TYPE_CHECKING:
     from proxy.metering.adapters.base import WsAdapter
     from proxy.relay.session_record import SessionRecord
     from proxy.settings import LimitsSettings
 
-__all__ = ["CLOSE_TIMEOUT_S", "RelayCore", "invalid_close"]
+__all__ = ["CLOSE_TIMEOUT_S", "RelayCore"]
 
 #: How long a closing handshake may take (then: upstream dropped, client socket closed).
 CLOSE_TIMEOUT_S: Final = 5.0
@@ -94,17 +97,6 @@ _READS = (LegState.OPEN, LegState.CLOSE_SENT)  # data frames may still come from
 _PAUSE = (PauseReading(CLIENT), PauseReading(UPSTREAM))  # shared: the hot path allocates none
 _RESUME = (ResumeReading(CLIENT), ResumeReading(UPSTREAM))
 _DONE = Done()
-
-
-def invalid_close(payload: bytes, code: int) -> tuple[int, str] | None:
-    """Why a client's close frame is invalid (RFC 6455 5.5.1, 7.4), as our answer."""
-    if len(payload) == 1 or (payload and sendable_code(code, -1) != code):
-        return 1002, "invalid close frame"
-    try:
-        payload[2:].decode()
-    except UnicodeDecodeError:
-        return 1007, "invalid UTF-8 in the close reason"
-    return None
 
 
 class RelayCore(Deadlines):
@@ -168,11 +160,10 @@ class RelayCore(Deadlines):
         if opcode == BINARY:
             self.binary(leg, payload, now, size)
             return
-        try:
-            text = payload.decode()
-        except UnicodeDecodeError:
+        text = decode_text(payload)
+        if text is None:
             if leg is self.client:
-                self.stop(1007, "invalid UTF-8 in a text message", now)
+                self.stop(*INVALID_TEXT, now)
             else:
                 self.upstream_error("protocol")
                 self.stop(1014, "upstream sent invalid UTF-8", now, upstream_code=1007)
@@ -254,7 +245,7 @@ class RelayCore(Deadlines):
     def close_frame(self, leg: LegStatus, payload: bytes, now: float) -> None:
         """A close frame from ``leg``'s endpoint, as read from the wire (unmasked)."""
         code, reason = close_fields(payload)
-        invalid = invalid_close(payload, code) if leg is self.client else None
+        invalid = close_error(payload) if leg is self.client else None
         self.close_received(leg, code, reason, now, invalid)
 
     def close_received(

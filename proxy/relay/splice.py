@@ -27,7 +27,6 @@ import os
 import weakref
 from typing import TYPE_CHECKING, Protocol
 
-from proxy.relay.frames import PING, close_frame, frame
 from proxy.relay.relay_core import CLOSE_TIMEOUT_S, RelayCore
 from proxy.relay.session_actions import (
     CloseSocket,
@@ -42,6 +41,7 @@ from proxy.relay.session_actions import (
 )  # fmt: skip
 from proxy.relay.session_states import Side
 from proxy.relay.splice_leg import Leg
+from proxy.relay.wsframes import PING, close_frame, frame
 
 if TYPE_CHECKING:
     from proxy.admission.session_lease import Lease

@@ -9,11 +9,9 @@ handled whole: close frames go to the session, pings and pongs pass through. Fra
 injected by Headroom (its close frames, keepalive pings) are written at a frame
 boundary of the forwarded stream, never inside a frame.
 
-A frame that breaks RFC 6455 is refused, never forwarded: reserved bits set (no
-extension is ever negotiated on either leg), a reserved opcode, the wrong masking for
-its direction (5.1: client frames masked, server frames not), a continuation frame with
-no message in progress or a new message inside a fragmented one (5.4), an invalid
-control frame (5.5). The frames before it are forwarded; the session ends at once
+A frame that breaks RFC 6455 is refused, never forwarded; the rules, and the names of
+what is refused, are :mod:`proxy.relay.wsframes`' (the walk tests a header with its
+table and lengths, inline). The frames before it are forwarded; the session ends at once
 (:meth:`proxy.relay.relay_core.RelayCore.protocol_error`: 1002 for a client, 1014 for the
 client when its upstream is at fault).
 
@@ -27,50 +25,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING
 
-from proxy.relay.frames import CLOSE, TEXT, apply_mask
 from proxy.relay.session_states import Side
+from proxy.relay.wsframes import CLOSE, INVALID_FIRST_BYTE, TEXT, apply_mask, violation
 
 if TYPE_CHECKING:
     from proxy.relay.session_states import LegStatus
     from proxy.relay.splice import Splice
 
-__all__ = ["RESERVED_OPCODES", "Leg", "violation"]
+__all__ = ["Leg"]
 
 log = logging.getLogger("headroom.relay.ws")
-
-#: Opcodes 0x3-0x7 and 0xB-0xF are reserved (RFC 6455 5.2): bit n set for opcode n.
-RESERVED_OPCODES: Final = 0b1111_1000_1111_1000
-
-#: Indexed by a frame's first byte: 1 if it sets a reserved bit or a reserved opcode
-#: (one lookup on the hot path instead of three tests).
-_BAD_FIRST_BYTE: Final = bytes(
-    [1 if b & 0x70 or RESERVED_OPCODES >> (b & 0x0F) & 1 else 0 for b in range(256)]
-)
-
-
-def violation(b0: int, b1: int, is_client: bool, in_message: bool) -> str | None:
-    """What is wrong with a frame header whose first two bytes are ``b0``, ``b1`` (read
-    from a client if ``is_client``; ``in_message``: a fragmented message is in progress),
-    or None. The hot path tests the same conditions inline and calls this only to name
-    a violation it found."""
-    opcode = b0 & 0x0F
-    if b0 & 0x70:
-        return "reserved bits set without an extension"
-    if RESERVED_OPCODES >> opcode & 1:
-        return f"reserved opcode {opcode:#x}"
-    if bool(b1 & 0x80) != is_client:
-        return "unmasked client frame" if is_client else "masked server frame"
-    if opcode >= 8:
-        if not b0 & 0x80 or (b1 & 0x7F) > 125:
-            return "invalid control frame"
-        return None
-    if opcode and in_message:
-        return "new message inside a fragmented one"
-    if not opcode and not in_message:
-        return "continuation frame outside a message"
-    return None
 
 
 class Leg(asyncio.Protocol):
@@ -233,7 +199,7 @@ class Leg(asyncio.Protocol):
         i = 0
         out = 0  # data[out:i] is still to be forwarded
         mask_bit = 0x80 if self.is_client else 0  # the masking its direction requires
-        bad_first = _BAD_FIRST_BYTE
+        bad_first = INVALID_FIRST_BYTE
         if self.left:  # the rest of a frame: held (or dropped), never forwarded piecemeal
             take = self.left if self.left < n else n
             held = self.held

@@ -4,8 +4,7 @@
 The handshake checks are RFC 6455 4.2.1's: ``Connection: Upgrade``, ``Upgrade:
 websocket``, exactly one ``Sec-WebSocket-Key`` of 16 bytes in base64, version 13. A
 request that fails one is answered by websockets' own handshake code (400, or 426 with
-the supported version). Client frames are walked here only to find frame boundaries
-(:func:`whole_frames`) and rebuilt only for a take-over (:func:`client_frame`).
+the supported version). Frames are :mod:`proxy.relay.wsframes`' concern.
 """
 
 from __future__ import annotations
@@ -21,22 +20,16 @@ from typing import Any, Protocol
 from urllib.parse import unquote
 
 from websockets.datastructures import Headers
-from websockets.frames import Frame
 from websockets.http11 import Request
 from websockets.server import ServerProtocol
-
-from proxy.relay.frames import BINARY, TEXT, frame
 
 __all__ = [
     "ASGIApp",
     "TakeOver",
     "build_scope",
-    "client_frame",
-    "fragment",
     "handshake_key",
     "http_response",
     "refusal_for",
-    "whole_frames",
 ]
 
 _GUID = b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11"
@@ -71,50 +64,6 @@ class TakeOver(Protocol):
         on_shutdown: Callable[[], None],
         held: Iterable[Mapping[str, Any]] = (),
     ) -> tuple[asyncio.Transport, bytes] | None: ...
-
-
-def whole_frames(data: bytes | bytearray, max_size: int | None) -> int:
-    """How many leading bytes of ``data`` (client frames from a frame boundary) are
-    whole frames. A frame still arriving that declares more than ``max_size`` bytes
-    counts as whole, so that the parser sees (and refuses) it at once."""
-    pos, end = 0, len(data)
-    while end - pos >= 2:
-        b1 = data[pos + 1]
-        length = b1 & 0x7F
-        head = 2
-        if length == 126:
-            head = 4
-            if end - pos < head:
-                break
-            length = int.from_bytes(data[pos + 2 : pos + 4], "big")
-        elif length == 127:
-            head = 10
-            if end - pos < head:
-                break
-            length = int.from_bytes(data[pos + 2 : pos + 10], "big")
-        if b1 & 0x80:
-            head += 4
-        if pos + head + length > end:
-            if max_size is not None and length > max_size:
-                return end
-            break
-        pos += head + length
-    return pos
-
-
-def client_frame(message: Mapping[str, Any]) -> bytes:
-    """An ASGI ``websocket.receive`` message as the masked frame a client would send."""
-    text = message.get("text")
-    if text is not None:
-        return frame(TEXT, text.encode(), masked=True)
-    return frame(BINARY, message.get("bytes") or b"", masked=True)
-
-
-def fragment(event: Frame) -> bytes:
-    """A received frame of a message still being assembled, as the client sent it
-    (masked, without FIN)."""
-    whole = frame(int(event.opcode), bytes(event.data), masked=True)
-    return bytes((whole[0] & 0x7F,)) + whole[1:]
 
 
 _date_cache: tuple[int, bytes] = (-1, b"")

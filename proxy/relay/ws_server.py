@@ -43,14 +43,8 @@ from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 
-from proxy.relay.ws_handshake import (
-    ASGIApp,
-    TakeOver,
-    client_frame,
-    fragment,
-    http_response,
-    whole_frames,
-)
+from proxy.relay.ws_handshake import ASGIApp, TakeOver, http_response
+from proxy.relay.wsframes import client_frame, fragment, whole_frames
 
 __all__ = [
     "EARLY_LIMIT",
@@ -536,7 +530,7 @@ class ClientWebSocket:
                 return None
             parts.append(client_frame(message))
         self._messages.clear()
-        parts += [fragment(event) for event in self._fragments]
+        parts += [fragment(int(event.opcode), bytes(event.data)) for event in self._fragments]
         self._fragments = []
         parts.append(bytes(self._tail))
         self._tail = bytearray()

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from proxy.relay.deadlines import Deadlines, Expiry
-from proxy.relay.frames import BINARY, TEXT
+from proxy.relay.wsframes import BINARY, TEXT
 from proxy.relay.relay_core import CLOSE_TIMEOUT_S, RelayCore
 from proxy.relay.session_actions import (
     Action,

@@ -12,17 +12,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Request
 from websockets.server import ServerProtocol
 
-from proxy.relay.ws_handshake import (
-    build_scope,
-    client_frame,
-    fragment,
-    handshake_key,
-    http_response,
-    refusal_for,
-    whole_frames,
-)
-from tests.unit.test_splice import client_frame as raw_client_frame
-from tests.unit.test_splice import parse_frames
+from proxy.relay.ws_handshake import build_scope, handshake_key, http_response, refusal_for
 
 KEY = b"dGhlIHNhbXBsZSBub25jZQ=="
 BASE = [
@@ -130,41 +120,6 @@ def test_a_scope_needs_an_absolute_ascii_path(target: bytes) -> None:
     scope = build_scope(scheme="ws", server=None, client=None, root_path="", target=target,
                         headers=BASE, subprotocols=[], state={})  # fmt: skip
     assert scope is None
-
-
-def test_whole_frames_counts_complete_frames_only() -> None:
-    small = raw_client_frame(1, b"hi")
-    medium = raw_client_frame(2, b"m" * 300)  # 16-bit length
-    large = raw_client_frame(2, b"l" * 70_000)  # 64-bit length
-    stream = small + medium + large
-    assert whole_frames(stream, None) == len(stream)
-    for cut in range(len(small) + len(medium) + 20):
-        expected = max(n for n in (0, len(small), len(small) + len(medium)) if n <= cut)
-        assert whole_frames(stream[:cut], None) == expected, cut
-    assert whole_frames(stream[:-1], None) == len(small) + len(medium)
-    # a frame still arriving that declares more than max_size goes to the parser at once
-    assert whole_frames(small + large[:20], 65_536) == len(small) + 20
-    assert whole_frames(small + large[:20], 70_000) == len(small)
-    assert whole_frames(small + large[:5], 65_536) == len(small)  # its length not read yet
-
-
-def test_client_frames_and_fragments_are_what_a_client_sends() -> None:
-    data = (client_frame({"type": "websocket.receive", "text": "hé"})
-            + client_frame({"type": "websocket.receive", "bytes": b"\x00" * 200})
-            + client_frame({"type": "websocket.receive", "bytes": None}))  # fmt: skip
-    assert parse_frames(data) == [(1, True, "hé".encode()), (2, True, b"\x00" * 200),
-                                  (2, True, b"")]  # fmt: skip
-    for raw in data[:2], data[8:10]:
-        assert raw[1] & 0x80  # masked
-
-
-def test_a_fragment_keeps_its_opcode_without_fin() -> None:
-    from websockets.frames import Frame, Opcode
-
-    out = fragment(Frame(Opcode.TEXT, b"part", fin=False)) + fragment(
-        Frame(Opcode.CONT, b"more", fin=False)
-    )
-    assert parse_frames(out) == [(1, False, b"part"), (0, False, b"more")]
 
 
 def test_an_http_response_is_whole_and_ends_the_connection() -> None:
