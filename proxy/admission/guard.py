@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from proxy.clock import Clock, TimerHandle
-from proxy.metering.rolling import ReplicaSignals, StartupSignals
+from proxy.metering.rolling import DELIVERY_THRESHOLD, ReplicaSignals, StartupSignals
 
 __all__ = ["GUARD_INTERVAL_S", "GuardLoop", "GuardPolicy", "GuardTarget", "ReplicaGuard"]
 
@@ -57,7 +57,7 @@ _NO_STARTS = StartupSignals()
 
 @dataclass(frozen=True, slots=True)
 class GuardPolicy:
-    threshold: float = 1.2
+    threshold: float = DELIVERY_THRESHOLD
     hysteresis: float = 0.1
     hold_s: float = 10.0
     min_samples: int = 50

@@ -25,10 +25,16 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import Final
 
 from proxy.metering.sketches import LogHistogram
 
-__all__ = ["ReplicaSignals", "StartupSignals"]
+__all__ = ["DELIVERY_THRESHOLD", "ReplicaSignals", "StartupSignals"]
+
+#: The worst-1% per-chunk delivery ratio (x realtime) a replica keeps to stay in
+#: placement (the guard's default) and a load level keeps to count (the probe's and the
+#: simulator's ceiling): the margin above realtime that listeners need.
+DELIVERY_THRESHOLD: Final = 1.2
 
 
 @dataclass(frozen=True, slots=True)

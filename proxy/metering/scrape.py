@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from proxy.metering.rolling import DELIVERY_THRESHOLD
+
 if TYPE_CHECKING:
     from proxy.pool_headroom import HeadroomReport
 
@@ -32,7 +34,8 @@ __all__ = [
 
 _WORST_1PCT_HELP = (
     "Rolling worst-1% (1st percentile) per-chunk delivery ratio (audio s per wall s); below "
-    "1.0 listeners hear stalls, below 1.2 the guard engages. Absent without recent audio."
+    f"1.0 listeners hear stalls, below {DELIVERY_THRESHOLD:g} the guard engages. Absent "
+    "without recent audio."
 )
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TextIO
 
 from proxy.metering.adapters.base import MAX_TOKENS_PER_SECOND
+from proxy.metering.rolling import DELIVERY_THRESHOLD
 from proxy.probe.config_edit import (
     ConfigEditError,
     replica_url,
@@ -64,10 +65,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Ramp concurrency against a speech endpoint (an engine, or Headroom in front of "
         "it), hold each level, and find the largest concurrency whose worst-1% per-chunk "
-        "delivery ratio stays at or above the threshold (1.2x realtime), whose listeners "
-        "never stall (a modelled --prebuffer playback) and whose TTFA p99 stays within "
-        "--ttfa-limit. The summary names the rule that broke; a broken TTFA rule is split "
-        "into the wait before the stream opened (a gateway's queue) and the engine's part."
+        f"delivery ratio stays at or above the threshold ({DELIVERY_THRESHOLD:g}x realtime), "
+        "whose listeners never stall (a modelled --prebuffer playback) and whose TTFA p99 "
+        "stays within --ttfa-limit. The summary names the rule that broke; a broken TTFA "
+        "rule is split into the wait before the stream opened (a gateway's queue) and the "
+        "engine's part."
     )
     a = parser.add_argument
     a("--target", required=True, metavar="URL", help="engine or Headroom base URL")
@@ -78,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--no-bisect", action="store_true", help="stop at the first failing level")
     a("--hold", type=float, default=30.0, metavar="S", help="measured seconds per level (30)")
     a("--warmup", type=float, default=8.0, metavar="S", help="unmeasured warm-up per level (8)")
-    a("--threshold", type=float, default=1.2, metavar="X",
-      help="worst-1%% delivery ratio a level must keep (default 1.2)")  # fmt: skip
+    a("--threshold", type=float, default=DELIVERY_THRESHOLD, metavar="X",
+      help=f"worst-1%% delivery ratio a level must keep (default {DELIVERY_THRESHOLD:g})")  # fmt: skip # noqa: E501
     a("--workload", metavar="FILE", help="YAML/JSONL workload (default: the bundled tts/asr)")
     a("--seed", type=int, help="sampling seed (default: the workload's, else 0)")
     a("--json", metavar="OUT", help="write the result as JSON")

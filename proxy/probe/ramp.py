@@ -29,6 +29,7 @@ from typing import Literal, Protocol
 
 import httpx
 
+from proxy.metering.rolling import DELIVERY_THRESHOLD
 from proxy.probe.analysis import (
     LevelStats,
     LevelWindow,
@@ -81,7 +82,7 @@ class ProbeSettings:
     max_level: int = 512
     hold_s: float = 30.0
     warmup_s: float = 8.0
-    threshold: float = 1.2
+    threshold: float = DELIVERY_THRESHOLD
     seed: int = 0
     time_limit_s: float = 1800.0
     session_timeout_s: float = 600.0

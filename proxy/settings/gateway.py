@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field, field_validator, model_validator
 
+from proxy.metering.rolling import DELIVERY_THRESHOLD
 from proxy.settings.environment import Problems
 from proxy.settings.fields import (
     HASH_HOWTO,
@@ -126,7 +127,7 @@ class GuardSettings(Frozen):
     """The per-replica delivery-ratio guard (``off`` | ``observe`` | ``enforce``)."""
 
     mode: Literal["off", "observe", "enforce"] = "observe"
-    threshold: Annotated[float, Field(gt=0)] = 1.2  # worst-hundredth delivery ratio, x realtime
+    threshold: Annotated[float, Field(gt=0)] = DELIVERY_THRESHOLD  # worst-hundredth, x realtime
     hysteresis: Annotated[float, Field(ge=0)] = 0.1
     hold_s: Seconds = 10
     min_samples: int = Field(50, ge=1)
