@@ -1,5 +1,10 @@
 """Which level to measure next, and what the measured levels say. Pure: no I/O, no clock.
 
+The one ceiling search of the project: the probe drives :class:`CeilingSearch` level by
+level against a real endpoint, the simulator through :func:`largest_passing` with a
+predicate that runs a virtual-clock load (:mod:`proxy.sim.virtual_load`,
+:mod:`proxy.sim.colocated_ceilings`).
+
 :class:`CeilingSearch` ramps through the given levels (1, 2, 4, 8, 16, ... by default,
 optionally doubling past the list) until one fails, then bisects between the last
 passing and the first failing level down to adjacent integers. With ``repeats`` it then
@@ -26,12 +31,20 @@ level enough: ``(4, 5)`` says 5 passed once and failed once.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from proxy.probe.analysis import LevelStats
 
-__all__ = ["CeilingSearch", "Estimates", "ProbeSummary", "ceiling_of", "summarize"]
+__all__ = [
+    "CeilingSearch",
+    "Estimates",
+    "ProbeSummary",
+    "ceiling_of",
+    "doubling",
+    "largest_passing",
+    "summarize",
+]
 
 
 def ceiling_of(results: Mapping[int, bool]) -> tuple[int, bool]:
@@ -152,6 +165,29 @@ class CeilingSearch:
             f"<CeilingSearch phase={self.phase} ceiling={ceiling}"
             f"{'' if bounded else '+'} results={dict(sorted(self.results.items()))}>"
         )
+
+
+def doubling(limit: int) -> tuple[int, ...]:
+    """The ramp 1, 2, 4, ... below ``limit``, then ``limit`` itself, so that a search
+    over it measures its limit: ``doubling(20)`` is ``(1, 2, 4, 8, 16, 20)``."""
+    if limit < 1:
+        raise ValueError("limit must be >= 1")
+    levels = [1]
+    while levels[-1] * 2 < limit:
+        levels.append(levels[-1] * 2)
+    return (*levels, limit) if levels[-1] != limit else tuple(levels)
+
+
+def largest_passing(passes: Callable[[int], bool], levels: Sequence[int]) -> int:
+    """The ceiling a :class:`CeilingSearch` over ``levels`` (no extension, with bisection)
+    finds when ``passes(level)`` is each level's verdict: ramp until a level fails, then
+    bisect. Each level is measured at most once; 0 when the first level fails, the last
+    level when every level of the ramp passes."""
+    search = CeilingSearch(levels, max_level=max(levels))
+    while (level := search.next_level()) is not None:
+        search.record(level, passes(level))
+    ceiling, _ = search.ceiling
+    return ceiling
 
 
 @dataclass(frozen=True, slots=True)

@@ -183,7 +183,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _check(args: argparse.Namespace) -> int:
     from proxy.settings import summary
-    from proxy.sim.colocation_check import check_gpus
+    from proxy.sim.gpu_memory_check import check_gpus
 
     settings = _load(args)
     print(summary(settings))
@@ -199,7 +199,7 @@ def _check(args: argparse.Namespace) -> int:
     if refusal is not None:
         say(f"headroom check: refused: {refusal}")
         return 2
-    gpu_lines, findings = check_gpus(settings)  # co-location (proxy.sim.colocation_check)
+    gpu_lines, findings = check_gpus(settings)  # co-location (proxy.sim.gpu_memory_check)
     for line in gpu_lines:
         print(line)
     for warning in settings.warnings():

@@ -1,8 +1,9 @@
 """The models of co-location: physical GPUs and the engines (replicas) sharing each.
 
-Optional. Read only by ``headroom check`` (proxy.sim.colocation_check): the gateway routes the same
-with or without it. Cross-references (replicas exist, each on one GPU) are checked in
-proxy.settings.references (_gpu_problems), with the other cross-references.
+Optional. Read only by ``headroom check`` (proxy.sim.gpu_memory_check): the gateway
+routes the same with or without it. Cross-references (replicas exist, each on one GPU)
+are checked in proxy.settings.references (_gpu_problems), with the other
+cross-references.
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ def _print_description(info: dict[str, object], args: argparse.Namespace, out: T
 
 
 def _print_colocated(args: argparse.Namespace, out: TextIO) -> None:
-    from proxy.sim.colocate import describe_colocated
+    from proxy.sim.colocated_ceilings import describe_colocated
 
     names = [n.strip() for n in args.colocate.split(",")]
     try:

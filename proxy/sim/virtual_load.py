@@ -1,20 +1,24 @@
-"""Closed-loop load on a simulated engine, on a virtual clock, and the ceiling search.
+"""Closed-loop load on simulated engines, on a virtual clock, and the ceiling of one.
 
-Nothing here sleeps or reads a clock: :func:`run_load` steps an :class:`Engine` from
-one emission time to the next, so a minute of GPU time costs a few milliseconds to
-a few hundred of CPU. This is how ``headroom sim --describe``
-(:mod:`proxy.sim.capacity`) finds a preset's ``single_stream_rtf`` and ``ceiling``,
-and how the tests check the knee.
+Nothing here sleeps or reads a clock: :func:`run_colocated` steps each :class:`Engine`
+from one emission time to the next, so a minute of GPU time costs a few milliseconds
+to a few hundred of CPU. :func:`run_load` is one engine with the GPU to itself. This is
+how ``headroom sim --describe`` (:mod:`proxy.sim.capacity`) finds a preset's
+``single_stream_rtf`` and ``ceiling``, how :mod:`proxy.sim.colocated_ceilings` puts
+two engines on one GPU, and how the tests check the knee.
 
-Load model: ``concurrency`` closed-loop clients, each submitting one utterance
-(8-20 s of audio, seeded) after another, starts staggered over the first second. A
-chunk's *delivery ratio* is its audio seconds divided by the wall seconds since the
-stream's previous chunk (docs/architecture.md, the meter); a stream's first chunk has no
-previous one and is not counted. Ratios from the warm-up period are discarded.
+Load model: ``concurrency`` closed-loop clients per engine, each submitting one
+utterance (8-20 s of audio, seeded) after another, starts staggered over the first
+second. A chunk's *delivery ratio* is its audio seconds divided by the wall seconds
+since the stream's previous chunk (docs/architecture.md, the meter); a stream's first
+chunk has no previous one and is not counted. Ratios from the warm-up period are
+discarded.
 
 The *ceiling* is the largest concurrency whose worst-1% (1st percentile) delivery
-ratio stays at or above ``threshold`` (1.2), found by ramping 1, 2, 4, 8, ... and
-bisecting the first failing bracket, as ``headroom probe`` does against a real GPU.
+ratio stays at or above ``threshold`` (:data:`proxy.metering.rolling.DELIVERY_THRESHOLD`),
+found by the probe's own search (:func:`proxy.probe.ceiling.largest_passing`): ramping
+1, 2, 4, 8, ... and bisecting the first failing bracket, as ``headroom probe`` does
+against a real GPU.
 """
 
 from __future__ import annotations
@@ -22,10 +26,13 @@ from __future__ import annotations
 import heapq
 import random
 import statistics
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from proxy.metering.playback import PlaybackBuffer
+from proxy.metering.rolling import DELIVERY_THRESHOLD as THRESHOLD
+from proxy.probe.ceiling import doubling, largest_passing
 from proxy.sim.engine import Emission, Engine
 from proxy.sim.presets import TEXT_TOKENS_PER_AUDIO_S, Preset
 
@@ -37,13 +44,10 @@ __all__ = [
     "find_ceiling",
     "min_prebuffer",
     "percentile",
+    "run_colocated",
     "run_load",
     "single_stream",
 ]
-
-#: Delivery-ratio threshold of the ceiling, the same as the probe's and the guard's
-#: (docs/probe.md).
-THRESHOLD = 1.2
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -109,6 +113,228 @@ class VirtualStream:
     counted: bool = False
 
 
+@dataclass(slots=True)
+class _EngineLoad:
+    """One engine's closed-loop clients and what they measured (the module docstring's
+    load model). :func:`run_colocated` alternates the steps of several of these on one
+    GPU; :func:`run_load` runs one alone."""
+
+    preset: Preset
+    concurrency: int
+    engine: Engine
+    rng: random.Random
+    warmup_s: float
+    duration_s: float
+    utterance_s: tuple[float, float]
+    think_s: float
+    prebuffer_s: float
+    requests: int | None
+    now: float = 0.0
+    arrivals: list[tuple[float, int]] = field(default_factory=list)
+    streams: dict[int, VirtualStream] = field(default_factory=dict)
+    ratios: list[float] = field(default_factory=list)
+    ttfas: list[float] = field(default_factory=list)
+    rtfs: list[float] = field(default_factory=list)
+    e2es: list[float] = field(default_factory=list)
+    finished: int = 0
+    submitted: int = 0
+    last_at: float = 0.0  #: the latest emission, the end of a fixed-count run
+    steps: list[float] = field(default_factory=list)
+    batches: list[int] = field(default_factory=list)
+    counted: list[PlaybackBuffer] = field(default_factory=list)
+    audio_total: float = 0.0
+    wall_total: float = 0.0
+    delivered: float = 0.0
+    max_waiting: int = 0
+    done: bool = False
+
+    def deliver(self, em: Emission) -> None:
+        stream = self.streams[em.seq_id]
+        audio, at = (em.end - em.start) / self.preset.token_rate_hz, em.at
+        measuring = at >= self.warmup_s
+        if audio > 0:
+            if stream.last_at is None:
+                if measuring:
+                    self.ttfas.append(at - stream.submitted_at)
+                    stream.counted = True
+                    self.counted.append(stream.playback)
+            elif measuring and at > stream.last_at:
+                wall = at - stream.last_at
+                self.ratios.append(audio / wall)
+                self.audio_total += audio
+                self.wall_total += wall
+            if measuring and at <= self.duration_s:
+                self.delivered += audio
+            stream.playback.add(at, audio)
+            stream.last_at = at
+        self.last_at = max(self.last_at, at)
+        if em.final:
+            stream.playback.finish(at)
+            del self.streams[em.seq_id]
+            if stream.counted:
+                self.rtfs.append((at - stream.submitted_at) / stream.audio_s)
+                self.e2es.append(at - stream.submitted_at)
+            if self.warmup_s <= at <= self.duration_s:
+                self.finished += 1
+            think = self.rng.uniform(0.0, self.think_s) if self.think_s > 0 else 0.0
+            if self.requests is None or self.submitted < self.requests:
+                heapq.heappush(self.arrivals, (at + think, stream.client))
+
+    def submit_arrivals(self) -> None:
+        preset, rate = self.preset, self.preset.token_rate_hz
+        while self.arrivals and self.arrivals[0][0] <= self.now:
+            _, client = heapq.heappop(self.arrivals)
+            if self.requests is not None and self.submitted >= self.requests:
+                continue
+            self.submitted += 1
+            audio_s = self.rng.uniform(*self.utterance_s)
+            text_tokens = 0 if preset.kind == "asr" else round(audio_s * TEXT_TOKENS_PER_AUDIO_S)
+            output = max(1, round(audio_s * rate))
+            seq_id = self.engine.submit(
+                now=self.now,
+                prompt_tokens=preset.prompt_overhead_tokens + text_tokens,
+                output_tokens=output,
+                schedule=preset.schedule,
+            )
+            self.streams[seq_id] = VirtualStream(
+                client, self.now, output / rate, PlaybackBuffer(self.prebuffer_s)
+            )
+
+    def settle(self) -> None:
+        """Bring ``now`` to the next time this engine has a step to run (or finish)."""
+        while not self.done:
+            if self.now >= self.duration_s:
+                self.done = True
+                return
+            self.submit_arrivals()
+            if self.engine.has_work():
+                return
+            for em in sorted(self.engine.drain_codec(), key=lambda e: e.at):
+                self.deliver(em)
+            if not self.arrivals:
+                self.done = True
+                return
+            self.now = max(self.now, self.arrivals[0][0])
+
+    def run_step(self, start: float) -> float:
+        """Run one step starting at ``start`` (>= ``now``); its end."""
+        self.now = start
+        self.submit_arrivals()  # arrivals while the GPU ran another engine's step
+        step = self.engine.step(self.now)
+        self.now = step.ends_at
+        self.max_waiting = max(self.max_waiting, step.waiting)
+        if self.now >= self.warmup_s:
+            self.steps.append(step.duration)
+            self.batches.append(step.batch)
+        for em in sorted(step.emissions, key=lambda e: e.at):
+            self.deliver(em)
+        return self.now
+
+    def result(self) -> LoadResult:
+        if not self.steps or not (self.ratios or self.e2es):
+            raise ValueError("the run measured nothing; lengthen duration_s")
+        nan = float("nan")  # one chunk per request (no async chunk): no ratio to measure
+        ratios, ttfas, rtfs, e2es = self.ratios, self.ttfas, self.rtfs, self.e2es
+        if self.requests is None:
+            span = max(self.duration_s - self.warmup_s, 1e-9)
+        else:
+            span = max(self.last_at, 1e-9)
+        return LoadResult(
+            concurrency=self.concurrency,
+            chunks=len(ratios),
+            worst_1pct=percentile(ratios, 0.01) if ratios else nan,
+            median_delivery_ratio=statistics.median(ratios) if ratios else nan,
+            aggregate_delivery_ratio=self.audio_total / self.wall_total if ratios else nan,
+            mean_step_ms=1e3 * statistics.fmean(self.steps),
+            p95_step_ms=1e3 * percentile(self.steps, 0.95),
+            mean_batch=statistics.fmean(self.batches),
+            ttfa_p50_s=statistics.median(ttfas) if ttfas else nan,
+            max_waiting=self.max_waiting,
+            ttfa_p99_s=percentile(ttfas, 0.99) if ttfas else nan,
+            ttfa_mean_s=statistics.fmean(ttfas) if ttfas else nan,
+            ttfa_p95_s=percentile(ttfas, 0.95) if ttfas else nan,
+            request_rtf=statistics.fmean(rtfs) if rtfs else nan,
+            throughput=self.delivered / span,
+            e2e_mean_s=statistics.fmean(e2es) if e2es else nan,
+            e2e_p95_s=percentile(e2es, 0.95) if e2es else nan,
+            requests_per_s=self.finished / span,
+            request_rtf_p50=statistics.median(rtfs) if rtfs else nan,
+            streams=len(self.counted),
+            stalled_streams=sum(1 for p in self.counted if p.underruns),
+            startup_stalls=sum(1 for p in self.counted if p.first_chunk_underruns),
+        )
+
+
+def run_colocated(
+    loads: Sequence[tuple[Preset, int]],
+    *,
+    seed: int = 0,
+    duration_s: float = 40.0,
+    warmup_s: float = 8.0,
+    utterance_s: tuple[float, float] = (8.0, 20.0),
+    stagger_s: float = 1.0,
+    think_s: float = 0.3,
+    prebuffer_s: float = 0.2,
+    requests: int | None = None,
+) -> list[LoadResult | None]:
+    """Drive each ``(preset, concurrency)`` engine with the closed-loop load of the
+    module docstring, all on one GPU that runs one step at a time; one result per engine
+    (None for an engine given 0 streams). Engine ``i`` is seeded from ``seed + 7 * i``.
+
+    Each engine keeps its own batch, KV cache and step formula, but a step starts when
+    its engine is ready *and* the GPU is free, so while several engines have work their
+    steps alternate (the engine that has waited longest goes next, ties to the first)
+    and each one's token rate is set by the sum of their step times: time-slicing, two
+    processes on one GPU without MPS, whose kernels never overlap -- the pessimistic
+    end. The codec stage (``EngineSpec.codec``) keeps its own stream, as it does on one
+    engine. One engine alone is :func:`run_load`.
+
+    ``stagger_s`` 0 starts every client at once (a benchmark's burst); ``prebuffer_s``
+    is the modelled listener's buffer. ``requests`` set runs a serving benchmark's fixed
+    prompt count per engine instead: its clients send ``requests`` in all
+    (``duration_s`` is then only a bound), and throughput and requests per second are
+    over the whole run, from the first submit to the last chunk, ramp-down included."""
+    if not loads:
+        raise ValueError("no engines to run")
+    engines: list[_EngineLoad | None] = []
+    for i, (preset, concurrency) in enumerate(loads):
+        if concurrency < 0:
+            raise ValueError("concurrency must be >= 0")
+        if concurrency == 0:
+            engines.append(None)
+            continue
+        s = seed + 7 * i
+        rng = random.Random(s * 1_000_003 + concurrency)
+        load = _EngineLoad(
+            preset=preset,
+            concurrency=concurrency,
+            engine=Engine(preset.engine, seed=s * 7919 + concurrency),
+            rng=rng,
+            warmup_s=warmup_s,
+            duration_s=duration_s,
+            utterance_s=utterance_s,
+            think_s=think_s,
+            prebuffer_s=prebuffer_s,
+            requests=requests,
+        )
+        load.arrivals = [
+            (rng.uniform(0.0, stagger_s) if stagger_s > 0 else 0.0, c) for c in range(concurrency)
+        ]
+        heapq.heapify(load.arrivals)
+        engines.append(load)
+    active = [load for load in engines if load is not None]
+    gpu_free = 0.0
+    while True:
+        for load in active:
+            load.settle()
+        ready = [(load.now, i) for i, load in enumerate(active) if not load.done]
+        if not ready:
+            break
+        at, i = min(ready)
+        gpu_free = active[i].run_step(max(at, gpu_free))
+    return [None if load is None else load.result() for load in engines]
+
+
 def run_load(
     preset: Preset,
     concurrency: int,
@@ -122,132 +348,24 @@ def run_load(
     prebuffer_s: float = 0.2,
     requests: int | None = None,
 ) -> LoadResult:
-    """Drive ``concurrency`` closed-loop streams through the engine for ``duration_s``
-    virtual seconds; see the module docstring. ``stagger_s`` 0 starts every client at
-    once (a benchmark's burst); ``prebuffer_s`` is the modelled listener's buffer.
-
-    ``requests`` set runs a serving benchmark's fixed prompt count instead: the clients
-    send ``requests`` in all (``duration_s`` is then only a bound), and throughput and
-    requests per second are over the whole run, from the first submit to the last
-    chunk, ramp-down included."""
+    """Drive ``concurrency`` closed-loop streams through one engine for ``duration_s``
+    virtual seconds: :func:`run_colocated` with the GPU to itself (the options are
+    its)."""
     if concurrency < 1:
         raise ValueError("concurrency must be >= 1")
-    rng = random.Random(seed * 1_000_003 + concurrency)
-    engine = Engine(preset.engine, seed=seed * 7919 + concurrency)
-    rate = preset.token_rate_hz
-    arrivals: list[tuple[float, int]] = [
-        (rng.uniform(0.0, stagger_s) if stagger_s > 0 else 0.0, i) for i in range(concurrency)
-    ]
-    heapq.heapify(arrivals)
-    streams: dict[int, VirtualStream] = {}
-    ratios: list[float] = []
-    audio_total = wall_total = delivered = 0.0
-    ttfas: list[float] = []
-    rtfs: list[float] = []
-    e2es: list[float] = []
-    finished = 0
-    steps: list[float] = []
-    batches: list[int] = []
-    counted: list[PlaybackBuffer] = []
-    max_waiting = 0
-    now = 0.0
-    submitted = 0
-    last_at = 0.0
-
-    def deliver(em: Emission) -> None:
-        nonlocal audio_total, wall_total, delivered, finished, last_at
-        stream = streams[em.seq_id]
-        audio, at = (em.end - em.start) / rate, em.at
-        measuring = at >= warmup_s
-        if audio > 0:
-            if stream.last_at is None:
-                if measuring:
-                    ttfas.append(at - stream.submitted_at)
-                    stream.counted = True
-                    counted.append(stream.playback)
-            elif measuring and at > stream.last_at:
-                wall = at - stream.last_at
-                ratios.append(audio / wall)
-                audio_total += audio
-                wall_total += wall
-            if measuring and at <= duration_s:
-                delivered += audio
-            stream.playback.add(at, audio)
-            stream.last_at = at
-        last_at = max(last_at, at)
-        if em.final:
-            stream.playback.finish(at)
-            del streams[em.seq_id]
-            if stream.counted:
-                rtfs.append((at - stream.submitted_at) / stream.audio_s)
-                e2es.append(at - stream.submitted_at)
-            if warmup_s <= at <= duration_s:
-                finished += 1
-            think = rng.uniform(0.0, think_s) if think_s > 0 else 0.0
-            if requests is None or submitted < requests:
-                heapq.heappush(arrivals, (at + think, stream.client))
-
-    while now < duration_s:
-        while arrivals and arrivals[0][0] <= now:
-            _, client = heapq.heappop(arrivals)
-            if requests is not None and submitted >= requests:
-                continue
-            submitted += 1
-            audio_s = rng.uniform(*utterance_s)
-            text_tokens = 0 if preset.kind == "asr" else round(audio_s * TEXT_TOKENS_PER_AUDIO_S)
-            output = max(1, round(audio_s * rate))
-            seq_id = engine.submit(
-                now=now,
-                prompt_tokens=preset.prompt_overhead_tokens + text_tokens,
-                output_tokens=output,
-                schedule=preset.schedule,
-            )
-            streams[seq_id] = VirtualStream(client, now, output / rate, PlaybackBuffer(prebuffer_s))
-        if not engine.has_work():
-            for em in sorted(engine.drain_codec(), key=lambda e: e.at):
-                deliver(em)
-            if not arrivals:
-                break
-            now = max(now, arrivals[0][0])
-            continue
-        step = engine.step(now)
-        now = step.ends_at
-        max_waiting = max(max_waiting, step.waiting)
-        if now >= warmup_s:
-            steps.append(step.duration)
-            batches.append(step.batch)
-        for em in sorted(step.emissions, key=lambda e: e.at):
-            deliver(em)
-    if not steps or not (ratios or e2es):
-        raise ValueError("the run measured nothing; lengthen duration_s")
-    nan = float("nan")  # one chunk per request (no async chunk): no ratio to measure
-    span = max(duration_s - warmup_s, 1e-9) if requests is None else max(last_at, 1e-9)
-    stalled = sum(1 for p in counted if p.underruns)
-    startup = sum(1 for p in counted if p.first_chunk_underruns)
-    return LoadResult(
-        concurrency=concurrency,
-        chunks=len(ratios),
-        worst_1pct=percentile(ratios, 0.01) if ratios else nan,
-        median_delivery_ratio=statistics.median(ratios) if ratios else nan,
-        aggregate_delivery_ratio=audio_total / wall_total if ratios else nan,
-        mean_step_ms=1e3 * statistics.fmean(steps),
-        p95_step_ms=1e3 * percentile(steps, 0.95),
-        mean_batch=statistics.fmean(batches),
-        ttfa_p50_s=statistics.median(ttfas) if ttfas else float("nan"),
-        max_waiting=max_waiting,
-        ttfa_p99_s=percentile(ttfas, 0.99) if ttfas else float("nan"),
-        ttfa_mean_s=statistics.fmean(ttfas) if ttfas else float("nan"),
-        ttfa_p95_s=percentile(ttfas, 0.95) if ttfas else float("nan"),
-        request_rtf=statistics.fmean(rtfs) if rtfs else float("nan"),
-        throughput=delivered / span,
-        e2e_mean_s=statistics.fmean(e2es) if e2es else float("nan"),
-        e2e_p95_s=percentile(e2es, 0.95) if e2es else float("nan"),
-        requests_per_s=finished / span,
-        request_rtf_p50=statistics.median(rtfs) if rtfs else float("nan"),
-        streams=len(counted),
-        stalled_streams=stalled,
-        startup_stalls=startup,
-    )
+    result = run_colocated(
+        [(preset, concurrency)],
+        seed=seed,
+        duration_s=duration_s,
+        warmup_s=warmup_s,
+        utterance_s=utterance_s,
+        stagger_s=stagger_s,
+        think_s=think_s,
+        prebuffer_s=prebuffer_s,
+        requests=requests,
+    )[0]
+    assert result is not None  # concurrency >= 1
+    return result
 
 
 def single_stream(preset: Preset, *, seed: int = 0) -> tuple[float, float]:
@@ -289,37 +407,22 @@ def find_ceiling(
     limit: int = 1024,
     rules: Rules | None = None,
 ) -> tuple[int, list[LoadResult]]:
-    """``(ceiling, runs)``: ramp 1, 2, 4, ... until a level breaks a rule (by default
-    only the worst-1% ``threshold``; pass :class:`Rules` for all three), then bisect.
+    """``(ceiling, runs)``: the probe's search (:func:`proxy.probe.ceiling.largest_passing`)
+    ramping 1, 2, 4, ... up to ``limit`` until a level breaks a rule (by default only the
+    worst-1% ``threshold``; pass :class:`Rules` for all three), then bisecting.
     ``ceiling`` is 0 when one stream already fails, and ``limit`` when ``limit`` itself
-    passes (the ramp never measures past it)."""
+    passes (the ramp never measures past it); ``runs`` by concurrency."""
     runs: dict[int, LoadResult] = {}
     prebuffer = rules.prebuffer_s if rules is not None else 0.2
 
     def passes(n: int) -> bool:
-        if n not in runs:
-            runs[n] = run_load(preset, n, seed=seed, prebuffer_s=prebuffer)
+        runs[n] = run_load(preset, n, seed=seed, prebuffer_s=prebuffer)
         if rules is not None:
             return not rules.failed(runs[n])
         return runs[n].worst_1pct >= threshold
 
-    if not passes(1):
-        return 0, list(runs.values())
-    low, high = 1, 2
-    while True:
-        high = min(high, limit)
-        if high <= low:  # ``limit`` passed
-            return low, sorted(runs.values(), key=lambda r: r.concurrency)
-        if not passes(high):
-            break
-        low, high = high, high * 2
-    while high - low > 1:
-        mid = (low + high) // 2
-        if passes(mid):
-            low = mid
-        else:
-            high = mid
-    return low, sorted(runs.values(), key=lambda r: r.concurrency)
+    ceiling = largest_passing(passes, doubling(limit))
+    return ceiling, sorted(runs.values(), key=lambda r: r.concurrency)
 
 
 def min_prebuffer(

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.probe.analysis import LevelStats
-from proxy.probe.ceiling import CeilingSearch, ceiling_of, summarize
+from proxy.probe.ceiling import CeilingSearch, ceiling_of, doubling, largest_passing, summarize
 
 RAMPS = [
     ((1, 2, 4, 8, 16), True),
@@ -85,6 +85,29 @@ def test_extension_doubles_up_to_the_maximum() -> None:
     s = search(10_000, (1, 2), True, max_level=100)
     assert sorted(s.results) == [1, 2, 4, 8, 16, 32, 64]
     assert s.ceiling == (64, False)
+
+
+def test_largest_passing_runs_the_search_with_a_predicate() -> None:
+    """The simulator's entry to the search: each level judged once, the limit measured."""
+    assert doubling(20) == (1, 2, 4, 8, 16, 20)
+    assert doubling(16) == (1, 2, 4, 8, 16)
+    assert doubling(1) == (1,)
+    with pytest.raises(ValueError, match="limit"):
+        doubling(0)
+    for true in range(0, 40):
+        measured: list[int] = []
+
+        def passes(level: int, true: int = true, measured: list[int] = measured) -> bool:
+            measured.append(level)
+            return level <= true
+
+        assert largest_passing(passes, doubling(20)) == min(true, 20)
+        assert len(measured) == len(set(measured))
+        assert (20 in measured) == (true >= 16)
+    # One level: passing ends the search there, failing bisects below it.
+    assert largest_passing(lambda p: p <= 100, (100,)) == 100
+    assert largest_passing(lambda p: p <= 37, (100,)) == 37
+    assert largest_passing(lambda p: False, (100,)) == 0
 
 
 def test_without_bisection_the_first_failure_ends_the_search() -> None:

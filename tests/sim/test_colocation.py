@@ -1,4 +1,4 @@
-"""Two engines on one simulated GPU (issue 19): each slows the other past a shared knee."""
+"""Two engines on one simulated GPU: each slows the other past a shared knee."""
 
 from __future__ import annotations
 
@@ -8,19 +8,28 @@ import json
 
 import pytest
 
-from proxy.sim.colocate import colocated_ceiling, colocated_presets, run_colocated
+from proxy.sim.colocated_ceilings import colocated_ceiling, colocated_presets
 from proxy.sim.presets import get_preset
 from proxy.sim.sim_command import add_arguments, run
-from proxy.sim.virtual_load import Rules, run_load
+from proxy.sim.virtual_load import Rules, run_colocated, run_load
 
 ASR, TTS = "h100-voxtral-realtime-4b", "h100-orpheus-3b"
 
 
-def test_one_engine_alone_measures_exactly_what_run_load_does() -> None:
-    for name, n in ((TTS, 5), ("l40s-qwen3tts-1.7b", 9), (ASR, 20)):
+def test_an_idle_engine_takes_no_gpu_time_from_a_busy_one() -> None:
+    """An engine given 0 streams runs no step: the busy engine beside it measures what
+    it measures with the GPU to itself, in either position (engine ``i`` is seeded
+    from ``seed + 7 * i``)."""
+    asr = get_preset(ASR)
+    for name, n in ((TTS, 5), ("l40s-qwen3tts-1.7b", 9)):
         preset = get_preset(name)
-        assert run_colocated([(preset, n)]) == [run_load(preset, n)]
-        assert run_colocated([(preset, n), (preset, 0)]) == [run_load(preset, n), None]
+        alone = run_load(preset, n)
+        assert run_colocated([(preset, n), (asr, 0)]) == [alone, None]
+        assert run_colocated([(asr, 0), (preset, n)]) == [None, run_load(preset, n, seed=7)]
+    with pytest.raises(ValueError, match="concurrency must be >= 0"):
+        run_colocated([(asr, -1)])
+    with pytest.raises(ValueError, match="no engines"):
+        run_colocated([])
 
 
 def test_the_shares_size_each_kv_cache_and_must_fit_one_gpu() -> None:

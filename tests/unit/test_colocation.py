@@ -9,7 +9,7 @@ import pytest
 
 from proxy.errors import ConfigError
 from proxy.settings import GpuEngineSettings, GpuSettings, load_settings, settings_from_mapping
-from proxy.sim.colocation_check import GB, check_gpu, check_gpus, engine_figures
+from proxy.sim.gpu_memory_check import GB, check_gpu, check_gpus, engine_figures
 from proxy.sim.presets import get_preset
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
