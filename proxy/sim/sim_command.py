@@ -18,6 +18,7 @@ import contextlib
 import json
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -32,83 +33,69 @@ from proxy.sim.presets import DEFAULT_PRESET, PRESETS, Preset, get_preset, prese
 __all__ = ["add_arguments", "main", "run"]
 
 
+#: The options of one mode, each ``(flag, type, default, metavar, help)``; the help
+#: of a mode's options is prefixed with the mode (``with --calibrate: ...``).
+_Option = tuple[str, Callable[[str], object], object, str | None, str]
+
+_ENGINE_OPTIONS: tuple[_Option, ...] = (
+    ("--max-num-seqs", int, None, "N", "override vLLM max_num_seqs"),
+    ("--kv-cache-gib", float, None, "GIB", "override KV cache size"),
+    ("--codec-chunk-ramp", str, None, "LIST",
+     "vLLM-Omni codec_chunk_ramp: initial chunk frames, e.g. 4,4,8,16,25"),
+    ("--initial-codec-chunk-frames", int, None, "N",
+     "vLLM-Omni initial_codec_chunk_frames: a fixed first chunk of N frames"),
+    ("--speech-config-timeout", float, 10.0, "S",
+     "speech WebSocket: seconds to wait for session.config (vLLM-Omni: 10)"),
+    ("--speech-idle-timeout", float, 30.0, "S",
+     "speech WebSocket: idle timeout in seconds (vLLM-Omni: 30)"),
+    ("--exit-after", float, None, "S", "stop serving after S seconds"),
+)  # fmt: skip
+
+_COLOCATE_OPTIONS: tuple[_Option, ...] = (
+    ("--gpu-memory-utilization", str, "0.45,0.45", "UA,UB",
+     "each engine's share of the GPU's memory (default 0.45,0.45)"),
+)  # fmt: skip
+
+_CALIBRATE_OPTIONS: tuple[_Option, ...] = (
+    ("--protocol", str, "openai-completions-tokens", None,
+     "how to speak to the engine (a headroom probe protocol)"),
+    ("--tokens-per-audio-second", float, 12.5, "N",
+     "tokens the engine makes per second of audio (default 12.5)"),
+    ("--calibrate-levels", str, "1,2,4,8,16", "LIST",
+     "the concurrency levels of the ramp (default 1,2,4,8,16)"),
+    ("--calibrate-hold", float, 6.0, "S", "seconds each level is measured, after its warm-up"),
+    ("--calibrate-warmup", float, 3.0, "S", "seconds each level runs before it is measured"),
+    ("--write", str, None, "FILE",
+     "write the calibrated preset (JSON; give it to --describe or --preset)"),
+)  # fmt: skip
+
+
+def _add_options(parser: argparse.ArgumentParser, options: tuple[_Option, ...], mode: str) -> None:
+    for flag, kind, default, metavar, text in options:
+        parser.add_argument(flag, type=kind, default=default, metavar=metavar, help=f"{mode}{text}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``headroom sim``'s options to ``parser``."""
-    parser.add_argument(
-        "--preset",
-        default=DEFAULT_PRESET,
-        metavar="PRESET",
-        help=f"deployment to simulate (default {DEFAULT_PRESET}; see --list-presets)",
-    )
-    parser.add_argument("--gpus", type=int, default=1, help="simulated GPUs, one port each")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument(
-        "--port", type=int, default=8000, help="first port; GPU i uses PORT+i (0: free ports)"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the step-time jitter")
-    parser.add_argument("--list-presets", action="store_true", help="list presets and exit")
-    parser.add_argument("--describe", metavar="PRESET", help="measure a preset and exit")
-    parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--max-num-seqs", type=int, metavar="N", help="override vLLM max_num_seqs")
-    parser.add_argument("--kv-cache-gib", type=float, metavar="GIB", help="override KV cache size")
-    parser.add_argument(
-        "--codec-chunk-ramp", metavar="LIST",
-        help="vLLM-Omni codec_chunk_ramp: initial chunk frames, e.g. 4,4,8,16,25",
-    )  # fmt: skip
-    parser.add_argument(
-        "--initial-codec-chunk-frames", type=int, metavar="N",
-        help="vLLM-Omni initial_codec_chunk_frames: a fixed first chunk of N frames",
-    )  # fmt: skip
-    parser.add_argument(
-        "--speech-config-timeout", type=float, default=10.0, metavar="S",
-        help="speech WebSocket: seconds to wait for session.config (vLLM-Omni: 10)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--speech-idle-timeout", type=float, default=30.0, metavar="S",
-        help="speech WebSocket: idle timeout in seconds (vLLM-Omni: 30)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--exit-after", type=float, metavar="S", help="stop serving after S seconds"
-    )
-    parser.add_argument(
-        "--colocate", metavar="A,B",
-        help="measure two presets sharing one GPU (ceilings alone and beside each other) "
-        "and exit",
-    )  # fmt: skip
-    parser.add_argument(
-        "--gpu-memory-utilization", default="0.45,0.45", metavar="UA,UB",
-        help="with --colocate: each engine's share of the GPU's memory (default 0.45,0.45)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--calibrate", metavar="URL",
-        help="measure a running engine's step cost against batch size with a short ramp, "
-        "print the fit and the ceiling it predicts, and exit (--write keeps the preset)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--protocol", default="openai-completions-tokens",
-        help="with --calibrate: how to speak to the engine (a headroom probe protocol)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--tokens-per-audio-second", type=float, default=12.5, metavar="N",
-        help="with --calibrate: tokens the engine makes per second of audio (default 12.5)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--calibrate-levels", default="1,2,4,8,16", metavar="LIST",
-        help="with --calibrate: the concurrency levels of the ramp (default 1,2,4,8,16)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--calibrate-hold", type=float, default=6.0, metavar="S",
-        help="with --calibrate: seconds each level is measured, after its warm-up",
-    )  # fmt: skip
-    parser.add_argument(
-        "--calibrate-warmup", type=float, default=3.0, metavar="S",
-        help="with --calibrate: seconds each level runs before it is measured",
-    )  # fmt: skip
-    parser.add_argument(
-        "--write", metavar="FILE",
-        help="with --calibrate: write the calibrated preset (JSON; give it to --describe "
-        "or --preset)",
-    )  # fmt: skip
+    a = parser.add_argument
+    a("--preset", default=DEFAULT_PRESET, metavar="PRESET",
+      help=f"deployment to simulate (default {DEFAULT_PRESET}; see --list-presets)")  # fmt: skip
+    a("--gpus", type=int, default=1, help="simulated GPUs, one port each")
+    a("--host", default="127.0.0.1", help="address to listen on")
+    a("--port", type=int, default=8000, help="first port; GPU i uses PORT+i (0: free ports)")
+    a("--seed", type=int, default=0, help="seed of the step-time jitter")
+    a("--list-presets", action="store_true", help="list presets and exit")
+    a("--describe", metavar="PRESET", help="measure a preset and exit")
+    a("--json", action="store_true", help="machine-readable output")
+    _add_options(parser, _ENGINE_OPTIONS, "")
+    a("--colocate", metavar="A,B",
+      help="measure two presets sharing one GPU (ceilings alone and beside each other) "
+      "and exit")  # fmt: skip
+    _add_options(parser, _COLOCATE_OPTIONS, "with --colocate: ")
+    a("--calibrate", metavar="URL",
+      help="measure a running engine's step cost against batch size with a short ramp, "
+      "print the fit and the ceiling it predicts, and exit (--write keeps the preset)")  # fmt: skip
+    _add_options(parser, _CALIBRATE_OPTIONS, "with --calibrate: ")
     add_fault_arguments(parser)
 
 
