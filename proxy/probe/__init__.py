@@ -3,14 +3,16 @@
 Instead of dividing by a model card's single-stream RTF, the probe ramps concurrency
 (1, 2, 4, 8, 16, ...), holds each level in steady state (exactly N sessions open, closed
 loop), meters every stream's chunk arrivals with Headroom's own meter, and takes the
-largest concurrency whose worst-1% per-chunk delivery ratio stays at or above 1.2x
-realtime, bisecting the first failing bracket to the exact integer. See ``docs/probe.md``.
+largest concurrency whose worst-1% per-chunk delivery ratio stays at or above the
+delivery threshold (:data:`proxy.metering.rolling.DELIVERY_THRESHOLD`), bisecting the
+first failing bracket to the exact integer. See ``docs/probe.md``.
 
 Modules: :mod:`.analysis` and :mod:`.ceiling` (pure: level figures, the pass rule, the
-search, the estimates), :mod:`.workload` (requests, sampling), :mod:`.clients` (one
-session per protocol), :mod:`.runner` (the asyncio closed loop), :mod:`.report`,
-:mod:`.plot`, :mod:`.progress`, :mod:`.traces`, :mod:`.config_edit` (outputs) and
-:mod:`.cli`.
+search, the estimates), :mod:`.workload` (requests, sampling), :mod:`.clients`,
+:mod:`.probe_session` and :mod:`.completions_session` (one session per protocol),
+:mod:`.ramp` (the asyncio closed loop), :mod:`.report`, :mod:`.plot`, :mod:`.progress`,
+:mod:`.traces`, :mod:`.config_edit` (outputs) and :mod:`.probe_command` (the command
+line). The simulator runs the same search (:func:`.ceiling.largest_passing`).
 
 Public API::
 

@@ -58,7 +58,7 @@ local function now_ms(ctx)
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- Tenants (issue 18): the rules of proxy/admission/tenants.py (TenantQueue) and of
+-- Tenants: the rules of proxy/admission/tenants.py (TenantQueue) and of
 -- PoolCore's reserves, ported line for line so both backends decide alike (a
 -- differential test drives both with the same operations). Times in seconds are
 -- ms / 1000, as the test's PoolCore sees them; floats are stored with 17 digits so
@@ -508,7 +508,7 @@ local function set_guard(replica, gateway, until_ms, now)
   end
 end
 
--- The placement rule of proxy/admission/core.py (PoolCore._pick): the least loaded
+-- The placement rule of proxy/admission/pool_core.py (PoolCore._pick): the least loaded
 -- (held / cap, then held) eligible replica with a free slot; ties go to the first
 -- in configuration order. exclude: nil, or a set {replica = true} never picked.
 local function pick(view, now, exclude)

@@ -4,7 +4,7 @@ The relay builds one adapter per session with :func:`ws_adapter` or :func:`http_
 and calls it for every relayed message or chunk, with the arrival time; the adapter turns
 what it reads into :class:`MeterSink` calls (usually a
 :class:`proxy.metering.session_meter.SessionMeter`).
-Both factories look the protocol up in :data:`PROTOCOL_TABLE` (:mod:`.table`), which also
+Both factories look the protocol up in :data:`PROTOCOL_TABLE` (:mod:`.registry`), which also
 holds each protocol's transport and error-event shape, and is what the settings check.
 Adapters only read: they never modify, delay or buffer the bytes relayed, and they never
 raise (malformed data counts nothing; an internal failure increments ``adapter.errors``).
@@ -12,13 +12,13 @@ raise (malformed data counts nothing; an internal failure increments ``adapter.e
 =============================  =========  ==================================================
 protocol                       transport  module
 =============================  =========  ==================================================
-``vllm-realtime``              WS         :mod:`.realtime` (ASR text events, omni audio)
-``openai-realtime``            WS         :mod:`.realtime` (``response.output_audio.delta``)
-``vllm-omni-speech-ws``        WS         :mod:`.speech_ws` (JSON control + binary PCM/WAV)
+``vllm-realtime``              WS         :mod:`.realtime_events` (ASR text, omni audio)
+``openai-realtime``            WS         :mod:`.realtime_events` (``response.output_audio.delta``)
+``vllm-omni-speech-ws``        WS         :mod:`.speech_ws_audio` (JSON control + binary PCM/WAV)
 ``sagemaker-bidi``             WS         the inner protocol's adapter (default passthrough)
 ``passthrough-ws``             WS         :mod:`.passthrough` (frame gaps only)
-``openai-speech-http``         HTTP       :mod:`.http` (SSE base64, raw PCM, WAV)
-``openai-transcription-sse``   HTTP       :mod:`.http` (text events, ``[DONE]``)
+``openai-speech-http``         HTTP       :mod:`.http_streams` (SSE base64, raw PCM, WAV)
+``openai-transcription-sse``   HTTP       :mod:`.http_streams` (text events, ``[DONE]``)
 ``openai-completions-tokens``  HTTP       :mod:`.tokens` (completion tokens as audio)
 ``passthrough-http``           HTTP       :mod:`.passthrough` (chunk gaps only)
 =============================  =========  ==================================================
