@@ -214,14 +214,14 @@ class Gateway:
 
     async def _freeze_when_started(self) -> None:
         """Move everything allocated during start-up out of the collector's reach: a
-        refusal storm then triggers no full collection over it (measured: 51-122 ms
-        loop pauses, i.e. audible gaps for every live stream, gone; bench/RESULTS.md)."""
+        refusal storm then triggers no full collection over it (one pauses the loop: an
+        audible gap for every live stream; the figures are in bench/RESULTS.md)."""
         await self.server.ready.wait()
         gc.collect()
         gc.freeze()
         # Sessions allocate in bursts (a connect, a handshake): collect the young
-        # generation every 10,000 net allocations rather than 700 -- GC was 6 % of the
-        # session set-up CPU with the default (bench/RESULTS.md).
+        # generation every GC_GEN0_THRESHOLD net allocations rather than CPython's 700,
+        # whose collections took a share of session set-up (bench/RESULTS.md).
         gc.set_threshold(GC_GEN0_THRESHOLD, 10, 10)
 
     def reload(self) -> list[str]:

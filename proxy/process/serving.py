@@ -4,8 +4,8 @@ Used by ``headroom serve``/``sim``/``demo`` (several servers in one process) and
 the tests (real sockets on 127.0.0.1, port 0). Signal handling is left to the
 caller: an embedded server never installs handlers of its own.
 
-Per-message deflate is always off: it costs 6-11x the CPU of relaying an audio
-chunk and audio does not compress.
+Per-message deflate is always off: it costs several times the CPU of relaying an
+audio chunk (the figure is in README.md) and audio does not compress.
 """
 
 from __future__ import annotations
