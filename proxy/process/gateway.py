@@ -26,7 +26,7 @@ from proxy.app import create_app
 from proxy.errors import ConfigError, ListenError
 from proxy.process.admin import ReloadAnswer, create_admin_app
 from proxy.process.serving import EmbeddedServer, bind_socket, make_config
-from proxy.relay.listener import client_listener, websocket_options
+from proxy.relay.listener import client_listener
 from proxy.relay.ws_handshake import ASGIApp
 from proxy.relay.ws_server import WebSocketSessions
 from proxy.runtime import Runtime
@@ -58,19 +58,16 @@ def uvicorn_options(
     applies; WebSocket sessions served and relayed by Headroom), frame limits,
     keepalive pings."""
     limits = settings.limits
-    ws = websocket_options(limits)
+    listener = client_listener(app, live_limits or (lambda: limits), WebSocketSessions())
     return {
         # Every request head is read by Headroom (proxy.relay.listener); plain HTTP goes
         # on to uvicorn's own HTTP protocol.
-        "http": client_listener(app, live_limits or (lambda: limits), WebSocketSessions()),
-        # A WebSocket upgrade that comes after a plain request on a kept-alive
-        # connection is uvicorn's, served through ASGI (proxy.relay.asgi_relay).
-        "ws": "websockets-sansio",
-        # The same WebSocket bounds as Headroom's own server (websocket_options).
-        "ws_max_size": ws.max_size,
-        "ws_max_queue": ws.max_queue,
-        "ws_ping_interval": ws.ping_interval_s or None,
-        "ws_ping_timeout": ws.ping_timeout_s if ws.ping_interval_s else None,
+        "http": listener,
+        # A WebSocket upgrade after a plain request on a kept-alive connection: uvicorn's
+        # HTTP protocol hands the connection, once the responses before it are written,
+        # to its WebSocket protocol class -- the same listener, which reads the upgrade
+        # as its first head. uvicorn's own WebSocket implementation is never used.
+        "ws": listener,
         "h11_max_incomplete_event_size": 64 * 1024,
         # uvicorn's default rewrites scope["client"] from a loopback peer's
         # X-Forwarded-For, so the real peer was lost (and appended twice). Headroom

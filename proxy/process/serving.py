@@ -26,16 +26,11 @@ if TYPE_CHECKING:
 
 __all__ = [
     "UVICORN_HTTP",
-    "UVICORN_ONLY",
     "EmbeddedServer",
     "RunningServer",
     "bind_socket",
     "running_server",
 ]
-
-#: uvicorn options that serve an app with uvicorn's own protocols only: WebSocket
-#: sessions are then relayed through ASGI messages (proxy.relay.asgi_relay), not spliced.
-UVICORN_ONLY: dict[str, Any] = {"http": "httptools", "ws": "websockets-sansio"}
 
 #: uvicorn's HTTP protocol class as its ``http="h11"`` option names it, for protocol
 #: classes that put it behind their own (built with the keyword arguments uvicorn

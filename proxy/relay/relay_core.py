@@ -14,13 +14,8 @@ reading, wake me at, done). Data frames are not actions: a shell forwards a fram
 :attr:`~proxy.relay.session_states.LegStatus.accepting`), so the hot path allocates
 nothing.
 
-Two shells drive it:
-
-- the splice (:mod:`proxy.relay.splice`, :mod:`proxy.relay.splice_leg`): protocol
-  callbacks on both sockets, frame by frame;
-- the ASGI relay (:mod:`proxy.relay.asgi_relay`): tasks over the server's ASGI messages
-  and a websockets client connection, message by message (that library and the server
-  run the closing handshakes; the shell maps the actions onto their calls).
+One shell drives it: the splice (:mod:`proxy.relay.splice`,
+:mod:`proxy.relay.splice_leg`), protocol callbacks on both sockets, frame by frame.
 
 The rules, each stated here only:
 
@@ -42,7 +37,7 @@ relay shares: :mod:`proxy.relay.http_exchange`);
 - **closing handshake**: bounded by :data:`CLOSE_TIMEOUT_S`; then the upstream is
   dropped and the client's socket closed (and dropped if it never drains);
 - **keepalive**: a leg silent for ``ping_interval_s`` is pinged, and dead without an
-  answer within ``ping_timeout_s`` (splice only: the ASGI relay's libraries ping);
+  answer within ``ping_timeout_s``;
 - **back-pressure**: a full socket buffer pauses reading on the other leg.
 
 Times are explicit ``now`` arguments (the session clock); keepalive liveness takes the

@@ -5,7 +5,7 @@ Every module of :mod:`proxy.relay` is written against :class:`RelayServices`: th
 entry points (:mod:`proxy.relay.ws_session`, :mod:`proxy.relay.http_session`), the session lifecycle
 they share (:mod:`proxy.relay.lifecycle`), admission (:mod:`proxy.relay.admit`, which
 reaches the gang reservations through :attr:`RelayServices.reservations`), the splice
-(:mod:`proxy.relay.splice`), the ASGI relay (:mod:`proxy.relay.asgi_relay`) and the HTTP
+(:mod:`proxy.relay.splice`) and the HTTP
 exchange (:mod:`proxy.relay.http_exchange`). ``Runtime`` provides it: mypy checks that
 where :mod:`proxy.app` hands the runtime to the relays, and
 ``tests/unit/test_relay_services.py`` checks the members and that no relay module

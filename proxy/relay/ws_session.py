@@ -6,9 +6,11 @@ is simply held: transparent to the client, for at most the pool's
 handshake timeout does: :mod:`proxy.relay.admit`) -> connect to the chosen replica at
 the ws(s) form of its URL with the same path and query (failing over to another replica
 before any byte flows) -> accept the client with the subprotocol the upstream chose ->
-relay frames both ways (the splice, :mod:`proxy.relay.splice`, when the server offers
-the take-over; the ASGI relay, :mod:`proxy.relay.asgi_relay`, otherwise) -> release the
-slot when either side ends.
+relay frames both ways in the splice (:mod:`proxy.relay.splice`), over the socket
+Headroom's client listener hands over (:mod:`proxy.relay.ws_server`) -> release the slot
+when either side ends. A WebSocket scope without that take-over (the app under another
+ASGI server) is refused before the gate is asked: WebSocket sessions are relayed only
+through the client listener.
 
 Queue feedback (route ``queue_feedback: true``, opt-in): a client that must wait is
 accepted at once (so it may wait up to the pool's ``max_wait_s``) and told
@@ -33,21 +35,16 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 from collections.abc import AsyncIterator, Awaitable
 from typing import TYPE_CHECKING, Any
 
-from websockets.asyncio.client import ClientConnection, connect
-from websockets.exceptions import InvalidHandshake, InvalidStatus
-from websockets.protocol import State
-from websockets.typing import Subprotocol
+from websockets.exceptions import InvalidHandshake
 
 from proxy.admission.refusal import close_reason, error_event, http_error
 from proxy.client_request import ClientRequest
 from proxy.clock import clock_timeout
 from proxy.errors import HeadroomError, MessageTooLarge, UpstreamConnectTimeout
 from proxy.relay.admit import FALLBACK_RESPONSE_HEADER
-from proxy.relay.asgi_relay import relay_frames
 from proxy.relay.failover import (
     AttemptFailed,
     Unreachable,
@@ -84,7 +81,7 @@ log = logging.getLogger("headroom.relay.ws")
 Scope = dict[str, Any]
 Receive = Any
 Send = Any
-Upstream = ClientConnection | UpstreamSocket
+Upstream = UpstreamSocket
 
 _MAX_HELD_MESSAGES = 16
 
@@ -98,16 +95,31 @@ async def relay_websocket(
     connect_msg = await receive()
     if connect_msg["type"] != "websocket.connect":
         return
+    if _take_over(scope) is None:
+        log.error(
+            "refused a WebSocket session on %s: this server offers no take-over of the "
+            "client's socket (WebSocket sessions are relayed through Headroom's client "
+            "listener, proxy.relay.listener)", route.path,
+        )  # fmt: skip
+        await send({"type": "websocket.close", "code": 1011, "reason": "internal error"})
+        return
     request = ClientRequest.of(scope)
     await run_session(services, route, request, _WebSocket(services, route, request, receive, send))
+
+
+def _take_over(scope: Scope) -> TakeOver | None:
+    """The client listener's take-over of the client's socket, from the scope's
+    ``headroom.splice`` extension (:mod:`proxy.relay.ws_server`); None under any other
+    server."""
+    found: TakeOver | None = scope.get("extensions", {}).get("headroom.splice", {}).get("take_over")
+    return found
 
 
 class _WebSocket:
     """The WebSocket half of a session (:class:`proxy.relay.lifecycle.Transport`): the
     client's handshake (accepted yet or not, how to refuse it), queue feedback, the
-    upstream handshake, and the choice of relay: the splice when the server offers the
-    take-over (Headroom's client listener, :mod:`proxy.relay.ws_server`), the ASGI
-    relay otherwise (any other ASGI server)."""
+    upstream handshake and the splice, over the socket Headroom's client listener hands
+    over (:mod:`proxy.relay.ws_server`)."""
 
     kind: str = "ws"
     log: logging.Logger = log
@@ -123,8 +135,8 @@ class _WebSocket:
         self.protocol = route.stream_protocol
         self.accepted = False
         self.offered: list[str] = list(scope.get("subprotocols") or [])
-        #: Frames the client sent while it waited (after an early accept, or before
-        #: the accept under uvicorn's own protocol), relayed first (None: none came).
+        #: Frames the client sent while it waited after an early accept (queue
+        #: feedback), relayed first (None: none came).
         self.held: list[dict[str, Any]] | None = None
         #: Queue notes not yet sent (queue feedback): made when the session first
         #: waits, dropped once it is admitted (an asyncio.Queue is about 3 KB).
@@ -133,7 +145,7 @@ class _WebSocket:
         if route.queue_feedback:
             self.on_position = self._on_position
         self.admitted = False
-        self.take_over: TakeOver | None = None
+        self.take_over: TakeOver | None = _take_over(scope)
         self.spliced = False
 
     # -- the client ---------------------------------------------------------------------
@@ -197,8 +209,8 @@ class _WebSocket:
                 held.append(message)
 
     def client_gone(self, exc: Exception) -> bool:
-        # uvicorn's ClientDisconnected: the client left while we were answering it
-        # (e.g. during the upstream handshake). Not an error of ours.
+        # ClientDisconnected (proxy.relay.ws_server): the client left while we were
+        # answering it (e.g. during the upstream handshake). Not an error of ours.
         return isinstance(exc, OSError)
 
     async def internal_error(self) -> None:
@@ -246,17 +258,13 @@ class _WebSocket:
 
     async def open(self, lease: Lease, record: SessionRecord) -> Upstream:
         """The upstream WebSocket within one deadline for every attempt together
-        (``limits.handshake_timeout_s``, on the injected clock): the splice's own
-        handshake (:mod:`proxy.relay.upstream_handshake`) when the server offers the
-        take-over, otherwise a websockets client connection for the ASGI relay."""
-        if self.take_over is None:  # accepted early (queue feedback) or not: splice it
-            extensions = self.scope.get("extensions", {})
-            self.take_over = extensions.get("headroom.splice", {}).get("take_over")
+        (``limits.handshake_timeout_s``, on the injected clock), by the splice's own
+        handshake (:mod:`proxy.relay.upstream_handshake`)."""
         services = self.services
         deadline_s = services.settings.limits.handshake_timeout_s
         try:
             async with clock_timeout(services.clock, deadline_s):
-                return await self._connect(lease, record, lean=self.take_over is not None)
+                return await self._connect(lease, record)
         except TimeoutError:
             # Not a replica failure: the replica accepted the connection, and a request
             # it will not answer (e.g. an oversized header) would fail everywhere.
@@ -268,7 +276,7 @@ class _WebSocket:
             log.warning("%s; the replica stays in service", reason)
             raise UpstreamConnectTimeout(reason, replica=lease.replica, kind="timeout") from None
 
-    async def _connect(self, lease: Lease, record: SessionRecord, *, lean: bool) -> Upstream:
+    async def _connect(self, lease: Lease, record: SessionRecord) -> Upstream:
         """Connect to the lease's replica, failing over before any byte flows, each
         replica at most once (:func:`proxy.relay.failover.walk`); only an unreachable
         replica is ejected, and a 4xx answer is the request's fault: no failover."""
@@ -287,28 +295,6 @@ class _WebSocket:
         headers = [(k, v) for k, v in headers if k != "user-agent"]
         subprotocols = self.offered
 
-        async def handshake(url: str, sock: socket.socket) -> Upstream:
-            if lean:
-                return await open_upstream(
-                    url, sock, headers=headers, subprotocols=subprotocols, user_agent=user_agent
-                )
-            return await connect(
-                url,
-                sock=sock,
-                additional_headers=headers,
-                subprotocols=[Subprotocol(p) for p in subprotocols] or None,
-                user_agent_header=user_agent,
-                compression=None,
-                proxy=None,
-                open_timeout=None,  # the caller's deadline
-                ping_interval=limits.ping_interval_s or None,
-                ping_timeout=limits.ping_timeout_s or None,
-                close_timeout=5,
-                max_size=limits.max_message_bytes,
-                max_queue=16,
-                write_limit=64 * 1024,
-            )
-
         path = self.route.upstream_path or scope["path"]
         query = self.request.upstream_query(auth=settings.auth is not None)
         target = path + (f"?{query}" if query else "")
@@ -319,7 +305,7 @@ class _WebSocket:
             uri = upstream_uri(url)  # parsed once per distinct URL
             opened: Awaitable[Upstream]  # the handshake, over the connection made
             try:
-                if lean and not uri.secure:  # the loop connects (no socket of ours)
+                if not uri.secure:  # the loop connects (no socket of ours)
                     loop = asyncio.get_running_loop()
                     transport, protocol = await open_tcp_transport(
                         uri.host, uri.port, lambda: HandshakeProtocol(loop), clock=services.clock,
@@ -334,16 +320,17 @@ class _WebSocket:
                         uri.host, uri.port, clock=services.clock,
                         timeout=limits.upstream_connect_timeout_s,
                     )  # fmt: skip
-                    opened = handshake(url, sock)
+                    opened = open_upstream(
+                        url, sock,
+                        headers=headers, subprotocols=subprotocols, user_agent=user_agent,
+                    )  # fmt: skip
             except Unreachable as exc:
                 reason = f"cannot reach upstream {replica}: {exc}"
                 raise AttemptFailed(reason, kind="connect", eject=True) from exc
             try:
                 return await opened
-            except (InvalidStatus, UpstreamStatus) as exc:
-                status = (
-                    exc.status if isinstance(exc, UpstreamStatus) else exc.response.status_code
-                )  # fmt: skip
+            except UpstreamStatus as exc:
+                status = exc.status
                 reason = f"upstream {replica} answered the handshake with HTTP {status}"
                 # Below 500 the upstream refused this request (auth, path, headers...):
                 # the request's problem, not the replica's, and the same elsewhere.
@@ -360,11 +347,8 @@ class _WebSocket:
     def discard(self, upstream: Upstream) -> None:
         """Drop an upstream connection the relay did not close (made for a client that
         left, or left open by cancellation or an internal error)."""
-        if isinstance(upstream, UpstreamSocket):
-            if not self.spliced:
-                upstream.abort()
-        elif upstream.state is not State.CLOSED:
-            upstream.transport.abort()
+        if not self.spliced:
+            upstream.abort()
 
     # -- relaying -------------------------------------------------------------------------
 
@@ -379,17 +363,9 @@ class _WebSocket:
                 await self.text(self.notes.get_nowait())
             await self.text({"type": "headroom.admitted"})
         self.notes = None
-        if isinstance(upstream, UpstreamSocket):
-            assert self.take_over is not None
-            await self._splice(lease, upstream, self.take_over, headers, record, meter, stop)
-            self.spliced = True
-            return
-        if not self.accepted:
-            await self.accept(upstream.subprotocol, headers)
-        await relay_frames(
-            self.services, self.route, lease, upstream, self.receive, self.send, record,
-            meter, stop, self.held or (),
-        )  # fmt: skip
+        assert self.take_over is not None  # relay_websocket refuses a scope without it
+        await self._splice(lease, upstream, self.take_over, headers, record, meter, stop)
+        self.spliced = True
 
     async def _splice(
         self, lease: Lease, upstream: UpstreamSocket, take_over: TakeOver,

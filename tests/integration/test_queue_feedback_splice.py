@@ -23,7 +23,6 @@ from bench.wsraw import (
     read_frames,
     read_head,
 )
-from proxy.process.serving import UVICORN_ONLY
 from proxy.relay.ws_session import _WebSocket
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_frame_violations import RecordingUpstream, recording_upstream
@@ -43,8 +42,19 @@ def _settings(port: int) -> Any:
     )  # fmt: skip
 
 
-async def _open(proxy: Proxy) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+async def _open(
+    proxy: Proxy, keepalive: bool = False
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    """A client accepted (101); ``keepalive``: on a connection that carried GET /healthz
+    and its response first."""
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
+    if keepalive:
+        writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        plain = await read_head(reader)
+        assert plain is not None and plain.status == 200
+        length = int(plain.headers["content-length"])
+        body = plain.rest + await reader.readexactly(length - len(plain.rest))
+        assert json.loads(body) == {"status": "alive"}
     writer.write(handshake_request(PATH))
     head = await read_head(reader)
     assert head is not None and head.status == 101
@@ -52,14 +62,15 @@ async def _open(proxy: Proxy) -> tuple[asyncio.StreamReader, asyncio.StreamWrite
 
 
 async def _waited_then_admitted(
-    proxy: Proxy, upstream: RecordingUpstream
+    proxy: Proxy, upstream: RecordingUpstream, keepalive: bool = False
 ) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
     """The client's frames the upstream read, and what the client read, for a session
-    that sends a stream while it waits, then more once admitted."""
+    that sends a stream while it waits, then more once admitted (``keepalive``: upgraded
+    after a plain request on its connection)."""
     holder_r, holder_w, _ = await _open(proxy)  # its 101 follows its upstream handshake
     ours = len(upstream.conns)  # the next upstream connection is the waiter's
     await wait_until(lambda: proxy.gate.active == 1)
-    reader, writer, rest = await _open(proxy)  # accepted to wait
+    reader, writer, rest = await _open(proxy, keepalive)  # accepted to wait
     await wait_until(lambda: proxy.gate.queued == 1)
     cont = frame(OP_CONT, b"-end")
     writer.write(
@@ -75,8 +86,7 @@ async def _waited_then_admitted(
     conn = upstream.conns[ours]
     writer.write(cont[3:] + frame(OP_TEXT, b"after", fin=False))
     await writer.drain()
-    # a fragment is forwarded as it comes on the splice (the ASGI relay would wait for
-    # the whole message)
+    # a fragment is forwarded as it comes
     await wait_until(lambda: len(conn.frames) >= 5)
     writer.write(frame(OP_CONT, b"-done") + close_frame(4000))
     await writer.drain()
@@ -103,32 +113,18 @@ async def test_a_queue_feedback_session_is_spliced_after_admission(
     await wait_until(lambda: not sessions.live)  # the taken-over session was released
 
 
-async def test_without_the_splice_queue_feedback_uses_the_asgi_relay(
+async def test_after_a_kept_alive_request_queue_feedback_is_spliced_too(
     start_proxy: Any, recording_upstream: RecordingUpstream
 ) -> None:
-    """uvicorn's own protocols (no take-over offered): the same stream, relayed as whole
-    messages by the ASGI relay."""
-    proxy: Proxy = await start_proxy(_settings(recording_upstream.port), **UVICORN_ONLY)
-    holder_r, holder_w, _ = await _open(proxy)
-    ours = len(recording_upstream.conns)
-    await wait_until(lambda: proxy.gate.active == 1)
-    reader, writer, rest = await _open(proxy)
-    await wait_until(lambda: proxy.gate.queued == 1)
-    writer.write(frame(OP_TEXT, b"held-1") + frame(OP_TEXT, b"frag", fin=False))
-    await writer.drain()
-    holder_w.write(close_frame(1000))
-    await read_frames(holder_r, timeout=10)
-    holder_w.close()
-    got = await read_frames(reader, rest, timeout=10, until_text="headroom.admitted")
-    writer.write(frame(OP_CONT, b"-end") + close_frame(4000))
-    await writer.drain()
-    closed = await read_frames(reader, got.rest, timeout=10)
-    writer.close()
-    assert closed.code == 4000, closed
-    conn = recording_upstream.conns[ours]
-    await asyncio.wait_for(conn.closed.wait(), 10)
-    assert conn.frames[:2] == [(OP_TEXT, b"held-1"), (OP_TEXT, b"frag-end")]
-    await wait_until(lambda: proxy.gate.active == 0)
+    """The upgrade came after GET /healthz on the same connection: the listener serves
+    it like a first head, so the same stream reaches the upstream in the same frames."""
+    proxy: Proxy = await start_proxy(_settings(recording_upstream.port))
+    sent, told = await _waited_then_admitted(proxy, recording_upstream, keepalive=True)
+    assert [json.loads(p)["type"] for _, p in told] == ["headroom.queue", "headroom.admitted"]
+    assert sent == [
+        (OP_TEXT, b"held-1"), (OP_BINARY, b"held-2"), (OP_TEXT, b"frag"), (OP_CONT, b"-end"),
+        (OP_TEXT, b"after"), (OP_CONT, b"-done"), (OP_CLOSE, (4000).to_bytes(2, "big")),
+    ]  # fmt: skip
 
 
 def _sessions() -> list[Any]:

@@ -1,7 +1,7 @@
 """A client frame that breaks RFC 6455 is refused with 1002 and never reaches the
-upstream, on both relays: the splice (an admitted session's usual path) and the ASGI
-relay (uvicorn's own protocol, the fence's fallback; the session waits with queue
-feedback first). Real sockets on 127.0.0.1: a raw
+upstream: on a connection's first head, and on an upgrade that comes after a plain
+request on a kept-alive connection (the session waits with queue feedback first); both
+are spliced. Real sockets on 127.0.0.1: a raw
 client (bench/wsraw.py) and a raw upstream that records every frame it is sent."""
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from bench.wsraw import (
     read_frames,
     read_head,
 )
-from proxy.process.serving import UVICORN_ONLY
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_relay import wait_until
 
@@ -115,14 +114,20 @@ VIOLATIONS: dict[str, tuple[bytes, bytes]] = {
 
 
 async def _admitted_via_queue(proxy: Proxy, path: str) -> tuple[Any, Any, bytes]:
-    """A client that waited with queue feedback and was then admitted (on uvicorn's own
-    protocol its frames then go through the ASGI relay, proxy.relay.asgi_relay)."""
+    """A client that upgraded after a plain request on its kept-alive connection,
+    waited with queue feedback and was then admitted."""
     holder_r, holder_w = await asyncio.open_connection("127.0.0.1", proxy.server.port)
     holder_w.write(handshake_request(path))
     head = await read_head(holder_r)
     assert head is not None and head.status == 101
     await wait_until(lambda: proxy.gate.active == 1)
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    plain = await read_head(reader)
+    assert plain is not None and plain.status == 200
+    length = int(plain.headers["content-length"])
+    rest = plain.rest + await reader.readexactly(length - len(plain.rest))
+    assert rest == b'{"status":"alive"}', rest
     writer.write(handshake_request(path))
     head = await read_head(reader)
     assert head is not None and head.status == 101  # accepted to wait
@@ -136,22 +141,21 @@ async def _admitted_via_queue(proxy: Proxy, path: str) -> tuple[Any, Any, bytes]
 
 
 @pytest.mark.parametrize("name", list(VIOLATIONS))
-@pytest.mark.parametrize("relay", ["splice", "asgi"])
+@pytest.mark.parametrize("relay", ["first-head", "after-keepalive"])
 async def test_a_client_frame_violation_gets_1002_and_never_reaches_the_upstream(
     start_proxy: Any, recording_upstream: RecordingUpstream, relay: str, name: str
 ) -> None:
     bad, before = VIOLATIONS[name]
     path = "/ws/raw"
     route = {"path": path, "pool": "main", "protocol": "passthrough-ws"}
-    if relay == "asgi":
+    if relay == "after-keepalive":
         route["queue_feedback"] = True
     proxy: Proxy = await start_proxy(
         proxy_settings([("gpu0", f"http://127.0.0.1:{recording_upstream.port}", 1)], [route],
                        queue={"max_depth": 1, "max_wait_s": 30},
                        limits={"ping_interval_s": 0}, guard={"mode": "off"}),
-        **(UVICORN_ONLY if relay == "asgi" else {}),
     )  # fmt: skip
-    if relay == "asgi":
+    if relay == "after-keepalive":
         reader, writer, rest = await _admitted_via_queue(proxy, path)
     else:
         reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
@@ -161,13 +165,6 @@ async def test_a_client_frame_violation_gets_1002_and_never_reaches_the_upstream
         rest = head.rest
     try:
         ok = frame(OP_TEXT, b'{"type": "ok"}')
-        if relay == "asgi":
-            # uvicorn's own protocol drops the frames read with a violation in the same
-            # read; the valid frame goes first, on its own
-            writer.write(ok)
-            ok = b""
-            await wait_until(lambda: len(recording_upstream.conns) >= 2
-                             and recording_upstream.conns[-1].frames != [])  # fmt: skip
         writer.write(ok + before + bad + frame(OP_TEXT, b"{}"))
         await writer.drain()
         closed = await read_frames(reader, rest, timeout=10)
@@ -179,9 +176,8 @@ async def test_a_client_frame_violation_gets_1002_and_never_reaches_the_upstream
     sent = conn.frames
     assert sent[0] == (OP_TEXT, b'{"type": "ok"}'), sent
     assert all(SECRET not in payload for _, payload in sent), sent
-    # the splice forwards frames as they come (the valid first fragment too); the ASGI
-    # relay forwards whole messages, so an unfinished one never leaves
-    forwarded_before = 1 if before and relay == "splice" else 0
+    # the splice forwards frames as they come (the valid first fragment too)
+    forwarded_before = 1 if before else 0
     assert sent[-1][0] == OP_CLOSE and len(sent) == 2 + forwarded_before, sent
     assert sent[-1][1][:2] in (b"\x03\xe8", b"\x03\xea"), sent  # 1000 or 1002
     await wait_until(lambda: proxy.gate.active == 0)

@@ -137,11 +137,10 @@ def open_listener(
     """A listener as uvicorn builds one (the gateway's uvicorn options), on a fake
     transport, with the loop's timers recorded."""
     source = limits if callable(limits) else (lambda: limits or LimitsSettings())
-    config = uvicorn.Config(app=app, log_level="critical", lifespan="off",
-                            ws="websockets-sansio", ws_per_message_deflate=False)  # fmt: skip
+    cls = client_listener(app, source, sessions or WebSocketSessions(), root_path)
+    config = uvicorn.Config(app=app, log_level="critical", lifespan="off", http=cls, ws=cls)
     config.load()
     timers = Timers(asyncio.get_running_loop())
-    cls = client_listener(app, source, sessions or WebSocketSessions(), root_path)
     listener = cls(config=config, server_state=ServerState(), app_state={}, _loop=timers)
     transport = transport or Transport()
     with pytest.MonkeyPatch.context() as patch:
@@ -507,9 +506,11 @@ class HttpRecorder:
 
     def __init__(self) -> None:
         self.scopes: list[dict[str, Any]] = []
+        self.extensions: list[set[str]] = []  # each scope's, when the app was called
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         self.scopes.append(scope)
+        self.extensions.append(set(scope.get("extensions") or ()))
         if scope["type"] == "http":
             await _app(scope, receive, send)
         else:
@@ -553,10 +554,11 @@ async def test_an_http10_websocket_upgrade_is_refused_400() -> None:
     assert not app.scopes
 
 
-async def test_an_upgrade_on_a_kept_alive_connection_is_left_to_uvicorn() -> None:
-    """Only a connection's first head can be Headroom's handshake: a later one is
-    uvicorn's (its own WebSocket protocol, no ``headroom.splice``), after the limits
-    were checked on its head."""
+async def test_an_upgrade_on_a_kept_alive_connection_is_served_by_a_listener() -> None:
+    """An upgrade after a plain request: its head is checked under the limits, then
+    uvicorn's HTTP protocol hands the connection, once its response is written, to its
+    WebSocket protocol class -- the listener class again, which serves the upgrade as
+    its first head (Headroom's WebSocket server, the take-over offered)."""
     app = HttpRecorder()
     listener, transport, _ = open_listener(LimitsSettings(max_headers=3), app=app)
     listener.data_received(GET)
@@ -569,7 +571,11 @@ async def test_an_upgrade_on_a_kept_alive_connection_is_left_to_uvicorn() -> Non
     listener.data_received(REAL_HEADS[2])
     await settle(lambda: len(app.scopes) == 3)
     assert listener._ws is None and app.scopes[-1]["type"] == "websocket"
-    assert "headroom.splice" not in app.scopes[-1]["extensions"]
+    assert "headroom.splice" in app.extensions[-1]
+    later = transport.protocol
+    assert isinstance(later, ClientListener) and later is not listener
+    assert isinstance(later._ws, ClientWebSocket)
+    assert app.scopes[-1]["path"] == "/" and (b"host", b"x") in app.scopes[-1]["headers"]
 
 
 @pytest.mark.parametrize("pieces", [1, 2])
