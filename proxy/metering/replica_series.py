@@ -26,7 +26,6 @@ from typing import Final
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
 __all__ = [
     "STREAM_ACTIVE",
@@ -42,6 +41,7 @@ __all__ = [
     "ReplicaSeries",
     "ReplicaStore",
     "bucket_index",
+    "le_label",
 ]
 
 #: The series' labels, and each family's name and help: exported here, and the
@@ -162,9 +162,20 @@ class ReplicaSeries:
         )
 
 
-def _le(bound: float) -> str:
-    """A bucket's ``le`` label, spelled as prometheus_client spells it."""
-    return str(floatToGoString(bound))  # type: ignore[no-untyped-call]
+def le_label(bound: float) -> str:
+    """A bucket's ``le`` label as the exposition formats spell it (and prometheus_client
+    its own histograms' buckets): ``+Inf``, Python's shortest round-trip repr (``0.005``,
+    ``1.0``), and Go's exponent form from 10**7 up (``1.0e+07`` is ``1e+07``)."""
+    if math.isnan(bound):
+        return "NaN"
+    if math.isinf(bound):
+        return "+Inf" if bound > 0 else "-Inf"
+    text = repr(float(bound))
+    dot = text.find(".")
+    if bound > 0 and dot > 6:  # repr has no exponent below 1e16: digits, dot, digits
+        mantissa = f"{text[0]}.{text[1:dot]}{text[dot + 1 :]}".rstrip("0.")
+        return f"{mantissa}e+{dot - 1:02d}"
+    return text
 
 
 def _cumulative(counts: Sequence[int], les: Sequence[str]) -> list[tuple[str, float]]:
@@ -183,8 +194,8 @@ class ReplicaStore:
     def __init__(self, gap_buckets: Sequence[float], ratio_buckets: Sequence[float]) -> None:
         self.gap_bounds = (*(float(b) for b in gap_buckets), math.inf)
         self.ratio_bounds = (*(float(b) for b in ratio_buckets), math.inf)
-        self._gap_les = tuple(_le(b) for b in self.gap_bounds)
-        self._ratio_les = tuple(_le(b) for b in self.ratio_bounds)
+        self._gap_les = tuple(le_label(b) for b in self.gap_bounds)
+        self._ratio_les = tuple(le_label(b) for b in self.ratio_bounds)
         self._series: dict[tuple[str, str], ReplicaSeries] = {}
 
     def series(self, pool: str, replica: str) -> ReplicaSeries:

@@ -43,6 +43,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import Metric
 
 from proxy.metering.replica_series import (
     AUDIO_DELIVERED,
@@ -137,20 +138,27 @@ def gap_buckets(chunk_durations_s: Iterable[float] = ()) -> tuple[float, ...]:
     return tuple(sorted(set(GAP_BUCKETS) | extra))
 
 
+def _name(metric: MetricWrapperBase) -> str:
+    """The metric's family name, as its collector describes it (a counter's without
+    ``_total``)."""
+    family: Metric = next(iter(metric.describe()))
+    return family.name
+
+
 class _CollectedHistogram(Histogram):
     """The definition of a histogram that a :class:`~proxy.metering.replica_series.ReplicaCollector`
     exports: name, help, labels and buckets, for code that inspects the metrics. Not
     registered; observing through it would be lost, so it refuses label children."""
 
     def labels(self, *labelvalues: Any, **labelkwargs: Any) -> NoReturn:
-        raise TypeError(f"{self._name} is fed through Metrics.replica_series(pool, replica)")
+        raise TypeError(f"{_name(self)} is fed through Metrics.replica_series(pool, replica)")
 
 
 class _CollectedCounter(Counter):
     """Like :class:`_CollectedHistogram`, for a counter."""
 
     def labels(self, *labelvalues: Any, **labelkwargs: Any) -> NoReturn:
-        raise TypeError(f"{self._name} is fed through Metrics.replica_series(pool, replica)")
+        raise TypeError(f"{_name(self)} is fed through Metrics.replica_series(pool, replica)")
 
 
 class Metrics:

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from proxy.metering.replica_series import bucket_index
+from proxy.metering.replica_series import bucket_index, le_label
 from proxy.metering.rolling import ReplicaSignals
-from proxy.metering.series import Metrics
+from proxy.metering.series import DELIVERY_RATIO_BUCKETS, GAP_BUCKETS, Metrics
 from proxy.metering.session_meter import PrometheusReplicaSink, SessionMeter
 from tests.hypothesis_profiles import examples
 
@@ -490,3 +490,21 @@ def test_a_cached_child_is_the_labelled_child_and_exports_the_same() -> None:
         assert family_block(exposition(metrics.registry), name) == family_block(
             exposition(reference.registry), name
         )
+
+
+def test_bucket_labels_are_spelled_as_prometheus_client_spells_its_own() -> None:
+    """The collected histograms format their ``le`` labels themselves: the same text as
+    a prometheus_client Histogram with the same buckets exposes, large bounds included."""
+    bounds = (
+        *GAP_BUCKETS, *DELIVERY_RATIO_BUCKETS, 0.1 + 0.2, 1e-7, 999_999.5, 1e6, 1e7,
+        12_345_678.9, 1e15, 1e20,
+    )  # fmt: skip
+    registry = CollectorRegistry()
+    Histogram("h", "h", buckets=sorted(set(bounds)), registry=registry)
+    exposed = [
+        line.split('le="')[1].split('"')[0]
+        for line in exposition(registry).splitlines()
+        if line.startswith("h_bucket")
+    ]
+    assert exposed == [le_label(b) for b in sorted(set(bounds))] + ["+Inf"]
+    assert le_label(math.inf) == "+Inf" and le_label(math.nan) == "NaN"
