@@ -199,6 +199,7 @@ class ReplicaStore:
         self._series: dict[tuple[str, str], ReplicaSeries] = {}
 
     def series(self, pool: str, replica: str) -> ReplicaSeries:
+        """The one series of ``pool``/``replica``, created with zeros on first use."""
         key = (pool, replica)
         series = self._series.get(key)
         if series is None:
@@ -207,6 +208,8 @@ class ReplicaStore:
         return series
 
     def histograms(self, samples: bool = True) -> tuple[Metric, ...]:
+        """The gap and delivery-ratio histogram families of every series (without
+        samples when ``samples`` is False: the collector's describe)."""
         gap = HistogramMetricFamily(*CHUNK_GAP, labels=REPLICA_LABELS)
         ratio = HistogramMetricFamily(*CHUNK_DELIVERY_RATIO, labels=REPLICA_LABELS)
         for s in list(self._series.values()) if samples else ():
@@ -216,6 +219,8 @@ class ReplicaStore:
         return gap, ratio
 
     def counters(self, samples: bool = True) -> tuple[Metric, ...]:
+        """The underrun, stall, audio and active-time counter families of every series
+        (without samples when ``samples`` is False)."""
         underruns, first, stall, audio, active = (
             CounterMetricFamily(*spec, labels=REPLICA_LABELS)
             for spec in (

@@ -157,6 +157,7 @@ class CeilingSearch:
 
     @property
     def ceiling(self) -> tuple[int, bool]:
+        """``(ceiling, bounded)`` of the levels measured so far (:func:`ceiling_of`)."""
         return ceiling_of(self.results)
 
     def __repr__(self) -> str:

@@ -41,6 +41,7 @@ class RecordedLevel(NamedTuple):
 
 
 def trace_json(trace: SessionTrace) -> dict[str, Any]:
+    """One session's trace as a JSON object (its arrivals, outcome and times)."""
     return {
         "started_at": trace.started_at,
         "ended_at": trace.ended_at,
@@ -55,6 +56,7 @@ def trace_json(trace: SessionTrace) -> dict[str, Any]:
 
 
 def trace_from_json(data: dict[str, Any]) -> SessionTrace:
+    """The trace :func:`trace_json` wrote; ``ValueError`` for an unknown outcome."""
     outcome = data["outcome"]
     if outcome not in _OUTCOMES:
         raise ValueError(f"unknown session outcome {outcome!r}")
@@ -83,6 +85,7 @@ def _window_json(w: LevelWindow) -> dict[str, Any]:
 
 
 def write_traces(levels: Iterable[RecordedLevel], path: str | Path) -> None:
+    """Write each recorded level as one JSON line (see the module docstring)."""
     with open(path, "w", encoding="utf-8") as out:
         for window, traces, share in levels:
             line = {
@@ -94,6 +97,7 @@ def write_traces(levels: Iterable[RecordedLevel], path: str | Path) -> None:
 
 
 def read_traces(path: str | Path) -> list[RecordedLevel]:
+    """The levels :func:`write_traces` wrote, in order."""
     levels = []
     with open(path, encoding="utf-8") as src:
         for line in src:

@@ -99,6 +99,7 @@ def _decode(line: bytes) -> Any:
 
 
 def digest(text: str) -> str:
+    """The SHA-256 of a configuration text: how workers tell whether they run the same one."""
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -72,6 +72,7 @@ DRAIN_ALL = signal.SIGUSR2
 
 
 def memory_refusal(workers: int) -> str:
+    """The refusal of ``--workers N`` (N > 1) with the memory backend, and why."""
     return (
         f"headroom: --workers {workers} needs admission.backend: redis. With the memory "
         "backend each worker process would hold its own copy of every per-GPU cap and "
@@ -83,6 +84,7 @@ def memory_refusal(workers: int) -> str:
 def worker_argv(
     config: str | None, host: str | None, port: int | None, index: int, fds: Sequence[int]
 ) -> list[str]:
+    """The command line that starts worker ``index`` on the inherited sockets ``fds``."""
     argv = [sys.executable, "-m", "proxy", "serve", "--worker-index", str(index)]
     argv += ["--worker-fds", ",".join(str(fd) for fd in fds)]
     if config is not None:
@@ -138,6 +140,8 @@ class WorkerGateway(Gateway):
         self.lifeline: int | None = None
 
     async def serve(self, *, install_signals: bool = True) -> None:
+        """Serve until drained or stopped: the supervisor's lifeline watched (the worker
+        stops when the supervisor dies), signals taken unless ``install_signals`` is False."""
         loop = asyncio.get_running_loop()
         if self.lifeline is not None:
             loop.add_reader(self.lifeline, self._on_lifeline)
@@ -179,6 +183,8 @@ class WorkerGateway(Gateway):
         self.control.forward_sighup()
 
     def drain(self, timeout_s: float | None = None) -> asyncio.Task[None]:
+        """Drain this worker (and, asked first here, every worker through the supervisor);
+        the task that finishes when it has stopped."""
         if not self._drain_asked:
             # From the admin listener or a signal: either way every worker must drain.
             # The supervisor forwards SIGTERM once (a second one would close at once).
@@ -217,6 +223,8 @@ class WorkerStart(NamedTuple):
 
 
 def make_worker(start: WorkerStart, fds: str, index: int, config_path: str | None) -> WorkerGateway:
+    """The worker gateway of worker ``index`` on the sockets its supervisor passed in
+    ``fds``."""
     lifeline, control, listen, admin = _inherited(fds)
     gateway = WorkerGateway(
         start.settings, listen, admin, index=index, control=control, config_path=config_path

@@ -37,6 +37,7 @@ class ApiKeySettings(Frozen):
         return self.priority != 0 or self.weight is not None or self.max_queued is not None
 
     def allows(self, pool: str) -> bool:
+        """Whether this key may open sessions on ``pool`` (no pools listed: every pool)."""
         return not self.pools or pool in self.pools
 
 
@@ -68,6 +69,7 @@ class AuthSettings(Frozen):
         return self.keys, {key.sha256: key for key in reversed(self.keys)}  # the first wins
 
     def key_for(self, sha256_hex: str) -> ApiKeySettings | None:
+        """The key whose SHA-256 (hex) is ``sha256_hex``, or None."""
         keys, index = self.keys_by_sha256
         if keys is not self.keys:  # a model_copy that replaced the keys copied the index too
             del self.__dict__["keys_by_sha256"]

@@ -40,14 +40,17 @@ class Cluster:
 
     @property
     def ws_urls(self) -> list[str]:
+        """Each GPU's WebSocket base URL, in GPU order."""
         return [gpu.ws_url for gpu in self.gpus]
 
     @property
     def engines(self) -> list[Engine]:
+        """Each GPU's simulated engine, in GPU order."""
         return [gpu.engine for gpu in self.gpus]
 
     @property
     def faults(self) -> list[Faults]:
+        """The faults each GPU injects now, in GPU order."""
         return [gpu.faults for gpu in self.gpus]
 
     async def set_faults(self, faults: Faults, gpu: int | None = None) -> None:
@@ -57,6 +60,7 @@ class Cluster:
             await target.set_faults(faults)
 
     async def clear_faults(self) -> None:
+        """Stop injecting faults on every GPU."""
         await self.set_faults(Faults())
 
     def __repr__(self) -> str:

@@ -61,6 +61,7 @@ class Faults:
 
     @property
     def active(self) -> bool:
+        """Whether any fault is set."""
         return self != Faults()
 
     def as_json(self) -> dict[str, Any]:
@@ -119,6 +120,8 @@ class StreamFaults:
         self._started = False
 
     async def before_chunk(self) -> Action:
+        """What to do with the next chunk: ``drop`` the connection, answer an ``error``,
+        or ``send`` it (after the one stall, when it is due), counting it as sent."""
         f = self.faults
         if f.drop_after_chunks is not None and self.sent >= f.drop_after_chunks:
             return "drop"

@@ -93,9 +93,11 @@ class LoadResult:
 
     @property
     def stalled_share(self) -> float:
+        """Share of the counted streams whose modelled playback ran dry."""
         return self.stalled_streams / self.streams if self.streams else 0.0
 
     def as_json(self) -> dict[str, Any]:
+        """The result as JSON, floats rounded to 4 places, with ``stalled_share``."""
         out = {k: round(v, 4) if isinstance(v, float) else v for k, v in asdict(self).items()}
         out["stalled_share"] = round(self.stalled_share, 4)
         return out
