@@ -30,7 +30,7 @@ from proxy.admission import (
 )
 from proxy.admission.auth import NO_KEY, Authorization, TenantQuotas, authenticate, tenant_spec
 from proxy.admission.gate import Gate
-from proxy.admission.gate_series import count_decision
+from proxy.admission.gate_common import count_decision
 from proxy.admission.guard import GuardLoop, GuardPolicy
 from proxy.admission.interface import AdmissionGate, TenantQuota
 from proxy.admission.reconcile import EngineReconciler

@@ -10,10 +10,12 @@ is released again at once. Every admission is a
 on every exit path in a ``finally`` and the slot is freed exactly once.
 
 Queue deadlines run on the injected :class:`~proxy.clock.Clock`: tests advance a
-:class:`~proxy.clock.FakeClock` instead of sleeping. Handing the core's decisions to the
-waiting sessions and arming those deadlines is the base class's job
-(:class:`~proxy.admission.gate_waiters.GateWaiters`); this module admits, releases,
-fails over, changes pools live and answers queries.
+:class:`~proxy.clock.FakeClock` instead of sleeping. The gate is built of parts it
+holds: handing the core's decisions to the waiting sessions and arming those deadlines
+is ``waiters``' job (:class:`~proxy.admission.gate_waiters.GateWaiters`); the decision
+counts, the wait for idle and the acquire/take-now steps are the ones the shared gate
+uses too (:mod:`proxy.admission.gate_common`). This module admits, releases, fails
+over, changes pools live and answers queries.
 
 Tenants: a session is admitted as the :class:`~proxy.admission.TenantSpec` passed to
 :meth:`Gate.enter` (the one :meth:`proxy.runtime.Runtime.authorize` returned for its
@@ -43,7 +45,9 @@ from proxy.admission import (
     ReplicaSpec,
     Reserve,
     TenantSpec,
+    gate_common,
 )
+from proxy.admission.gate_common import GateCounts, IdleWaiters, await_outcome
 from proxy.admission.gate_waiters import GateWaiters, LocalPool, LocalWaiter
 from proxy.admission.session_lease import Lease, PositionCallback, Waiting
 from proxy.clock import Clock
@@ -65,7 +69,7 @@ __all__ = ["Gate"]
 log = logging.getLogger("headroom.gate")
 
 
-class Gate(GateWaiters):
+class Gate:
     """Admission for every pool, on one event loop."""
 
     def __init__(
@@ -79,13 +83,18 @@ class Gate(GateWaiters):
     ) -> None:
         self.clock = clock
         self.metrics = metrics
+        #: The decision, queue-wait and session-length series.
+        self.counts = GateCounts(metrics)
+        #: Hands each core's decisions to its waiting sessions and arms the deadlines.
+        self.waiters = GateWaiters(clock, self.counts)
+        #: Callers of :meth:`wait_idle`.
+        self.idle = IdleWaiters(lambda: self.active)
         fallbacks = fallbacks or {}
         self._pools = {core.name: LocalPool(core, fallbacks.get(core.name)) for core in pools}
         self.recheck_interval_s = recheck_interval_s
         if recheck_interval_s is not None:
             self.set_recheck_interval(recheck_interval_s)
         self._healthy_listeners: list[Callable[[str, str, bool], None]] = []
-        self._idle_waiters: list[asyncio.Future[None]] = []
         self.draining = False
         if metrics is not None:
             metrics.bind_tenants(self.tenant_gauges)
@@ -122,24 +131,26 @@ class Gate(GateWaiters):
         now = self.clock.now()
         decision = p.core.arrive(now, tenant, queue=queue, max_wait_s=max_wait_s)
         if isinstance(decision, Admit):
-            self._count(pool, "admitted", tenant)
-            return Lease(self, pool, decision, now, tenant)
+            self.counts.decision(pool, "admitted", tenant)
+            return self._lease(pool, decision, now, tenant)
         if isinstance(decision, Reject):
-            self._count(pool, f"rejected_{decision.reason}", tenant)
-            raise self._refusal(pool, decision)
+            self.counts.decision(pool, f"rejected_{decision.reason}", tenant)
+            raise self.waiters.refusal(p, decision)
         assert isinstance(decision, Enqueue)
-        self._count(pool, "queued", tenant)
+        self.counts.decision(pool, "queued", tenant)
         future: asyncio.Future[Admit | Reject] = asyncio.get_running_loop().create_future()
         p.waiters[decision.ticket] = LocalWaiter(future, on_position, decision.position, tenant)
         p.enqueued_at[decision.ticket] = now
         for shed in decision.displaced:
-            self._resolve(pool, p, shed)
-        self._arm_timer(p)
+            self.waiters.resolve(p, shed)
+        self.waiters.arm_timer(p)
         if on_position is not None:
             on_position(decision.position, decision.eta_s)
         if decision.displaced or decision.position < p.core.queue_depth:
-            self._notify_positions(p)  # it went ahead of others: they moved back
-        return Waiting(self, pool, decision)
+            self.waiters.notify_positions(p)  # it went ahead of others: they moved back
+        ticket = decision.ticket
+        return Waiting(pool, ticket, decision.position, decision.eta_s,
+                       lambda: self._wait(pool, ticket))  # fmt: skip
 
     async def admit(
         self,
@@ -169,53 +180,43 @@ class Gate(GateWaiters):
         """Admit a session to ``pool``, waiting in its queue if need be: returns a
         :class:`Lease` or raises :class:`~proxy.errors.Refused`. Cancellation-safe.
         ``quota`` as for :meth:`admit`."""
-        entry = self.enter(pool, on_position=on_position, tenant=tenant)
-        if isinstance(entry, Lease):
-            return entry
-        return await entry.wait()
+        return await gate_common.acquire(
+            self, pool, on_position=on_position, tenant=tenant, quota=quota
+        )
 
     async def take_now(self, pool: str, tenant: TenantSpec | None) -> Lease:
         """One slot of ``pool`` now, never a place in its queue (a gang reservation's
         slot): the decision for a plain session of ``tenant``'s class (reserves, no
         barging past its class), as :meth:`enter` with ``queue=False`` makes it. Raises
         :class:`~proxy.errors.Refused`."""
-        entry = self.enter(pool, tenant=tenant, queue=False)
-        assert isinstance(entry, Lease)  # queue=False: a slot or a refusal
-        return entry
+        return await gate_common.take_now(self, pool, tenant)
 
     async def _wait(self, pool: str, ticket: int) -> Lease:
         p = self._pools[pool]
         waiter = p.waiters[ticket]
-        try:
-            outcome = await waiter.future
-        except BaseException:
-            self._leave(p, ticket)
-            raise
+        outcome = await await_outcome(waiter.future, lambda: self.waiters.leave(p, ticket))
         p.waiters.pop(ticket, None)
         if isinstance(outcome, Reject):
-            raise self._refusal(pool, outcome)
-        return Lease(self, pool, outcome, self.clock.now(), waiter.tenant)
+            raise self.waiters.refusal(p, outcome)
+        return self._lease(pool, outcome, self.clock.now(), waiter.tenant)
+
+    def _lease(self, pool: str, admit: Admit, now: float, tenant: TenantSpec | None) -> Lease:
+        return Lease(pool, admit.ticket, admit.replica, waited_s=admit.waited_s,
+                     admitted_at=now, tenant=tenant, release=self._release,
+                     move=self._move)  # fmt: skip
 
     def drain(self) -> None:
         """Refuse everything new and every waiter with ``draining``."""
         self.draining = True
         now = self.clock.now()
-        for name, p in self._pools.items():
+        for p in self._pools.values():
             for reject in p.core.drain(now):
-                self._resolve(name, p, reject)
-            self._arm_timer(p)
+                self.waiters.resolve(p, reject)
+            self.waiters.arm_timer(p)
 
     async def wait_idle(self) -> None:
         """Return once no session holds a slot (used by drain)."""
-        if self.active == 0:
-            return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._idle_waiters.append(future)
-        try:
-            await future
-        finally:
-            if future in self._idle_waiters:
-                self._idle_waiters.remove(future)
+        await self.idle.wait()
 
     def set_healthy(self, pool: str, replica: str, healthy: bool) -> None:
         p = self._pool(pool)
@@ -224,7 +225,7 @@ class Gate(GateWaiters):
             log.warning(
                 "replica %s/%s is now %s", pool, replica, "healthy" if healthy else "unhealthy"
             )
-            self._dispatch(pool, p, p.core.set_healthy(replica, healthy, self.clock.now()))
+            self.waiters.dispatch(p, p.core.set_healthy(replica, healthy, self.clock.now()))
             for listener in self._healthy_listeners:
                 listener(pool, replica, healthy)
 
@@ -237,11 +238,11 @@ class Gate(GateWaiters):
 
     def set_guarded(self, pool: str, replica: str, guarded: bool) -> None:
         p = self._pool(pool)
-        self._dispatch(pool, p, p.core.set_guarded(replica, guarded, self.clock.now()))
+        self.waiters.dispatch(p, p.core.set_guarded(replica, guarded, self.clock.now()))
 
     def set_cap(self, pool: str, replica: str, cap: int) -> None:
         p = self._pool(pool)
-        self._dispatch(pool, p, p.core.set_cap(replica, cap, self.clock.now()))
+        self.waiters.dispatch(p, p.core.set_cap(replica, cap, self.clock.now()))
 
     def apply_pool(
         self,
@@ -273,31 +274,31 @@ class Gate(GateWaiters):
             return
         p.fallback = fallback
         if p.core.draining and not self.draining:  # a retired pool configured again
-            self._dispatch(name, p, p.core.undrain(now))
+            self.waiters.dispatch(p, p.core.undrain(now))
         for reject in p.core.set_queue(queue, now):
-            self._resolve(name, p, reject)
+            self.waiters.resolve(p, reject)
         current = {r.name: r for r in p.core.statistics().replicas}
         wanted = {spec.name for spec in replicas}
         for spec in replicas:
             existing = current.get(spec.name)
             if existing is None or existing.retired:
-                self._dispatch(name, p, p.core.add_replica(spec, now))
+                self.waiters.dispatch(p, p.core.add_replica(spec, now))
             elif existing.cap != spec.max_sessions:
-                self._dispatch(name, p, p.core.set_cap(spec.name, spec.max_sessions, now))
+                self.waiters.dispatch(p, p.core.set_cap(spec.name, spec.max_sessions, now))
         for replica in current:
             if replica not in wanted and not current[replica].retired:
                 p.core.retire_replica(replica)
         if tuple(reserves) != p.core.reserves:
-            self._dispatch(name, p, p.core.set_reserves(reserves, now))
-        self._dispatch(name, p, [])
+            self.waiters.dispatch(p, p.core.set_reserves(reserves, now))
+        self.waiters.dispatch(p, [])
 
     def retire_pool(self, name: str) -> None:
         """A pool left the configuration: refuse its waiters and newcomers
         (``draining``); its running sessions finish."""
         p = self._pool(name)
         for reject in p.core.drain(self.clock.now()):
-            self._resolve(name, p, reject)
-        self._arm_timer(p)
+            self.waiters.resolve(p, reject)
+        self.waiters.arm_timer(p)
 
     def on_health_change(self, listener: Callable[[str, str, bool], None]) -> None:
         self._healthy_listeners.append(listener)
@@ -421,19 +422,21 @@ class Gate(GateWaiters):
 
     # -- internals --------------------------------------------------------------
 
+    def _pool(self, name: str) -> LocalPool:
+        try:
+            return self._pools[name]
+        except KeyError:
+            raise LookupError(f"no pool named {name!r}") from None
+
     def _release(self, lease: Lease) -> None:
         p = self._pools[lease.pool]
         now = self.clock.now()
-        if self.metrics is not None:
-            duration = self.metrics.child(self.metrics.session_duration, lease.pool)
-            duration.observe(now - lease.admitted_at)
-        self._dispatch(lease.pool, p, p.core.release(lease.ticket, now))
-        if self._idle_waiters and self.active == 0:
-            for future in self._idle_waiters:
-                if not future.done():
-                    future.set_result(None)
+        self.counts.session(lease.pool, now - lease.admitted_at)
+        self.waiters.dispatch(p, p.core.release(lease.ticket, now))
+        self.idle.released()
 
-    def _fail_over(self, lease: Lease, eject: bool, exclude: Collection[str]) -> bool:
+    async def _move(self, lease: Lease, eject: bool, exclude: Collection[str]) -> bool:
+        """:meth:`Lease.fail_over`, decided at once."""
         p = self._pools[lease.pool]
         if eject:
             self.set_healthy(lease.pool, lease.replica, False)

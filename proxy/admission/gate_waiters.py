@@ -1,15 +1,15 @@
 """The in-process gate's waiters: the sessions in each pool's queue and its deadlines.
 
-:class:`GateWaiters` is the base of :class:`proxy.admission.gate.Gate`: the attributes
-every step uses and the steps that hand the pure core's decisions to the sessions
-waiting for them -- a waiter's future resolved with its :class:`~proxy.admission.Admit`
-or :class:`~proxy.admission.Reject`, a slot granted to a waiter cancelled in the same
+:class:`GateWaiters` is a part of :class:`proxy.admission.gate.Gate` (held as
+``Gate.waiters``): it hands the pure core's decisions to the sessions waiting for
+them -- a waiter's future resolved with its :class:`~proxy.admission.Admit` or
+:class:`~proxy.admission.Reject`, a slot granted to a waiter cancelled in the same
 instant released again at once, the waiters told their new positions, the pool's next
 queue deadline armed on the injected :class:`~proxy.clock.Clock`. The decisions and
 queue waits are counted in the series both gates record
-(:mod:`proxy.admission.gate_series`). :class:`LocalPool` is what the gate keeps of one
-pool around its :class:`~proxy.admission.PoolCore`; :class:`LocalWaiter` is one session
-in its queue.
+(:class:`~proxy.admission.gate_common.GateCounts`). :class:`LocalPool` is what the gate
+keeps of one pool around its :class:`~proxy.admission.PoolCore`; :class:`LocalWaiter`
+is one session in its queue.
 """
 
 from __future__ import annotations
@@ -19,13 +19,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from proxy.admission import Admit, PoolCore, Reject, TenantSpec
-from proxy.admission.gate_series import count_decision, observe_queue_wait
 from proxy.errors import FallbackHint, Refused, refusal_for
 
 if TYPE_CHECKING:
+    from proxy.admission.gate_common import GateCounts
     from proxy.admission.session_lease import PositionCallback
     from proxy.clock import Clock, TimerHandle
-    from proxy.metering.series import Metrics
 
 __all__ = ["GateWaiters", "LocalPool", "LocalWaiter"]
 
@@ -54,32 +53,22 @@ class LocalPool:
 
 
 class GateWaiters:
-    """The gate's attributes (set by :class:`proxy.admission.gate.Gate`'s constructor)
-    and the steps that hand the core's decisions to the waiting sessions."""
+    """Hands each pool core's decisions to its waiting sessions (module docstring)."""
 
-    clock: Clock
-    metrics: Metrics | None
-    _pools: dict[str, LocalPool]
+    def __init__(self, clock: Clock, counts: GateCounts) -> None:
+        self.clock = clock
+        self.counts = counts
 
-    def _pool(self, name: str) -> LocalPool:
-        try:
-            return self._pools[name]
-        except KeyError:
-            raise LookupError(f"no pool named {name!r}") from None
-
-    def _count(self, pool: str, decision: str, tenant: TenantSpec | None = None) -> None:
-        count_decision(self.metrics, pool, decision, tenant)
-
-    def _refusal(self, pool: str, reject: Reject) -> Refused:
+    def refusal(self, p: LocalPool, reject: Reject) -> Refused:
         return refusal_for(
             reject.reason,
             retry_after_s=reject.retry_after_s,
-            pool=pool,
+            pool=p.core.name,
             queue_position=reject.queue_position,
-            fallback=self._pools[pool].fallback,
+            fallback=p.fallback,
         )
 
-    def _leave(self, p: LocalPool, ticket: int) -> None:
+    def leave(self, p: LocalPool, ticket: int) -> None:
         """The waiter's task ended without taking its outcome (cancelled)."""
         waiter = p.waiters.pop(ticket, None)
         pool = p.core.name
@@ -89,44 +78,47 @@ class GateWaiters:
             outcome = waiter.future.result()
             if isinstance(outcome, Admit):
                 # The slot was handed over in the same instant the client left.
-                self._count(pool, "abandoned", waiter.tenant)
-                self._dispatch(pool, p, p.core.release(ticket, self.clock.now()))
+                self.counts.decision(pool, "abandoned", waiter.tenant)
+                self.dispatch(p, p.core.release(ticket, self.clock.now()))
             return
         self._observe_wait(p, ticket, waiter.tenant)
-        self._count(pool, "abandoned", waiter.tenant)
-        self._dispatch(pool, p, p.core.abandon(ticket, self.clock.now()))
+        self.counts.decision(pool, "abandoned", waiter.tenant)
+        self.dispatch(p, p.core.abandon(ticket, self.clock.now()))
 
     def _observe_wait(self, p: LocalPool, ticket: int, tenant: TenantSpec | None) -> None:
         enqueued = p.enqueued_at.pop(ticket, None)
         if enqueued is not None:
-            observe_queue_wait(self.metrics, p.core.name, self.clock.now() - enqueued, tenant)
+            self.counts.queue_wait(p.core.name, self.clock.now() - enqueued, tenant)
 
-    def _resolve(self, pool: str, p: LocalPool, outcome: Admit | Reject) -> None:
+    def resolve(self, p: LocalPool, outcome: Admit | Reject) -> None:
+        """Hand ``outcome`` to its waiter (or release a slot nobody will take)."""
+        pool = p.core.name
         waiter = p.waiters.get(outcome.ticket)
         tenant = waiter.tenant if waiter is not None else None
         self._observe_wait(p, outcome.ticket, tenant)
         if waiter is not None and not waiter.future.done():
             if isinstance(outcome, Admit):
-                self._count(pool, "admitted", tenant)
+                self.counts.decision(pool, "admitted", tenant)
             else:
-                self._count(pool, f"rejected_{outcome.reason}", tenant)
+                self.counts.decision(pool, f"rejected_{outcome.reason}", tenant)
             # The entry stays until the waiter's task takes the outcome (or, if it is
-            # cancelled first, hands an Admit back in _leave).
+            # cancelled first, hands an Admit back in leave).
             waiter.future.set_result(outcome)
             return
         # Nobody will take this outcome (the waiter was cancelled in this instant).
         p.waiters.pop(outcome.ticket, None)
         if isinstance(outcome, Admit):
-            self._count(pool, "abandoned", tenant)
-            self._dispatch(pool, p, p.core.release(outcome.ticket, self.clock.now()))
+            self.counts.decision(pool, "abandoned", tenant)
+            self.dispatch(p, p.core.release(outcome.ticket, self.clock.now()))
 
-    def _dispatch(self, pool: str, p: LocalPool, admits: list[Admit]) -> None:
+    def dispatch(self, p: LocalPool, admits: list[Admit]) -> None:
+        """Hand out ``admits``, re-arm the deadline and tell the waiters their places."""
         for admit in admits:
-            self._resolve(pool, p, admit)
-        self._arm_timer(p)
-        self._notify_positions(p)
+            self.resolve(p, admit)
+        self.arm_timer(p)
+        self.notify_positions(p)
 
-    def _notify_positions(self, p: LocalPool) -> None:
+    def notify_positions(self, p: LocalPool) -> None:
         if not any(w.on_position for w in p.waiters.values()):
             return
         now = self.clock.now()
@@ -137,7 +129,8 @@ class GateWaiters:
                 if waiter.on_position is not None:
                     waiter.on_position(position, p.core.estimate_wait(position, now))
 
-    def _arm_timer(self, p: LocalPool) -> None:
+    def arm_timer(self, p: LocalPool) -> None:
+        """Arm the pool's next queue deadline (if it changed)."""
         deadline = p.core.next_deadline()
         if deadline == p.timer_at:
             return
@@ -153,6 +146,6 @@ class GateWaiters:
         p.timer_at = None
         # An event loop may fire a timer up to one clock tick early.
         for reject in p.core.expire(max(self.clock.now(), deadline)):
-            self._resolve(p.core.name, p, reject)
-        self._arm_timer(p)
-        self._notify_positions(p)
+            self.resolve(p, reject)
+        self.arm_timer(p)
+        self.notify_positions(p)

@@ -11,28 +11,35 @@ Both gates (:class:`proxy.admission.gate.Gate` and
   :class:`Lease` (or a :class:`~proxy.errors.Refused`); cancelling that await leaves the
   queue at once. :data:`PositionCallback` is told the place's position as it moves.
 
-The in-process gate hands out these classes; the shared gate hands out their
-subclasses (:class:`~proxy.admission.shared_state.SharedLease`,
-:class:`~proxy.admission.shared_state.SharedWaiting`). This module is the session's side
+Neither knows its gate: a gate hands each one the callables it works through (a
+lease's ``release`` and ``move``, a waiting place's ``wait``). The in-process gate hands
+out these classes; the shared gate hands out their subclasses
+(:class:`~proxy.admission.shared_state.SharedLease`, which adds the Redis lease id,
+and :class:`~proxy.admission.shared_state.SharedWaiting`). This module is the session's side
 of a slot; :mod:`proxy.admission.lease_keeper` is something else: the thread that renews
 the shared gate's lease records in Redis while this process holds them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Awaitable, Callable, Collection
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from proxy.admission.decisions import Admit, Enqueue
-    from proxy.admission.gate import Gate
     from proxy.admission.tenants import TenantSpec
 
-__all__ = ["Lease", "PositionCallback", "Waiting"]
+__all__ = ["Lease", "MoveLease", "PositionCallback", "ReleaseLease", "Waiting"]
 
 #: Called with (position, eta_s) when a waiter enters the queue and whenever its
 #: position changes.
 PositionCallback = Callable[[int, float], None]
+
+#: Gives a lease's slot back (called once, by :meth:`Lease.release`).
+ReleaseLease = Callable[["Lease"], None]
+
+#: Moves a lease to another replica: (lease, eject, exclude) -> moved
+#: (:meth:`Lease.fail_over`).
+MoveLease = Callable[["Lease", bool, Collection[str]], Awaitable[bool]]
 
 
 class Lease:
@@ -40,39 +47,45 @@ class Lease:
     :meth:`release` again is a no-op, so call it on every exit path."""
 
     __slots__ = (
-        "_gate", "admitted_at", "pool", "released", "replica", "tenant", "ticket", "waited_s"
+        "_move", "_release", "admitted_at", "pool", "released", "replica", "tenant", "ticket",
+        "waited_s",
     )  # fmt: skip
 
     def __init__(
         self,
-        gate: Gate,
         pool: str,
-        admit: Admit,
+        ticket: int,
+        replica: str,
+        *,
+        waited_s: float,
         admitted_at: float,
-        tenant: TenantSpec | None = None,
+        tenant: TenantSpec | None,
+        release: ReleaseLease,
+        move: MoveLease,
     ) -> None:
-        self._gate = gate
+        self._release = release
+        self._move = move
         self.tenant = tenant
         self.pool = pool
-        self.ticket = admit.ticket
-        self.replica = admit.replica
-        self.waited_s = admit.waited_s
+        self.ticket = ticket
+        self.replica = replica
+        self.waited_s = waited_s
         self.admitted_at = admitted_at
         self.released = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
-            self._gate._release(self)
+            self._release(self)
 
     async def fail_over(self, *, eject: bool = True, exclude: Collection[str] = ()) -> bool:
         """Connecting to :attr:`replica` failed before any byte was relayed: move this
         lease to another replica with a free slot, not one in ``exclude``, ejecting
         this one first if ``eject`` (it was unreachable; a failure the request may have
         caused must not eject). Returns False (lease unchanged) if there is none.
-        Awaitable because the shared gate's move is a round trip to Redis; here it is
-        decided at once."""
-        return self._gate._fail_over(self, eject, exclude)
+        Awaitable because the shared gate's move is a round trip to Redis (False too
+        when Redis did not answer); the in-process gate decides it at once."""
+        return await self._move(self, eject, exclude)
 
     def __repr__(self) -> str:
         state = "released" if self.released else "held"
@@ -83,17 +96,24 @@ class Waiting:
     """A session in a pool's queue. Await :meth:`wait` for its :class:`Lease` (or a
     :class:`~proxy.errors.Refused`); cancelling that await leaves the queue at once."""
 
-    __slots__ = ("_gate", "eta_s", "pool", "position", "ticket")
+    __slots__ = ("_wait", "eta_s", "pool", "position", "ticket")
 
-    def __init__(self, gate: Gate, pool: str, enqueue: Enqueue) -> None:
-        self._gate = gate
+    def __init__(
+        self,
+        pool: str,
+        ticket: int,
+        position: int,
+        eta_s: float,
+        wait: Callable[[], Awaitable[Lease]],
+    ) -> None:
+        self._wait = wait
         self.pool = pool
-        self.ticket = enqueue.ticket
-        self.position = enqueue.position
-        self.eta_s = enqueue.eta_s
+        self.ticket = ticket
+        self.position = position
+        self.eta_s = eta_s
 
     async def wait(self) -> Lease:
-        return await self._gate._wait(self.pool, self.ticket)
+        return await self._wait()
 
     def __repr__(self) -> str:
         return f"<Waiting {self.pool} ticket={self.ticket} entered at {self.position}>"
