@@ -182,7 +182,9 @@ class AdmissionGate(Protocol):
         session_estimate_s: float = 20.0,
         reserves: Sequence[Reserve] = (),
     ) -> None:
-        """Create a pool or change one live; running sessions are never cut."""
+        """Create a pool or change one live; running sessions are never cut. The call
+        states the pool's whole configuration, as a reload reads it: ``reserves`` not
+        given means none (a reload that removed them clears them), never "unchanged"."""
 
     def retire_pool(self, name: str) -> None:
         """A pool left the configuration: refuse its waiters and newcomers."""

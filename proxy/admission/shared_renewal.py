@@ -8,16 +8,24 @@ clock -- and the lease keeper (:mod:`proxy.admission.lease_keeper`) did not prov
 leases meanwhile from its own thread -- or Redis reports one of this gateway's leases
 gone, the gateway ends its own sessions on that pool (``on_backend_loss: close``)
 before other gateways can reuse those slots; ``keep`` only logs and counts.
+
+:class:`SharedRenewal` is the shared gate's part that does this: it owns the fence
+listeners, the keeper handle and the renewal settings; each pool's renewal state
+(generation, last renewal, fence timer, pool-wide figures) is its
+:class:`~proxy.admission.shared_state.PoolState`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Literal
 
-from proxy.admission import Reject
+from proxy.admission.interface import FenceCallback
+from proxy.admission.lease_keeper import Keeper
 from proxy.admission.redis_backend import BackendUnavailable
 from proxy.admission.shared_state import PoolState
+from proxy.admission.shared_store import SharedStore
 from proxy.admission.shared_tenants import SharedTenants
 
 __all__ = ["SharedRenewal"]
@@ -25,52 +33,74 @@ __all__ = ["SharedRenewal"]
 log = logging.getLogger("headroom.shared_gate")
 
 
-class SharedRenewal(SharedTenants):
+class SharedRenewal:
     """The shared gate's renewals and fencing (module docstring)."""
 
-    async def _renew_loop(self) -> None:
-        while not self._closing:
+    def __init__(
+        self,
+        store: SharedStore,
+        tenants: SharedTenants,
+        *,
+        keeper: Keeper | None,
+        renew_interval_s: float,
+        fence_margin_s: float,
+        on_backend_loss: Literal["close", "keep"],
+    ) -> None:
+        self.store = store
+        self.tenants = tenants
+        #: Renews the leases while the event loop is late: a process of its own
+        #: (:mod:`proxy.admission.keeper_process`), or a thread.
+        self.keeper = keeper
+        self.renew_interval_s = renew_interval_s
+        self.fence_margin_s = fence_margin_s
+        self.on_backend_loss = on_backend_loss
+        self.fence_listeners: list[FenceCallback] = []
+
+    async def loop(self) -> None:
+        """Renew every ``renew_interval_s`` until the gate closes."""
+        while not self.store.closing:
             await self.renew()
             await asyncio.sleep(self.renew_interval_s)
 
     async def renew(self) -> None:
         """One renewal tick of every pool (the loop calls it every ``renew_interval_s``)."""
-        for name in list(self._pools):
-            await self._renew_pool(name)
-        await self._renew_tenants()
+        for name in list(self.store.pools):
+            await self.renew_pool(name)
+        await self.tenants.renew()
 
-    async def _renew_pool(self, name: str) -> None:
-        p = self._pools[name]
-        sent = self.clock.now()
+    async def renew_pool(self, name: str) -> None:
+        store = self.store
+        p = store.pools[name]
+        sent = store.clock.now()
         leases = [(lid, lease.replica) for lid, lease in p.leases.items()]
         waiters = [wid for wid, w in p.waiters.items() if w.queued and not w.future.done()]
         guards = [r for r, s in p.replicas.items() if s.guarded and not s.retired]
         try:
-            result = await self.backend.tick(
+            result = await store.backend.tick(
                 name, generation=p.generation, view=p.view(), leases=leases, waiters=waiters,
                 guards=guards, guard_ttl_s=self.renew_interval_s * 3,
             )  # fmt: skip
         except BackendUnavailable as exc:
-            self._set_available(False)
+            store.set_available(False)
             log.warning("renewal of pool %s failed: %s", name, exc)
             return
-        self._set_available(True)
+        store.set_available(True)
         if p.generation and result.generation != p.generation:
             log.warning("pool %s: admission store lost its data (new generation); "
                         "re-asserted %d leases", name, len(leases) - len(result.lost))  # fmt: skip
         p.generation = result.generation
-        p.blocked_until = self.clock.now() + result.blocked_s if result.blocked_s else 0.0
+        p.blocked_until = store.clock.now() + result.blocked_s if result.blocked_s else 0.0
         if self.keeper is not None:
             self.keeper.set_generation(name, result.generation)
             self.keeper.ticked(name)
         p.held = result.held
         p.queue_depth = result.queue_depth
-        if self._metrics is not None:
+        if store.series is not None:
             for replica in p.replicas:
-                self._metrics.held.labels(name, replica, "pool").set(p.held.get(replica, 0))
-            self._metrics.queue_depth.labels(name, "pool").set(p.queue_depth)
+                store.series.held.labels(name, replica, "pool").set(p.held.get(replica, 0))
+            store.series.queue_depth.labels(name, "pool").set(p.queue_depth)
         p.last_renewed = sent
-        self._arm_fence(p)
+        self.arm_fence(p)
         # Lost means lost while its session runs: a lease released while the call was in
         # flight (its release may have landed first) is not, nor is one whose session a
         # fence already told to close (found gone again until that session has ended).
@@ -82,25 +112,22 @@ class SharedRenewal(SharedTenants):
             if waiter is None or waiter.future.done():
                 continue
             if state == -2:  # shed; its wake-up may still be on the way
-                self._shed(p, waiter, waiter.position)
+                store.shed(p, waiter, waiter.position)
             elif state < 0:
-                waiter.future.set_result(
-                    Reject(
-                        0, "backend_unavailable", 1.0, waited_s=self.clock.now() - waiter.arrived
-                    )
-                )
+                store.reject_waiter(waiter, "backend_unavailable", 1.0)
             elif state > 0 and state != waiter.position:
                 waiter.position = state
                 if waiter.on_position is not None:
-                    waiter.on_position(state, self.estimate_wait(name, state))
+                    waiter.on_position(state, p.wait_s(state, store.clock.now()))
 
-    def _arm_fence(self, p: PoolState) -> None:
+    def arm_fence(self, p: PoolState) -> None:
+        """Arm ``p``'s fence at its last renewal plus ``lease_ttl_s - fence_margin_s``."""
         if p.fence_timer is not None:
             p.fence_timer.cancel()
             p.fence_timer = None
         if p.last_renewed is not None:
-            deadline = p.last_renewed + self.lease_ttl_s - self.fence_margin_s
-            p.fence_timer = self.clock.call_at(deadline, lambda: self._on_fence_deadline(p))
+            deadline = p.last_renewed + self.store.lease_ttl_s - self.fence_margin_s
+            p.fence_timer = self.store.clock.call_at(deadline, lambda: self._on_fence_deadline(p))
 
     def _on_fence_deadline(self, p: PoolState) -> None:
         p.fence_timer = None
@@ -108,7 +135,7 @@ class SharedRenewal(SharedTenants):
         if kept is not None and (p.last_renewed is None or kept > p.last_renewed):
             # The keeper proved the leases while the loop was late: not a loss.
             p.last_renewed = kept
-            self._arm_fence(p)
+            self.arm_fence(p)
             return
         if any(not lease.fenced for lease in p.leases.values()):
             self._fence(p, "leases not renewed within lease_ttl_s - fence_margin_s")
@@ -119,7 +146,7 @@ class SharedRenewal(SharedTenants):
         if self.keeper is None:
             return None
         age = self.keeper.kept_age(p.name)
-        return None if age is None else self.clock.now() - age
+        return None if age is None else self.store.clock.now() - age
 
     def _fence(self, p: PoolState, why: str) -> None:
         """Once per set of lost leases: the listeners end every session of the pool
@@ -128,18 +155,18 @@ class SharedRenewal(SharedTenants):
         count = len(p.leases)
         for lease in p.leases.values():
             lease.fenced = True
-        if self._metrics is not None:
-            self._metrics.lease_loss_closes.labels(p.name).inc()
+        if self.store.series is not None:
+            self.store.series.lease_loss_closes.labels(p.name).inc()
         if self.on_backend_loss == "keep":
             log.error("pool %s: %s; on_backend_loss=keep: %d sessions keep running and the "
                       "replicas may exceed their caps", p.name, why, count)  # fmt: skip
             return
         log.error("pool %s: %s; closing this gateway's %d sessions (1012)", p.name, why, count)
-        for listener in self._fence_listeners:
+        for listener in self.fence_listeners:
             listener(p.name, why)
 
     def grants_blocked_s(self) -> float:
         """Seconds until Redis grants slots again after it lost its data (a new
         generation, while surviving gateways re-assert their leases); 0 when not blocked."""
-        now = self.clock.now()
-        return max([0.0, *(p.blocked_until - now for p in self._pools.values())])
+        now = self.store.clock.now()
+        return max([0.0, *(p.blocked_until - now for p in self.store.pools.values())])

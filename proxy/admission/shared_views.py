@@ -1,12 +1,13 @@
 """What the shared gate answers when asked: its read side.
 
-:class:`SharedViews` is the job of :class:`proxy.admission.shared_gate.SharedGate`
-that reports without changing anything: the pools, their fallbacks and reserves,
-:meth:`~SharedViews.statistics` (this gateway's own sessions per replica and its
-waiters), the sessions held per replica over every gateway as of the last renewal,
-this gateway's name in Redis, its sessions active and queued, and the per-replica,
-per-queue and per-tenant gauges the scrape collectors
-(:mod:`proxy.metering.scrape`) read.
+:class:`SharedViews` is the part of :class:`proxy.admission.shared_gate.SharedGate`
+that reports without changing anything (it reads the gate's
+:class:`~proxy.admission.shared_store.SharedStore` and keeps no state of its own):
+the pools, their fallbacks and reserves, :meth:`~SharedViews.statistics` (this
+gateway's own sessions per replica and its waiters), the sessions held per replica
+over every gateway as of the last renewal, this gateway's name in Redis, its
+sessions active and queued, and the per-replica, per-queue and per-tenant gauges the
+scrape collectors (:mod:`proxy.metering.scrape`) read.
 """
 
 from __future__ import annotations
@@ -14,31 +15,33 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from proxy.admission import PoolStatistics, ReplicaStatistics, Reserve
-from proxy.admission.shared_state import SharedGateState
+from proxy.admission.shared_store import SharedStore
 from proxy.errors import FallbackHint
 from proxy.metering.scrape import ReplicaGauges, TenantGauges
 
 __all__ = ["SharedViews"]
 
 
-class SharedViews(SharedGateState):
+class SharedViews:
     """The shared gate's queries and gauges (module docstring)."""
 
+    def __init__(self, store: SharedStore) -> None:
+        self.store = store
+
     def pools(self) -> list[str]:
-        return list(self._pools)
+        return list(self.store.pools)
 
     def fallback(self, pool: str) -> FallbackHint | None:
-        return self._pool(pool).fallback
+        return self.store.pool(pool).fallback
 
     def reserves(self, pool: str) -> tuple[Reserve, ...]:
         """The pool's reserves as this gateway sends them with every script call."""
-        self._pool(pool)
-        return self._reserves.get(pool, ())
+        return self.store.pool(pool).reserves
 
     def statistics(self) -> dict[str, PoolStatistics]:
         """This gateway's view: its own sessions per replica (``active``) and waiters."""
         out = {}
-        for name, p in self._pools.items():
+        for name, p in self.store.pools.items():
             mine: dict[str, int] = {}
             for lease in p.leases.values():
                 mine[lease.replica] = mine.get(lease.replica, 0) + 1
@@ -50,31 +53,31 @@ class SharedViews(SharedGateState):
                     )
                     for r_name, r in p.replicas.items()
                 ),
-                queue_depth=self._queued(p),
+                queue_depth=p.queued(),
                 max_depth=p.queue.max_depth,
                 max_wait_s=p.queue.max_wait_s,
-                draining=p.draining or self.draining,
-                session_estimate_s=p.session_estimate_s,
+                draining=p.draining or self.store.draining,
+                session_estimate_s=p.lengths.mean,
             )
         return out
 
     def held_per_replica(self, pool: str) -> dict[str, int]:
         """Sessions holding a slot per replica over every gateway, as of the last
         renewal."""
-        return dict(self._pool(pool).held)
+        return dict(self.store.pool(pool).held)
 
     @property
     def gateway_id(self) -> str:
         """This gateway's name in Redis (its lease and waiter ids start with it)."""
-        return self.backend.gateway_id
+        return self.store.backend.gateway_id
 
     @property
     def active(self) -> int:
-        return sum(len(p.leases) for p in self._pools.values())
+        return sum(len(p.leases) for p in self.store.pools.values())
 
     @property
     def queued(self) -> int:
-        return sum(self._queued(p) for p in self._pools.values())
+        return sum(p.queued() for p in self.store.pools.values())
 
     def replica_gauges(
         self,
@@ -92,15 +95,15 @@ class SharedViews(SharedGateState):
         return out
 
     def queue_depths(self) -> list[tuple[str, int]]:
-        return [(name, self._queued(p)) for name, p in self._pools.items()]
+        return [(name, p.queued()) for name, p in self.store.pools.items()]
 
     def tenant_gauges(self) -> list[TenantGauges]:
         """Per API key and pool, this gateway's part (sum over gateways): sessions
         active and queued, and session-seconds held (finished plus running so far), as
         :meth:`proxy.admission.gate.Gate.tenant_gauges` reports them in process."""
         out: list[TenantGauges] = []
-        now = self.clock.now()
-        for name, p in self._pools.items():
+        now = self.store.clock.now()
+        for name, p in self.store.pools.items():
             counts: dict[tuple[str, int], list[int]] = {}
             held = dict(p.finished)
             for lease in p.leases.values():
@@ -118,9 +121,11 @@ class SharedViews(SharedGateState):
                 out.append(TenantGauges(name, key[0], key[1], active, queued, held.get(key, 0.0)))
         return out
 
-    def __repr__(self) -> str:
+    def describe(self) -> str:
+        """The gate's ``repr``: its name, drain, and each pool's leases and waiters."""
+        store = self.store
         inner = ", ".join(
-            f"{n} leases={len(p.leases)} waiters={self._queued(p)}" for n, p in self._pools.items()
+            f"{n} leases={len(p.leases)} waiters={p.queued()}" for n, p in store.pools.items()
         )
-        state = " draining" if self.draining else ""
-        return f"<SharedGate {self.backend.gateway_id}{state} [{inner}]>"
+        state = " draining" if store.draining else ""
+        return f"<SharedGate {store.backend.gateway_id}{state} [{inner}]>"

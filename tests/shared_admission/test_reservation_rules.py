@@ -201,17 +201,17 @@ async def test_any_gateway_claims_once_and_owns_the_lease(shared: Backend) -> No
     assert all(isinstance(x, ReservationExpired | ReservationPool) for x in results
                if x not in won)  # fmt: skip
     (lease,) = won
-    owner, other = (a, b) if lease in a._pools["tts"].leases.values() else (b, a)
+    owner, other = (a, b) if lease in a.store.pools["tts"].leases.values() else (b, a)
     assert other.active == 0 and owner.active == 1
     await other.stop()  # the gateway that did not claim goes away: nothing changes
     await owner.renew()  # the claiming gateway renews it; nothing is lost
-    assert owner.active == 1 and owner._pools["tts"].held == {"gpu0": 1}
+    assert owner.active == 1 and owner.store.pools["tts"].held == {"gpu0": 1}
     with pytest.raises(ReservationExpired):
         await (store_a if owner is a else store_b).claim(r.token, "tts", AGENT)
     lease.release()
     await backend.settle()
     await owner.renew()
-    assert owner._pools["tts"].held == {"gpu0": 0}
+    assert owner.store.pools["tts"].held == {"gpu0": 0}
 
 
 async def test_unclaimed_slots_expire_and_a_late_claim_is_refused(backend: Backend) -> None:

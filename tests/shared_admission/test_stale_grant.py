@@ -80,7 +80,7 @@ async def test_a_grant_that_lapsed_while_its_gateway_was_paused_is_not_used(
         wake = paused.backend.wake_key("tts")
         assert await client.llen(wake) == 3
         # The paused gateway runs again and reads the wake-ups, the first one stale.
-        paused._loops.append(asyncio.ensure_future(paused._wake_loop("tts")))
+        paused.store.loops.append(asyncio.ensure_future(paused.wakeups.loop("tts")))
         for _ in range(1000):
             if await client.llen(wake) == 0:
                 break
@@ -170,7 +170,7 @@ async def test_a_grant_taken_by_the_queue_deadline_is_not_given_back_by_the_wake
             await asyncio.sleep(0.005)
         lease = tasks[0].result()
         assert isinstance(lease, SharedLease)
-        paused._loops.append(asyncio.ensure_future(paused._wake_loop("tts")))  # then this
+        paused.store.loops.append(asyncio.ensure_future(paused.wakeups.loop("tts")))  # then this
         wake = paused.backend.wake_key("tts")
         for _ in range(1000):
             if await client.llen(wake) == 0:
