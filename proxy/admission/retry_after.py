@@ -1,9 +1,11 @@
 """How long a refused (or queued) session should expect to wait: the Retry-After estimate.
 
 Pure functions of what an admission backend knows plus ``now``; no clock, no I/O, no
-randomness of their own (the jitter's uniform draw is passed in). The in-process
-:class:`~proxy.admission.PoolCore` uses them, and so can any other backend that holds
-the same facts (the ages of the running sessions, the session-length statistics).
+randomness of their own (the jitter's uniform draw is passed in). Both backends use
+them, one :class:`SessionLengths` per pool and one rule for a refusal's estimate
+(:func:`refusal_estimate_s`): the in-process :class:`~proxy.admission.PoolCore` and the
+shared gate's :class:`~proxy.admission.shared_state.PoolState`, so the same history of
+sessions gives the same Retry-After on either (tests/shared_admission/test_gate_differential.py).
 
 The model. Session lengths are lognormal with the observed mean and coefficient of
 variation (:class:`SessionLengths`, an EWMA seeded with the pool's
