@@ -80,18 +80,16 @@ def uvicorn_options(
 
 #: True in the admin server's task (and only there).
 _ADMIN_SERVER: ContextVar[bool] = ContextVar("headroom_admin_server", default=False)
-_LIFECYCLE = ("Started server process", "Shutting down", "Finished server process")
 
 
 class _AdminLifecycleFilter(logging.Filter):
-    """Drops uvicorn's start/stop lines when the admin server logs them. Both servers run
-    in one process and log them word for word (same message, same process id), so every
-    start-up and shut-down line appeared twice; the gateway logs one line naming the
-    admin listener instead."""
+    """Drops uvicorn's informational records logged by the admin server (its start and
+    stop lines): both servers run in one process and would log them word for word (same
+    message, same process id), so every start-up and shut-down line appeared twice; the
+    gateway logs one line naming the admin listener instead. Warnings and errors pass."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        lifecycle = isinstance(record.msg, str) and record.msg.startswith(_LIFECYCLE)
-        return not (lifecycle and _ADMIN_SERVER.get())
+        return record.levelno >= logging.WARNING or not _ADMIN_SERVER.get()
 
 
 def _listen(what: str, host: str, port: int) -> socket.socket:

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from uvicorn.config import HTTP_PROTOCOLS
-from uvicorn.importer import import_from_string
+
+from proxy.relay.library_contract import UVICORN_HTTP, QuietServer, listening_servers
 
 if TYPE_CHECKING:
     from proxy.relay.ws_server import WebSocketSessions
@@ -31,12 +31,6 @@ __all__ = [
     "bind_socket",
     "running_server",
 ]
-
-#: uvicorn's HTTP protocol class as its ``http="h11"`` option names it, for protocol
-#: classes that put it behind their own (built with the keyword arguments uvicorn
-#: passes, used only through the asyncio Protocol interface). h11 keeps a chunked
-#: body's trailer fields out of the request's headers.
-UVICORN_HTTP: Callable[..., asyncio.Protocol] = import_from_string(HTTP_PROTOCOLS["h11"])
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
@@ -55,40 +49,80 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return sock
 
 
-class EmbeddedServer(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to its owner, tells when it has
-    started (:attr:`ready`), and at shut-down tells the WebSocket sessions Headroom's
-    client listener serves (:class:`~proxy.relay.ws_server.WebSocketSessions`) and waits
-    for them, before and after uvicorn's own shut-down of its connections."""
+class EmbeddedServer:
+    """A uvicorn server (``uvicorn.Server``, run through ``serve``) that leaves signal
+    handling to its owner, tells when it has started (:attr:`ready`), and when told to
+    stop (:attr:`should_exit`) tells the WebSocket sessions Headroom's client listener
+    serves (:class:`~proxy.relay.ws_server.WebSocketSessions`) and waits for them, before
+    and after uvicorn's own shut-down of its connections."""
 
     def __init__(self, config: uvicorn.Config) -> None:
-        super().__init__(config)
+        self.config = config
+        self.uvicorn: uvicorn.Server = QuietServer(config)
         self.ready = asyncio.Event()
         # Headroom's client listener class (proxy.relay.listener) carries its sessions.
         sessions = getattr(config.http, "sessions", None)
         self.sessions: WebSocketSessions | None = (
             sessions if callable(getattr(sessions, "shutdown", None)) else None
         )
+        self._exit = False
+        self._stopping: asyncio.Task[None] | None = None
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        yield
+    @property
+    def started(self) -> bool:
+        return bool(self.uvicorn.started)
 
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if self.started:
-            self.ready.set()
+    @property
+    def servers(self) -> list[asyncio.Server]:
+        """The asyncio servers it listens with, one per socket."""
+        return listening_servers(self.uvicorn)
 
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+    @property
+    def should_exit(self) -> bool:
+        return self._exit
+
+    @should_exit.setter
+    def should_exit(self, value: bool) -> None:
+        """Setting it starts the shut-down: the WebSocket sessions first, then uvicorn's."""
+        if not value or self._exit:
+            return
+        self._exit = True
+        if self.sessions is None:
+            self.uvicorn.should_exit = True
+        else:
+            self._stopping = asyncio.ensure_future(self._stop_sessions_then_uvicorn())
+
+    def _grace(self) -> float:
+        return float(self.config.timeout_graceful_shutdown or 0)
+
+    async def _stop_sessions_then_uvicorn(self) -> None:
+        try:
+            await self._stop_sessions()
+        finally:
+            self.uvicorn.should_exit = True
+
+    async def _stop_sessions(self) -> None:
         sessions = self.sessions
-        grace = float(self.config.timeout_graceful_shutdown or 0)
         if sessions is not None:
             sessions.shutdown()
-            await sessions.wait(grace)
-        await super().shutdown(sockets)
-        if sessions is not None:  # any that came while the listeners were closing
-            sessions.shutdown()
-            await sessions.wait(grace)
+            await sessions.wait(self._grace())
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """Serve until stopped (``should_exit``); :attr:`ready` is set once listening."""
+        serving = asyncio.ensure_future(self.uvicorn.serve(sockets=sockets))
+        try:
+            while not self.uvicorn.started and not serving.done():
+                await asyncio.wait({serving}, timeout=0.005)  # uvicorn has no start event
+            if self.uvicorn.started:
+                self.ready.set()
+            await serving
+            await self._stop_sessions()  # any that came while the listeners were closing
+        finally:
+            if not serving.done():
+                serving.cancel()
+            stopping = self._stopping
+            if stopping is not None and not stopping.done():
+                stopping.cancel()
 
 
 @dataclass

@@ -1,11 +1,27 @@
 """The one module that uses names uvicorn and websockets do not publish.
 
 Everything else in ``proxy/`` reaches uvicorn through ``uvicorn.Config``/``uvicorn.Server``
-and the protocol classes it is given (``Config(http=...)``, ``Config(ws=...)``), and
-websockets through its documented API. What is here has no published equivalent;
-tests/unit/test_library_contract.py checks each name against the installed release,
-and CI runs it on the lowest and the newest releases pyproject.toml allows.
+(``serve``, ``started``, ``should_exit``) and the protocol classes it is given
+(``Config(http=<class>)``, ``Config(ws=<class>)``), and websockets through its
+documented API. What is here has no published equivalent; tests/unit/test_library_contract.py
+checks each piece against the installed releases, and CI runs it on the lowest and the
+newest releases pyproject.toml allows (.ci/run).
 
+- :func:`uvicorn_http`: uvicorn's h11 HTTP protocol, behind the client listener for
+  plain HTTP (:mod:`proxy.relay.listener`). uvicorn builds a protocol class given as
+  ``Config(http=...)`` with keyword arguments of its own (its config, its server state,
+  the lifespan state, and ``_loop``); the listener keeps them as they came and they are
+  passed on here, unread, to build uvicorn's protocol. Headroom serves plain HTTP
+  through it rather than an HTTP/1.1 server of its own.
+- :func:`lifespan_state`: the lifespan state among those arguments (``app_state``),
+  which an ASGI scope carries (``scope["state"]``).
+- :class:`QuietServer`: ``uvicorn.Server`` without its signal capture (the
+  ``capture_signals`` context manager ``serve`` runs in, which takes SIGINT/SIGTERM
+  from the event loop's handlers and raises them again when the server stops). The
+  servers Headroom embeds leave signals to their owner; uvicorn has no option for it.
+- :func:`listening_servers`: the asyncio servers a ``uvicorn.Server`` listens with
+  (``Server.servers``), for the simulator's refused-connections fault, which closes the
+  listening sockets while accepted connections continue.
 - :func:`fast_mask`: websockets' C masking function (``websockets.speedups``), about
   fifty times faster than the pure-Python XOR on a 10 KB payload; without it (a pure
   wheel, a source build) the framing module masks in pure Python.
@@ -13,9 +29,48 @@ and CI runs it on the lowest and the newest releases pyproject.toml allows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import contextlib
+from collections.abc import Callable, Generator, Mapping
+from typing import Any
 
-__all__ = ["fast_mask"]
+import uvicorn
+from uvicorn.config import HTTP_PROTOCOLS
+from uvicorn.importer import import_from_string
+
+__all__ = [
+    "UVICORN_HTTP", "QuietServer", "fast_mask", "lifespan_state", "listening_servers",
+    "uvicorn_http",
+]  # fmt: skip
+
+#: uvicorn's HTTP protocol class as its ``http="h11"`` option names it (h11 keeps a
+#: chunked body's trailer fields out of the request's headers).
+UVICORN_HTTP: Callable[..., asyncio.Protocol] = import_from_string(HTTP_PROTOCOLS["h11"])
+
+
+def uvicorn_http(protocol_arguments: Mapping[str, Any]) -> asyncio.Protocol:
+    """uvicorn's h11 protocol for one connection, built with the keyword arguments
+    uvicorn built the listener with (passed on as they came)."""
+    return UVICORN_HTTP(**protocol_arguments)
+
+
+def lifespan_state(protocol_arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the lifespan state among uvicorn's protocol arguments (empty if none)."""
+    return dict(protocol_arguments.get("app_state") or {})
+
+
+class QuietServer(uvicorn.Server):
+    """``uvicorn.Server`` that installs no signal handlers."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+def listening_servers(server: uvicorn.Server) -> list[asyncio.Server]:
+    """The asyncio servers ``server`` listens with, one per socket (empty before it
+    starts)."""
+    return list(server.servers)
 
 
 def fast_mask() -> Callable[[bytes, bytes], bytes] | None:

@@ -7,11 +7,20 @@ httptools, under the limits below, and then:
 - a WebSocket handshake (GET, HTTP/1.1, ``Upgrade: websocket``) becomes a
   :class:`~proxy.relay.ws_server.ClientWebSocket`, which runs the ASGI app and hands an
   admitted session's socket to the relay;
-- anything else is handed to uvicorn's own HTTP protocol, built with the keyword
-  arguments uvicorn gave the listener and used as a black box through the asyncio
-  Protocol interface: it gets ``connection_made`` and the bytes read so far, then every
-  later callback. The listener keeps reading what passes through, so the limits hold for
+- anything else is handed to uvicorn's own HTTP protocol
+  (:func:`proxy.relay.library_contract.uvicorn_http`, built with the keyword arguments
+  uvicorn gave the listener) and used as a black box through the asyncio Protocol
+  interface: it gets ``connection_made`` and the bytes read so far, then every later
+  callback. The listener keeps reading what passes through, so the limits hold for
   every later request on the connection too.
+
+The same class is uvicorn's ``ws`` option: a WebSocket upgrade that comes after a plain
+request on a kept-alive connection is handed by uvicorn's HTTP protocol, once the
+responses before it are written, to a new listener with the request head (as uvicorn
+rebuilds it); the new listener reads it as its first head and serves the handshake like
+any other, so every WebSocket session is Headroom's. Bytes a client sends after such a
+later upgrade request and before its 101 are not handed on by uvicorn's protocol (RFC
+6455 4.1 tells a client to wait for the 101).
 
 A request head (the request line and headers of an HTTP request or a WebSocket upgrade)
 is read before anything else -- authentication, admission, any upstream work -- so
@@ -60,7 +69,7 @@ from typing import Any, ClassVar, cast
 
 import httptools
 
-from proxy.process.serving import UVICORN_HTTP
+from proxy.relay.library_contract import lifespan_state, uvicorn_http
 from proxy.relay.ws_handshake import (
     ASGIApp,
     build_scope,
@@ -404,7 +413,7 @@ class ClientListener(asyncio.Protocol):
 
     def _hand_over(self) -> None:
         """Plain HTTP: uvicorn's protocol gets the connection and what was read."""
-        inner = self._inner = UVICORN_HTTP(**self._uvicorn)
+        inner = self._inner = uvicorn_http(self._uvicorn)
         self._url = b""
         self._headers = []
         buffered, self._buffer = bytes(self._buffer), bytearray()
@@ -450,7 +459,7 @@ class ClientListener(asyncio.Protocol):
                 target=target,
                 headers=headers,
                 subprotocols=checked[1],
-                state=dict(self._uvicorn.get("app_state") or {}),
+                state=lifespan_state(self._uvicorn),
             )
         if checked is None or scope is None:
             self._refused = True

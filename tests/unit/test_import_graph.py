@@ -189,8 +189,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 UPWARD: dict[tuple[str, str], str] = {
     ("proxy.settings.gpus", "proxy.sim.presets"):
         "a GPU given by preset name takes the simulator's figures (imported when named)",
-    ("proxy.relay.listener", "proxy.process.serving"):
-        "plain HTTP on the client listener goes to the h11 protocol class serving resolves",
     ("proxy.settings.admission", "proxy.admission.redis_clients"):
         "the Redis URL forms are checked by the module that builds the clients",
 }  # fmt: skip
