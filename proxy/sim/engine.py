@@ -141,6 +141,7 @@ class _Seq:
     context: int = 0  #: KV tokens held while running
     plan: tuple[int, ...] | None = None  #: initial chunk sizes, fixed at first admission
     chunks: int = 0  #: chunks emitted so far
+    prefill_left: int = 0  #: prompt tokens still to take (chunked prefill only)
 
     def chunk_size(self, index: int) -> int:
         plan = self.plan if self.plan is not None else self.schedule.initial
@@ -318,6 +319,7 @@ class Engine:
         admitted, queue_times, prefill_s = self._admit(now)
         preempted = self._preempt_for_growth()
         running, waiting = len(self._running), len(self._waiting)
+        prompt_tokens, prompts_done = self._take_prompts()
         kv_per_step = 0
         batch = 0
         vocoder_tokens = 0
@@ -325,6 +327,8 @@ class Engine:
         first_tokens: list[tuple[int, float]] = []
         finished_seqs: list[_Seq] = []
         for seq in self._running:
+            if seq.prefill_left > 0:
+                continue
             if seq.generated >= seq.limit:
                 if seq.closed:  # input ended after it caught up: close the stream
                     made.append((seq, seq.emitted, seq.generated, True))
@@ -349,7 +353,9 @@ class Engine:
             if done:
                 finished_seqs.append(seq)
         self._kv_tokens += batch
-        duration = max(spec.memory_term(kv_per_step), spec.compute_term(batch)) if batch else 0.0
+        # A prompt's last token yields its first output token: one token, not two.
+        tokens = batch + prompt_tokens - prompts_done
+        duration = max(spec.memory_term(kv_per_step), spec.compute_term(tokens)) if tokens else 0.0
         duration += spec.step_overhead_s + spec.per_seq_overhead_s * batch + prefill_s
         duration += spec.mode_term(batch)
         duration += vocoder_tokens * spec.vocoder_share * spec.flops_per_token / spec.peak_flops
@@ -401,7 +407,30 @@ class Engine:
 
     @staticmethod
     def _ready(seq: _Seq) -> bool:
-        return seq.generated < seq.limit or (seq.closed and seq.generated >= seq.limit)
+        return (
+            seq.prefill_left > 0
+            or seq.generated < seq.limit
+            or (seq.closed and seq.generated >= seq.limit)
+        )
+
+    def _take_prompts(self) -> tuple[int, int]:
+        """Chunked prefill: the prompt tokens this step carries (every decoding
+        sequence's token first, then prompts in admission order up to
+        ``max_num_batched_tokens`` in all) and how many prompts it finishes."""
+        if not self.spec.chunked_prefill:
+            return 0, 0
+        decoding = sum(1 for s in self._running if s.prefill_left == 0 and s.generated < s.limit)
+        budget = max(0, self.spec.max_num_batched_tokens - decoding)
+        taken = done = 0
+        for seq in self._running:
+            if seq.prefill_left == 0 or budget == 0:
+                continue
+            take = min(seq.prefill_left, budget)
+            seq.prefill_left -= take
+            budget -= take
+            taken += take
+            done += seq.prefill_left == 0
+        return taken, done
 
     def _prompt_cost(self, seq: _Seq) -> int:
         # A preempted sequence recomputes its prompt and everything it generated.
@@ -421,7 +450,11 @@ class Engine:
         while self._waiting and self._can_admit(self._waiting[0]):
             seq = self._waiting[0]
             cost = self._prompt_cost(seq)
-            if admitted and prefill_tokens + cost > spec.max_num_batched_tokens:
+            if (
+                not spec.chunked_prefill
+                and admitted
+                and prefill_tokens + cost > spec.max_num_batched_tokens
+            ):
                 break
             self._waiting.popleft()
             if seq.admitted_at is None:
@@ -433,6 +466,7 @@ class Engine:
                 seq.plan = seq.schedule.plan(running, spec.max_num_seqs)
                 seq.next_emit = seq.chunk_size(0)
             seq.context = cost
+            seq.prefill_left = cost if spec.chunked_prefill else 0
             seq.recompute = False
             self._kv_tokens += cost
             self._running.append(seq)
@@ -440,8 +474,10 @@ class Engine:
             prefill_tokens += cost
         prefill_s = 0.0
         if admitted:
+            # Chunked, the prompt tokens are paid in the steps that carry them.
+            whole = 0 if spec.chunked_prefill else prefill_tokens
             prefill_s = (
-                prefill_tokens * spec.prefill_flops_per_token / spec.peak_flops
+                whole * spec.prefill_flops_per_token / spec.peak_flops
                 + len(admitted) * spec.prefill_overhead_s
             )
         return admitted, queue_times, prefill_s

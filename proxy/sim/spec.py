@@ -61,6 +61,12 @@ class EngineSpec:
     prefill_overhead_s: float = 0.0  #: per admitted request (tokenising, scheduling)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192  #: prefill tokens admitted per step
+    #: Prompts taken in pieces (llama.cpp's server, vLLM's chunked prefill): a step
+    #: carries every decoding sequence's token first, then prompt tokens up to
+    #: ``max_num_batched_tokens`` in all, and a prompt token costs what a decoding
+    #: sequence's token costs in the compute term. Off, an admitted prompt is taken
+    #: whole by the step that admits it, at ``prefill_flops_per_token``.
+    chunked_prefill: bool = False
     jitter_p95: float = 1.3
     jitter_tau_s: float = 0.5
     #: compute = per-stream cost x batch ** batch_exponent: below 1 the curve bends

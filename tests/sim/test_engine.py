@@ -240,3 +240,45 @@ def test_jitter_sigma_solves_the_p95() -> None:
 def test_spec_rejects_nonpositive_figures(field: str) -> None:
     with pytest.raises(ValueError, match=field):
         replace(SPEC, **{field: 0})
+
+
+def test_chunked_prefill_takes_a_prompt_in_pieces_beside_the_decoding_streams() -> None:
+    # Budget 4 tokens a step: the decoding stream's token first, then 3 prompt tokens,
+    # each costing what a decoding stream's token costs (2 ms past the 10 ms floor).
+    spec = replace(SPEC, chunked_prefill=True, max_num_batched_tokens=4)
+    engine = Engine(spec)
+    old = submit(engine, out=50)
+    step = engine.step(0.0)  # the old stream's 0-token prompt: it decodes at once
+    assert step.batch == 1
+    new = submit(engine, now=step.ends_at, prompt=7)
+    now, firsts, batches, durations = step.ends_at, [], [], []
+    for _ in range(4):
+        step = engine.step(now)
+        now = step.ends_at
+        batches.append(step.batch)
+        durations.append(step.duration)
+        firsts += [seq for seq, _ in step.first_tokens]
+    # 7 prompt tokens at 3 a step: the new stream's first token comes with the third step.
+    assert firsts == [new]
+    assert batches == [1, 1, 2, 2]
+    assert durations[0] == pytest.approx(max(0.010, 4 * 0.002) + 0.005)
+    # The third step carries the old token and the prompt's last one, which yields the
+    # new stream's first token: 2 tokens, not 3.
+    assert durations[2] == pytest.approx(max(0.010, 2 * 0.002) + 0.005)
+    assert engine.contains(old)
+
+
+def test_chunked_prefill_waits_while_decoding_streams_fill_the_budget() -> None:
+    spec = replace(SPEC, chunked_prefill=True, max_num_batched_tokens=2)
+    engine = Engine(spec)
+    first, second = submit(engine, out=3), submit(engine, out=3)
+    step = engine.step(0.0)
+    late = submit(engine, now=step.ends_at, out=1, prompt=1)
+    now, events = step.ends_at, []
+    while engine.has_work():
+        step = engine.step(now)
+        now = step.ends_at
+        events.append(({seq for seq, _ in step.finished}, [s for s, _ in step.first_tokens]))
+    # No prompt token fits beside two decoding streams: the late prompt starts in the
+    # step after both finished (their third token) and yields its only token there.
+    assert events == [(set(), []), ({first, second}, []), ({late}, [late])]
