@@ -33,7 +33,7 @@ from proxy.admission.refusal import http_error
 from proxy.admission.reservations import ReservationUnknown, key_of, parse_request
 from proxy.client_request import ClientRequest
 from proxy.errors import HeadroomError, PolicyViolation, Refused, Unauthorized
-from proxy.logs import install_denial_filter
+from proxy.logs import install_uvicorn_filters
 from proxy.relay.http_body import control_body, refuse, replay
 from proxy.relay.http_session import install_abort_filter, relay_http
 from proxy.relay.ws_session import relay_websocket
@@ -153,7 +153,7 @@ class HeadroomApp:
         self.runtime = runtime
         self._ops = _ops_app(runtime)
         self.reservations = runtime.reservations
-        install_denial_filter()
+        install_uvicorn_filters()
         install_abort_filter()
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:

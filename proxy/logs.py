@@ -4,10 +4,9 @@ Both formats carry a record's structured fields (``extra={"fields": {...}}``, e.
 end-of-session line): the JSON format as keys of the object, the text format as
 ``key=value`` pairs after the message (:class:`TextFormatter`).
 
-Refusals are normal operation. uvicorn's ``websockets-sansio`` implementation logs
-"ASGI callable returned without completing handshake." at ERROR for every WebSocket
-handshake refused through the ASGI denial response; :class:`DenialNoiseFilter` drops
-exactly that record so a refusal storm cannot flood the logs.
+Refusals are normal operation and log nothing at ERROR: every WebSocket handshake is
+served by Headroom's client listener (:mod:`proxy.relay.listener`), never by uvicorn's
+WebSocket implementation.
 """
 
 from __future__ import annotations
@@ -20,36 +19,19 @@ import time
 from typing import Any
 
 __all__ = [
-    "DenialNoiseFilter",
     "JsonFormatter",
     "TextFormatter",
     "configure_logging",
-    "install_denial_filter",
+    "install_uvicorn_filters",
 ]
 
-#: uvicorn ERROR records that are normal operation for a gateway: a refused handshake,
-#: and a client's invalid UTF-8 text frame (uvicorn closes it with 1007 itself).
-_NOISE = ("without completing handshake", "Invalid UTF-8 sequence received from client")
 
-
-class DenialNoiseFilter(logging.Filter):
-    """Drop uvicorn's per-denial / per-bad-frame ERROR records (see module docstring)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        return not any(noise in message for noise in _NOISE)
-
-
-def install_denial_filter() -> None:
-    """Attach Headroom's filters to uvicorn's loggers (idempotent): the denial noise
-    filter, and the redaction of ``api_key`` and ``headroom_reservation`` query values
-    (uvicorn logs each WebSocket's path with its query string, refusals included, and
-    its access log, when turned on, each request's)."""
+def install_uvicorn_filters() -> None:
+    """Attach Headroom's filter to uvicorn's loggers (idempotent): the redaction of
+    ``api_key`` and ``headroom_reservation`` query values (uvicorn's access log, when
+    turned on, logs each request's target with its query string)."""
     from proxy.admission.auth import KeyRedactionFilter
 
-    logger = logging.getLogger("uvicorn.error")
-    if not any(isinstance(f, DenialNoiseFilter) for f in logger.filters):
-        logger.addFilter(DenialNoiseFilter())
     for name in ("uvicorn.error", "uvicorn.access"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, KeyRedactionFilter) for f in logger.filters):
@@ -139,4 +121,4 @@ def configure_logging(level: str = "info", fmt: str = "json") -> None:
     logging.getLogger("uvicorn.access").disabled = True
     logging.getLogger("websockets").setLevel(logging.WARNING)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    install_denial_filter()
+    install_uvicorn_filters()

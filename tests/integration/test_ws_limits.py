@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from proxy.admission.auth import KeyRedactionFilter
 from proxy.clock import FakeClock
-from proxy.logs import DenialNoiseFilter, install_denial_filter
+from proxy.logs import install_uvicorn_filters
 from tests.conftest import Proxy, proxy_settings
 from tests.integration.test_ws_relay import hello, upstream, wait_until, ws_route
 
@@ -115,19 +116,40 @@ class _ListHandler(logging.Handler):
         self.records.append(record)
 
 
-def test_denial_noise_is_filtered() -> None:
-    install_denial_filter()
-    install_denial_filter()  # idempotent
-    logger = logging.getLogger("uvicorn.error")
-    assert sum(isinstance(f, DenialNoiseFilter) for f in logger.filters) == 1
+def test_uvicorn_filters_are_installed_once() -> None:
+    install_uvicorn_filters()
+    install_uvicorn_filters()  # idempotent
+    for name in ("uvicorn.error", "uvicorn.access"):
+        filters = logging.getLogger(name).filters
+        assert sum(isinstance(f, KeyRedactionFilter) for f in filters) == 1
+
+
+async def test_refused_handshakes_log_no_error(start_proxy: Any, upstream: Any) -> None:
+    """A refusal storm is normal operation: refused handshakes (HTTP 503 at the pool's
+    cap, and a client's invalid UTF-8 text answered with 1007) put nothing at ERROR in
+    uvicorn's log -- no WebSocket reaches uvicorn's own implementation."""
+    server, _ = upstream
+    proxy: Proxy = await start_proxy(proxy_settings([("gpu0", server.http_url, 1)], [ws_route()]))
     handler = _ListHandler()
+    logger = logging.getLogger("uvicorn.error")
     logger.addHandler(handler)
     try:
-        logger.error("ASGI callable returned without completing handshake.")
-        logger.error("something else broke")
+        async with connect(proxy.ws_url + "/ws/echo", compression=None) as holder:
+            await hello(holder)
+            for _ in range(5):
+                with pytest.raises(InvalidStatus) as refused:
+                    await connect(proxy.ws_url + "/ws/echo", compression=None)
+                assert refused.value.response.status_code == 503
+        async with connect(proxy.ws_url + "/ws/echo", compression=None) as ws:
+            await hello(ws)
+            await ws.send(b"\xff", text=True)
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()
+        assert ws.close_code == 1007
+        await wait_until(lambda: proxy.gate.active == 0)
     finally:
         logger.removeHandler(handler)
-    assert [r.getMessage() for r in handler.records] == ["something else broke"]
+    assert [r for r in handler.records if r.levelno >= logging.ERROR] == []
 
 
 async def test_refusal_storm_logs_no_uvicorn_errors(start_proxy: Any, upstream: Any) -> None:
