@@ -175,7 +175,10 @@ class RedisAdmission:
     ``gateway_id`` names this process in lease and waiter ids (``<gateway>:<n>``); it
     must be unique among live gateways (the default is host, pid and random bits).
     ``clock_ms`` is for tests only: the scripts take their time from it instead of
-    Redis ``TIME`` (a fake clock, or the differential test against ``PoolCore``)."""
+    Redis ``TIME`` (a fake clock, or the differential test against ``PoolCore``).
+    ``address_remap`` (a Redis Cluster only) maps each node address the cluster
+    announces to the one this process connects to (address translation between them;
+    the tests' partition of one shard)."""
 
     def __init__(
         self,
@@ -188,6 +191,7 @@ class RedisAdmission:
         gateway_id: str | None = None,
         clock_ms: Callable[[], int] | None = None,
         sentinel: SentinelNodes | None = None,
+        address_remap: Callable[[tuple[str, int]], tuple[str, int]] | None = None,
     ) -> None:
         try:
             import redis.asyncio  # noqa: F401
@@ -210,10 +214,15 @@ class RedisAdmission:
         self.gateway_id = gateway_id or f"{host}-{os.getpid()}-{os.urandom(3).hex()}"
         if not self.gateway_id or any(c in self.gateway_id for c in ":=, "):
             raise ValueError(f"gateway id {self.gateway_id!r}: must be non-empty, without ':=, '")
-        common = dict(
+        common: dict[str, Any] = dict(
             socket_connect_timeout=timeout_s,
             health_check_interval=30,
         )
+        if address_remap is not None:
+            if not self.cluster:
+                raise ValueError("address_remap applies to a redis+cluster:// URL only")
+            common["address_remap"] = address_remap
+        self._remap = address_remap
         self._client: Any = async_client(url, sentinel, socket_timeout=timeout_s, **common)
         # BLPOP holds its connection while it blocks: a client of its own, whose socket
         # timeout outlasts the longest block. With a cluster, it is sent to the shard of
@@ -496,6 +505,7 @@ class RedisAdmission:
             socket_timeout=self.timeout_s,
             socket_connect_timeout=self.timeout_s,
             health_check_interval=30,
+            **({} if self._remap is None else {"address_remap": self._remap}),
         )
         script = client.register_script(_pool_script("keep"))
         return LeaseRenewer(

@@ -83,7 +83,9 @@ def cluster_nodes(url: str) -> ClusterNodes | None:
         raise ValueError("a Redis Cluster has only database 0")
     plain = f"{'rediss' if scheme == 'rediss+cluster' else 'redis'}://"
     plain += f"{credentials}{at}{seeds[0][0]}:{seeds[0][1]}/0"
-    return ClusterNodes(tuple(seeds), _data_node_options(plain + (f"?{query}" if query else "")))
+    options = _data_node_options(plain + (f"?{query}" if query else ""))
+    options.pop("db", None)  # a cluster client takes no database
+    return ClusterNodes(tuple(seeds), options)
 
 
 @dataclass(frozen=True, slots=True)
