@@ -18,10 +18,12 @@ Every rule Headroom applies to a frame lives here, and the I/O shells call it:
 :func:`parse_frame` decodes one whole frame with all of these checks and raises
 :class:`FrameError` with the close code a peer that broke one is answered with (1002,
 1007, 1009). The splice's frame walk (:mod:`proxy.relay.splice_leg`) reads frames in
-place, across reads, without copying payloads; it tests a header with
-:data:`INVALID_FIRST_BYTE`, :func:`header_size` and :func:`payload_length` and names
-what it refused with :func:`violation`, so the two agree by construction (and a test
-holds them equal on every frame). The client WebSocket server
+place, across reads, without copying payloads; it tests a header against
+:data:`INVALID_FIRST_BYTE`, names what it refused with :func:`violation`, and reads the
+lengths in place with the arithmetic of :func:`header_size` and :func:`payload_length`
+(calling them for every frame slows the compiled walk: docs/performance.md);
+tests/unit/test_wsframes.py holds its refusals equal to :func:`parse_frame`'s on
+arbitrary streams. The client WebSocket server
 (:mod:`proxy.relay.ws_server`) finds frame boundaries with :func:`whole_frames`.
 
 Frames Headroom writes itself (close frames, pings, the frames of a take-over) are built
