@@ -17,10 +17,11 @@ refusals -- through plain ASGI messages, plus one extension:
 The handshake's checks and answers are in :mod:`proxy.relay.ws_handshake`.
 
 A connection the app accepts through ASGI (``websocket.accept``: queue feedback, where
-the client is told its place before it is admitted) gets websockets' sans-I/O
-:class:`~websockets.server.ServerProtocol` in the OPEN state for its frames: pings are
-answered, close handshakes completed, protocol violations refused with websockets'
-codes. Its parser is only ever fed whole frames (a frame still arriving waits here,
+the client is told its place before it is admitted) has its frames read here with
+:mod:`proxy.relay.wsframes` (the framing rules the splice applies too): pings are
+answered, close handshakes completed, a frame that breaks RFC 6455 is answered with the
+close code :class:`~proxy.relay.wsframes.FrameError` names (1002, 1007, 1009) and the
+connection closed. Frames are read only whole (a frame still arriving waits here,
 bounded by ``max_size``), so at a take-over what the app held, the messages it did not
 read, the fragments of a message still being assembled and the bytes of a frame not yet
 complete all go to the relay as client frames, in the order they came.
@@ -39,12 +40,25 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from websockets.frames import Frame, Opcode
-from websockets.protocol import State
-from websockets.server import ServerProtocol
-
 from proxy.relay.ws_handshake import ASGIApp, TakeOver, http_response
-from proxy.relay.wsframes import client_frame, fragment, whole_frames
+from proxy.relay.wsframes import (
+    BINARY,
+    CLOSE,
+    CONT,
+    PING,
+    PONG,
+    TEXT,
+    Frame,
+    FrameError,
+    client_frame,
+    close_fields,
+    close_frame,
+    decode_text,
+    fragment,
+    frame,
+    parse_frame,
+    whole_frames,
+)
 
 __all__ = [
     "EARLY_LIMIT",
@@ -70,7 +84,7 @@ class ClientDisconnected(OSError):
 class WebSocketOptions:
     """What bounds a client WebSocket before it is taken over."""
 
-    #: The largest message websockets' parser accepts (1009 beyond it); None: no limit.
+    #: The largest message read from an accepted client (1009 beyond it); None: no limit.
     max_size: int | None = 1 << 20
     #: Messages read from the client and not yet received by the app; reading pauses
     #: beyond it.
@@ -119,11 +133,11 @@ class ClientWebSocket:
     the transport's callbacks here until the take-over."""
 
     __slots__ = (
-        "__weakref__", "_accept_key", "_conn", "_connect_sent", "_early", "_fragments",
-        "_gone", "_message_ready", "_messages", "_ping", "_read_paused", "_response",
-        "_tail", "_timer", "_write_paused", "accepted", "answered", "close_code",
-        "close_sent", "disconnected", "loop", "on_shutdown", "options", "scope", "sessions",
-        "taken", "transport",
+        "__weakref__", "_accept_key", "_close_rcvd", "_closing", "_connect_sent", "_early",
+        "_fragments", "_gone", "_message_ready", "_messages", "_msg_size", "_ping",
+        "_read_paused", "_reading", "_response", "_tail", "_timer", "_write_paused",
+        "accepted", "answered", "close_code", "close_sent", "disconnected", "loop",
+        "on_shutdown", "options", "scope", "sessions", "taken", "transport",
     )  # fmt: skip
 
     def __init__(
@@ -148,8 +162,11 @@ class ClientWebSocket:
         self.close_sent = False
         self._early = bytearray()
         self._tail = bytearray()
-        self._fragments: list[Frame] = []
-        self._conn: ServerProtocol | None = None
+        self._fragments: list[Frame] = []  # of a message still being assembled
+        self._msg_size = 0
+        self._reading = False  # accepted, frames are read here (until the take-over)
+        self._closing = False  # a close frame was written (ours, or the echo of the client's)
+        self._close_rcvd = False
         # at most options.max_queue (reading pauses there): a list, smaller than a deque
         self._messages: list[dict[str, Any]] = []
         self._message_ready: asyncio.Future[None] | None = None
@@ -222,8 +239,7 @@ class ClientWebSocket:
                 return
             self._early += data
             return
-        conn = self._conn
-        if conn is None:
+        if not self._reading:
             return
         tail = self._tail
         tail += data
@@ -232,14 +248,12 @@ class ClientWebSocket:
             return
         chunk = bytes(tail[:whole])
         del tail[:whole]
-        conn.receive_data(chunk)
-        self._events(conn)
+        self._read_frames(chunk)
 
     def eof_received(self) -> bool | None:
-        conn = self._conn
-        if conn is not None and not self.taken:
-            conn.receive_eof()
-            self._events(conn)
+        if self._reading:
+            self._reading = False
+            self.transport.close()
         return None
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -260,39 +274,71 @@ class ClientWebSocket:
 
     # -- frames while the app holds an accepted connection ----------------------------------
 
-    def _events(self, conn: ServerProtocol) -> None:
-        for event in conn.events_received():
-            if not isinstance(event, Frame):
-                continue
-            opcode = event.opcode
-            if opcode is Opcode.TEXT or opcode is Opcode.BINARY:
-                if event.fin:
-                    self._message(opcode, bytes(event.data))
-                else:
-                    self._fragments = [event]
-            elif opcode is Opcode.CONT:
-                self._fragments.append(event)
-                if event.fin:
-                    first = self._fragments[0].opcode
-                    data = b"".join(bytes(f.data) for f in self._fragments)
-                    self._fragments = []
-                    self._message(first, data)
-            elif opcode is Opcode.PONG:
-                if self._ping is not None and bytes(event.data) == self._ping:
-                    self._pong()
-            elif opcode is Opcode.CLOSE:
-                close = conn.close_rcvd
-                self.close_code = close.code if close is not None else 1005
-        self._flush(conn)
-
-    def _message(self, opcode: Opcode, data: bytes) -> None:
-        if opcode is Opcode.TEXT:
+    def _read_frames(self, chunk: bytes) -> None:
+        """The whole frames in ``chunk``, in order, until one breaks RFC 6455."""
+        pos, end = 0, len(chunk)
+        max_size = self.options.max_size
+        while pos < end and self._reading:
+            room = None if max_size is None else max_size - self._msg_size
             try:
-                text = data.decode()
-            except UnicodeDecodeError:
-                conn = self._conn
-                if conn is not None:
-                    conn.fail(1007, "invalid UTF-8")
+                parsed = parse_frame(chunk, pos, from_client=True,
+                                     in_message=bool(self._fragments), max_size=room)  # fmt: skip
+            except FrameError as exc:
+                self._fail(exc.code, exc.reason)
+                return
+            if parsed is None:  # pragma: no cover - whole_frames passed whole frames only
+                return
+            got, pos = parsed
+            self._frame(got)
+
+    def _frame(self, got: Frame) -> None:
+        opcode = got.opcode
+        if opcode in (TEXT, BINARY, CONT):
+            if self._close_rcvd:
+                return
+            if not got.fin:
+                self._fragments.append(got)
+                self._msg_size += len(got.payload)
+                return
+            if self._fragments:
+                first = self._fragments[0].opcode
+                data = b"".join([f.payload for f in self._fragments]) + got.payload
+                self._fragments = []
+                self._msg_size = 0
+                self._message(first, data)
+            else:
+                self._message(opcode, got.payload)
+        elif opcode == PING:
+            if not self._closing:
+                self.transport.write(frame(PONG, got.payload, masked=False))
+        elif opcode == PONG:
+            if self._ping is not None and got.payload == self._ping:
+                self._pong()
+        elif opcode == CLOSE:
+            if self._fragments:
+                self._fail(1002, "incomplete fragmented message")
+                return
+            self._close_rcvd = True
+            self.close_code = close_fields(got.payload)[0]
+            if not self._closing:  # the client began the closing handshake: echo it
+                self._closing = True
+                self.transport.write(frame(CLOSE, got.payload, masked=False))
+            self._reading = False
+            self.transport.close()  # the server ends the TCP connection (RFC 6455 7.1.1)
+
+    def _fail(self, code: int, reason: str) -> None:
+        """Fail the connection (RFC 6455 7.1.7): our close frame, then the socket closed."""
+        self._reading = False
+        if not self._closing:
+            self._closing = True
+            self.transport.write(close_frame(code, reason, masked=False))
+        self.transport.close()
+
+    def _message(self, opcode: int, data: bytes) -> None:
+        if opcode == TEXT:
+            text = decode_text(data)
+            if text is None:
+                self._fail(1007, "invalid UTF-8")
                 return
             self._push({"type": "websocket.receive", "text": text})
         else:
@@ -307,25 +353,13 @@ class ClientWebSocket:
         if ready is not None and not ready.done():
             ready.set_result(None)
 
-    def _flush(self, conn: ServerProtocol) -> None:
-        transport = self.transport
-        for data in conn.data_to_send():
-            if data:
-                transport.write(data)
-            else:  # websockets' end of stream: the server closes the TCP connection
-                transport.close()
-                return
-        if conn.state is State.CLOSED:
-            transport.close()
-
     def _close(self, code: int, reason: str) -> None:
-        conn = self._conn
-        if conn is None or self.close_sent:
+        if not self.accepted or self.taken or self.close_sent:
             return
         self.close_sent = True
-        if conn.state is State.OPEN:
-            conn.send_close(code, reason)
-            self._flush(conn)
+        if not self._closing:
+            self._closing = True
+            self.transport.write(close_frame(code, reason, masked=False))
         self._cancel_timer()
         self._timer = self.loop.call_later(self.options.close_timeout_s, self.transport.abort)
 
@@ -333,12 +367,10 @@ class ClientWebSocket:
         """Time for a ping: send it, then give its pong ``ping_timeout_s`` (0: no
         deadline, the next ping follows after ``ping_interval_s``)."""
         self._timer = None
-        conn = self._conn
-        if conn is None or self.taken or self.close_sent or conn.state is not State.OPEN:
+        if not self._reading or self._closing:
             return
         self._ping = self.loop.time().hex().encode()
-        conn.send_ping(self._ping)
-        self._flush(conn)
+        self.transport.write(frame(PING, self._ping, masked=False))
         options = self.options
         if options.ping_timeout_s > 0:
             self._timer = self.loop.call_later(options.ping_timeout_s, self._pong_overdue)
@@ -355,11 +387,9 @@ class ClientWebSocket:
 
     def _pong_overdue(self) -> None:
         self._timer = None
-        conn = self._conn
-        if conn is None or self.taken or self.close_sent or self._ping is None:
+        if not self._reading or self._closing or self._ping is None:
             return
-        conn.fail(1011, "keepalive ping timeout")
-        self._flush(conn)
+        self._fail(1011, "keepalive ping timeout")
 
     def _cancel_timer(self) -> None:
         if self._timer is not None:
@@ -425,15 +455,14 @@ class ClientWebSocket:
                 self.transport.close()
             return
         elif self.accepted and not self.close_sent:
-            conn = self._conn
-            assert conn is not None
             if kind == "websocket.send":
+                if self._closing:
+                    raise ClientDisconnected(f"ASGI {kind!r}: the connection is closing")
                 text = message.get("text")
                 if text is not None:
-                    conn.send_text(text.encode())
+                    self.transport.write(frame(TEXT, text.encode(), masked=False))
                 else:
-                    conn.send_binary(message.get("bytes") or b"")
-                self._flush(conn)
+                    self.transport.write(frame(BINARY, message.get("bytes") or b"", masked=False))
                 paused = self._write_paused
                 if paused is not None and not paused.done():
                     await paused
@@ -465,10 +494,9 @@ class ClientWebSocket:
         self.accepted = True
 
     def _accept(self, subprotocol: str | None, headers: list[tuple[bytes, bytes]]) -> None:
-        """``websocket.accept``: the 101, then websockets' protocol reads the frames."""
+        """``websocket.accept``: the 101, then the client's frames are read here."""
         self._switch(subprotocol, headers)
-        self._conn = ServerProtocol(state=State.OPEN, max_size=self.options.max_size,
-                                    logger=log)  # fmt: skip
+        self._reading = True
         if self.options.ping_interval_s > 0:
             self._timer = self.loop.call_later(self.options.ping_interval_s, self._keepalive)
         early, self._early = bytes(self._early), bytearray()
@@ -511,7 +539,7 @@ class ClientWebSocket:
         self._cancel_timer()
         self.taken = True
         self.on_shutdown = on_shutdown
-        self._conn = None
+        self._reading = False
         if self._read_paused:
             self._read_paused = False
             transport.resume_reading()
@@ -530,7 +558,7 @@ class ClientWebSocket:
                 return None
             parts.append(client_frame(message))
         self._messages.clear()
-        parts += [fragment(int(event.opcode), bytes(event.data)) for event in self._fragments]
+        parts += [fragment(f.opcode, f.payload) for f in self._fragments]
         self._fragments = []
         parts.append(bytes(self._tail))
         self._tail = bytearray()

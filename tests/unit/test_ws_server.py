@@ -382,10 +382,17 @@ async def test_a_lost_connection_is_a_disconnect_with_1006() -> None:
         (unmasked(1, b"hi"), 1002),  # a client must mask
         (masked(0, b"no start"), 1002),
         (masked(1, b"x", fin=False) + masked(2, b"y"), 1002),  # a new message mid-message
+        (bytes((0xC1,)) + masked(1, b"x")[1:], 1002),  # a reserved bit
+        (masked(9, b"p" * 126), 1002),  # a control frame over 125 bytes
+        (masked(9, b"p", fin=False), 1002),  # a fragmented control frame
+        (masked(8, close_payload(999)), 1002),  # a close code no peer may send
+        (masked(8, close_payload(1000, b"\xff")), 1007),  # a close reason not in UTF-8
+        (masked(1, b"x", fin=False) + masked(8, close_payload(1000)), 1002),  # mid-message
     ],
-    ids=["utf8", "utf8-fragmented", "unmasked", "stray-continuation", "interleaved"],
-)
-async def test_protocol_violations_close_with_websockets_codes(data: bytes, code: int) -> None:
+    ids=["utf8", "utf8-fragmented", "unmasked", "stray-continuation", "interleaved", "rsv",
+         "long-ping", "fragmented-ping", "close-code", "close-utf8", "close-mid-message"],
+)  # fmt: skip
+async def test_protocol_violations_close_with_their_codes(data: bytes, code: int) -> None:
     app = App()
     session = await accepted(app)
     session.listener.data_received(data)
@@ -399,7 +406,7 @@ async def test_protocol_violations_close_with_websockets_codes(data: bytes, code
 
 async def test_a_message_far_over_the_limit_is_refused_with_1009_before_it_arrives() -> None:
     app = App()
-    session = await accepted(app, max_message_bytes=1024)  # websockets' limit: twice that
+    session = await accepted(app, max_message_bytes=1024)  # the limit here: twice that
     big = masked(2, b"b" * 4096)
     session.listener.data_received(big[:100])  # the frame's length is enough to refuse it
     frames = parse_frames(session.transport.take())
@@ -491,7 +498,7 @@ async def test_take_over_after_accept_carries_everything_over_in_order() -> None
     texts = [value for kind, value in harness.adapter.events if kind == "client_text"]
     assert texts == ["held-1", "frag-end"]
     assert app.take_over(None, [], harness.splice.client, lambda: None) is None  # once
-    assert session.ws._conn is None  # websockets' protocol is not kept for the session
+    assert not session.ws._reading and not session.ws._fragments  # nothing read here now
     with pytest.raises(RuntimeError):
         await app.send({"type": "websocket.send", "text": "stray"})
     await app.end(session.ws)
