@@ -121,6 +121,8 @@ class TenantQuotas:
         return key.name
 
     def release(self, token: str | None) -> None:
+        """Give back the session counted by a token from :meth:`reserve`; None (nothing counted) is
+        a no-op. Not idempotent: call it once per token."""
         if token is None:
             return
         left = self._active.get(token, 0) - 1
@@ -130,6 +132,7 @@ class TenantQuotas:
             self._active.pop(token, None)
 
     def active(self, name: str) -> int:
+        """Sessions of key ``name`` counted in this process now (0 for an unknown key)."""
         return self._active.get(name, 0)
 
 

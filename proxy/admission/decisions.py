@@ -48,6 +48,7 @@ class QueuePolicy:
 
     @property
     def enabled(self) -> bool:
+        """Whether the pool queues at all: both ``max_depth`` and ``max_wait_s`` above 0."""
         return self.max_depth > 0 and self.max_wait_s > 0
 
 
@@ -97,6 +98,7 @@ class ReplicaStatistics:
 
     @property
     def free(self) -> int:
+        """Slots left under the cap (0 when a lowered cap is already exceeded)."""
         return max(0, self.cap - self.active)
 
 
@@ -114,12 +116,15 @@ class PoolStatistics:
 
     @property
     def active(self) -> int:
+        """Sessions holding a slot, retired replicas included."""
         return sum(r.active for r in self.replicas)
 
     @property
     def slots(self) -> int:
+        """The pool's capacity: the caps of its replicas not retired (healthy or not)."""
         return sum(r.cap for r in self.replicas if not r.retired)
 
     @property
     def healthy_replicas(self) -> int:
+        """Replicas not retired and passing health checks (guarded ones included)."""
         return sum(1 for r in self.replicas if r.healthy and not r.retired)

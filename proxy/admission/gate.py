@@ -219,6 +219,9 @@ class Gate:
         await self.idle.wait()
 
     def set_healthy(self, pool: str, replica: str, healthy: bool) -> None:
+        """Eject a replica (``healthy=False``) or restore it: logs the change, hands freed capacity
+        to waiters and tells the health listeners. A replica the pool does not have is ignored;
+        an unknown pool raises LookupError."""
         p = self._pool(pool)
         stats = {r.name: r for r in p.core.statistics().replicas}
         if replica in stats and stats[replica].healthy != healthy:
@@ -237,10 +240,14 @@ class Gate:
             p.core.recheck_interval_s = interval_s
 
     def set_guarded(self, pool: str, replica: str, guarded: bool) -> None:
+        """Take a replica out of placement for the delivery guard, or give it back (waiters may be
+        admitted at once). Raises LookupError for an unknown pool or replica."""
         p = self._pool(pool)
         self.waiters.dispatch(p, p.core.set_guarded(replica, guarded, self.clock.now()))
 
     def set_cap(self, pool: str, replica: str, cap: int) -> None:
+        """Change a replica's cap live; lowering never evicts. Raises LookupError for an unknown
+        pool or replica, ValueError for a cap below 1."""
         p = self._pool(pool)
         self.waiters.dispatch(p, p.core.set_cap(replica, cap, self.clock.now()))
 
@@ -301,6 +308,8 @@ class Gate:
         self.waiters.arm_timer(p)
 
     def on_health_change(self, listener: Callable[[str, str, bool], None]) -> None:
+        """Call ``listener(pool, replica, healthy)`` after each change :meth:`set_healthy` makes
+        (not for calls that change nothing)."""
         self._healthy_listeners.append(listener)
 
     def on_fence(self, listener: FenceCallback) -> None:
@@ -308,6 +317,7 @@ class Gate:
         while its sessions run."""
 
     def core(self, pool: str) -> PoolCore:
+        """The pure core of ``pool`` (tests read it); raises LookupError for an unknown pool."""
         return self._pool(pool).core
 
     @property

@@ -76,9 +76,12 @@ class GateCounts:
         self.metrics = metrics
 
     def decision(self, pool: str, decision: str, tenant: TenantSpec | None = None) -> None:
+        """Count one admission decision (``admitted``, ``queued``, ``rejected_<reason>``,
+        ``abandoned``), and per key for a session with a key."""
         count_decision(self.metrics, pool, decision, tenant)
 
     def queue_wait(self, pool: str, waited: float, tenant: TenantSpec | None) -> None:
+        """Observe ``waited`` seconds spent in ``pool``'s queue (:func:`observe_queue_wait`)."""
         observe_queue_wait(self.metrics, pool, waited, tenant)
 
     def session(self, pool: str, duration_s: float) -> None:

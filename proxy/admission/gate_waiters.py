@@ -60,6 +60,8 @@ class GateWaiters:
         self.counts = counts
 
     def refusal(self, p: LocalPool, reject: Reject) -> Refused:
+        """The :class:`~proxy.errors.Refused` a waiter of ``p`` raises for ``reject``, with the
+        pool's fallback hint."""
         return refusal_for(
             reject.reason,
             retry_after_s=reject.retry_after_s,
@@ -119,6 +121,8 @@ class GateWaiters:
         self.notify_positions(p)
 
     def notify_positions(self, p: LocalPool) -> None:
+        """Call each waiter's ``on_position(position, eta_s)`` whose place in the projected service
+        order changed; nothing when no waiter listens."""
         if not any(w.on_position for w in p.waiters.values()):
             return
         now = self.clock.now()

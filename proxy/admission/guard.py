@@ -3,12 +3,12 @@
 A static cap is measured once; a GPU's real ceiling moves (longer texts grow the KV
 cache, a noisy neighbour, thermal throttling). The guard watches each replica's
 rolling worst-1% per-chunk delivery ratio (:class:`~proxy.metering.rolling.ReplicaSignals`) and,
-when it falls below ``threshold`` (default 1.2x realtime) with at least
-``min_samples`` chunks in the window, holds new admissions to that replica -- even
-below its cap -- until the ratio has stayed at or above ``threshold + hysteresis`` for
-``hold_s`` seconds (or the window has emptied: no audio is flowing, so nothing is at
-risk). It never raises a replica above its configured cap: it only takes the replica
-out of placement.
+when it falls below ``threshold`` (default :data:`~proxy.metering.rolling.DELIVERY_THRESHOLD`,
+in multiples of realtime) with at least ``min_samples`` chunks in the window, holds new
+admissions to that replica -- even below its cap -- until the ratio has stayed at or
+above ``threshold + hysteresis`` for ``hold_s`` seconds (or the window has emptied: no
+audio is flowing, so nothing is at risk). It never raises a replica above its
+configured cap: it only takes the replica out of placement.
 
 The two thresholds and the hold time make it a Schmitt trigger: a ratio hovering
 around the threshold trips it once and it stays tripped, instead of admitting and
@@ -101,6 +101,8 @@ class GuardPolicy:
 
     @property
     def recover_at(self) -> float:
+        """The worst-1% ratio a guarded replica must hold (for ``hold_s``) to be released:
+        ``threshold + hysteresis``."""
         return self.threshold + self.hysteresis
 
 
@@ -229,11 +231,15 @@ class GuardLoop:
             self._arm()
 
     def start(self) -> None:
+        """Evaluate every ``interval_s`` from now on, unless the mode is ``off`` (calling it again
+        is harmless)."""
         self.started = True
         if self._timer is None:
             self._arm()
 
     def stop(self) -> None:
+        """Stop evaluating; guards keep their state, and guarded replicas stay guarded at
+        the gate."""
         self.started = False
         if self._timer is not None:
             self._timer.cancel()

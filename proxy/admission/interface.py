@@ -189,16 +189,24 @@ class AdmissionGate(Protocol):
     def retire_pool(self, name: str) -> None:
         """A pool left the configuration: refuse its waiters and newcomers."""
 
-    def set_healthy(self, pool: str, replica: str, healthy: bool) -> None: ...
+    def set_healthy(self, pool: str, replica: str, healthy: bool) -> None:
+        """Eject a replica from placement (``healthy=False``) or restore it; tells the
+        :meth:`on_health_change` listeners when the state changes."""
 
-    def set_guarded(self, pool: str, replica: str, guarded: bool) -> None: ...
+    def set_guarded(self, pool: str, replica: str, guarded: bool) -> None:
+        """Hold new admissions to a replica for the delivery guard (``guarded=True``), or release
+        it; running sessions are untouched."""
 
-    def set_cap(self, pool: str, replica: str, cap: int) -> None: ...
+    def set_cap(self, pool: str, replica: str, cap: int) -> None:
+        """Change a replica's cap live; lowering it never evicts a running session. Raises
+        ValueError for a cap below 1."""
 
     def set_recheck_interval(self, interval_s: float) -> None:
         """How often an ejected replica is re-checked (``health.recheck_interval_s``)."""
 
-    def on_health_change(self, listener: Callable[[str, str, bool], None]) -> None: ...
+    def on_health_change(self, listener: Callable[[str, str, bool], None]) -> None:
+        """Call ``listener(pool, replica, healthy)`` each time :meth:`set_healthy` changes a
+        replica's state."""
 
     def on_fence(self, listener: FenceCallback) -> None:
         """Call ``listener`` when this gateway must end its sessions on a pool because
@@ -225,11 +233,14 @@ class AdmissionGate(Protocol):
     def grants_blocked_s(self) -> float:
         """Seconds until grants resume after the store lost its data; 0 when not."""
 
-    def pools(self) -> list[str]: ...
+    def pools(self) -> list[str]:
+        """Every pool configured since the gate was built, retired ones included."""
 
-    def fallback(self, pool: str) -> FallbackHint | None: ...
+    def fallback(self, pool: str) -> FallbackHint | None:
+        """The fallback hint refusals on ``pool`` carry (None: none configured)."""
 
-    def reserves(self, pool: str) -> tuple[Reserve, ...]: ...
+    def reserves(self, pool: str) -> tuple[Reserve, ...]:
+        """The reserves ``pool`` applies now (as the last :meth:`apply_pool` gave them)."""
 
     def estimate_wait(self, pool: str, position: int) -> float:
         """Expected seconds until a waiter at ``position`` (1 = head) gets a slot."""
@@ -249,11 +260,17 @@ class AdmissionGate(Protocol):
         self,
         ratio: Callable[[str, str], float | None] | None = None,
         guarded: Callable[[str, str], bool] | None = None,
-    ) -> list[ReplicaGauges]: ...
+    ) -> list[ReplicaGauges]:
+        """One :class:`~proxy.metering.scrape.ReplicaGauges` per replica of every pool; ``ratio``
+        and ``guarded`` supply what the gate does not know itself (the rolling delivery ratio;
+        the guard's state in observe mode)."""
 
-    def tenant_gauges(self) -> list[TenantGauges]: ...
+    def tenant_gauges(self) -> list[TenantGauges]:
+        """Per API key and pool, this gateway's sessions active and queued and the session-seconds
+        they held; sessions without a key are not counted."""
 
-    def queue_depths(self) -> list[tuple[str, int]]: ...
+    def queue_depths(self) -> list[tuple[str, int]]:
+        """``(pool, waiters)`` for every pool: this gateway's sessions waiting in its queue."""
 
     # -- gang reservations ------------------------------------------------------------
 

@@ -56,6 +56,10 @@ class LocalReservations:
         self, token: str, pools: Sequence[str], hold_s: float, key: ApiKeySettings | None,
         tenant: TenantSpec | None, max_live: int,
     ) -> Reservation:  # fmt: skip
+        """Take one slot now in each of ``pools`` for the reservation ``token``, held ``hold_s``
+        seconds, counted against ``key``'s quota. All or nothing: a refusal on any pool gives
+        back what was taken and raises :class:`~proxy.errors.Refused` (``tenant_limit`` when
+        ``key`` already holds ``max_live`` reservations)."""
         name = key.name if key is not None else None
         live = sum(1 for r in self._live.values() if r.key == name)
         if name is not None and live >= max_live:  # (without auth: no keys)
@@ -87,6 +91,10 @@ class LocalReservations:
     async def claim(
         self, token: str, pool: str, key: ApiKeySettings | None, tenant: TenantSpec | None
     ) -> Lease:
+        """Hand the reserved slot of ``pool`` to the session of ``key`` presenting ``token``. Raises
+        :class:`~proxy.admission.interface.Unclaimable` (``unknown``, ``expired`` with why, or
+        ``pool`` when the slot is used or was never reserved); a token of another key is
+        ``unknown``."""
         name = key.name if key is not None else None
         reservation = self._live.get(token)
         if reservation is None or reservation.key != name:
@@ -106,6 +114,8 @@ class LocalReservations:
         return taken
 
     async def release(self, token: str, key: ApiKeySettings | None) -> list[str] | None:
+        """Give back the reservation's unused slots: the pools released, ``[]`` if it had already
+        ended, None if ``key`` holds no such token."""
         name = key.name if key is not None else None
         reservation = self._live.get(token)
         if reservation is None or reservation.key != name:
@@ -114,6 +124,7 @@ class LocalReservations:
         return self._drop(reservation, "released", "released")
 
     def close(self) -> None:
+        """Release every live reservation's unused slots (the gateway stops)."""
         for reservation in list(self._live.values()):
             self._drop(reservation, "closed", "released at shutdown")
 

@@ -92,6 +92,7 @@ class _Replica:
 
     @property
     def eligible(self) -> bool:
+        """Takes a new session now: healthy, not guarded, not retired, under its cap."""
         return self.healthy and not self.guarded and not self.retired and self.active < self.cap
 
     def snapshot(self) -> ReplicaStatistics:
@@ -289,6 +290,8 @@ class PoolCore:
         return rejects
 
     def undrain(self, now: float) -> list[Admit]:
+        """Accept sessions again (a retired pool configured again); returns any waiters admitted at
+        once."""
         self._draining = False
         return self._assign(now)
 
@@ -313,6 +316,8 @@ class PoolCore:
         return self._assign(now)
 
     def set_guarded(self, replica: str, guarded: bool, now: float) -> list[Admit]:
+        """Take a replica out of placement for the guard or give it back; returns the waiters
+        admitted. Raises LookupError for an unknown replica."""
         self._replica(replica).guarded = guarded
         self._forecast = None
         return self._assign(now)
@@ -338,6 +343,8 @@ class PoolCore:
         return rejects
 
     def add_replica(self, spec: ReplicaSpec, now: float) -> list[Admit]:
+        """Add a replica, or bring back a retired one with ``spec``'s cap; returns the waiters it
+        admits. Raises ValueError if a live replica has that name."""
         existing = self._replicas.get(spec.name)
         if existing is not None and not existing.retired:
             raise ValueError(f"pool {self.name!r}: replica {spec.name!r} exists")
@@ -425,10 +432,12 @@ class PoolCore:
         return sum(r.cap - r.active for r in self._replicas.values() if r.eligible)
 
     def lease_replica(self, ticket: int) -> str | None:
+        """The replica ``ticket`` holds a slot on (None if it holds none)."""
         lease = self._leases.get(ticket)
         return lease.replica if lease else None
 
     def replica_names(self) -> list[str]:
+        """Every replica, retired ones still running sessions included."""
         return list(self._replicas)
 
     def estimate_wait(self, position: int, now: float) -> float:
@@ -480,6 +489,8 @@ class PoolCore:
         return retry_after_s(estimate, self._rng.random())
 
     def statistics(self) -> PoolStatistics:
+        """A snapshot for metrics, ``/readyz`` and tests; ``session_estimate_s`` is the observed
+        session-length mean."""
         return PoolStatistics(
             name=self.name,
             replicas=tuple(r.snapshot() for r in self._replicas.values()),

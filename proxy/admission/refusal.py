@@ -84,6 +84,8 @@ def truncate_reason(text: str) -> str:
 
 
 def close_reason(err: HeadroomError) -> str:
+    """The WebSocket close reason for ``err``: a refusal's reason code and Retry-After, else the
+    error's message (within the 123-byte limit)."""
     if isinstance(err, Refused):
         return truncate_reason(f"{err.reason}: retry after {err.retry_after_header} s")
     return truncate_reason(str(err) or type(err).__name__)

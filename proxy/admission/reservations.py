@@ -224,6 +224,8 @@ class Reservations:
             self.metrics.reservations.labels(outcome).inc()
 
     def count_invalid(self) -> None:
+        """Count a reservation request refused before any slot was sought (a
+        :class:`~proxy.errors.PolicyViolation`): ``outcome=invalid``."""
         self._count("invalid")
 
     def _slot(self, pool: str, outcome: str) -> None:

@@ -82,6 +82,8 @@ class SessionLengths:
         self.variance = 0.0
 
     def observe(self, duration_s: float) -> None:
+        """Fold in one ended session's length (seconds; negative counts as 0). The mean is kept
+        above a small floor."""
         delta = max(0.0, duration_s) - self.mean
         self.mean = max(_MIN_MEAN_S, self.mean + _EWMA_ALPHA * delta)
         self.variance = (1.0 - _EWMA_ALPHA) * (self.variance + _EWMA_ALPHA * delta * delta)
@@ -114,6 +116,8 @@ class _LengthModel:
         self._sigma_sqrt2 = math.sqrt(2.0 * sigma2)
 
     def log_survival(self, x: float) -> float:
+        """``log P(length > x)`` for ``x`` seconds: 0 at or below 0, -inf where the tail
+        underflows."""
         if x <= 0.0:
             return 0.0
         tail = math.erfc((math.log(x) - self._mu) / self._sigma_sqrt2)  # in [0, 2]

@@ -74,6 +74,8 @@ class Lease:
         self.released = False
 
     def release(self) -> None:
+        """Give the slot back. Idempotent and synchronous (the shared gate's Redis release runs in
+        the gate's background), so it is safe in ``finally`` and from a cancelled task."""
         if not self.released:
             self.released = True
             self._release(self)
@@ -113,6 +115,8 @@ class Waiting:
         self.eta_s = eta_s
 
     async def wait(self) -> Lease:
+        """The lease once a slot is handed over; raises :class:`~proxy.errors.Refused`
+        (``queue_timeout``, ``draining``, ...) if refused while waiting."""
         return await self._wait()
 
     def __repr__(self) -> str:

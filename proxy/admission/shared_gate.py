@@ -185,6 +185,9 @@ class SharedGate:
             self.keeper.start()
 
     async def stop(self) -> None:
+        """Stop the lease keeper and the background loops, give releases still in flight a last
+        chance (three Redis timeouts) and close the connection. Leases not released by then lapse
+        with their TTL."""
         store = self.store
         store.closing = True
         if self.keeper is not None:
@@ -284,17 +287,24 @@ class SharedGate:
     # -- gang reservations' slots (proxy/admission/shared_reservations.py) ----------------
 
     def new_id(self) -> str:
+        """A fresh lease id of this gateway (:meth:`SharedStore.new_id`)."""
         return self.store.new_id()
 
     async def hold(self, pool: str, lease_id: str, hold_s: float, tenant: TenantSpec | None) -> str:
+        """:meth:`SharedSessions.hold`: a gang reservation's slot held in Redis; returns the
+        replica."""
         return await self.sessions.hold(pool, lease_id, hold_s, tenant)
 
     async def adopt(
         self, pool: str, lease_id: str, tenant: TenantSpec | None, quota: str | None
     ) -> SharedLease | None:
+        """:meth:`SharedSessions.adopt`: a claimed reserved slot becomes this gateway's lease (None
+        if it lapsed)."""
         return await self.sessions.adopt(pool, lease_id, tenant, quota)
 
     def release_held(self, pool: str, lease_id: str) -> None:
+        """:meth:`SharedSessions.release_held`: a reserved slot nobody took, given back in the
+        background."""
         self.sessions.release_held(pool, lease_id)
 
     def reservation_store(

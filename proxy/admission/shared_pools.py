@@ -46,6 +46,8 @@ class SharedPoolChanges:
         self.healthy_listeners: list[Callable[[str, str, bool], None]] = []
 
     def drain(self) -> None:
+        """Refuse everything new and every queued waiter of this gateway with ``draining``; sessions
+        holding slots run on."""
         self.store.draining = True
         for p in self.store.pools.values():
             self._refuse_waiters(p, "draining")
@@ -57,6 +59,9 @@ class SharedPoolChanges:
                 self.store.reject_waiter(waiter, reason, retry)
 
     def set_healthy(self, pool: str, replica: str, healthy: bool) -> None:
+        """Eject or restore a replica in this gateway's view (the view it sends with every script
+        call), renew at once so freed capacity reaches waiters, and tell the health listeners.
+        Unknown replicas are ignored; an unknown pool raises LookupError."""
         r = self.store.pool(pool).replicas.get(replica)
         if r is not None and r.healthy != healthy:
             log.warning("replica %s/%s is now %s", pool, replica,
@@ -68,12 +73,16 @@ class SharedPoolChanges:
                 listener(pool, replica, healthy)
 
     def set_guarded(self, pool: str, replica: str, guarded: bool) -> None:
+        """Hold or release a replica for this gateway's guard; the renewal it triggers publishes the
+        flag to the other gateways."""
         r = self.store.pool(pool).replicas.get(replica)
         if r is not None and r.guarded != guarded:
             r.guarded = guarded
             self._poke(pool)
 
     def set_cap(self, pool: str, replica: str, cap: int) -> None:
+        """Change a replica's cap in this gateway's view. Raises ValueError for a cap below 1,
+        KeyError for an unknown replica."""
         if cap < 1:
             raise ValueError(f"replica {replica!r}: cap must be >= 1 (got {cap})")
         self.store.pool(pool).replicas[replica].cap = cap
@@ -122,11 +131,14 @@ class SharedPoolChanges:
         self._poke(name)
 
     def retire_pool(self, name: str) -> None:
+        """Refuse this gateway's waiters and newcomers on ``name`` with ``draining``; its running
+        sessions finish."""
         p = self.store.pool(name)
         p.draining = True
         self._refuse_waiters(p, "draining")
 
     def on_health_change(self, listener: Callable[[str, str, bool], None]) -> None:
+        """Call ``listener(pool, replica, healthy)`` after each change :meth:`set_healthy` makes."""
         self.healthy_listeners.append(listener)
 
     def set_recheck_interval(self, interval_s: float | None) -> None:

@@ -69,6 +69,10 @@ class SharedRenewal:
         await self.tenants.renew()
 
     async def renew_pool(self, name: str) -> None:
+        """One renewal of pool ``name`` in Redis: extends this gateway's leases, publishes its view
+        and guard flags, reads the holdings and queue depth over every gateway, re-arms the
+        fence, fences on lost leases and updates its waiters' places. A Redis failure marks the
+        store unavailable and returns (the fence deadline stands)."""
         store = self.store
         p = store.pools[name]
         sent = store.clock.now()

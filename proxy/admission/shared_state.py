@@ -117,6 +117,8 @@ class PoolState:
         self.lengths = SessionLengths(self.session_estimate_s)
 
     def view(self) -> list[ReplicaView]:
+        """The replicas this gateway offers for placement (healthy, not retired), with their caps
+        and guard flags, as every script call sends them."""
         return [
             ReplicaView(name, r.cap, r.guarded)
             for name, r in self.replicas.items()

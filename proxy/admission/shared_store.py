@@ -60,6 +60,7 @@ class SharedStore:
         self._next = 0
 
     def pool(self, name: str) -> PoolState:
+        """The state of pool ``name``; raises LookupError for an unknown pool."""
         try:
             return self.pools[name]
         except KeyError:
@@ -71,11 +72,15 @@ class SharedStore:
         return f"{self.backend.gateway_id}:{self._next}"
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run ``coro`` as a background task the gate tracks (``quiesce`` waits for it, ``stop``
+        gives it a last chance)."""
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     def set_available(self, up: bool) -> None:
+        """Record whether Redis answered the last call (``/readyz``,
+        ``headroom_admission_backend_up``)."""
         self.available = up
         if self.series is not None:
             self.series.backend_up.labels("redis").set(1 if up else 0)

@@ -73,10 +73,12 @@ class SharedViews:
 
     @property
     def active(self) -> int:
+        """This gateway's sessions holding a slot, over every pool."""
         return sum(len(p.leases) for p in self.store.pools.values())
 
     @property
     def queued(self) -> int:
+        """This gateway's sessions waiting in a queue, over every pool."""
         return sum(p.queued() for p in self.store.pools.values())
 
     def replica_gauges(
@@ -84,6 +86,8 @@ class SharedViews:
         ratio: Callable[[str, str], float | None] | None = None,
         guarded: Callable[[str, str], bool] | None = None,
     ) -> list[ReplicaGauges]:
+        """Per replica, from :meth:`statistics` (this gateway's own sessions); ``ratio`` and
+        ``guarded`` supply the rolling delivery ratio and the guard's state in observe mode."""
         out: list[ReplicaGauges] = []
         for name, stats in self.statistics().items():
             for r in stats.replicas:
@@ -95,6 +99,7 @@ class SharedViews:
         return out
 
     def queue_depths(self) -> list[tuple[str, int]]:
+        """``(pool, waiters)``: this gateway's own waiters in each pool's queue."""
         return [(name, p.queued()) for name, p in self.store.pools.items()]
 
     def tenant_gauges(self) -> list[TenantGauges]:

@@ -72,6 +72,8 @@ class TenantSpec:
 
     @property
     def sheddable(self) -> bool:
+        """A class below 0: its waiters may be refused (``preempted_in_queue``) to make room for a
+        higher class."""
         return self.priority < 0
 
     @property
@@ -98,6 +100,8 @@ class Reserve:
             raise ValueError("reserve slots must be >= 0")
 
     def amount(self, usable_replicas: int) -> int:
+        """The slots this reserve keeps on a pool with ``usable_replicas`` replicas taking
+        sessions."""
         return self.slots + self.per_replica * usable_replicas
 
 
@@ -146,6 +150,8 @@ class _Lane:
     running: dict[int, float] = field(default_factory=dict)
 
     def vtime(self, now: float, expected_s: float) -> float:
+        """The lane's virtual time at ``now``: its charge plus its running sessions' seconds (each
+        counted at least ``expected_s``), divided by its weight."""
         held = sum(max(now - t, expected_s) for t in self.running.values())
         return self.charge + held / self.weight
 
@@ -175,6 +181,7 @@ class TenantQueue:
         return iter(self._waiters)
 
     def waiter(self, ticket: int) -> _Waiter:
+        """The waiter holding ``ticket``; raises KeyError if it is not waiting."""
         return self._waiters[ticket]
 
     def waiters(self) -> Iterable[_Waiter]:
@@ -184,6 +191,9 @@ class TenantQueue:
     def push(
         self, ticket: int, tenant: TenantSpec, arrived: float, deadline: float, expected_s: float
     ) -> None:
+        """Queue ``ticket`` in ``tenant``'s lane until ``deadline``. A lane that was empty is first
+        lifted to the least virtual time of the other waiting lanes of its class, so time spent
+        idle banks no credit."""
         lane = self._lane(tenant)
         if not lane.queue:
             self._lift(tenant.lane, lane, arrived, expected_s)
@@ -194,6 +204,7 @@ class TenantQueue:
         self._per_name[tenant.name] += 1
 
     def remove(self, ticket: int) -> _Waiter | None:
+        """Take ``ticket`` out of the queue; returns its waiter, or None if it was not waiting."""
         waiter = self._waiters.pop(ticket, None)
         if waiter is not None:
             lane = self._lanes[waiter.tenant.lane]
@@ -206,9 +217,11 @@ class TenantQueue:
         return waiter
 
     def queued_by(self, name: str) -> int:
+        """Waiters of key ``name`` in this queue (for its ``max_queued``)."""
         return self._per_name.get(name, 0)
 
     def waiting_at_or_above(self, priority: int) -> bool:
+        """Whether any waiter is of class ``priority`` or higher."""
         return any(p >= priority for p in self._per_class)
 
     def head(self, now: float, expected_s: float) -> _Waiter | None:
