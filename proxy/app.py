@@ -230,4 +230,6 @@ class HeadroomApp:
 
 
 def create_app(runtime: Runtime) -> HeadroomApp:
+    """The gateway's ASGI application over ``runtime`` (:class:`HeadroomApp`; its lifespan starts
+    and stops the runtime)."""
     return HeadroomApp(runtime)

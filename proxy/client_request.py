@@ -47,6 +47,10 @@ class ClientRequest:
 
     @classmethod
     def of(cls, scope: dict[str, Any]) -> ClientRequest:
+        """Read an ASGI ``scope`` once: the API key (a ``Bearer`` token, else the ``api_key``
+        parameter), every reservation token (header and parameter), the fallback opt-in and the
+        query to send upstream. Of a repeated key, fallback or content type the first wins;
+        nothing is checked here (authentication is the caller's)."""
         api_key: str | None = None
         tokens: set[str] = set()
         fallback: bool | None = None

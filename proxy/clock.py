@@ -45,6 +45,7 @@ class LoopClock:
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop given, or the running loop on first use (RuntimeError outside one)."""
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         return self._loop
@@ -104,6 +105,7 @@ class FakeClock:
 
     @property
     def pending_timers(self) -> int:
+        """Timers neither fired nor cancelled."""
         return sum(1 for _, _, t in self._timers if not t.cancelled)
 
     def __repr__(self) -> str:

@@ -120,6 +120,7 @@ class FallbackHint:
     url: str | None = None
 
     def as_json(self) -> dict[str, str | None]:
+        """The ``fallback`` object of an error body; absent fields are null."""
         return {"voice": self.voice, "pool": self.pool, "url": self.url}
 
 
@@ -176,9 +177,13 @@ class Refused(HeadroomError):
         return str(int(self.retry_after_s))
 
     def headers(self) -> dict[str, str]:
+        """The HTTP headers a refusal carries: ``Retry-After`` (whole seconds) and
+        ``X-Headroom-Reason``."""
         return {"Retry-After": self.retry_after_header, "X-Headroom-Reason": self.reason}
 
     def body(self) -> dict[str, Any]:
+        """The JSON error body of docs/contracts.md: type, code (the reason), message,
+        ``retry_after_s``, fallback and queue position."""
         return {
             "error": {
                 "type": self.error_type,
@@ -191,6 +196,8 @@ class Refused(HeadroomError):
         }
 
     def with_fallback(self, fallback: FallbackHint | None) -> Refused:
+        """The same refusal (type, reason, pool, Retry-After, position) with ``fallback`` instead;
+        the message is the reason's standard one again, so a custom message is not kept."""
         return type(self)(
             self.reason,
             retry_after_s=self.retry_after_s,

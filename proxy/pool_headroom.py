@@ -78,6 +78,8 @@ class PoolHeadroom:
         return left
 
     def as_json(self) -> dict[str, float | int | None]:
+        """The pool's figures as ``/admin/status`` shows them: ratios rounded to four places, the
+        delivery ratio and margin None without recent audio."""
         margin = self.delivery_margin
         ratio = self.delivery_ratio_worst_1pct
         return {
@@ -105,6 +107,8 @@ class PipelineHeadroom:
         return next(s.left for s in self.stages if s.pool == self.limiting)
 
     def as_json(self) -> dict[str, object]:
+        """The limiting stage, its headroom left and every stage's figures
+        (:meth:`PoolHeadroom.as_json` with its pool)."""
         return {
             "limiting_stage": self.limiting,
             "left": round(self.left, 4),

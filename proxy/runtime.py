@@ -75,6 +75,7 @@ def _reserves(pool: PoolSettings) -> tuple[Reserve, ...]:
 
 
 def guard_policy(g: GuardSettings) -> GuardPolicy:
+    """The :class:`~proxy.admission.guard.GuardPolicy` the ``guard`` settings describe."""
     return GuardPolicy(
         g.threshold, g.hysteresis, g.hold_s, g.min_samples,
         max_startup_stall_share=g.startup_stall_share, ttfa_p99_s=g.ttfa_p99_s,
@@ -90,6 +91,8 @@ def _pool_specs(pool: PoolSettings) -> tuple[list[ReplicaSpec], QueuePolicy]:
 
 
 def build_gate(settings: Settings, clock: Clock, metrics: Metrics | None) -> Gate:
+    """The in-process gate (``admission.backend: memory``) over every configured pool, each core
+    seeded by its position in the configuration."""
     return Gate(
         [_core(p, seed=i) for i, p in enumerate(settings.pools)],
         clock=clock,
@@ -225,6 +228,8 @@ class Runtime:
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
+        """Start the loop-lateness watch, the gate, the upstream checks and scrapes, then the guard;
+        :meth:`ready` reports ready only after this."""
         self.loop_watch.start()
         await self.gate.start()
         await self.upstreams.start()
@@ -232,6 +237,8 @@ class Runtime:
         self.guard.start()
 
     async def stop(self) -> None:
+        """Stop the loop-lateness watch, the guard, the background tasks (cancelled and awaited),
+        the upstream checks and the gate, then flush the tracer's buffered spans (in a thread)."""
         self.loop_watch.stop()
         self.guard.stop()
         tasks = list(self._tasks)
@@ -270,6 +277,7 @@ class Runtime:
         self._sessions[stop] = pool
 
     def unregister_session(self, stop: StopSession) -> None:
+        """Forget a session :meth:`register_session` recorded (idempotent)."""
         self._sessions.pop(stop, None)
 
     def _on_lease_loss(self, pool: str, why: str) -> None:
@@ -291,17 +299,22 @@ class Runtime:
 
     @property
     def live_sessions(self) -> int:
+        """Sessions relaying now (registered and not yet unregistered)."""
         return len(self._sessions)
 
     # -- routing and upstreams --------------------------------------------------------
 
     def route_for(self, path: str) -> RouteSettings | None:
+        """The route configured for the request path ``path`` (exact match), or None."""
         return self._routes.get(path)
 
     def ws_url(self, pool: str, replica: str) -> str:
+        """The replica's WebSocket base URL (its ``url`` with ``ws``/``wss``); raises KeyError for a
+        replica not configured."""
         return self.upstreams.ws_url(pool, replica)
 
     def http_url(self, pool: str, replica: str) -> str:
+        """The replica's configured base ``url``; raises KeyError for a replica not configured."""
         return self.upstreams.http_url(pool, replica)
 
     def authorize(self, request: ClientRequest, pool: str) -> Authorization:
@@ -333,6 +346,8 @@ class Runtime:
         return Authorization(token, tenant, quota, key)
 
     def release_tenant(self, token: str | None) -> None:
+        """Give back the key's session count :meth:`authorize` took (``token`` None: nothing was
+        counted). Once per token."""
         self.tenants.release(token)
 
     @property
@@ -347,6 +362,8 @@ class Runtime:
         return self._reservations
 
     def upstream_error(self, pool: str, replica: str, kind: str) -> None:
+        """Count one upstream failure of ``kind`` on the replica
+        (``headroom_upstream_errors_total``)."""
         self.metrics.upstream_errors.labels(pool, replica, kind).inc()
 
     def ready(self) -> tuple[bool, str]:
@@ -390,23 +407,31 @@ class Runtime:
         return sink
 
     def replica_sink(self, pool: str, replica: str) -> PrometheusReplicaSink:
+        """The replica's Prometheus sink, shared by its sessions' meters; made on first use."""
         return self._sink(pool, replica)
 
     def new_meter(
         self, pool: str, replica: str, admitted_at: float, arrived_at: float | None = None
     ) -> SessionMeter:
+        """A meter for one session on the replica, admitted at ``admitted_at`` (``arrived_at``: when
+        it reached the gateway, before any queue wait; None: at admission), reporting to the
+        replica's sink."""
         return SessionMeter(
             admitted_at, self._sink(pool, replica), prebuffer_s=self.settings.meter.prebuffer_s,
             arrived_at=arrived_at,
         )  # fmt: skip
 
     def ws_adapter(self, route: RouteSettings, meter: SessionMeter) -> WsAdapter:
+        """The audio adapter metering one WebSocket session of ``route`` into ``meter``."""
         return ws_adapter(route.protocol, meter, self._formats[route.path], route.inner_protocol)
 
     def http_adapter(self, route: RouteSettings, meter: SessionMeter) -> HttpAdapter:
+        """The audio adapter metering one streaming HTTP exchange of ``route`` into ``meter``."""
         return http_adapter(route.protocol, meter, self._formats[route.path])
 
     def delivery_ratio_worst_1pct(self, pool: str, replica: str) -> float | None:
+        """The replica's rolling worst-1% per-chunk delivery ratio now (None while its window holds
+        no chunk, or for a replica not metered)."""
         signals = self.signals.get((pool, replica))
         return signals.worst_ratio(self.clock.now()) if signals else None
 
@@ -430,4 +455,6 @@ class Runtime:
         self.reconcile.observe(pool, replica, None if figures is None else figures[0] + figures[1])
 
     def explain_refusal(self, refusal: Refused) -> Refused:
+        """``refusal``, its message extended when the engine runs streams Headroom did not admit
+        (:meth:`~proxy.admission.reconcile.EngineReconciler.explain`)."""
         return self.reconcile.explain(refusal)

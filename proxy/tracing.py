@@ -69,6 +69,7 @@ class SessionTrace:
         self._step = self._tracer.start_span(f"headroom.{step}", context=self._context)
 
     def end_step(self) -> None:
+        """End the step span running now, if any (the session span stays open)."""
         if self._step is not None:
             self._step.end()
             self._step = None

@@ -259,9 +259,11 @@ class Upstreams:
         self._scrape_listeners.append(listener)
 
     def ws_url(self, pool: str, replica: str) -> str:
+        """The replica's WebSocket base URL; raises KeyError for a replica not configured."""
         return self._urls[(pool, replica)][1]
 
     def http_url(self, pool: str, replica: str) -> str:
+        """The replica's HTTP base URL; raises KeyError for a replica not configured."""
         return self._urls[(pool, replica)][0]
 
     # -- lifecycle ------------------------------------------------------------------
