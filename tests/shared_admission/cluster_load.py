@@ -206,7 +206,8 @@ class Fleet:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for s in list(self.streams):
             self._end(s)
-        for gate in self.gates:
+        for gate in self.gates:  # bounded: a teardown never hangs a test worker
             with contextlib.suppress(Exception):
-                await gate.quiesce()
-            await gate.stop()
+                await asyncio.wait_for(gate.quiesce(), 10.0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(gate.stop(), 30.0)
