@@ -12,7 +12,8 @@ search, the estimates), :mod:`.workload` (requests, sampling), :mod:`.clients`,
 :mod:`.probe_session` and :mod:`.completions_session` (one session per protocol),
 :mod:`.ramp` (the asyncio closed loop), :mod:`.report`, :mod:`.plot`, :mod:`.progress`,
 :mod:`.traces`, :mod:`.config_edit` (outputs) and :mod:`.probe_command` (the command
-line). The simulator runs the same search (:func:`.ceiling.largest_passing`).
+line); ``data/`` holds the bundled workloads (:func:`.workload.bundled`). The simulator
+runs the same search (:func:`.ceiling.largest_passing`).
 
 Public API::
 

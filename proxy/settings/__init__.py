@@ -1,7 +1,8 @@
 """The validated configuration: one frozen :class:`Settings`, the only reader of files/env.
 
 Sources, highest priority first: ``HEADROOM_*`` environment variables (rules in
-:mod:`proxy.settings.environment`), then one YAML file (``headroom serve --config FILE`` or
+:mod:`proxy.settings.environment`), then a mounted secret file, then a ``.env`` file
+(:mod:`proxy.settings.sources`), then one YAML file (``headroom serve --config FILE`` or
 ``HEADROOM_CONFIG``), then the defaults declared in the models.
 
 Every failure -- a missing or unreadable file, YAML syntax (with line and column), a
@@ -30,8 +31,14 @@ The package, by concern:
 * :mod:`~proxy.settings.observability` -- readiness, tracing, where metrics are served;
 * :mod:`~proxy.settings.references` -- checks across sections (unique names, references
   to pools, replicas and GPUs, ports, tenants);
-* :mod:`~proxy.settings.loading` -- the YAML file, the environment overlay, validation
-  into one ConfigError, and what a live reload may not change;
+* :mod:`~proxy.settings.loading` -- the YAML file, the overlays, validation into one
+  ConfigError, and what a live reload may not change;
+* :mod:`~proxy.settings.strict_yaml` -- PyYAML's safe loader, except that a mapping may
+  not repeat a key;
+* :mod:`~proxy.settings.environment` -- the ``HEADROOM_*`` overlay (variable names to
+  setting paths) and validation errors turned into ``(field path, reason)`` problems;
+* :mod:`~proxy.settings.sources` -- the secrets directory and the ``.env`` file, applied
+  by the same overlay;
 * :mod:`~proxy.settings.summary` -- the digest ``headroom check`` prints.
 
 Import from ``proxy.settings``; the names below are its public interface.

@@ -23,8 +23,10 @@ protocol                       transport  module
 ``passthrough-http``           HTTP       :mod:`.passthrough` (chunk gaps only)
 =============================  =========  ==================================================
 
-Building blocks: :mod:`.b64json` (base64 length from JSON without decoding), :mod:`.sse`
-(incremental event-stream parser), :mod:`.wav` (streaming RIFF header).
+Building blocks: :mod:`.base` (what every adapter shares: audio formats, the
+:class:`MeterSink` calls, the adapter protocols), :mod:`.b64json` (base64 length from JSON
+without decoding), :mod:`.sse` (incremental event-stream parser), :mod:`.wav` (streaming
+RIFF header).
 """
 
 from __future__ import annotations
