@@ -22,9 +22,9 @@ newest releases pyproject.toml allows (.ci/run).
 - :func:`listening_servers`: the asyncio servers a ``uvicorn.Server`` listens with
   (``Server.servers``), for the simulator's refused-connections fault, which closes the
   listening sockets while accepted connections continue.
-- :func:`fast_mask`: websockets' C masking function (``websockets.speedups``), about
-  fifty times faster than the pure-Python XOR on a 10 KB payload; without it (a pure
-  wheel, a source build) the framing module masks in pure Python.
+- :func:`fast_mask`: websockets' C masking function (``websockets.speedups``), far
+  faster than a pure-Python XOR on a text message of audio (docs/performance.md);
+  without it (a pure wheel, a source build) the framing module masks in pure Python.
 """
 
 from __future__ import annotations
