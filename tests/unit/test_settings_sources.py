@@ -133,7 +133,8 @@ def test_a_bad_value_is_refused_naming_the_file_never_the_value(
     err = refusal(config, env)
     found = dict(err.problems)
     assert found["admission.redis.url"] == (
-        "must use redis://, rediss:// (TLS) or unix:// " + by["admission__redis__url"]
+        "must use redis://, rediss:// (TLS), unix://, or redis+cluster:// "
+        "(rediss+cluster:// for TLS) for a Redis Cluster " + by["admission__redis__url"]
     )
     assert found["listen.port"].startswith("must be a valid integer")
     assert found["listen.port"].endswith("(got <not shown>) " + by["listen__port"])
