@@ -55,6 +55,10 @@ def pool_slot(pool: str, key_prefix: str = "headroom:") -> int:
     return int(key_slot(f"{key_prefix}{{{pool}}}:".encode()))
 
 
+class _PortTaken(RuntimeError):
+    """A node's redis-server exited at start-up (its port or bus port was taken)."""
+
+
 @dataclass
 class ClusterNode:
     port: int
@@ -100,7 +104,7 @@ class LocalCluster:
             self.nodes.append(ClusterNode(port))
         try:
             for node in self.nodes:
-                self._spawn(node)
+                self._spawn_on_free_port(node, taken)
             create = [self._cli, "--cluster", "create", *(n.address for n in self.nodes),
                       "--cluster-replicas", str(self.replicas), "--cluster-yes"]  # fmt: skip
             subprocess.run(create, check=True, capture_output=True, timeout=60)
@@ -110,6 +114,20 @@ class LocalCluster:
             raise
 
     # -- processes --------------------------------------------------------------------
+
+    def _spawn_on_free_port(self, node: ClusterNode, taken: set[int]) -> None:
+        """Start ``node``; when its port or bus port was taken between the choice and
+        the start (another test worker's server), on a new pair (five tries)."""
+        for attempt in range(5):
+            try:
+                self._spawn(node)
+                return
+            except _PortTaken:
+                if attempt == 4:
+                    raise RuntimeError(f"no cluster node started in 5 tries (last port "
+                                       f"{node.port})") from None  # fmt: skip
+                node.port = _free_pair(taken)
+                taken.add(node.port)
 
     def _spawn(self, node: ClusterNode) -> None:
         node.process = subprocess.Popen(
@@ -127,7 +145,7 @@ class LocalCluster:
                 if self.call(node.port, "PING") in (True, b"PONG", "PONG"):
                     return
             if node.process.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {node.process.returncode}")
+                raise _PortTaken(f"redis-server exited with {node.process.returncode}")
             time.sleep(0.02)
         raise RuntimeError(f"cluster node {node.port} did not answer PING within 10 s")
 
@@ -135,7 +153,7 @@ class LocalCluster:
         for node in self.nodes:
             if node.process is not None and node.process.poll() is None:
                 node.process.kill()
-                node.process.wait()
+                node.process.wait(timeout=10)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def kill(self, port: int) -> None:
@@ -143,7 +161,7 @@ class LocalCluster:
         node = self.node(port)
         assert node.process is not None
         node.process.send_signal(signal.SIGKILL)
-        node.process.wait()
+        node.process.wait(timeout=10)
 
     def node(self, port: int) -> ClusterNode:
         return next(n for n in self.nodes if n.port == port)
@@ -154,10 +172,11 @@ class LocalCluster:
     def url(self) -> str:
         return "redis+cluster://" + ",".join(n.address for n in self.nodes)
 
-    def call(self, port: int, *args: Any) -> Any:
+    def call(self, port: int, *args: Any, timeout_s: float = 2.0) -> Any:
+        """One command on one node, bounded by ``timeout_s`` (connect and reply)."""
         import redis
 
-        client = redis.Redis(port=port, socket_timeout=2.0, socket_connect_timeout=2.0)
+        client = redis.Redis(port=port, socket_timeout=timeout_s, socket_connect_timeout=2.0)
         try:
             return client.execute_command(*args)
         finally:

@@ -24,7 +24,7 @@ from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
 from proxy.clock import LoopClock
 from proxy.errors import Refused
 
-__all__ = ["Engines", "Fleet", "Stream", "seed_generations"]
+__all__ = ["STOP_BOUND_S", "Engines", "Fleet", "Stream", "cancel_all", "seed_generations"]
 
 
 def seed_generations(url: str, pools: list[str], prefix: str = "headroom:") -> None:
@@ -33,7 +33,8 @@ def seed_generations(url: str, pools: list[str], prefix: str = "headroom:") -> N
     from redis.cluster import ClusterNode, RedisCluster
 
     host, port = url.split("://")[1].split(",")[0].rsplit(":", 1)
-    client: Any = RedisCluster(startup_nodes=[ClusterNode(host, int(port))])
+    client: Any = RedisCluster(startup_nodes=[ClusterNode(host, int(port))],
+                               socket_timeout=5.0, socket_connect_timeout=5.0)  # fmt: skip
     try:
         for pool in pools:
             client.hset(f"{prefix}{{{pool}}}:gen", mapping={"id": "seed", "since": 0})
@@ -201,13 +202,38 @@ class Fleet:
         self._stop.set()
         for pool in self.pools:
             self.resume(pool)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks, "the fleet's session loops")
         for s in list(self.streams):
             self._end(s)
-        for gate in self.gates:  # bounded: a teardown never hangs a test worker
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(gate.quiesce(), 10.0)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(gate.stop(), 30.0)
+        # Every step bounded: a step that overruns fails the test by name (after every
+        # gate is stopped) rather than hanging its worker.
+        overran: list[str] = []
+        for g, gate in enumerate(self.gates):
+            for step, work in (("quiesce", gate.quiesce), ("stop", gate.stop)):
+                try:
+                    await asyncio.wait_for(work(), STOP_BOUND_S)
+                except TimeoutError:
+                    overran.append(f"gateway {g}'s {step}")
+        if overran:
+            raise AssertionError(f"over {STOP_BOUND_S:g} s: {', '.join(overran)}")
+
+
+#: How long one teardown step (a loop's end, a gate's quiesce or stop) may take.
+STOP_BOUND_S = 20.0
+
+
+async def cancel_all(tasks: list[asyncio.Task[None]], what: str) -> None:
+    """Cancel ``tasks`` until every one has ended (on Python 3.11 a cancel that lands as
+    redis-py sends a command is lost: CPython gh-86296); fails after
+    :data:`STOP_BOUND_S`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + STOP_BOUND_S
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        if loop.time() > deadline:
+            raise AssertionError(f"{what}: {len(pending)} not ended {STOP_BOUND_S:g} s "
+                                 "after being cancelled")  # fmt: skip
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=0.1)
+    await asyncio.gather(*tasks, return_exceptions=True)

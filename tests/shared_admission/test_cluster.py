@@ -93,7 +93,8 @@ async def test_primary_killed_replica_promoted_sessions_kept(cluster: LocalClust
                 s = await fleet.open(g, victim_pool)
                 assert s is not None
                 long.append(s)
-        await asyncio.to_thread(cluster.call, primary, "WAIT", 1, 5000)
+        acked = await asyncio.to_thread(cluster.call, primary, "WAIT", 1, 5000, timeout_s=8.0)
+        assert acked == 1, f"the replica did not acknowledge the writes within 5 s ({acked})"
         before = {p: fleet.total_admitted(p) for p in others}
         t0 = time.monotonic()
         await asyncio.to_thread(cluster.kill, primary)
@@ -207,4 +208,4 @@ async def test_shard_partitioned_from_one_gateway(cluster: LocalCluster) -> None
     finally:
         for proxy in proxies.values():
             with contextlib.suppress(Exception):
-                await proxy.stop()
+                await asyncio.wait_for(proxy.stop(), 10.0)
