@@ -1,0 +1,724 @@
+"""A fleet of shared gates against one redis-server, then a 3-primary Redis Cluster.
+
+    python bench/fleet.py --quick [--json out.json]      # about a minute
+    python bench/fleet.py [--gateways 120 --procs 4 ...]   # the full run, several minutes
+
+``--gateways`` gateway identities spread over ``--procs`` processes: each identity is a
+real :class:`~proxy.admission.shared_gate.SharedGate` with its own
+:class:`~proxy.admission.redis_backend.RedisAdmission` (its own connections, leases,
+renewal loop and wake-up loops), serving every pool. Each process offers session starts
+at its share of a target rate (open loop: arrivals do not wait for earlier sessions),
+round robin over its gates and over the pools; a session holds its slot for a random
+time, then releases it. The engines' stand-in is one shared array of running streams
+per process, pool and replica: every start checks the sum against the replica's cap,
+and the parent samples it every 20 ms (a killed process's streams end with it).
+
+Per phase it reports the starts held per second against the target, acquire and
+release latency at the gateway (p50/p99/p99.9; acquire includes the queue wait of a
+session that queued), renewal lag (how far past its interval a pool's last renewal
+is, sampled every 250 ms) and misses (a renewal more than one interval late), fences,
+refusals by reason, samples over the cap, Redis CPU (``INFO cpu`` deltas, primaries
+only) per 1k starts and as a share of one core, and memory per 10k leases (``INFO
+memory`` against the figure before the load). The saturation point is the first
+rate whose starts held fall under 90 % of the target or whose acquire p99 passes
+``--p99-limit-ms``. Faults: a 10x burst of starts, 20 % of the gateway processes
+SIGKILLed at once (their load moves to the others), and on the cluster a primary
+SIGKILLed (its replica promoted, ``cluster-node-timeout`` 1 s). Recovery is the time
+from the fault to the first of two consecutive half-second windows that are healthy
+again (no ``backend_unavailable``, refusals no higher than before, starts held).
+
+The bench's client processes share the machine's cores with Redis: on a small machine
+they, not Redis, are usually what saturates first, which the Redis CPU share shows.
+Everything runs on 127.0.0.1, is bounded and stops by itself. Prints a markdown table
+and writes JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+WINDOW_S = 0.5  # the reporting window
+READY_BOUND_S = 120.0  # every bounded wait of the parent
+REPLICAS = 4  # per pool
+
+
+# -- Redis side -----------------------------------------------------------------------
+
+
+class SingleRedis:
+    """One redis-server on a free 127.0.0.1 port, no persistence."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise SystemExit("redis-server is not installed (apt-get install redis-server)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port: int = s.getsockname()[1]
+        self.workdir = tempfile.mkdtemp(prefix="headroom-fleet-")
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", self.workdir, "--maxclients", "20000"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
+            time.sleep(0.02)
+        self.stop()
+        raise SystemExit("redis-server did not start within 10 s")
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def primaries(self) -> list[int]:
+        return [self.port]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _info(port: int) -> tuple[float, int]:
+    """(used CPU seconds, used memory bytes) of the node on ``port``; (nan, 0) when it
+    does not answer."""
+    import redis
+
+    client = redis.Redis(port=port, socket_timeout=2.0, socket_connect_timeout=2.0)
+    try:
+        cpu = client.info("cpu")
+        mem = client.info("memory")
+        return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]), int(mem["used_memory"])
+    except Exception:
+        return float("nan"), 0
+    finally:
+        client.close()
+
+
+def _redis_totals(ports: list[int]) -> tuple[float, int]:
+    cpu, mem = 0.0, 0
+    for port in ports:
+        c, m = _info(port)
+        if c == c:  # a dead node (nan) counts nothing
+            cpu += c
+        mem += m
+    return cpu, mem
+
+
+def _seed(url: str, pools: list[str], ports: list[int], cluster: bool) -> None:
+    """Mark each pool's data generation as long established (a brand-new Redis blocks
+    grants for one TTL)."""
+    import redis
+
+    if cluster:
+        from redis.cluster import ClusterNode, RedisCluster
+
+        client: Any = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", ports[0])],
+                                   socket_timeout=5.0, socket_connect_timeout=5.0)  # fmt: skip
+    else:
+        client = redis.Redis.from_url(url, socket_timeout=5.0, socket_connect_timeout=5.0)
+    try:
+        for pool in pools:
+            client.hset(f"headroom:{{{pool}}}:gen", mapping={"id": "seed", "since": 0})
+    finally:
+        client.close()
+
+
+# -- one gateway process --------------------------------------------------------------
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _window() -> dict[str, Any]:
+    return {"offered": 0, "admitted": 0, "queued": 0, "acquire": [], "release": [],
+            "refused": Counter(), "lag": [], "misses": 0, "fences": 0, "over": 0,
+            "samples": 0}  # fmt: skip
+
+
+def _worker(cfg: dict[str, Any], w: int, counts: Any, alive: Any, go: Any, out: Any) -> None:
+    # A gateway process: its own event loop, no state of the parent's but the shared
+    # counts (os.fork keeps nothing running).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    asyncio.run(_worker_async(cfg, w, counts, alive, go, out))
+
+
+async def _worker_async(
+    cfg: dict[str, Any], w: int, counts: Any, alive: Any, go: Any, out: Any
+) -> None:
+    from proxy.admission import QueuePolicy, ReplicaSpec
+    from proxy.admission.redis_backend import RedisAdmission
+    from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
+    from proxy.clock import LoopClock
+    from proxy.errors import Refused
+
+    pools: list[str] = cfg["pools"]
+    cap: int = cfg["cap"]
+    procs: int = cfg["procs"]
+    stride = len(pools) * REPLICAS
+    replicas = tuple(ReplicaSpec(f"gpu{i}", cap) for i in range(REPLICAS))
+    ttl, renew, margin = cfg["ttl_s"], cfg["renew_s"], cfg["margin_s"]
+    hold_lo, hold_hi = cfg["hold_s"]
+    gates: list[Any] = []
+    running: dict[tuple[int, str], set[asyncio.Event]] = {}
+    windows: dict[int, dict[str, Any]] = {}
+    t0 = 0.0
+    loop = asyncio.get_running_loop()
+
+    def win() -> dict[str, Any]:
+        i = int((time.time() - t0) // WINDOW_S) if t0 else -1
+        if i not in windows:
+            windows[i] = _window()
+        return windows[i]
+
+    def fenced(g: int, pool: str) -> None:
+        win()["fences"] += 1
+        for ended in running.get((g, pool), set()):
+            ended.set()
+
+    for g in range(cfg["gates_per_proc"][w]):
+        store = RedisAdmission(cfg["url"], gateway_id=f"p{w}g{g}", lease_ttl_s=ttl,
+                               heartbeat_ttl_s=renew * 2.5, timeout_s=cfg["timeout_s"])  # fmt: skip
+        gate = SharedGate(
+            [SharedPoolSpec(p, replicas, QueuePolicy(cfg["queue"], 2.0), None,
+                            (hold_lo + hold_hi) / 2, ()) for p in pools],
+            backend=store, clock=LoopClock(), renew_interval_s=renew,
+            fence_margin_s=margin, lease_ttl_s=ttl,
+        )  # fmt: skip
+        gate.on_fence(lambda pool, _why, g=g: fenced(g, pool))
+        await gate.start()
+        gates.append(gate)
+    out.put(("ready", w, None))
+    if not await asyncio.to_thread(go.wait, READY_BOUND_S):
+        return  # the parent gave up on the start
+    t0 = cfg["t0_cell"].value
+    rng = random.Random(w)
+    sessions: set[asyncio.Task[None]] = set()
+
+    async def session(g: int, pool: str) -> None:
+        gate = gates[g]
+        queued = False
+
+        def on_position(_pos: int, _wait: float) -> None:
+            nonlocal queued
+            queued = True
+
+        start = time.perf_counter()
+        try:
+            lease = await gate.acquire(pool, on_position=on_position)
+        except Refused as exc:
+            win()["refused"][exc.reason] += 1
+            return
+        w_ = win()
+        w_["acquire"].append(time.perf_counter() - start)
+        w_["admitted"] += 1
+        w_["queued"] += queued
+        slot = w * stride + pools.index(pool) * REPLICAS + int(lease.replica[3:])
+        counts[slot] += 1
+        column = slot - w * stride
+        if sum(counts[k * stride + column] for k in range(procs)) > cap:
+            w_["over"] += 1
+        w_["samples"] += 1
+        ended = asyncio.Event()
+        running.setdefault((g, pool), set()).add(ended)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ended.wait(), rng.uniform(hold_lo, hold_hi))
+        finally:
+            running[(g, pool)].discard(ended)
+            counts[slot] -= 1
+            before = set(gate.store.tasks)
+            begun = time.perf_counter()
+            lease.release()
+            landing = set(gate.store.tasks) - before
+            if landing:
+                await asyncio.wait(landing, timeout=10.0)
+                win()["release"].append(time.perf_counter() - begun)
+
+    async def renewals() -> None:
+        while True:
+            w_ = win()
+            for gate in gates:
+                now = gate.store.clock.now()
+                for p in gate.store.pools.values():
+                    if p.last_renewed is None or not p.leases:
+                        continue
+                    late = max(0.0, now - p.last_renewed - renew)
+                    w_["lag"].append(late)
+                    w_["misses"] += late > renew
+            await asyncio.sleep(0.25)
+
+    async def report() -> None:
+        while True:
+            await asyncio.sleep(WINDOW_S)
+            done = int((time.time() - t0) // WINDOW_S)
+            for i in sorted(k for k in windows if k < done):
+                out.put(("window", w, (i, _ship(windows.pop(i)))))
+
+    side = [asyncio.ensure_future(renewals()), asyncio.ensure_future(report())]
+    schedule: list[tuple[float, float, float]] = cfg["schedule"]
+    end = max(e for _, e, _ in schedule)
+    owed, n, tick = 0.0, 0, 0.005
+    last = loop.time()
+    while (now := time.time() - t0) < end:
+        await asyncio.sleep(tick)
+        rate = sum(r for s, e, r in schedule if s <= now < e)
+        t = loop.time()
+        owed += rate / max(1, alive.value) * (t - last)
+        last = t
+        while owed >= 1.0:
+            owed -= 1.0
+            win()["offered"] += 1
+            task = asyncio.ensure_future(
+                session(n % len(gates), pools[(n // len(gates)) % len(pools)])
+            )
+            n += 1
+            sessions.add(task)
+            task.add_done_callback(sessions.discard)
+    # The load ends: sessions finish their holds (bounded), then the gates stop.
+    if sessions:
+        await asyncio.wait(set(sessions), timeout=hold_hi + 10.0)
+    for task in list(sessions) + side:
+        task.cancel()
+    for gate in gates:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(gate.stop(), 15.0)
+    for i in sorted(windows):
+        out.put(("window", w, (i, _ship(windows[i]))))
+    out.put(("done", w, None))
+
+
+def _ship(window: dict[str, Any]) -> dict[str, Any]:
+    window = dict(window)
+    window["refused"] = dict(window["refused"])
+    return window
+
+
+# -- the parent -----------------------------------------------------------------------
+
+
+class Run:
+    """One backend's run: gateway processes, the schedule, the faults, the samples."""
+
+    def __init__(self, args: argparse.Namespace, backend: str, url: str, ports: list[int],
+                 pools: list[str], phases: list[dict[str, Any]],
+                 cluster: Any = None) -> None:  # fmt: skip
+        self.args, self.backend, self.url, self.ports = args, backend, url, ports
+        self.pools, self.phases, self.cluster = pools, phases, cluster
+        peak = max(p["rate"] for p in phases if p["kind"] == "rate")
+        mean_hold = sum(args.hold_s) / 2
+        # Caps for 1.2x the sessions the peak rate keeps running.
+        self.cap = max(2, round(1.2 * peak * mean_hold / (len(pools) * REPLICAS)))
+        self.procs = args.procs
+        per, extra = divmod(args.gateways, self.procs)
+        self.gates_per_proc = [per + (1 if i < extra else 0) for i in range(self.procs)]
+        ctx = mp.get_context("fork")
+        self.ctx = ctx
+        self.counts = ctx.Array("i", self.procs * len(pools) * REPLICAS, lock=False)
+        self.alive = ctx.Value("i", self.procs, lock=False)
+        self.t0_cell = ctx.Value("d", 0.0, lock=False)
+        self.go = ctx.Event()
+        self.out = ctx.Queue()
+        self.windows: dict[int, dict[str, Any]] = {}
+        self.over_sampled: Counter[int] = Counter()
+        self.samples_sampled: Counter[int] = Counter()
+        #: name -> (time, Redis CPU s, Redis memory bytes, sessions running)
+        self.marks: dict[str, tuple[float, float, int, int]] = {}
+        self.events: dict[str, float] = {}
+        self._fault_thread: threading.Thread | None = None
+
+    def schedule(self) -> list[tuple[float, float, float]]:
+        out = []
+        for p in self.phases:
+            out.append((p["start"], p["end"], p["rate"]))
+            if p.get("fault") == "burst":
+                out.append((p["start"] + p["at"], p["start"] + p["at"] + p["burst_s"],
+                            p["rate"] * 9))  # fmt: skip
+        return out
+
+    def execute(self) -> dict[str, Any]:
+        cfg = {
+            "url": self.url, "pools": self.pools, "cap": self.cap, "procs": self.procs,
+            "gates_per_proc": self.gates_per_proc, "ttl_s": self.args.ttl_s,
+            "renew_s": self.args.renew_s, "margin_s": self.args.margin_s,
+            "hold_s": tuple(self.args.hold_s), "timeout_s": 1.0, "queue": 20,
+            "schedule": self.schedule(), "t0_cell": self.t0_cell,
+        }  # fmt: skip
+        workers = [
+            self.ctx.Process(
+                target=_worker,
+                args=(cfg, w, self.counts, self.alive, self.go, self.out),
+                daemon=True,
+            )
+            for w in range(self.procs)
+        ]
+        for proc in workers:
+            proc.start()
+        try:
+            return self._drive(workers)
+        finally:
+            for proc in workers:
+                if proc.is_alive():
+                    proc.kill()
+                proc.join(timeout=10)
+
+    def _take(self, timeout: float) -> tuple[str, int, Any] | None:
+        try:
+            item: tuple[str, int, Any] = self.out.get(timeout=timeout)
+            return item
+        except Exception:
+            return None
+
+    def _absorb(self, item: tuple[str, int, Any]) -> str:
+        kind, _w, body = item
+        if kind == "window":
+            i, window = body
+            into = self.windows.setdefault(i, _window())
+            for key, value in window.items():
+                if key == "refused":
+                    into["refused"].update(value)
+                elif isinstance(value, list):
+                    into[key].extend(value)
+                else:
+                    into[key] += value
+        return kind
+
+    def _mark(self, name: str) -> None:
+        cpu, mem = _redis_totals(self._live_primaries())
+        live = sum(self.counts[k] for k in range(len(self.counts)))
+        self.marks[name] = (time.time(), cpu, mem, live)
+
+    def _live_primaries(self) -> list[int]:
+        if self.cluster is None:
+            return self.ports
+        with contextlib.suppress(Exception):
+            return self.cluster.primary_ports()
+        return [n.port for n in self.cluster.nodes if n.alive]
+
+    def _drive(self, workers: list[Any]) -> dict[str, Any]:
+        ready, deadline = 0, time.monotonic() + READY_BOUND_S
+        while ready < self.procs:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{self.backend}: {ready}/{self.procs} gateway processes "
+                                 f"ready after {READY_BOUND_S:g} s")  # fmt: skip
+            item = self._take(1.0)
+            if item is not None and self._absorb(item) == "ready":
+                ready += 1
+        self._mark("baseline")
+        t0 = time.time() + 0.5
+        self.t0_cell.value = t0
+        self.go.set()
+        pending = sorted(
+            [(p["start"], "begin", p) for p in self.phases]
+            + [(p["end"], "end", p) for p in self.phases]
+            + [(p["start"] + p["at"], "fault", p) for p in self.phases if p.get("fault")],
+            key=lambda x: (x[0], x[1] != "end"),
+        )
+        end = max(p["end"] for p in self.phases)
+        dead: set[int] = set()
+        done = 0
+        hard_stop = time.monotonic() + end + sum(self.args.hold_s) + 60.0
+        stride = len(self.pools) * REPLICAS
+        while done < self.procs - len(dead):
+            if time.monotonic() > hard_stop:
+                raise SystemExit(f"{self.backend}: gateway processes not done in time")
+            now = time.time() - t0
+            while pending and pending[0][0] <= now:
+                _, what, phase = pending.pop(0)
+                if what == "fault":
+                    self._fault(phase, workers, dead)
+                    self.events[phase["name"]] = time.time() - t0
+                else:
+                    self._mark(f"{phase['name']}:{what}")
+            # The engines' view: every 20 ms, the sum over the live processes.
+            if 0 <= now < end:
+                i = int(now // WINDOW_S)
+                for column in range(stride):
+                    total = sum(self.counts[k * stride + column] for k in range(self.procs))
+                    self.samples_sampled[i] += 1
+                    if total > self.cap:
+                        self.over_sampled[i] += 1
+            item = self._take(0.02)
+            while item is not None:
+                if self._absorb(item) == "done":
+                    done += 1
+                item = self._take(0.0) if not self.out.empty() else None
+        if self._fault_thread is not None:
+            self._fault_thread.join(timeout=30.0)
+        return self._summarise(t0)
+
+    def _fault(self, phase: dict[str, Any], workers: list[Any], dead: set[int]) -> None:
+        fault = phase["fault"]
+        if fault == "gateways":
+            victims = list(range(self.procs))[-max(1, self.procs // 5) :]
+            for w in victims:
+                os.kill(workers[w].pid, signal.SIGKILL)
+            stride = len(self.pools) * REPLICAS
+            for w in victims:
+                workers[w].join(timeout=10)
+                dead.add(w)
+                for k in range(stride):  # their streams end with them
+                    self.counts[w * stride + k] = 0
+            self.alive.value = self.procs - len(dead)
+            phase["killed"] = (
+                f"{len(victims)}/{self.procs} processes, "
+                f"{sum(self.gates_per_proc[w] for w in victims)} gateways"
+            )
+        elif fault == "primary":  # in a thread: the sampling goes on meanwhile
+            self._fault_thread = threading.Thread(target=self._kill_primary, args=(phase,))
+            self._fault_thread.start()
+
+    def _kill_primary(self, phase: dict[str, Any]) -> None:
+        cluster = self.cluster
+        from tests.redis_cluster_support import pool_slot
+
+        slot = pool_slot(self.pools[0])
+        primary = cluster.slot_owner(slot)
+        began = time.monotonic()
+        cluster.kill(primary)
+        with contextlib.suppress(RuntimeError):
+            cluster.wait_owner_change(slot, primary, timeout_s=20.0)
+            phase["promoted_s"] = round(time.monotonic() - began, 2)
+        phase["killed"] = f"primary :{primary}"
+
+    def _summarise(self, t0: float) -> dict[str, Any]:
+        rows = []
+        for p in self.phases:
+            warm = p["start"] + (p.get("warmup", 1.0) if p["kind"] == "rate" else 0.0)
+            idx = [
+                i for i in self.windows if warm <= i * WINDOW_S and (i + 1) * WINDOW_S <= p["end"]
+            ]
+            ws = [self.windows[i] for i in sorted(idx)]
+            span = max(WINDOW_S, len(ws) * WINDOW_S)
+            acq = [x for w in ws for x in w["acquire"]]
+            rel = [x for w in ws for x in w["release"]]
+            lag = [x for w in ws for x in w["lag"]]
+            admitted = sum(w["admitted"] for w in ws)
+            refused: Counter[str] = Counter()
+            for w in ws:
+                refused.update(w["refused"])
+            b, e = self.marks.get(f"{p['name']}:begin"), self.marks.get(f"{p['name']}:end")
+            cpu = (e[1] - b[1]) if b and e else float("nan")
+            wall = (e[0] - b[0]) if b and e else float("nan")
+            starts_all = sum(self.windows[i]["admitted"] for i in self.windows
+                             if p["start"] <= i * WINDOW_S < p["end"])  # fmt: skip
+            base_mem = self.marks["baseline"][2]
+            row: dict[str, Any] = {
+                "backend": self.backend, "phase": p["name"], "target_per_s": p["rate"],
+                "held_per_s": round(admitted / span, 1),
+                "acquire_ms": [round(_pct(acq, q) * 1000, 2) for q in (0.5, 0.99, 0.999)],
+                "release_ms": [round(_pct(rel, q) * 1000, 2) for q in (0.5, 0.99, 0.999)],
+                "queued": sum(w["queued"] for w in ws),
+                "renewal_lag_p99_ms": round(_pct(lag, 0.99) * 1000, 1),
+                "renewal_misses": sum(w["misses"] for w in ws),
+                "fences": sum(w["fences"] for w in ws), "refused": dict(refused),
+                "over_cap": sum(w["over"] for w in ws) + sum(
+                    self.over_sampled[i] for i in idx),
+                "samples": sum(w["samples"] for w in ws) + sum(
+                    self.samples_sampled[i] for i in idx),
+                "redis_cpu_pct": round(100 * cpu / wall, 1) if wall == wall else None,
+                "redis_cpu_ms_per_1k_starts": (round(1e6 * cpu / starts_all, 1)
+                                               if starts_all and cpu == cpu else None),
+            }  # fmt: skip
+            if e is not None and p["kind"] == "rate" and e[3] >= 1000:  # else noise
+                row["mem_per_10k_leases_kb"] = round((e[2] - base_mem) / e[3] * 10000 / 1024, 1)
+                row["leases_at_end"] = e[3]
+            if p.get("fault"):
+                row.update({k: p[k] for k in ("killed", "promoted_s") if k in p})
+                row["recovery_s"] = self._recovery(p)
+            rows.append(row)
+        return {"backend": self.backend, "cap_per_replica": self.cap, "rows": rows}
+
+    def _recovery(self, p: dict[str, Any]) -> float | None:
+        """Seconds from the fault (the burst's end for a burst) to the first of two
+        healthy windows in a row."""
+        at = p["start"] + p["at"] + (p.get("burst_s", 0.0) if p["fault"] == "burst" else 0.0)
+        before = [self.windows[i] for i in self.windows
+                  if p["start"] + 0.5 <= i * WINDOW_S < p["start"] + p["at"]]  # fmt: skip
+        offered = sum(w["offered"] for w in before) or 1
+        base_refused = sum(sum(w["refused"].values()) for w in before) / offered
+
+        def healthy(i: int) -> bool:
+            w = self.windows.get(i)
+            if w is None or w["offered"] == 0:
+                return False
+            refused = sum(w["refused"].values()) / w["offered"]
+            return (not w["refused"].get("backend_unavailable")
+                    and refused <= base_refused + 0.02
+                    and w["admitted"] >= 0.8 * w["offered"] * (1 - base_refused))  # fmt: skip
+
+        first = int(at // WINDOW_S)
+        last = int(p["end"] // WINDOW_S)
+        for i in range(first, last):
+            if healthy(i) and healthy(i + 1):
+                return round(max(0.0, i * WINDOW_S - at), 2)
+        return None
+
+
+def _phases(args: argparse.Namespace, cluster: bool) -> list[dict[str, Any]]:
+    phases, t = [], 0.0
+    for rate in args.rates:
+        phases.append({"name": f"{rate:g}/s", "kind": "rate", "rate": rate, "start": t,
+                       "end": t + args.phase_s})  # fmt: skip
+        t += args.phase_s
+    fault_s = args.fault_s
+    base = args.fault_rate
+    if cluster:
+        phases.append({"name": "primary killed", "kind": "fault", "fault": "primary",
+                       "rate": base, "start": t, "end": t + fault_s, "at": 2.0})  # fmt: skip
+        t += fault_s
+    phases.append({"name": "20% gateways killed", "kind": "fault", "fault": "gateways",
+                   "rate": base, "start": t, "end": t + fault_s, "at": 2.0})  # fmt: skip
+    t += fault_s
+    phases.append({"name": "10x burst", "kind": "fault", "fault": "burst", "rate": base / 2,
+                   "start": t, "end": t + fault_s, "at": 2.0, "burst_s": 1.5})  # fmt: skip
+    return phases
+
+
+def run_backend(args: argparse.Namespace, kind: str) -> dict[str, Any]:
+    n_pools = args.pools
+    if kind == "single":
+        redis_ = SingleRedis()
+        try:
+            pools = [f"pool-{i}" for i in range(n_pools)]
+            _seed(redis_.url, pools, [redis_.port], cluster=False)
+            run = Run(args, "1 primary", redis_.url, [redis_.port], pools, _phases(args, False))
+            return run.execute()
+        finally:
+            redis_.stop()
+    from tests.redis_cluster_support import LocalCluster, pools_on_primaries
+
+    made = LocalCluster(primaries=3, replicas=1, node_timeout_ms=1000)
+    try:
+        pools = pools_on_primaries(made, n_pools)
+        _seed(made.url, pools, made.primary_ports(), cluster=True)
+        run = Run(args, "3 primaries", made.url, made.primary_ports(), pools,
+                  _phases(args, True), cluster=made)  # fmt: skip
+        return run.execute()
+    finally:
+        made.stop()
+
+
+def _fmt(values: list[float]) -> str:
+    return " / ".join("-" if v != v else f"{v:.1f}" for v in values)
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    head = ("| backend | phase | target starts/s | held/s | acquire p50/p99/p99.9 ms | "
+            "release p50/p99/p99.9 ms | renewal lag p99 ms / misses | fences | refused | "
+            "over cap / samples | Redis CPU % | Redis CPU ms / 1k starts | "
+            "mem / 10k leases | recovery |")  # fmt: skip
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for result in results:
+        for r in result["rows"]:
+            fault = ""
+            if "recovery_s" in r:
+                rec = r["recovery_s"]
+                fault = "not within the phase" if rec is None else f"{rec:g} s"
+                if "promoted_s" in r:
+                    fault += f" (promoted {r['promoted_s']:g} s)"
+                if "killed" in r:
+                    fault += f"; {r['killed']}"
+            mem = r.get("mem_per_10k_leases_kb")
+            lines.append(
+                f"| {r['backend']} | {r['phase']} | {r['target_per_s']:g} | {r['held_per_s']:g} | "
+                f"{_fmt(r['acquire_ms'])} | {_fmt(r['release_ms'])} | "
+                f"{r['renewal_lag_p99_ms']:g} / {r['renewal_misses']} | {r['fences']} | "
+                f"{sum(r['refused'].values())} {r['refused'] or ''} | "
+                f"{r['over_cap']} / {r['samples']} | {r['redis_cpu_pct']} | "
+                f"{r['redis_cpu_ms_per_1k_starts']} | "
+                f"{'-' if mem is None else f'{mem:g} KB'} | {fault or '-'} |"
+            )
+    return "\n".join(lines)
+
+
+def saturation(result: dict[str, Any], p99_limit_ms: float) -> dict[str, Any]:
+    """The highest rate held (90 % of the target, acquire p99 under the limit) and the
+    first that was not."""
+    held, broke = None, None
+    for r in result["rows"]:
+        if r["phase"].endswith("/s"):
+            ok = r["held_per_s"] >= 0.9 * r["target_per_s"] and r["acquire_ms"][1] <= p99_limit_ms
+            if ok and broke is None:
+                held = r["target_per_s"]
+            elif not ok and broke is None:
+                broke = r["target_per_s"]
+    return {"backend": result["backend"], "held_per_s": held, "saturated_at_per_s": broke}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="about a minute in all")
+    parser.add_argument("--gateways", type=int, default=120)
+    parser.add_argument("--procs", type=int, default=5)
+    parser.add_argument("--pools", type=int, default=6)
+    parser.add_argument("--rates", type=float, nargs="+", default=[250, 500, 1000, 2000, 3300])
+    parser.add_argument("--phase-s", type=float, default=30.0)
+    parser.add_argument("--fault-s", type=float, default=30.0)
+    parser.add_argument("--fault-rate", type=float, default=500.0)
+    parser.add_argument("--hold-s", type=float, nargs=2, default=[10.0, 40.0])
+    parser.add_argument("--ttl-s", type=float, default=10.0)
+    parser.add_argument("--renew-s", type=float, default=1.0)
+    parser.add_argument("--margin-s", type=float, default=1.0)
+    parser.add_argument("--p99-limit-ms", type=float, default=100.0)
+    parser.add_argument("--backends", nargs="+", default=["single", "cluster"],
+                        choices=["single", "cluster"])  # fmt: skip
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.quick:
+        args.rates, args.phase_s, args.fault_s, args.fault_rate = [300, 1000, 3300], 4.0, 6.0, 300
+        args.hold_s, args.ttl_s = [1.0, 3.0], 6.0
+    started = time.time()
+    load_before = os.getloadavg()
+    results = [run_backend(args, kind) for kind in args.backends]
+    load_after = os.getloadavg()
+    sat = [saturation(r, args.p99_limit_ms) for r in results]
+    print(table(results))
+    print()
+    for s in sat:
+        print(f"{s['backend']}: held up to {s['held_per_s']} starts/s; "
+              f"first rate not held: {s['saturated_at_per_s']}")  # fmt: skip
+    print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}; "
+          f"{os.cpu_count()} cores shared by Redis and the bench's gateway processes; "
+          f"{time.time() - started:.0f} s")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps({
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "results": results, "saturation": sat,
+            "load_average": {"before": load_before, "after": load_after},
+            "cores": os.cpu_count(),
+        }, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
