@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+from proxy.admission.redis_clients import cluster_nodes
 from proxy.settings.schema import Settings
 
 __all__ = ["admission_line", "operations_line", "summary"]
@@ -81,17 +82,26 @@ def admission_line(settings: Settings) -> str:
     if admission.backend != "redis":
         return "admission memory (caps in this process: one gateway per set of GPUs)"
     redis = admission.redis
-    parts = urlsplit(redis.url)
-    where = parts.hostname or ""
-    if parts.port is not None:
-        where += f":{parts.port}"
-    if redis.sentinel is not None:  # the URL's host is not used: the sentinels name it
-        where = f"<primary of {redis.sentinel.master}>"
-    if parts.username or parts.password:
-        where = "***@" + where
-    via = f" via sentinels {', '.join(redis.sentinel.nodes)}" if redis.sentinel else ""
+    cluster = cluster_nodes(redis.url)
+    if cluster is not None:  # seeds, not one host (urlsplit cannot read the list)
+        scheme, _, rest = redis.url.partition("://")
+        where = ",".join(f"{host}:{port}" for host, port in cluster.seeds)
+        if "@" in rest.partition("/")[0]:
+            where = "***@" + where
+        address, kind = f"{scheme}://{where}", "a Redis Cluster: each pool on its slot's shard; "
+    else:
+        parts = urlsplit(redis.url)
+        where = parts.hostname or ""
+        if parts.port is not None:
+            where += f":{parts.port}"
+        if redis.sentinel is not None:  # the URL's host is not used: the sentinels name it
+            where = f"<primary of {redis.sentinel.master}>"
+        if parts.username or parts.password:
+            where = "***@" + where
+        via = f" via sentinels {', '.join(redis.sentinel.nodes)}" if redis.sentinel else ""
+        address, kind = f"{parts.scheme}://{where}{parts.path}{via}", ""
     return (
-        f"admission redis {parts.scheme}://{where}{parts.path}{via} (caps shared by every gateway "
+        f"admission redis {address} ({kind}caps shared by every gateway "
         f"on it; lease {redis.lease_ttl_s:g} s, renew {redis.renew_interval_s:g} s, fence "
         f"{redis.fence_margin_s:g} s; on backend loss: {admission.on_backend_loss})"
     )

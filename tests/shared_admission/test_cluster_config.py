@@ -52,3 +52,26 @@ def test_a_cluster_is_not_found_through_sentinel() -> None:
 
 def test_a_cluster_url_is_accepted() -> None:
     assert RedisSettings(url="redis+cluster://a:1,b:2").url == "redis+cluster://a:1,b:2"
+
+
+def test_the_summary_lists_the_seeds_without_the_password() -> None:
+    from types import SimpleNamespace
+
+    from proxy.settings.summary import admission_line
+
+    redis = RedisSettings(url="redis+cluster://u:s3cret@redis-0:7000,redis-1:7001/0")
+    admission = SimpleNamespace(backend="redis", redis=redis, on_backend_loss="close")
+    line = admission_line(SimpleNamespace(admission=admission))  # type: ignore[arg-type]
+    assert line.startswith("admission redis redis+cluster://***@redis-0:7000,redis-1:7001 (")
+    assert "a Redis Cluster" in line
+    assert "s3cret" not in line
+    plain = admission_line(
+        SimpleNamespace(
+            admission=SimpleNamespace(  # type: ignore[arg-type]
+                backend="redis",
+                redis=RedisSettings(url="redis://a:6379/0"),
+                on_backend_loss="close",
+            )
+        )
+    )
+    assert plain.startswith("admission redis redis://a:6379/0 (caps shared")
