@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from proxy.relay.deadlines import Deadlines, Expiry
-from proxy.relay.wsframes import BINARY, TEXT
 from proxy.relay.relay_core import CLOSE_TIMEOUT_S, RelayCore
 from proxy.relay.session_actions import (
     Action,
@@ -27,6 +26,7 @@ from proxy.relay.session_actions import (
 )  # fmt: skip
 from proxy.relay.session_record import SessionRecord
 from proxy.relay.session_states import LegState, Phase, Side
+from proxy.relay.wsframes import BINARY, TEXT
 from proxy.settings import LimitsSettings
 
 C, U = Side.CLIENT, Side.UPSTREAM
