@@ -19,13 +19,12 @@ from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
-from proxy.relay.library_contract import UVICORN_HTTP, QuietServer, listening_servers
+from proxy.relay.library_contract import QuietServer, listening_servers
 
 if TYPE_CHECKING:
     from proxy.relay.ws_server import WebSocketSessions
 
 __all__ = [
-    "UVICORN_HTTP",
     "EmbeddedServer",
     "RunningServer",
     "bind_socket",

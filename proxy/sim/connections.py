@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, ClassVar, cast
 
-from proxy.process.serving import UVICORN_HTTP
+from proxy.relay.library_contract import uvicorn_http
 
 __all__ = ["ConnectionTable", "TrackedHttp", "tracked_http"]
 
@@ -61,7 +61,7 @@ class TrackedHttp(asyncio.Protocol):
     table: ClassVar[ConnectionTable]
 
     def __init__(self, **uvicorn: Any) -> None:
-        self._inner = UVICORN_HTTP(**uvicorn)
+        self._inner = uvicorn_http(uvicorn)
         self._peer: Peer | None = None
         self._transport: asyncio.Transport | None = None
 
