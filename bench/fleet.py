@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import multiprocessing as mp
 import os
 import random
@@ -121,14 +122,33 @@ def _info(port: int) -> tuple[float, int]:
         client.close()
 
 
-def _redis_totals(ports: list[int]) -> tuple[float, int]:
-    cpu, mem = 0.0, 0
+def _redis_cpu(ports: list[int]) -> dict[int, float]:
+    """Used CPU seconds per answering node."""
+    out = {}
     for port in ports:
-        c, m = _info(port)
-        if c == c:  # a dead node (nan) counts nothing
-            cpu += c
-        mem += m
-    return cpu, mem
+        cpu, _ = _info(port)
+        if cpu == cpu:  # a dead node (nan) is left out
+            out[port] = cpu
+    return out
+
+
+def _lease_data_bytes(ports: list[int], pools: list[str]) -> int:
+    """``MEMORY USAGE`` summed over the pools' keys on the nodes that hold them: what the
+    leases, queues and views take, without the clients' buffers."""
+    import redis
+
+    total = 0
+    for port in ports:
+        client = redis.Redis(port=port, socket_timeout=5.0, socket_connect_timeout=2.0)
+        try:
+            for pool in pools:
+                for key in client.scan_iter(match=f"headroom:{{{pool}}}:*", count=1000):
+                    total += int(client.memory_usage(key, samples=0) or 0)
+        except Exception:
+            continue
+        finally:
+            client.close()
+    return total
 
 
 def _seed(url: str, pools: list[str], ports: list[int], cluster: bool) -> None:
@@ -161,7 +181,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _window() -> dict[str, Any]:
-    return {"offered": 0, "admitted": 0, "queued": 0, "acquire": [], "release": [],
+    return {"offered": 0, "dropped": 0, "admitted": 0, "queued": 0, "acquire": [], "release": [],
             "refused": Counter(), "lag": [], "misses": 0, "fences": 0, "over": 0,
             "samples": 0}  # fmt: skip
 
@@ -170,6 +190,7 @@ def _worker(cfg: dict[str, Any], w: int, counts: Any, alive: Any, go: Any, out: 
     # A gateway process: its own event loop, no state of the parent's but the shared
     # counts (os.fork keeps nothing running).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.disable(logging.CRITICAL)  # fences and refusals are counted, not logged
     asyncio.run(_worker_async(cfg, w, counts, alive, go, out))
 
 
@@ -224,6 +245,7 @@ async def _worker_async(
     t0 = cfg["t0_cell"].value
     rng = random.Random(w)
     sessions: set[asyncio.Task[None]] = set()
+    acquiring = 0
 
     async def session(g: int, pool: str) -> None:
         gate = gates[g]
@@ -233,12 +255,16 @@ async def _worker_async(
             nonlocal queued
             queued = True
 
+        nonlocal acquiring
         start = time.perf_counter()
+        acquiring += 1
         try:
             lease = await gate.acquire(pool, on_position=on_position)
         except Refused as exc:
             win()["refused"][exc.reason] += 1
             return
+        finally:
+            acquiring -= 1
         w_ = win()
         w_["acquire"].append(time.perf_counter() - start)
         w_["admitted"] += 1
@@ -299,6 +325,9 @@ async def _worker_async(
         while owed >= 1.0:
             owed -= 1.0
             win()["offered"] += 1
+            if acquiring >= cfg["max_inflight"]:  # this process cannot keep up
+                win()["dropped"] += 1
+                continue
             task = asyncio.ensure_future(
                 session(n % len(gates), pools[(n // len(gates)) % len(pools)])
             )
@@ -352,8 +381,8 @@ class Run:
         self.windows: dict[int, dict[str, Any]] = {}
         self.over_sampled: Counter[int] = Counter()
         self.samples_sampled: Counter[int] = Counter()
-        #: name -> (time, Redis CPU s, Redis memory bytes, sessions running)
-        self.marks: dict[str, tuple[float, float, int, int]] = {}
+        #: name -> (time, Redis CPU s per node, lease data bytes, sessions running)
+        self.marks: dict[str, tuple[float, dict[int, float], int, int]] = {}
         self.events: dict[str, float] = {}
         self._fault_thread: threading.Thread | None = None
 
@@ -373,6 +402,7 @@ class Run:
             "renew_s": self.args.renew_s, "margin_s": self.args.margin_s,
             "hold_s": tuple(self.args.hold_s), "timeout_s": 1.0, "queue": 20,
             "schedule": self.schedule(), "t0_cell": self.t0_cell,
+            "max_inflight": self.args.max_inflight,
         }  # fmt: skip
         workers = [
             self.ctx.Process(
@@ -414,9 +444,10 @@ class Run:
         return kind
 
     def _mark(self, name: str) -> None:
-        cpu, mem = _redis_totals(self._live_primaries())
         live = sum(self.counts[k] for k in range(len(self.counts)))
-        self.marks[name] = (time.time(), cpu, mem, live)
+        ports = self._live_primaries()
+        mem = _lease_data_bytes(ports, self.pools) if name.endswith(":end") else 0
+        self.marks[name] = (time.time(), _redis_cpu(ports), mem, live)
 
     def _live_primaries(self) -> list[int]:
         if self.cluster is None:
@@ -528,35 +559,61 @@ class Run:
             for w in ws:
                 refused.update(w["refused"])
             b, e = self.marks.get(f"{p['name']}:begin"), self.marks.get(f"{p['name']}:end")
-            cpu = (e[1] - b[1]) if b and e else float("nan")
+            # Nodes that answered at both marks (a killed primary's CPU is gone with it;
+            # its promoted replica's counts from its promotion).
+            cpu = (sum(e[1][n] - b[1][n] for n in e[1] if n in b[1])
+                   if b and e else float("nan"))  # fmt: skip
             wall = (e[0] - b[0]) if b and e else float("nan")
             starts_all = sum(self.windows[i]["admitted"] for i in self.windows
                              if p["start"] <= i * WINDOW_S < p["end"])  # fmt: skip
-            base_mem = self.marks["baseline"][2]
             row: dict[str, Any] = {
-                "backend": self.backend, "phase": p["name"], "target_per_s": p["rate"],
+                "backend": self.backend,
+                "phase": p["name"],
+                "target_per_s": p["rate"],
                 "held_per_s": round(admitted / span, 1),
                 "acquire_ms": [round(_pct(acq, q) * 1000, 2) for q in (0.5, 0.99, 0.999)],
                 "release_ms": [round(_pct(rel, q) * 1000, 2) for q in (0.5, 0.99, 0.999)],
                 "queued": sum(w["queued"] for w in ws),
                 "renewal_lag_p99_ms": round(_pct(lag, 0.99) * 1000, 1),
                 "renewal_misses": sum(w["misses"] for w in ws),
-                "fences": sum(w["fences"] for w in ws), "refused": dict(refused),
-                "over_cap": sum(w["over"] for w in ws) + sum(
-                    self.over_sampled[i] for i in idx),
-                "samples": sum(w["samples"] for w in ws) + sum(
-                    self.samples_sampled[i] for i in idx),
+                "fences": sum(w["fences"] for w in ws),
+                "refused": dict(refused),
+                "over_cap": sum(w["over"] for w in ws) + sum(self.over_sampled[i] for i in idx),
+                "samples": sum(w["samples"] for w in ws)
+                + sum(self.samples_sampled[i] for i in idx),
                 "redis_cpu_pct": round(100 * cpu / wall, 1) if wall == wall else None,
-                "redis_cpu_ms_per_1k_starts": (round(1e6 * cpu / starts_all, 1)
-                                               if starts_all and cpu == cpu else None),
-            }  # fmt: skip
-            if e is not None and p["kind"] == "rate" and e[3] >= 1000:  # else noise
-                row["mem_per_10k_leases_kb"] = round((e[2] - base_mem) / e[3] * 10000 / 1024, 1)
+                "redis_cpu_s": cpu,
+                "redis_cpu_pct_busiest_node": (
+                    round(
+                        100 * max((e[1][n] - b[1][n] for n in e[1] if n in b[1]), default=0) / wall,
+                        1,
+                    )
+                    if b and e
+                    else None
+                ),
+                "wall_s": wall,
+                "starts": starts_all,
+                "dropped": sum(w["dropped"] for w in ws),
+                "redis_cpu_ms_per_1k_starts": (
+                    round(1e6 * cpu / starts_all, 1) if starts_all and cpu == cpu else None
+                ),
+            }
+            if e is not None and p["kind"] == "rate" and e[3] >= 100:
+                row["mem_per_10k_leases_kb"] = round(e[2] / e[3] * 10000 / 1024, 1)
                 row["leases_at_end"] = e[3]
             if p.get("fault"):
                 row.update({k: p[k] for k in ("killed", "promoted_s") if k in p})
                 row["recovery_s"] = self._recovery(p)
             rows.append(row)
+        # Redis CPU per 1k starts net of what the fleet costs idle (renewals, wake-up
+        # loops, heartbeats): the idle phase's CPU rate times the phase's length.
+        idle = next((r for r in rows if r["phase"].startswith("idle")), None)
+        if idle is not None and idle["wall_s"] == idle["wall_s"] and idle["wall_s"] > 0:
+            per_s = idle["redis_cpu_s"] / idle["wall_s"]
+            for r in rows:
+                if r is not idle and r["starts"] and r["redis_cpu_s"] == r["redis_cpu_s"]:
+                    net = r["redis_cpu_s"] - per_s * r["wall_s"]
+                    r["redis_cpu_ms_per_1k_starts_net"] = round(1e6 * net / r["starts"], 1)
         return {"backend": self.backend, "cap_per_replica": self.cap, "rows": rows}
 
     def _recovery(self, p: dict[str, Any]) -> float | None:
@@ -586,7 +643,11 @@ class Run:
 
 
 def _phases(args: argparse.Namespace, cluster: bool) -> list[dict[str, Any]]:
-    phases, t = [], 0.0
+    phases: list[dict[str, Any]] = [
+        {"name": "idle (renewals, wake-up loops)", "kind": "idle", "rate": 0.0, "start": 0.0,
+         "end": args.idle_s}
+    ]  # fmt: skip
+    t = args.idle_s
     for rate in args.rates:
         phases.append({"name": f"{rate:g}/s", "kind": "rate", "rate": rate, "start": t,
                        "end": t + args.phase_s})  # fmt: skip
@@ -636,8 +697,8 @@ def _fmt(values: list[float]) -> str:
 def table(results: list[dict[str, Any]]) -> str:
     head = ("| backend | phase | target starts/s | held/s | acquire p50/p99/p99.9 ms | "
             "release p50/p99/p99.9 ms | renewal lag p99 ms / misses | fences | refused | "
-            "over cap / samples | Redis CPU % | Redis CPU ms / 1k starts | "
-            "mem / 10k leases | recovery |")  # fmt: skip
+            "over cap / samples | dropped | Redis CPU % | Redis CPU ms / 1k starts (net of idle) | "
+            "lease data / 10k leases | recovery |")  # fmt: skip
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for result in results:
         for r in result["rows"]:
@@ -655,8 +716,9 @@ def table(results: list[dict[str, Any]]) -> str:
                 f"{_fmt(r['acquire_ms'])} | {_fmt(r['release_ms'])} | "
                 f"{r['renewal_lag_p99_ms']:g} / {r['renewal_misses']} | {r['fences']} | "
                 f"{sum(r['refused'].values())} {r['refused'] or ''} | "
-                f"{r['over_cap']} / {r['samples']} | {r['redis_cpu_pct']} | "
-                f"{r['redis_cpu_ms_per_1k_starts']} | "
+                f"{r['over_cap']} / {r['samples']} | {r['dropped']} | {r['redis_cpu_pct']} | "
+                f"{r['redis_cpu_ms_per_1k_starts']} "
+                f"({r.get('redis_cpu_ms_per_1k_starts_net', '-')}) | "
                 f"{'-' if mem is None else f'{mem:g} KB'} | {fault or '-'} |"
             )
     return "\n".join(lines)
@@ -665,7 +727,7 @@ def table(results: list[dict[str, Any]]) -> str:
 def saturation(result: dict[str, Any], p99_limit_ms: float) -> dict[str, Any]:
     """The highest rate held (90 % of the target, acquire p99 under the limit) and the
     first that was not."""
-    held, broke = None, None
+    held, broke, limit = None, None, None
     for r in result["rows"]:
         if r["phase"].endswith("/s"):
             ok = r["held_per_s"] >= 0.9 * r["target_per_s"] and r["acquire_ms"][1] <= p99_limit_ms
@@ -673,7 +735,12 @@ def saturation(result: dict[str, Any], p99_limit_ms: float) -> dict[str, Any]:
                 held = r["target_per_s"]
             elif not ok and broke is None:
                 broke = r["target_per_s"]
-    return {"backend": result["backend"], "held_per_s": held, "saturated_at_per_s": broke}
+                busiest = r["redis_cpu_pct_busiest_node"] or 0.0
+                limit = (f"a Redis primary ({busiest:g} % of a core)" if busiest >= 80 else
+                         f"the bench's gateway processes (busiest Redis node {busiest:g} % "
+                         "of a core)")  # fmt: skip
+    return {"backend": result["backend"], "held_per_s": held, "saturated_at_per_s": broke,
+            "limited_by": limit}  # fmt: skip
 
 
 def main() -> None:
@@ -690,14 +757,21 @@ def main() -> None:
     parser.add_argument("--ttl-s", type=float, default=10.0)
     parser.add_argument("--renew-s", type=float, default=1.0)
     parser.add_argument("--margin-s", type=float, default=1.0)
+    parser.add_argument("--idle-s", type=float, default=10.0)
+    parser.add_argument(
+        "--max-inflight",
+        type=int,
+        default=300,
+        help="acquires in flight per process; arrivals past it are dropped",
+    )
     parser.add_argument("--p99-limit-ms", type=float, default=100.0)
     parser.add_argument("--backends", nargs="+", default=["single", "cluster"],
                         choices=["single", "cluster"])  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.quick:
-        args.rates, args.phase_s, args.fault_s, args.fault_rate = [300, 1000, 3300], 4.0, 6.0, 300
-        args.hold_s, args.ttl_s = [1.0, 3.0], 6.0
+        args.rates, args.phase_s, args.fault_s, args.fault_rate = [300, 1000, 2000], 4.0, 6.0, 300
+        args.hold_s, args.ttl_s, args.idle_s = [1.0, 3.0], 6.0, 3.0
     started = time.time()
     load_before = os.getloadavg()
     results = [run_backend(args, kind) for kind in args.backends]
@@ -707,7 +781,8 @@ def main() -> None:
     print()
     for s in sat:
         print(f"{s['backend']}: held up to {s['held_per_s']} starts/s; "
-              f"first rate not held: {s['saturated_at_per_s']}")  # fmt: skip
+              f"first rate not held: {s['saturated_at_per_s']}, "
+              f"limited by {s['limited_by']}")  # fmt: skip
     print(f"load average before {load_before[0]:.2f}, after {load_after[0]:.2f}; "
           f"{os.cpu_count()} cores shared by Redis and the bench's gateway processes; "
           f"{time.time() - started:.0f} s")  # fmt: skip
