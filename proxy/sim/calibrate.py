@@ -5,21 +5,35 @@
 
 :func:`measure` drives a running engine with the probe's client and workload
 (:mod:`proxy.probe`) at a short ramp of concurrency levels (1, 2, 4, 8, 16 by default),
-each held for a few seconds, and reads every stream's chunk arrivals. A streaming
-engine makes one token per sequence per step, so the wall time between a stream's
-chunks divided by the tokens they carry is the step time at that load. Per level it
-keeps the mean and the 95th percentile of those per-token times and the median time
-to first audio.
+each held for a few seconds, and reads every stream's chunk arrivals and the engine's
+prompt-token counter (``*prompt_tokens_total`` on its ``/metrics``) before and after
+each level. Per level (:class:`LevelCost`):
 
-:func:`fit` turns the levels into the simulator's step formula (docs/sim.md §1)::
+- the **step time**: each request's wall time from its first to its last token in the
+  window over the tokens between (an engine makes one token per sequence per step, so
+  this is the mean step its request saw; it holds when the engine or the client
+  delivers tokens in bursts, and leaves out the time to first token, where the
+  client's and HTTP's own costs are), the median over the level's requests;
+- the **tokens in a step**: the streams decoding (time-averaged over the window: a
+  stream still in its prompt is not decoding, so the 16-stream level of a 16-slot
+  server runs fewer than 16) plus the prompt tokens a step carries (the prompt tokens
+  of the requests started per second, times the step time);
+- the tail: the 95th percentile of the per-token arrival gaps.
 
-    step(batch) = c0 + max(memory, per_stream x batch)   (least squares over the levels)
+:func:`fit` turns the levels into the simulator's step formula (docs/sim.md §1) over
+the tokens a step carries::
 
-a floor the step never goes below (reading the weights) and a cost per stream past
-it, with the tail of the measured per-token times as the step-time jitter. The time
-to first audio of one stream, less one step, is the cost of admitting a request
-(``admit_s``: its prompt), charged to the step that admits it, as the simulator
-charges a prefill: every running stream waits for it. A
+    step(tokens) = c0 + max(memory, per_token x tokens)   (least squares over the levels)
+
+a floor the step never goes below (reading the weights) and a cost per token past it.
+The engine takes prompts in pieces beside the decoding streams, within its per-step
+token budget (``batch_tokens``: llama.cpp's ``-b``, vLLM's
+``--max-num-batched-tokens``), a prompt token costing what a decoding one does; the
+preset runs the simulator's chunked prefill (:class:`~proxy.sim.spec.EngineSpec`) with
+the measured prompt length. The step-time jitter is the lowest level's tail (no other
+request's prompt shares its steps). The time to first audio of one stream less the
+steps of its prompt and first token is ``overhead_s``: the client's, HTTP's and the
+server's own per-request work, reported but not charged to any step. A
 :class:`Calibration` holds the measurement and the fit; :meth:`Calibration.preset`
 makes the preset (one chunk per token, ``tokens_per_audio_second`` tokens per second
 of audio) that ``describe()`` rates like any other, and ``to_json``/``from_json``
@@ -32,11 +46,11 @@ import json
 import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from proxy.sim.presets import Gpu, Preset, _preset
+from proxy.sim.presets import TEXT_TOKENS_PER_AUDIO_S, Gpu, Preset, _preset
 
 if TYPE_CHECKING:
     from proxy.probe.workload import Workload
@@ -56,8 +70,11 @@ DEFAULT_LEVELS = (1, 2, 4, 8, 16)
 #: the memory and compute terms of the formula are kept negligible.
 _MEASURED = Gpu("measured engine", 1e15, 1e18, 1e18)
 #: The jitter a fit may carry: the simulator's log-normal needs p95 >= 1, and a
-#: measured tail past 3x the mean is a stall, not jitter.
+#: measured tail past 3x the median is a stall, not jitter.
 _JITTER_RANGE = (1.0, 3.0)
+#: The per-step token budget of an engine whose budget is not given: prompts are then
+#: taken whole, each token at the decoding cost.
+_UNBOUNDED_BATCH = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,10 +82,26 @@ class LevelCost:
     """What one level of the ramp measured: ``batch`` concurrent streams."""
 
     batch: int
-    tokens: int  #: tokens whose arrival gaps were measured
-    mean_step_s: float  #: wall seconds per token, all measured gaps together
+    tokens: int  #: tokens whose arrivals were measured
+    mean_step_s: float  #: the step time: the median request's wall seconds per token
     p95_step_s: float  #: the 95th percentile of the per-arrival seconds per token
     ttfa_p50_s: float | None  #: median time to first audio of the level's streams
+    #: streams decoding, time-averaged over the window (None: taken to be ``batch``)
+    decoding: float | None = None
+    prompt_tokens_per_step: float = 0.0  #: prompt tokens a step carried on average
+    p50_step_s: float | None = None  #: the median per-arrival seconds per token
+
+    @property
+    def step_tokens(self) -> float:
+        """The tokens a step of this level carried: decoding streams and prompt pieces."""
+        decoding = float(self.batch) if self.decoding is None else self.decoding
+        return max(decoding + self.prompt_tokens_per_step, 1.0)
+
+    @property
+    def tail(self) -> float:
+        """p95 over the median (over the mean when no median was kept)."""
+        middle = self.p50_step_s or self.mean_step_s
+        return self.p95_step_s / middle if middle > 0 else 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,20 +114,35 @@ class Calibration:
     levels: tuple[LevelCost, ...]
     c0_s: float
     memory_s: float  #: the step's floor: the memory term of the formula
-    per_stream_s: float
+    per_stream_s: float  #: the cost of each token a step carries past the floor
     jitter_p95: float
-    admit_s: float  #: per admitted request: time to first audio alone less one step
+    #: time to first audio alone that no engine step accounts for (client, HTTP, the
+    #: server's per-request work); with ``prompt_tokens`` 0 (an older file) it is the
+    #: prompt's cost, charged to the step that admits a request
+    admit_s: float
     max_num_seqs: int
     measured_at: str = ""  #: when (ISO 8601, UTC)
+    prompt_tokens: float = 0.0  #: mean prompt tokens per request (0: not measured)
+    audio_per_request_s: float = 0.0  #: mean audio seconds per measured request
+    batch_tokens: int | None = None  #: the engine's per-step token budget (None: unknown)
+    chunk_tokens: int = 1  #: tokens an arrival carries (vLLM's --stream-interval)
 
     def step_s(self, batch: int) -> float:
-        """The fitted mean step time at ``batch`` sequences."""
-        return self.c0_s + max(self.memory_s, self.per_stream_s * batch)
+        """The fitted mean step time at ``batch`` tokens a step (decoding streams)."""
+        return self.preset().engine.mean_step_s(batch)
+
+    def prompt_overhead(self) -> int:
+        """The preset's prompt tokens beyond the text the simulator's load sends with
+        each request (``TEXT_TOKENS_PER_AUDIO_S`` per audio second)."""
+        text = TEXT_TOKENS_PER_AUDIO_S * self.audio_per_request_s
+        return max(0, round(self.prompt_tokens - text))
 
     def preset(self, name: str = "calibrated") -> Preset:
-        """The preset of this engine: one chunk per token, the fitted step costs."""
+        """The preset of this engine: chunks of ``chunk_tokens``, the fitted step costs,
+        its prompts taken in pieces within its step budget."""
         rate = self.tokens_per_audio_second
-        return _preset(
+        chunked = self.prompt_tokens > 0
+        preset = _preset(
             name=name,
             kind="tts",
             model="calibrated",
@@ -109,23 +157,29 @@ class Calibration:
             fit_c0=False,
             vocoder_share=0.0,
             prefill_params=0.0,
-            prefill_overhead_s=self.admit_s,
+            prefill_overhead_s=0.0 if chunked else self.admit_s,
             jitter_p95=self.jitter_p95,
             token_rate_hz=rate,
             sample_rate=24000,
-            first_chunk=1,
-            chunk=1,
-            prompt_overhead=0,
+            first_chunk=self.chunk_tokens,
+            chunk=self.chunk_tokens,
+            prompt_overhead=self.prompt_overhead() if chunked else 0,
             max_num_seqs=self.max_num_seqs,
             sources=tuple(
-                f"measured: {lv.batch} streams, {lv.mean_step_s * 1e3:.2f} ms per token "
-                f"(p95 {lv.p95_step_s * 1e3:.2f} ms) over {lv.tokens} tokens"
+                f"measured: {lv.batch} streams ({lv.step_tokens:.1f} tokens a step), "
+                f"{lv.mean_step_s * 1e3:.2f} ms per token (p95 {lv.p95_step_s * 1e3:.2f} ms) "
+                f"over {lv.tokens} tokens"
                 for lv in self.levels
             ),
             release=f"measured from {self.url} {self.measured_at}".rstrip(),
             published_rtf=None,
             expected_ceiling="calibrated: the probe measures it on the same engine",
         )
+        if not chunked:
+            return preset
+        budget = self.batch_tokens or _UNBOUNDED_BATCH
+        engine = replace(preset.engine, chunked_prefill=True, max_num_batched_tokens=budget)
+        return replace(preset, engine=engine)
 
     def as_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -141,12 +195,19 @@ class Calibration:
                                            "c0_s", "memory_s", "per_stream_s", "jitter_p95",
                                            "admit_s",
                                            "max_num_seqs")}  # fmt: skip
+            optional = {k: data[k] for k in ("prompt_tokens", "audio_per_request_s",
+                                             "batch_tokens", "chunk_tokens")
+                        if k in data}  # fmt: skip
             calibration = cls(levels=levels, measured_at=str(data.get("measured_at", "")),
-                              **fields)  # fmt: skip
+                              **fields, **optional)  # fmt: skip
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a calibration document: {exc}") from None
         if not calibration.levels or calibration.c0_s <= 0 or calibration.max_num_seqs < 1:
             raise ValueError("a calibration needs levels, c0_s > 0 and max_num_seqs >= 1")
+        if calibration.batch_tokens is not None and calibration.batch_tokens < 1:
+            raise ValueError("a calibration's batch_tokens must be >= 1")
+        if calibration.chunk_tokens < 1:
+            raise ValueError("a calibration's chunk_tokens must be >= 1")
         return calibration
 
 
@@ -169,19 +230,27 @@ def fit(
     tokens_per_audio_second: float,
     max_num_seqs: int,
     measured_at: str = "",
+    prompt_tokens: float = 0.0,
+    audio_per_request_s: float = 0.0,
+    batch_tokens: int | None = None,
+    chunk_tokens: int = 1,
 ) -> Calibration:
-    """The step formula fitted to ``levels`` (at least one with measured tokens)."""
+    """The step formula fitted to ``levels`` (at least one with measured tokens).
+
+    With ``prompt_tokens`` (the mean prompt per request) the prompt is taken in
+    pieces of the steps (:class:`Calibration`), and the time to first audio of one
+    stream less its prompt's steps is reported as ``admit_s``; without it the whole of
+    that time less one step is the admission cost, charged to the admitting step."""
     used = [lv for lv in levels if lv.tokens > 0 and lv.mean_step_s > 0]
     if not used:
         raise ValueError("no level measured any tokens: is the engine streaming?")
-    c0, memory, slope = _fit_step(used)
-    tails = [lv.p95_step_s / lv.mean_step_s for lv in used]
-    low, high = _JITTER_RANGE
-    jitter = min(high, max(low, statistics.median(tails)))
+    if prompt_tokens < 0 or audio_per_request_s < 0:
+        raise ValueError("prompt_tokens and audio_per_request_s must be >= 0")
+    c0, memory, slope = _fit_step(used, batch_tokens)
     first = min(used, key=lambda lv: lv.batch)
-    ttfa = first.ttfa_p50_s
-    admit = max(0.0, ttfa - first.mean_step_s) if ttfa is not None else 0.0
-    return Calibration(
+    low, high = _JITTER_RANGE
+    jitter = min(high, max(low, first.tail))
+    calibration = Calibration(
         url=url,
         protocol=protocol,
         tokens_per_audio_second=tokens_per_audio_second,
@@ -190,17 +259,45 @@ def fit(
         memory_s=memory,
         per_stream_s=slope,
         jitter_p95=jitter,
-        admit_s=admit,
+        admit_s=0.0,
         max_num_seqs=max_num_seqs,
         measured_at=measured_at,
+        prompt_tokens=prompt_tokens,
+        audio_per_request_s=audio_per_request_s,
+        batch_tokens=batch_tokens,
+        chunk_tokens=max(1, chunk_tokens),
     )
+    ttfa = first.ttfa_p50_s
+    if ttfa is None:
+        return calibration
+    if prompt_tokens <= 0:
+        return replace(calibration, admit_s=max(0.0, ttfa - first.mean_step_s))
+    return replace(calibration, admit_s=max(0.0, ttfa - _prompt_time(calibration)))
 
 
-def _fit_step(levels: Sequence[LevelCost]) -> tuple[float, float, float]:
-    """``(c0, memory, per_stream)`` minimising the squared relative error of
-    ``c0 + max(memory, per_stream x batch)`` over ``levels``: a grid over the floor's
-    share and the slope, each candidate's c0 solved in closed form."""
-    xs = [float(lv.batch) for lv in levels]
+def _prompt_time(calibration: Calibration) -> float:
+    """Seconds one request alone spends in engine steps up to its first token: its
+    prompt in pieces of the step budget, the last piece yielding the first token."""
+    spec = calibration.preset().engine
+    budget = calibration.batch_tokens or _UNBOUNDED_BATCH
+    left, seconds = max(1, round(calibration.prompt_tokens)), 0.0
+    while left > 0:
+        take = min(left, budget)
+        seconds += spec.mean_step_s(take)
+        left -= take
+    return seconds
+
+
+def _fit_step(
+    levels: Sequence[LevelCost], batch_tokens: int | None = None
+) -> tuple[float, float, float]:
+    """``(c0, memory, per_token)`` minimising the squared relative error of
+    ``c0 + max(memory, per_token x tokens)`` over ``levels`` (each level's tokens a
+    step, at most ``batch_tokens``: prompts that wait for room in the steps are not in
+    them): a grid over the floor's share and the slope, each candidate's c0 solved in
+    closed form."""
+    cap = float(batch_tokens) if batch_tokens else math.inf
+    xs = [min(lv.step_tokens, cap) for lv in levels]
     ys = [lv.mean_step_s for lv in levels]
     low = min(ys)
     slopes = {0.0, *(y / x for x, y in zip(xs, ys, strict=True))}
@@ -228,36 +325,84 @@ def _fit_step(levels: Sequence[LevelCost]) -> tuple[float, float, float]:
     return best[1], best[2], best[3]
 
 
-def _level_cost(batch: int, run: Any, tokens_per_audio_second: float) -> LevelCost:
-    """One probe level's per-token step times (arrivals inside its measured window)."""
+def _percentile(ordered: list[float], q: float) -> float:
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+def _level_cost(
+    batch: int, run: Any, tokens_per_audio_second: float, prompt_tokens: float = 0.0
+) -> LevelCost:
+    """One probe level's step time, tokens a step and tail (arrivals inside its
+    measured window); ``prompt_tokens`` is the mean prompt of a request."""
     window = run.window
+    span = max(window.ended_at - window.warm_end, 1e-9)
     per_token: list[float] = []
-    wall = tokens = 0.0
+    per_request: list[float] = []
+    tokens = 0.0
+    decoding = 0.0
+    prompting = 0.0  #: prompt tokens taken inside the window
     ttfas: list[float] = []
     for trace in run.traces:
         first = trace.first_output("tts")
         if first is not None and window.warm_end <= trace.started_at <= window.ended_at:
             ttfas.append(first - trace.started_at)
-        for arrival in trace.arrivals:
-            if arrival.gap is None or arrival.audio_s <= 0.0:
-                continue
-            if not window.warm_end <= arrival.at <= window.ended_at:
+        # Its prompt is taken between its start and its first token, evenly (as far as
+        # the client can tell): the part of that inside the window counts.
+        begun, answered = trace.started_at, trace.ended_at if first is None else first
+        inside_s = min(answered, window.ended_at) - max(begun, window.warm_end)
+        if answered > begun and inside_s > 0:
+            prompting += prompt_tokens * inside_s / (answered - begun)
+        audio = [a for a in trace.arrivals if a.audio_s > 0.0]
+        if audio:
+            begin, end = max(audio[0].at, window.warm_end), min(audio[-1].at, window.ended_at)
+            decoding += max(0.0, end - begin) / span
+        inside = [a for a in audio if window.warm_end <= a.at <= window.ended_at]
+        for arrival in inside:
+            if arrival.gap is None:
                 continue
             count = arrival.audio_s * tokens_per_audio_second
-            wall += arrival.gap
             tokens += count
             per_token.append(arrival.gap / count)
-    if not per_token:
-        return LevelCost(batch, 0, 0.0, 0.0, statistics.median(ttfas) if ttfas else None)
+        if len(inside) >= 2:
+            made = sum(a.audio_s for a in inside[1:]) * tokens_per_audio_second
+            per_request.append((inside[-1].at - inside[0].at) / made)
+    ttfa = statistics.median(ttfas) if ttfas else None
+    if not per_token or not per_request:
+        return LevelCost(batch, 0, 0.0, 0.0, ttfa)
     ordered = sorted(per_token)
-    p95 = ordered[min(len(ordered) - 1, math.ceil(0.95 * len(ordered)) - 1)]
+    step = statistics.median(per_request)
     return LevelCost(
         batch=batch,
         tokens=round(tokens),
-        mean_step_s=wall / tokens,
-        p95_step_s=p95,
-        ttfa_p50_s=statistics.median(ttfas) if ttfas else None,
+        mean_step_s=step,
+        p95_step_s=_percentile(ordered, 0.95),
+        ttfa_p50_s=ttfa,
+        decoding=decoding,
+        prompt_tokens_per_step=prompting / span * step,
+        p50_step_s=statistics.median(ordered),
     )
+
+
+async def _prompt_counter(http: Any, url: str) -> float | None:
+    """The engine's prompt tokens so far: the sum of its ``*prompt_tokens_total``
+    samples on ``/metrics`` (llama.cpp's server and vLLM both keep one); None when
+    the page or the counter is missing."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        response = await http.get(url.rstrip("/") + "/metrics")
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    total, seen = 0.0, False
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if sample.name.endswith("prompt_tokens_total"):
+                total += sample.value
+                seen = True
+    return total if seen else None
 
 
 async def measure(
@@ -272,14 +417,19 @@ async def measure(
     max_num_seqs: int | None = None,
     model: str | None = None,
     workload: Workload | None = None,
+    batch_tokens: int | None = None,
 ) -> Calibration:
     """Ramp the engine at ``url`` through ``levels`` and fit its step costs.
 
     ``max_num_seqs`` is the engine's own batch limit (its slots); by default the
-    largest level measured. ``workload`` is the probe's (default its bundled TTS
-    texts): an engine that needs fields in each request (vLLM's running usage,
-    ``ignore_eos``) gets them through the workload's ``extra``."""
+    largest level measured. ``batch_tokens`` is its per-step token budget (llama.cpp's
+    ``-b``, vLLM's ``--max-num-batched-tokens``; None: prompts are taken whole).
+    ``workload`` is the probe's (default its bundled TTS texts): an engine that needs
+    fields in each request (vLLM's running usage, ``ignore_eos``) gets them through
+    the workload's ``extra``."""
     import time
+
+    import httpx
 
     from proxy.probe.probe_session import ClientOptions, endpoint_url
     from proxy.probe.ramp import ProbeSettings, run_probe
@@ -289,34 +439,56 @@ async def measure(
         raise ValueError("calibration levels must be integers >= 1")
     if tokens_per_audio_second <= 0 or hold_s <= 0 or warmup_s < 0:
         raise ValueError("tokens_per_audio_second and hold_s must be > 0, warmup_s >= 0")
+    if batch_tokens is not None and batch_tokens < 1:
+        raise ValueError("batch_tokens must be >= 1")
     client = ClientOptions(
         url=endpoint_url(url, protocol),
         protocol=protocol,
         tokens_per_audio_second=tokens_per_audio_second,
         model=model,
     )
-    costs: list[LevelCost] = []
-    for batch in levels:
-        settings = ProbeSettings(
-            client=client,
-            workload=workload or bundled("tts"),
-            levels=(batch,),
-            extend=False,
-            bisect=False,
-            hold_s=hold_s,
-            warmup_s=warmup_s,
-            seed=seed,
-            time_limit_s=warmup_s + hold_s + 120.0,
-            session_timeout_s=300.0,
-            max_error_rate=1.0,
-            preflight=False,
-            max_stall_share=None,
-            ttfa_limit_s=None,
-        )
-        result = await run_probe(settings)
-        if not result.runs:
-            raise ValueError(f"level {batch} was not measured: {result.stopped}")
-        costs.append(_level_cost(batch, result.runs[0], tokens_per_audio_second))
+    runs: list[Any] = []
+    prompts = 0.0  #: prompt tokens the engine counted over every level
+    counted = True  #: the engine's counter was read around every level
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        for batch in levels:
+            settings = ProbeSettings(
+                client=client,
+                workload=workload or bundled("tts"),
+                levels=(batch,),
+                extend=False,
+                bisect=False,
+                hold_s=hold_s,
+                warmup_s=warmup_s,
+                seed=seed,
+                time_limit_s=warmup_s + hold_s + 120.0,
+                session_timeout_s=300.0,
+                max_error_rate=1.0,
+                preflight=False,
+                max_stall_share=None,
+                ttfa_limit_s=None,
+            )
+            before = await _prompt_counter(http, url)
+            result = await run_probe(settings)
+            after = await _prompt_counter(http, url)
+            if not result.runs:
+                raise ValueError(f"level {batch} was not measured: {result.stopped}")
+            runs.append(result.runs[0])
+            if before is None or after is None:
+                counted = False
+            else:
+                prompts += after - before
+    traces = [t for run in runs for t in run.traces]
+    done = [t for t in traces if t.outcome == "ok"]
+    mean_prompt = prompts / len(traces) if counted and traces else 0.0
+    audio = sum(a.audio_s for t in done for a in t.arrivals) / len(done) if done else 0.0
+    carried = [a.audio_s * tokens_per_audio_second for t in traces for a in t.arrivals
+               if a.audio_s > 0]  # fmt: skip
+    chunk = max(1, round(statistics.median(carried))) if carried else 1
+    costs = [
+        _level_cost(batch, run, tokens_per_audio_second, mean_prompt)
+        for batch, run in zip(levels, runs, strict=True)
+    ]
     stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return fit(
         costs,
@@ -325,6 +497,10 @@ async def measure(
         tokens_per_audio_second=tokens_per_audio_second,
         max_num_seqs=max_num_seqs or max(levels),
         measured_at=stamp,
+        prompt_tokens=mean_prompt,
+        audio_per_request_s=audio if mean_prompt else 0.0,
+        batch_tokens=batch_tokens,
+        chunk_tokens=chunk,
     )
 
 
@@ -333,18 +509,27 @@ def render(calibration: Calibration) -> str:
     lines = [
         f"engine {calibration.url} ({calibration.protocol}, "
         f"{calibration.tokens_per_audio_second:g} tokens per audio second)",
-        "  streams  tokens  ms/token (mean, p95)  fitted  TTFA p50",
+        "  streams  tokens/step  tokens  ms/token (median request, p95)  fitted  TTFA p50",
     ]
     for lv in calibration.levels:
         ttfa = "-" if lv.ttfa_p50_s is None else f"{lv.ttfa_p50_s * 1e3:.0f} ms"
+        fitted = calibration.step_s(max(1, round(lv.step_tokens)))
         lines.append(
-            f"  {lv.batch:7d}  {lv.tokens:6d}  {lv.mean_step_s * 1e3:8.2f}, "
-            f"{lv.p95_step_s * 1e3:8.2f}  {calibration.step_s(lv.batch) * 1e3:8.2f}  {ttfa}"
+            f"  {lv.batch:7d}  {lv.step_tokens:11.1f}  {lv.tokens:6d}  "
+            f"{lv.mean_step_s * 1e3:8.2f}, {lv.p95_step_s * 1e3:8.2f}  "
+            f"{fitted * 1e3:8.2f}  {ttfa}"
         )
+    budget = calibration.batch_tokens or "unbounded"
+    prompt = (
+        f"prompt {calibration.prompt_tokens:.1f} tokens a request, taken in steps of "
+        f"{budget} tokens; not in any step: {calibration.admit_s * 1e3:.1f} ms"
+        if calibration.prompt_tokens > 0
+        else f"admission {calibration.admit_s * 1e3:.1f} ms"
+    )
     lines.append(
         f"fit: step = {calibration.c0_s * 1e3:.3f} ms + max({calibration.memory_s * 1e3:.3f} ms, "
         f"{calibration.per_stream_s * 1e3:.4f} ms x streams); jitter p95 "
-        f"{calibration.jitter_p95:.2f}; admission "
-        f"{calibration.admit_s * 1e3:.1f} ms; max_num_seqs {calibration.max_num_seqs}"
+        f"{calibration.jitter_p95:.2f}; {prompt}; max_num_seqs {calibration.max_num_seqs}; "
+        f"{calibration.chunk_tokens} tokens a chunk"
     )
     return "\n".join(lines)

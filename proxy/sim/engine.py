@@ -13,7 +13,8 @@ Step time (docs/sim.md §1)::
     compute = batch ** batch_exponent x (1 - vocoder_share) x F_eff / peak FLOPs
     step    = (max(memory, compute) + c0 + c_seq x batch
                + async chunk's hand-off (h0 + h_seq x batch), or eager launches
-               + prefill of newly admitted prompts
+               + prefill of newly admitted prompts (chunked: the prompt pieces a
+                 step carries count as tokens of its batch in the compute term)
                + vocoder_share x F_eff x chunk tokens / peak, per chunk emitted)
               x jitter
               + a codec on the talker's GPU: its share of the GPU work of the codec

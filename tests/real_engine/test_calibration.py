@@ -7,21 +7,30 @@ saw (its range widened by one stream each side).
 The engine is CPU-bound on a machine other tests share, so no figure is fixed in
 advance; both sides measure the same engine minutes apart, with the probe's own rules
 (worst-1 % ratio 1.2, no stalls with a 0.2 s buffer, TTFA p99 within the real-engine
-tier's 3 s) given to the simulator's ceiling search.
+tier's 3 s) given to the simulator's ceiling search. Both send the probe's bundled texts
+with ``cache_prompt: false``: the 48 texts come round again every few requests, which a
+speech service's text does not, and llama-server would otherwise answer most prompts
+from its prompt cache once the calibration had sent them, so the probe that follows
+would measure a server whose prompts cost nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import tempfile
+from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from bench.harness import free_port
 from bench.llama_engine import cached_llama_server, default_cache, llama_server
 from bench.real_engine import _probe, build_parser
 from bench.tiny_model import TinyModel, ensure_model
+from proxy.probe.workload import open_workload
 from proxy.sim.calibrate import Calibration, measure, render
 from proxy.sim.virtual_load import Rules, find_ceiling
 
@@ -29,9 +38,20 @@ pytestmark = pytest.mark.slow
 
 TOKENS_PER_AUDIO_SECOND = 8.0
 SLOTS = 16  # llama_server()'s default -np
+BATCH_TOKENS = 16  # llama_server()'s default -b: the tokens one engine step carries
 #: The probe as the real-engine tier runs it in CI (tests/real_engine/test_real_engine.py).
 PROBE = ["--levels", "2,4,...", "--max-level", str(SLOTS), "--hold", "6", "--warmup", "4",
          "--repeat", "1", "--probe-time-limit", "420"]  # fmt: skip
+
+
+def workload_file(directory: Path) -> Path:
+    """The probe's bundled TTS workload, every request with ``cache_prompt: false``."""
+    text = resources.files("proxy.probe").joinpath("data", "tts.yaml").read_text("utf-8")
+    doc = yaml.safe_load(text)
+    doc.setdefault("defaults", {})["extra"] = {"cache_prompt": False}
+    path = directory / "tts-uncached.yaml"
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return path
 
 
 def predicted_ceiling(calibration: Calibration, ttfa_limit_s: float) -> int:
@@ -41,14 +61,6 @@ def predicted_ceiling(calibration: Calibration, ttfa_limit_s: float) -> int:
     return ceiling
 
 
-# Known to fail on a quiet machine: the calibrated preset under-predicts there (it
-# predicted 2 where the probe measured 4, range 4-4: the fit charged 0.44 s of prompt
-# cost to admission and 7 ms per stream), while on a loaded one it met the probe (2 and
-# 2-3). Kept running, its figures printed, until the fit is fixed.
-@pytest.mark.xfail(
-    strict=False,
-    reason="the calibrated preset under-predicts llama-server's ceiling on a quiet machine",
-)
 def test_a_preset_calibrated_from_llama_server_predicts_the_probed_ceiling() -> None:
     binary = cached_llama_server()
     if binary is None:
@@ -59,21 +71,27 @@ def test_a_preset_calibrated_from_llama_server_predicts_the_probed_ceiling() -> 
     model = ensure_model(default_cache(), TinyModel())
     args = build_parser().parse_args(PROBE)
 
-    async def main() -> tuple[Calibration, dict[str, Any]]:
-        async with llama_server(binary, model, free_port(), slots=SLOTS) as url:
+    async def main(workload: Path) -> tuple[Calibration, dict[str, Any]]:
+        async with llama_server(binary, model, free_port(), slots=SLOTS,
+                                batch=BATCH_TOKENS) as url:  # fmt: skip
             calibration = await measure(
                 url, tokens_per_audio_second=TOKENS_PER_AUDIO_SECOND,
                 levels=(1, 2, 4, 8, 16), hold_s=6.0, warmup_s=3.0, max_num_seqs=SLOTS,
+                batch_tokens=BATCH_TOKENS, workload=open_workload(str(workload)),
             )  # fmt: skip
             args.tokens_per_audio_second = TOKENS_PER_AUDIO_SECOND
+            args.workload = str(workload)
             probe = await _probe(url, args)
         return calibration, probe
 
-    calibration, probe = asyncio.run(main())
+    with tempfile.TemporaryDirectory() as tmp:
+        calibration, probe = asyncio.run(main(workload_file(Path(tmp))))
     predicted = predicted_ceiling(calibration, args.ttfa_limit)
     low, high = probe["ceiling_range"]
     print(render(calibration))
-    print(f"predicted ceiling {predicted}; probe {probe['ceiling']} (range {low}-{high})")
+    print(f"predicted ceiling {predicted}; probe {probe['ceiling']} (range {low}-{high}); "
+          f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     print(probe["table"])
     assert calibration.per_stream_s > 0, render(calibration)
+    assert calibration.prompt_tokens > 0, render(calibration)  # read from its /metrics
     assert low - 1 <= predicted <= high + 1, (predicted, probe["ceiling_range"])

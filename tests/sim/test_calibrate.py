@@ -9,11 +9,21 @@ from __future__ import annotations
 import argparse
 import io
 import json
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from proxy.sim.calibrate import Calibration, LevelCost, fit, load_calibration, render
+from proxy.probe.analysis import Arrival, LevelWindow, SessionTrace
+from proxy.sim.calibrate import (
+    Calibration,
+    LevelCost,
+    _level_cost,
+    fit,
+    load_calibration,
+    render,
+)
 from proxy.sim.capacity import describe
 from proxy.sim.sim_command import add_arguments, run
 
@@ -93,3 +103,61 @@ def test_describe_accepts_a_calibration_file(tmp_path: Path) -> None:
     info = json.loads(out.getvalue())
     assert info["preset"] == "engine" and info["ceiling"] >= 1
     assert info["release"].startswith("measured from")
+
+
+def test_a_measured_prompt_is_taken_in_pieces_of_the_engine_step() -> None:
+    # 20 ms + 8 ms a token; a 40-token prompt in steps of 16 tokens: 3 steps (148, 148
+    # and 84 ms); one stream's time to first audio 0.5 s, so 120 ms are in no step.
+    levels = _levels(0.020, 0.008, tail=1.1)
+    levels[0] = replace(levels[0], ttfa_p50_s=0.5)
+    cal = fit(levels, url="http://127.0.0.1:1", protocol="openai-completions-tokens",
+              tokens_per_audio_second=8.0, max_num_seqs=16, prompt_tokens=40.0,
+              audio_per_request_s=8.0, batch_tokens=16, chunk_tokens=5)  # fmt: skip
+    assert cal.admit_s == pytest.approx(0.5 - (0.148 + 0.148 + 0.084))
+    preset = cal.preset("measured")
+    assert preset.engine.chunked_prefill and preset.engine.max_num_batched_tokens == 16
+    assert preset.engine.prefill_overhead_s == 0.0  # the rest is not the engine's step
+    assert preset.prompt_overhead_tokens == 40 - 28  # 3.5 text tokens an audio second
+    assert preset.first_chunk_tokens == preset.chunk_tokens == 5
+    assert cal.step_s(16) == pytest.approx(0.020 + 16 * 0.008)
+    assert Calibration.from_json(json.loads(json.dumps(cal.as_json()))) == cal
+    assert "prompt 40.0 tokens a request, taken in steps of 16 tokens" in render(cal)
+
+
+def test_a_level_reads_each_request_over_its_wall_time_and_the_prompts_in_its_steps() -> None:
+    # Two streams in a 10 s window: one decodes throughout, its tokens arriving in
+    # bursts of 4 every 0.4 s (100 ms a token); the other is in its prompt for the first
+    # 2 s of the window (a 30-token prompt begun 1 s before it), then decodes likewise.
+    window = LevelWindow(2, 0.0, 1.0, 11.0)
+
+    def stream(start: float, first: float) -> SessionTrace:
+        times = [first + 0.4 * i for i in range(int((11.0 - first) / 0.4) + 1)]
+        arrivals = tuple(
+            Arrival(at, 0.5, None if i == 0 else 0.4, None) for i, at in enumerate(times)
+        )
+        return SessionTrace(start, 11.0, "cancelled", arrivals)
+
+    run = SimpleNamespace(window=window, traces=(stream(0.0, 0.5), stream(0.0, 3.0)))
+    level = _level_cost(2, run, 8.0, prompt_tokens=30.0)
+    assert level.mean_step_s == pytest.approx(0.1)
+    assert level.p95_step_s == pytest.approx(0.1)
+    # Decoding from the window's start (or its first token) to its last token: 9.9 s
+    # (the first stream's last burst comes at 10.9 s) and 8 s.
+    assert level.decoding == pytest.approx((9.9 + 8.0) / 10.0)
+    # 20 of the prompt's 30 tokens fell in the window: 2 tokens a second, 0.2 a step.
+    assert level.prompt_tokens_per_step == pytest.approx(0.2)
+    assert level.step_tokens == pytest.approx(1.99)
+
+
+def test_a_step_is_fitted_at_no_more_tokens_than_the_engine_batches() -> None:
+    # The 16-stream level read 30 tokens a step (prompts waiting for room counted as
+    # taken); with a budget of 16 it is fitted at 16, where 20 ms + 8 ms a token holds.
+    levels = [
+        LevelCost(b, 400, 0.020 + 0.008 * min(b, 16), 0.030, None, decoding=float(b))
+        for b in (1, 2, 4, 8)
+    ]
+    levels.append(LevelCost(16, 400, 0.148, 0.2, None, decoding=14.0, prompt_tokens_per_step=16.0))
+    cal = fit(levels, url="http://127.0.0.1:1", protocol="openai-completions-tokens",
+              tokens_per_audio_second=8.0, max_num_seqs=16, prompt_tokens=40.0,
+              batch_tokens=16)  # fmt: skip
+    assert cal.c0_s == pytest.approx(0.020) and cal.per_stream_s == pytest.approx(0.008)
