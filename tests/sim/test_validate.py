@@ -120,7 +120,23 @@ WRONG_WAY = {("h20-qwen3tts-1.7b-base", "aggregate", 8)}
 CODEC_THROUGHPUT_LOSSES = {
     ("h20-qwen3tts-1.7b-base", "aggregate", 4),
     ("h20-qwen3tts-1.7b-base", "aggregate", 16),
+    *(("h100-qwen3tts-1.7b-base", "aggregate", c) for c in (4, 8, 16)),
 }
+
+
+def test_the_h100_codec_batch_rows_are_code2wavs_request_limit_1_against_10(
+    rows: list[Row],
+) -> None:
+    h100 = [r for r in rows if r.point.preset == "h100-qwen3tts-1.7b-base"]
+    assert {(r.point.metric, r.point.concurrency) for r in h100} == {
+        (metric, c) for metric in ("ttfa_p95", "aggregate") for c in (4, 8, 16)
+    }
+    for row in h100:
+        assert row.point.tolerance == EFFECT_TOLERANCE and row.within
+        assert row.point.setup.codec_batch == 10 and row.point.versus is not None
+        assert row.point.versus.codec_batch == 1
+        # Both ways down, as published: first audio sooner, a little less throughput.
+        assert row.point.value < 1.0 and row.simulated < 1.0
 
 
 def _wrong_way(rows: list[Row]) -> set[tuple[str, str, int]]:
