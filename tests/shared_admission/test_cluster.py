@@ -172,10 +172,12 @@ async def test_shard_partitioned_from_one_gateway(cluster: LocalCluster) -> None
         primary = await asyncio.to_thread(cluster.slot_owner, pool_slot(cut_pool))
         try:
             fleet.churn(clients=3, hold_s=(0.05, 30.0))
-            await until(
-                lambda: any(s.gate == 0 and s.pool == cut_pool for s in fleet.streams),
-                "gateway 0 holds a session of the pool",
-            )
+            # A session of gateway 0 on the pool that only a fence ends: the cut must
+            # find a lease there to prove (a churned one may end just before it).
+            deadline, held = time.monotonic() + _BOUND_S, None
+            while held is None:
+                assert time.monotonic() < deadline, "gateway 0 got no session of the pool"
+                held = await asyncio.wait_for(fleet.open(0, cut_pool), _BOUND_S)
             proxies[primary].cut()
             # Gateway 0 cannot prove its leases of that pool: it fences them before
             # they lapse; gateway 1 then gets those slots.
@@ -202,7 +204,10 @@ async def test_shard_partitioned_from_one_gateway(cluster: LocalCluster) -> None
                 f"{fleet.engines.samples}, over cap {fleet.engines.over}"
             )
         finally:
+            for proxy in proxies.values():  # the teardown's releases reach every shard
+                proxy.heal()
             await fleet.stop()
+        assert held.fenced
         assert fleet.engines.over == 0
         assert fleet.fences[(1, cut_pool)] == 0
     finally:
