@@ -23,7 +23,7 @@ def test_fleet_bench_tiny(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, str(BENCH), "--gateways", "4", "--procs", "2", "--pools", "2",
          "--rates", "40", "80", "--phase-s", "2", "--fault-s", "4", "--fault-rate", "40",
-         "--hold-s", "0.2", "0.5", "--ttl-s", "3", "--backends", "single",
+         "--hold-s", "0.2", "0.5", "--ttl-s", "3", "--idle-s", "1", "--backends", "single",
          "--json", str(out)],
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
@@ -32,16 +32,20 @@ def test_fleet_bench_tiny(tmp_path: Path) -> None:
     report = json.loads(out.read_text())
     (result,) = report["results"]
     phases = [row["phase"] for row in result["rows"]]
-    assert phases == ["40/s", "80/s", "20% gateways killed", "10x burst"]
+    assert phases == ["idle (renewals, wake-up loops)", "40/s", "80/s", "20% gateways killed",
+                      "10x burst"]  # fmt: skip
     for row in result["rows"]:
         assert len(row["acquire_ms"]) == len(row["release_ms"]) == 3
         assert row["samples"] > 0
         assert row["over_cap"] == 0, row
         assert isinstance(row["refused"], dict)
-    faults = {row["phase"]: row for row in result["rows"][2:]}
+    idle, rates, faults = result["rows"][0], result["rows"][1:3], result["rows"][3:]
+    assert idle["starts"] == 0 and idle["redis_cpu_pct"] is not None
+    faults = {row["phase"]: row for row in faults}
     assert faults["20% gateways killed"]["killed"].startswith("1/2 processes")
     assert all("recovery_s" in row for row in faults.values())
-    assert sum(row["held_per_s"] for row in result["rows"][:2]) > 0
+    assert all(row["held_per_s"] > 0 for row in rates)
+    assert all(row["redis_cpu_ms_per_1k_starts_net"] is not None for row in rates)
     (saturation,) = report["saturation"]
     assert saturation["backend"] == "1 primary"
     assert report["cores"] >= 1 and len(report["load_average"]["before"]) == 3
