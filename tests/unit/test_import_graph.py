@@ -191,6 +191,8 @@ UPWARD: dict[tuple[str, str], str] = {
         "a GPU given by preset name takes the simulator's figures (imported when named)",
     ("proxy.settings.admission", "proxy.admission.redis_clients"):
         "the Redis URL forms are checked by the module that builds the clients",
+    ("proxy.settings.summary", "proxy.admission.redis_clients"):
+        "a cluster URL's seeds are listed as the module that builds the clients reads them",
 }  # fmt: skip
 
 
