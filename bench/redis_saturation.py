@@ -166,14 +166,14 @@ def record_calls(url: str, port: int, pool: str, hold_s: float) -> dict[str, lis
 
 
 def _node_info(port: int) -> dict[str, float]:
-    """CPU seconds of the node (all threads, and its main thread) and its ``EVALSHA``
-    calls so far."""
+    """CPU seconds of the node (all threads, and its main thread), its ``EVALSHA`` calls
+    so far and those that failed or were rejected."""
     import redis
 
     client = redis.Redis(port=port, socket_timeout=5.0, socket_connect_timeout=5.0)
     try:
         cpu = client.info("cpu")
-        stats = client.info("commandstats")
+        stats = client.info("commandstats").get("cmdstat_evalsha", {})
     finally:
         client.close()
     main = float(cpu.get("used_cpu_sys_main_thread", cpu["used_cpu_sys"]))
@@ -181,7 +181,8 @@ def _node_info(port: int) -> dict[str, float]:
     return {
         "cpu_s": float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"]),
         "main_s": main,
-        "evalsha": float(stats.get("cmdstat_evalsha", {}).get("calls", 0)),
+        "evalsha": float(stats.get("calls", 0)),
+        "errors": float(stats.get("failed_calls", 0)) + float(stats.get("rejected_calls", 0)),
     }
 
 
@@ -329,8 +330,9 @@ def run_step(targets: list[tuple[int, dict[str, list[str]]]], clients: int, call
     for port, recorded in targets:
         for name in ("acquire", "release"):
             cmd = _benchmark(port, clients, calls, ["EVALSHA", *recorded[name]])
-            procs.append((port, name, subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                                                       stderr=subprocess.PIPE, text=True)))  # fmt: skip
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True)  # fmt: skip
+            procs.append((port, name, proc))
     deadline = time.monotonic() + timeout_s
     outputs: dict[tuple[int, str], dict[str, float]] = {}
     failed = []
@@ -348,6 +350,10 @@ def run_step(targets: list[tuple[int, dict[str, list[str]]]], clients: int, call
         outputs[(port, name)] = _parse_csv(out)
     after = _snapshot(ports)
     held = {port: _leases(port, recorded) for port, recorded in targets}
+    for port in ports:  # a replayed call the server refused (redis-benchmark counts it too)
+        errors = after["nodes"][port]["errors"] - before["nodes"][port]["errors"]
+        if errors:
+            failed.append(f":{port} answered {errors:g} EVALSHA calls with an error")
     if failed:
         raise RuntimeError("; ".join(failed))
     wall = after["t"] - before["t"]
@@ -386,7 +392,7 @@ def run_step(targets: list[tuple[int, dict[str, list[str]]]], clients: int, call
         "redis_cpu_us_per_start_net": round(1e6 * net / starts, 1),
         "benchmark_cpu_pct": round(
             100 * (after["children_cpu_s"] - before["children_cpu_s"]) / wall, 1
-        ),  # fmt: skip
+        ),
     }
 
 
@@ -459,7 +465,8 @@ def drive(args: argparse.Namespace, backend: str, url: str, targets: list[tuple[
             "late": renewals.late,
             "lost": renewals.lost,
             "errors": renewals.errors[:5],
-        },  # fmt: skip
+        },
+        "scripts": {name: calls[0] for name, calls in recorded[0][1].items()},
         "steps": steps,
         "saturated": saturated,
         "peak": {
@@ -473,7 +480,7 @@ def drive(args: argparse.Namespace, backend: str, url: str, targets: list[tuple[
                 "busiest_main_pct",
                 "redis_cpu_us_per_start_net",
             )
-        },  # fmt: skip
+        },
         "starts_per_s_per_core": round(100 * peak["starts_per_s"] / peak["redis_cpu_pct"], 1)
         if peak["redis_cpu_pct"]
         else None,
@@ -512,8 +519,8 @@ def _ms(values: list[float]) -> str:
 def table(results: list[dict[str, Any]]) -> str:
     head = ("| backend | clients per redis-benchmark (connections) | starts/s | acquire p50 / "
             "p99 ms | release p50 / p99 ms | Redis CPU % of a core (per primary) | busiest "
-            "main thread % | Redis CPU us / start (net of renewals) | redis-benchmark CPU % | leases "
-            "held at the end |")  # fmt: skip
+            "main thread % | Redis CPU us / start (net of renewals) | redis-benchmark CPU % "
+            "| leases held at the end |")  # fmt: skip
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         rn = r["renewals"]
