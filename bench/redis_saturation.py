@@ -29,8 +29,8 @@ sends, so Redis saturates first:
   first; its CPU rate is what the steps' "net" figures take away.
 * The client counts rise (``--clients``) until the busiest primary's main thread uses
   ``--saturated-pct`` of a core and starts/s rises less than 5 % over the best step so
-  far, or the list ends. Redis CPU is ``INFO cpu`` (sys + user, all threads, and the
-  main thread's), per primary.
+  far, or starts/s has not risen for two steps, or the list ends. Redis CPU is
+  ``INFO cpu`` (sys + user, all threads, and the main thread's), per primary.
 
 Against one redis-server, then a Redis Cluster of three primaries (no replicas) with
 one pool on each primary, each primary driven by its own ``redis-benchmark`` pair
@@ -221,7 +221,7 @@ class Renewals:
         self.sessions, self.renew_s, self.ttl_s = sessions, renew_s, ttl_s
         self.calls = 0
         self.touches = 0
-        self.late = 0  # calls that started more than one interval late
+        self.late = 0  # renewals that came more than one interval late
         self.lost = 0  # leases a renewal no longer found
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -248,19 +248,21 @@ class Renewals:
         held: dict[tuple[int, str], list[tuple[str, str]]] = {}
         try:
             try:
+
+                async def seed(g: int, store: Any, pool: str) -> None:
+                    ids = [f"g{g}:{n}" for n in range(g, self.sessions, self.gateways)]
+                    for i in range(0, len(ids), 8):  # within a client's connection pool
+                        batch = ids[i : i + 8]
+                        got = await asyncio.gather(
+                            *(store.acquire(pool, x, view, 100) for x in batch)
+                        )
+                        for x, (kind, replica) in zip(batch, got, strict=True):
+                            if kind != "admit":
+                                raise RuntimeError(f"seed lease {x}: {kind} {replica}")
+                            held.setdefault((g, pool), []).append((x, str(replica)))
+
                 for pool in self.pools:
-                    for g, store in enumerate(stores):
-                        mine = range(g, self.sessions, self.gateways)
-                        ids = [f"g{g}:{n}" for n in mine]
-                        for i in range(0, len(ids), 200):
-                            batch = ids[i : i + 200]
-                            got = await asyncio.gather(
-                                *(store.acquire(pool, x, view, 100) for x in batch)
-                            )
-                            for x, (kind, replica) in zip(batch, got, strict=True):
-                                if kind != "admit":
-                                    raise RuntimeError(f"seed lease {x}: {kind} {replica}")
-                                held.setdefault((g, pool), []).append((x, str(replica)))
+                    await asyncio.gather(*(seed(g, st, pool) for g, st in enumerate(stores)))
             except Exception as exc:  # reported by start()
                 self.errors.append(f"{type(exc).__name__}: {exc}")
                 return
@@ -274,32 +276,36 @@ class Renewals:
 
     async def _renew(self, stores: list[Any], view: list[Any],
                      held: dict[tuple[int, str], list[tuple[str, str]]]) -> None:  # fmt: skip
+        """One loop per gateway and pool, as a gateway renews: every ``renew_s``, the
+        first calls spread evenly over one interval."""
         slots = [(g, pool) for pool in self.pools for g in range(len(stores))]
-        step = self.renew_s / len(slots)
-        generation: dict[tuple[int, str], str] = {}
         begin = time.monotonic()
-        k = 0
-        while not self._stop.is_set():
-            due = begin + k * step
-            now = time.monotonic()
-            if due > now:
-                await asyncio.sleep(due - now)
-            elif now - due > self.renew_s:
-                self.late += 1
-            g, pool = slots[k % len(slots)]
-            k += 1
+
+        async def loop(k: int, g: int, pool: str) -> None:
+            due = begin + k * self.renew_s / len(slots)
+            generation = ""
             leases = held.get((g, pool), [])
-            try:
-                got = await stores[g].tick(pool, generation=generation.get((g, pool), ""),
-                                           view=view, leases=leases, waiters=(), guards=(),
-                                           guard_ttl_s=self.ttl_s)  # fmt: skip
-            except Exception as exc:
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-                continue
-            generation[(g, pool)] = got.generation
-            self.calls += 1
-            self.touches += len(leases)
-            self.lost += len(got.lost)
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if due > now:
+                    await asyncio.sleep(due - now)
+                elif now - due > self.renew_s:
+                    self.late += 1
+                    due = now
+                due += self.renew_s
+                try:
+                    got = await stores[g].tick(pool, generation=generation, view=view,
+                                               leases=leases, waiters=(), guards=(),
+                                               guard_ttl_s=self.ttl_s)  # fmt: skip
+                except Exception as exc:
+                    self.errors.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                generation = got.generation
+                self.calls += 1
+                self.touches += len(leases)
+                self.lost += len(got.lost)
+
+        await asyncio.gather(*(loop(k, g, pool) for k, (g, pool) in enumerate(slots)))
 
 
 # -- one step of redis-benchmark ------------------------------------------------------
@@ -436,19 +442,27 @@ def drive(args: argparse.Namespace, backend: str, url: str, targets: list[tuple[
         steps: list[dict[str, Any]] = []
         rate = 0.0  # starts/s per pool of the last step
         best = 0.0
-        saturated = False
+        flat = 0  # steps in a row that gained under 5 % over the best before them
+        stopped_by = "the client counts ran out"
         for clients in args.clients:
             per_pool = max(200, clients * 20)  # the first step: a few hundred calls
             if rate:
                 per_pool = max(per_pool, int(rate * 1.5 * args.step_s))
+            calls0 = renewals.calls
             step = run_step(recorded, clients, per_pool, args.step_s * 8 + 30, background)
             step["renewal_errors"] = len(renewals.errors)
+            step["renew_calls_per_s"] = round((renewals.calls - calls0) / step["wall_s"], 1)
             steps.append(step)
             rate = step["starts_per_s"] / len(targets)
             gain = step["starts_per_s"] / best if best else float("inf")
             best = max(best, step["starts_per_s"])
-            if step["busiest_main_pct"] >= args.saturated_pct and gain < 1.05:
-                saturated = True
+            flat = flat + 1 if gain < 1.05 else 0
+            if step["busiest_main_pct"] >= args.saturated_pct and flat:
+                stopped_by = (f"a primary's main thread at {step['busiest_main_pct']:g} % of a "
+                              "core and starts/s no longer rising")  # fmt: skip
+                break
+            if flat >= 2:
+                stopped_by = "starts/s not rising for two steps (the cores are shared)"
                 break
     finally:
         renewals.stop()
@@ -468,7 +482,7 @@ def drive(args: argparse.Namespace, backend: str, url: str, targets: list[tuple[
         },
         "scripts": {name: calls[0] for name, calls in recorded[0][1].items()},
         "steps": steps,
-        "saturated": saturated,
+        "stopped_by": stopped_by,
         "peak": {
             k: peak[k]
             for k in (
@@ -520,7 +534,7 @@ def table(results: list[dict[str, Any]]) -> str:
     head = ("| backend | clients per redis-benchmark (connections) | starts/s | acquire p50 / "
             "p99 ms | release p50 / p99 ms | Redis CPU % of a core (per primary) | busiest "
             "main thread % | Redis CPU us / start (net of renewals) | redis-benchmark CPU % "
-            "| leases held at the end |")  # fmt: skip
+            "| leases held at the end | renewal calls/s |")  # fmt: skip
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         rn = r["renewals"]
@@ -529,7 +543,8 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{len(r['pools'])} pool(s) every {rn['renew_s']:g} s, {rn['sessions_per_pool']} "
             f"leases per pool ({rn['renew_calls_per_s']:g} calls/s, "
             f"{rn['lease_touches_per_s']:g} leases/s) | - | - | - | {rn['redis_cpu_pct']} | - | "
-            f"{rn['redis_cpu_us_per_renew_call']} per renewal call | - | - |"
+            f"{rn['redis_cpu_us_per_renew_call']} per renewal call | - | - | "
+            f"{rn['renew_calls_per_s']:g} |"
         )
         for s in r["steps"]:
             per = " + ".join(f"{n['cpu_pct']:g}" for n in s["per_primary"].values())
@@ -540,7 +555,8 @@ def table(results: list[dict[str, Any]]) -> str:
                 + (f" ({per})" if len(s["per_primary"]) > 1 else "")
                 + f" | {s['busiest_main_pct']:g} | {s['redis_cpu_us_per_start']:g} "
                 f"({s['redis_cpu_us_per_start_net']:g}) | {s['benchmark_cpu_pct']:g} | "
-                f"{sum(n['leases_at_end'] for n in s['per_primary'].values())} |"
+                f"{sum(n['leases_at_end'] for n in s['per_primary'].values())} | "
+                f"{s['renew_calls_per_s']:g} |"
             )
     return "\n".join(lines)
 
@@ -580,7 +596,7 @@ def main(argv: list[str] | None = None) -> None:
     print()
     for r in results:
         p = r["peak"]
-        print(f"{r['backend']}: {'saturated' if r['saturated'] else 'not saturated'}; peak "
+        print(f"{r['backend']}: stopped by {r['stopped_by']}; peak "
               f"{p['starts_per_s']:g} starts/s at {p['clients_per_benchmark']} clients per "
               f"redis-benchmark, Redis {p['redis_cpu_pct']:g} % of a core (busiest main "
               f"thread {p['busiest_main_pct']:g} %), {r['starts_per_s_per_core']} starts/s "

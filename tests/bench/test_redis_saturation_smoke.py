@@ -54,4 +54,6 @@ def test_redis_saturation_bench_tiny(tmp_path: Path) -> None:
         assert node["leases_at_end"] > 0
         assert step["renewal_errors"] == 0
     assert result["peak"]["starts_per_s"] == max(s["starts_per_s"] for s in steps)
+    assert isinstance(result["stopped_by"], str) and result["stopped_by"]
+    assert all(s["renew_calls_per_s"] >= 0 for s in steps)
     assert report["cores"] >= 1 and len(report["load_average"]["before"]) == 3
