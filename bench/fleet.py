@@ -28,7 +28,8 @@ from the fault to the first of two consecutive half-second windows that are heal
 again (no ``backend_unavailable``, refusals no higher than before, starts held).
 
 The bench's client processes share the machine's cores with Redis: on a small machine
-they, not Redis, are usually what saturates first, which the Redis CPU share shows.
+they, not Redis, are usually what saturates first, which the Redis CPU share shows;
+bench/redis_saturation.py measures Redis's own limit with a client in C.
 Everything runs on 127.0.0.1, is bounded and stops by itself. Prints a markdown table
 and writes JSON with ``--json``.
 """

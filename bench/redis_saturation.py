@@ -38,8 +38,9 @@ directly (every call's keys are in that primary's slots). On a machine with fewe
 than four cores the three primaries and the clients share the cores, so the cluster's
 aggregate shows the cost per start on each shard, not three times one primary's rate.
 
-Everything runs on 127.0.0.1, is bounded (each step's calls are sized from the previous
-step's rate, and a step that overruns is stopped) and stops by itself. Prints a
+Everything runs on 127.0.0.1, is bounded (an unreported 200-call probe sizes the first
+step, each step after is sized from the one before, and a step that overruns is
+stopped) and stops by itself. Prints a
 markdown table and writes JSON with ``--json``.
 """
 
@@ -440,14 +441,17 @@ def drive(args: argparse.Namespace, backend: str, url: str, targets: list[tuple[
         idle = _renewal_phase(ports, renewals, args.idle_s)
         background = idle.pop("cpu_rate_per_primary")
         steps: list[dict[str, Any]] = []
-        rate = 0.0  # starts/s per pool of the last step
+        # A probe (not reported) at the first client count sizes the first step; each
+        # step after is sized from the one before, for a rate up to 1.5x higher.
+        probe = run_step(recorded, args.clients[0], 200, args.step_s * 8 + 30, background)
+        rate = probe["starts_per_s"] / len(targets)  # starts/s per pool of the last step
+        growth = 1.0
         best = 0.0
         flat = 0  # steps in a row that gained under 5 % over the best before them
         stopped_by = "the client counts ran out"
         for clients in args.clients:
-            per_pool = max(200, clients * 20)  # the first step: a few hundred calls
-            if rate:
-                per_pool = max(per_pool, int(rate * 1.5 * args.step_s))
+            per_pool = max(200, clients * 20, int(rate * growth * args.step_s))
+            growth = 1.5
             calls0 = renewals.calls
             step = run_step(recorded, clients, per_pool, args.step_s * 8 + 30, background)
             step["renewal_errors"] = len(renewals.errors)
