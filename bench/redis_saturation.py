@@ -5,7 +5,7 @@
 
 bench/fleet.py drives real gateways from Python processes, which on a small machine run
 out of CPU long before Redis does. Here the session starts come from ``redis-benchmark``
-(C, a few microseconds of client CPU per call) replaying the exact calls a gateway
+(C, far cheaper per call than a Python client) replaying the exact calls a gateway
 sends, so Redis saturates first:
 
 * The calls are recorded, not rebuilt: one :class:`RedisAdmission` (the gateway's Redis
