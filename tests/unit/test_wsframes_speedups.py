@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -14,8 +15,10 @@ from proxy.relay import library_contract
 
 def _fresh_copy(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     """proxy/relay/wsframes.py imported again as a module of its own (the one the relay
-    uses is left as it is: its classes stay the ones other modules hold)."""
-    spec = importlib.util.spec_from_file_location("wsframes_copy", wsframes.__file__)
+    uses is left as it is: its classes stay the ones other modules hold). The source,
+    not ``__file__``: in the compiled build that is the extension module."""
+    source = Path(wsframes.__file__ or "").with_name("wsframes.py")
+    spec = importlib.util.spec_from_file_location("wsframes_copy", source)
     assert spec is not None and spec.loader is not None
     copy = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, copy)  # dataclasses look their module up
