@@ -111,9 +111,18 @@ async def test_session_through_headroom_equals_direct_and_the_final_is_metered(
     assert relayed[0]["type"] == "session.created"
     assert relayed[-1]["type"] == "transcription.done", relayed[-1]
     assert any(e["type"] == "transcription.delta" for e in relayed)
-    assert relayed == direct
+    # vLLM merges deltas it sends late into one event, so the grouping differs run to
+    # run; the session says the same through Headroom as direct: its first event, its
+    # text, its final event and the kinds of event in it.
+    assert said(relayed) == said(direct)
     assert relayed_close == direct_close == 1000
     assert finals == before + 1
+
+
+def said(events: list[dict[str, Any]]) -> tuple[object, ...]:
+    """What a transcription session says, apart from how its deltas are grouped."""
+    deltas = "".join(e["delta"] for e in events if e["type"] == "transcription.delta")
+    return events[0], deltas, events[-1], sorted({e["type"] for e in events})
 
 
 async def engine_counts(url: str) -> tuple[float, float]:
