@@ -31,9 +31,10 @@ from proxy.metering.sketches import LogHistogram
 
 __all__ = ["DELIVERY_THRESHOLD", "ReplicaSignals", "StartupSignals"]
 
-#: The worst-1% per-chunk delivery ratio (x realtime) a replica keeps to stay in
-#: placement (the guard's default) and a load level keeps to count (the probe's and the
-#: simulator's ceiling): the margin above realtime that listeners need.
+#: The delivery ratio (audio seconds per wall second) of its worst hundredth of chunks
+#: that a replica keeps to stay in placement (the guard's default) and a load level
+#: keeps to count (the probe's and the simulator's ceiling): the margin above realtime
+#: that listeners need.
 DELIVERY_THRESHOLD: Final = 1.2
 
 

@@ -69,8 +69,9 @@ DEFAULT_LEVELS = (1, 2, 4, 8, 16)
 #: A stand-in card for a measured engine: the fitted terms carry all of its cost, so
 #: the memory and compute terms of the formula are kept negligible.
 _MEASURED = Gpu("measured engine", 1e15, 1e18, 1e18)
-#: The jitter a fit may carry: the simulator's log-normal needs p95 >= 1, and a
-#: measured tail past 3x the median is a stall, not jitter.
+#: The jitter a fit may carry (its p95 over the median): the simulator's log-normal
+#: needs at least the lower bound, and a measured tail past the upper bound is a
+#: stall, not jitter.
 _JITTER_RANGE = (1.0, 3.0)
 #: The per-step token budget of an engine whose budget is not given: prompts are then
 #: taken whole, each token at the decoding cost.
