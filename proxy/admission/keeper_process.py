@@ -21,7 +21,7 @@ is gone (its end of the pipe closes: the kernel closed every descriptor of the d
 process, its upstream connections among them; or the child was re-parented), the
 child waits ``fence_margin_s`` (the engine's abort latency) and marks the leases it
 held, and those released in the last TTL whose release may not have landed, expired
-(``lapse.lua``): their slots are free again at the next script on the pool, not a TTL
+(``keep.lua``'s lapse op): their slots are free again at the next script on the pool, not a TTL
 later. The child ignores SIGINT and SIGTERM and runs in a session of its own, so it
 outlives its parent's signals; it exits when told to (``stop``) or after handing
 back a dead parent's leases.
