@@ -30,6 +30,9 @@ from proxy.admission.shared_tenants import SharedTenants
 
 __all__ = ["SharedRenewal"]
 
+#: How often, within one renewal interval, a pool whose renewal failed is tried again.
+RETRIES_PER_INTERVAL = 4
+
 log = logging.getLogger("headroom.shared_gate")
 
 
@@ -57,22 +60,39 @@ class SharedRenewal:
         self.fence_listeners: list[FenceCallback] = []
 
     async def loop(self) -> None:
-        """Renew every ``renew_interval_s`` until the gate closes."""
+        """Renew every ``renew_interval_s`` until the gate closes. A pool whose renewal
+        failed is tried again every ``renew_interval_s / RETRIES_PER_INTERVAL`` until the
+        next round, so a shard that comes back (its replica promoted) is renewed soon
+        after, not one whole interval after the last failure."""
+        clock = asyncio.get_running_loop()
+        retry_s = self.renew_interval_s / RETRIES_PER_INTERVAL
         while not self.store.closing:
-            await self.renew()
-            await asyncio.sleep(self.renew_interval_s)
+            failed = await self.renew()
+            due = clock.time() + self.renew_interval_s
+            while failed and not self.store.closing and clock.time() + retry_s < due:
+                await asyncio.sleep(retry_s)
+                failed = await self.renew_pools([n for n in failed if n in self.store.pools])
+            await asyncio.sleep(max(0.0, due - clock.time()))
 
-    async def renew(self) -> None:
-        """One renewal tick of every pool (the loop calls it every ``renew_interval_s``)."""
-        for name in list(self.store.pools):
-            await self.renew_pool(name)
+    async def renew(self) -> list[str]:
+        """One renewal tick of every pool (the loop calls it every ``renew_interval_s``);
+        returns the pools whose renewal failed."""
+        failed = await self.renew_pools(list(self.store.pools))
         await self.tenants.renew()
+        return failed
 
-    async def renew_pool(self, name: str) -> None:
+    async def renew_pools(self, names: list[str]) -> list[str]:
+        """Renew the pools ``names`` at once, each its own call (with a Redis Cluster, a
+        shard that is slow or out of reach holds only its own pools' renewals); returns
+        those whose renewal failed."""
+        done = await asyncio.gather(*(self.renew_pool(name) for name in names))
+        return [name for name, ok in zip(names, done, strict=True) if not ok]
+
+    async def renew_pool(self, name: str) -> bool:
         """One renewal of pool ``name`` in Redis: extends this gateway's leases, publishes its view
         and guard flags, reads the holdings and queue depth over every gateway, re-arms the
         fence, fences on lost leases and updates its waiters' places. A Redis failure marks the
-        store unavailable and returns (the fence deadline stands)."""
+        store unavailable and returns False (the fence deadline stands); True otherwise."""
         store = self.store
         p = store.pools[name]
         sent = store.clock.now()
@@ -87,7 +107,7 @@ class SharedRenewal:
         except BackendUnavailable as exc:
             store.set_available(False)
             log.warning("renewal of pool %s failed: %s", name, exc)
-            return
+            return False
         store.set_available(True)
         if p.generation and result.generation != p.generation:
             log.warning("pool %s: admission store lost its data (new generation); "
@@ -123,6 +143,7 @@ class SharedRenewal:
                 waiter.position = state
                 if waiter.on_position is not None:
                     waiter.on_position(state, p.wait_s(state, store.clock.now()))
+        return True
 
     def arm_fence(self, p: PoolState) -> None:
         """Arm ``p``'s fence at its last renewal plus ``lease_ttl_s - fence_margin_s``."""
