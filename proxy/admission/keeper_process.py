@@ -534,7 +534,7 @@ class _Child:
         reader.start()
         self._publish()  # an empty file first: the gateway sees the child running
         while True:
-            self._wake.wait(self.config.interval_s)
+            self._wake.wait(self.keeper.check_period_s)
             if self.stopping:
                 return
             if self.orphaned or os.getppid() != self._parent:

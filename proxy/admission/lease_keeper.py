@@ -8,12 +8,15 @@ is still running here; and the gateway does not end its own sessions (the fence 
 is gone or cut off from Redis stops renewing, and its leases lapse within one TTL.
 
 :class:`LeaseKeeper` runs ``keep.lua`` (:class:`~proxy.admission.redis_backend.LeaseRenewer`)
-every ``interval_s`` for each pool in which this process holds leases, over a blocking
-connection of its own. The gate tells it of every grant and release (:meth:`hold`,
-:meth:`drop`, under a lock), so it renews only what this process still holds; it never
-grants, re-asserts or revives a lease. A renewal that found every lease it sent still
-held proves them until the time it was sent plus one TTL; the gate's fence deadline
-takes the later of its own tick and that proof (:meth:`kept_age`). Anything else -- a
+for each pool in which this process holds leases and whose last renewal -- the gate's
+tick or the keeper's own -- is late, over a blocking connection of its own. It looks
+:data:`CHECKS_PER_INTERVAL` times per ``interval_s``, so a pool whose tick stopped is
+renewed within one interval of that tick, well inside the lease's TTL, and then about
+once per interval while the tick stays late. The gate tells it of every grant and
+release (:meth:`hold`, :meth:`drop`, under a lock), so it renews only what this process
+still holds; it never grants, re-asserts or revives a lease. A renewal that found every
+lease it sent still held proves them until the time it was sent plus one TTL; the gate's
+fence deadline takes the later of its own tick and that proof (:meth:`kept_age`). Anything else -- a
 lease found gone, a new data generation, Redis unreachable -- proves nothing and is
 left to the gate's tick, which decides between re-asserting and fencing.
 
@@ -34,13 +37,18 @@ from typing import Protocol
 
 from proxy.admission.redis_backend import BackendUnavailable
 
-__all__ = ["KeepFunction", "Keeper", "LeaseKeeper"]
+__all__ = ["CHECKS_PER_INTERVAL", "KeepFunction", "Keeper", "LeaseKeeper"]
 
 log = logging.getLogger("headroom.lease_keeper")
 
 #: ``(pool, generation, lease ids) -> ids not found`` (None: another data generation).
 #: Raises :class:`BackendUnavailable` when Redis cannot be reached.
 KeepFunction = Callable[[str, str, Sequence[str]], "tuple[str, ...] | None"]
+
+#: How many times per ``interval_s`` the keeper looks for a late pool.
+CHECKS_PER_INTERVAL = 4
+#: A pool is late once its last renewal is this share of ``interval_s`` old.
+LATE_SHARE = 0.75
 
 
 class Keeper(Protocol):
@@ -90,6 +98,8 @@ class LeaseKeeper:
         #: pool -> when the gate's own tick last renewed it: while the loop keeps up,
         #: the keeper leaves the pool to it.
         self._ticked: dict[str, float] = {}
+        #: pool -> when the keeper last sent a renewal (whatever came of it).
+        self._attempted: dict[str, float] = {}
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
         self.renewals = 0
@@ -143,22 +153,31 @@ class LeaseKeeper:
         with self._lock:
             return dict(self._kept)
 
+    @property
+    def check_period_s(self) -> float:
+        """How often the keeper looks for late pools (:meth:`keep_once`)."""
+        return self.interval_s / CHECKS_PER_INTERVAL
+
     # -- the thread's side --------------------------------------------------------------
 
     def keep_once(self) -> None:
-        """One renewal of every pool this process holds leases in."""
+        """Renew every pool this process holds leases in whose last renewal, by the
+        gate's tick or by the keeper, is late."""
         now = self._monotonic()
-        late = now - self.interval_s * 0.75
+        late = now - self.interval_s * LATE_SHARE
         with self._lock:
             work = [
                 (pool, self._generation.get(pool, ""), tuple(ids))
                 for pool, ids in self._held.items()
-                if ids and self._ticked.get(pool, late) <= late
+                if ids
+                and max(self._ticked.get(pool, late), self._attempted.get(pool, late)) <= late
             ]
         for pool, generation, ids in work:
             if not generation:
                 continue  # the gate's first tick has not run: nothing to prove against
             sent = self._monotonic()
+            with self._lock:
+                self._attempted[pool] = sent
             try:
                 missing = self._keep(pool, generation, ids)
             except BackendUnavailable as exc:
@@ -182,7 +201,7 @@ class LeaseKeeper:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stopping.wait(self.interval_s):
+        while not self._stopping.wait(self.check_period_s):
             try:
                 self.keep_once()
             except Exception:  # the thread must outlive any one failure

@@ -116,3 +116,41 @@ def test_the_thread_starts_renews_and_stops() -> None:
     keeper.stop()
     assert closed == [True]
     assert "running=False" in repr(keeper)
+
+
+def test_a_stopped_tick_is_covered_within_one_interval_then_about_once_an_interval() -> None:
+    """The keeper looks several times an interval: a pool whose tick stopped is renewed
+    once its last renewal is late, and the keeper's own renewal then counts as the last
+    one, so it does not renew at every look (nor retry a failed call at every look)."""
+    keeper, store, clock = make()
+    keeper.hold("tts", "a")
+    keeper.set_generation("tts", "g1")
+    keeper.ticked("tts")
+    looks = 0
+
+    def look() -> None:
+        nonlocal looks
+        clock.advance(keeper.check_period_s)
+        looks += 1
+        keeper.keep_once()
+
+    while not store.calls:
+        look()
+    assert keeper.check_period_s < keeper.interval_s
+    assert looks * keeper.check_period_s <= keeper.interval_s  # within one interval
+    first = looks
+    while len(store.calls) < 2:
+        look()
+    assert 1 < looks - first <= round(keeper.interval_s / keeper.check_period_s)
+    store.down = True
+    while len(store.calls) < 3:
+        look()
+    failed_at = looks
+    while len(store.calls) < 4:
+        look()
+    assert looks - failed_at > 1  # a failed call is retried at the pace of a renewal
+    keeper.ticked("tts")  # the loop runs again: the keeper leaves the pool to it
+    calls = len(store.calls)
+    for _ in range(2):
+        look()
+    assert len(store.calls) == calls
