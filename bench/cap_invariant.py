@@ -524,6 +524,31 @@ def starts_over_cap(events: list[list[list[Any]]], changes: list[CapChange], ini
     return over
 
 
+def aborts_after_kills(events: list[list[list[Any]]], ops: list[dict[str, Any]],
+                       gateway_of: dict[str, int]) -> list[dict[str, Any]]:  # fmt: skip
+    """For each ``kill9``: how long after the kill the engine ended each upstream session
+    of the killed gateway that was open at that moment (the engine's abort latency,
+    which ``fence_margin_s`` must cover: the killed gateway's keeper hands the leases
+    back that long after it sees its gateway gone)."""
+    rows = []
+    for op in ops:
+        if op["kind"] != "kill9":
+            continue
+        latencies = []
+        for seq in events:
+            started: dict[str, float] = {}
+            for t, d, cid in sorted(seq, key=lambda e: (e[0], e[1])):
+                if d == 1:
+                    started[cid] = t
+                elif cid in started:
+                    opened = started.pop(cid)
+                    if gateway_of.get(cid) == op["gateway"] and opened <= op["at"] < t:
+                        latencies.append(t - op["at"])
+        rows.append({"gateway": op["gateway"], "sessions": len(latencies),
+                     "max_s": round(max(latencies), 3) if latencies else None})  # fmt: skip
+    return rows
+
+
 def fences(workdir: Path) -> list[tuple[int, float]]:
     """(gateway, wall time) of every "closing this gateway's ... sessions" log line (the
     fence, docs/shared-admission.md)."""
@@ -738,6 +763,9 @@ def report(cfg: InvariantConfig, state: State, sim: dict[str, Any], redis_state:
             "sim_streams": sim["open_streams"],
             "total": leaked,
         },
+        "engine_aborts_after_kill9": aborts_after_kills(
+            sim["events"], state.ops, {x.cid: x.gateway for x in state.sessions}
+        ),
         "fences": {"total": len(fenced), "during_stalls": len(stall_fences)},
         "sessions_cut": _cut(workdir),
         "gateway_exit_codes": exit_codes,
@@ -772,6 +800,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"({r['fences']['during_stalls']} during stalls), sessions cut by them: "
         f"{r['sessions_cut']}",
         f"bad engine pages: {r['bad_pages']}",
+        f"engine abort after each kill9 (fence_margin_s {c['fence_margin_s']}): "
+        f"{r['engine_aborts_after_kill9']}",
         "",
         "| invariant | held |",
         "|---|---|",

@@ -50,6 +50,20 @@ def test_a_start_is_judged_against_the_caps_in_force_during_the_grace_before_it(
     assert ci.starts_over_cap(swap, [], [1], grace_s=1.0) == []
 
 
+def test_the_engine_abort_after_a_kill_counts_the_killed_gateways_open_sessions() -> None:
+    events = [[[1.0, 1, "a"], [2.0, 1, "b"], [3.0, 1, "c"], [4.0, -1, "c"], [10.7, -1, "a"],
+               [11.5, -1, "b"]], [[9.0, 1, "d"], [12.0, -1, "d"]]]  # fmt: skip
+    gateway_of = {"a": 1, "b": 0, "c": 1, "d": 1}
+    ops = [{"kind": "kill9", "gateway": 1, "at": 10.0}, {"kind": "stall", "gateway": 1, "at": 5}]
+    # a and d were open through gateway 1 at the kill; c had ended, b was gateway 0's.
+    assert ci.aborts_after_kills(events, ops, gateway_of) == [
+        {"gateway": 1, "sessions": 2, "max_s": 2.0}
+    ]
+    assert ci.aborts_after_kills(events, [{**ops[0], "gateway": 2}], gateway_of) == [
+        {"gateway": 2, "sessions": 0, "max_s": None}
+    ]
+
+
 @pytest.mark.slow
 def test_a_short_seeded_run_holds_every_invariant(tmp_path: Path) -> None:
     if shutil.which("redis-server") is None:
