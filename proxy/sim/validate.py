@@ -51,7 +51,7 @@ from proxy.sim.validate_data import (
     Point,
     Setup,
 )
-from proxy.sim.virtual_load import LoadResult, run_load
+from proxy.sim.virtual_load import LoadResult, RequestLengths, run_load
 
 __all__ = [
     "EFFECT_TOLERANCE",
@@ -88,7 +88,7 @@ class Row:
         return not self.within and bool(self.point.miss)
 
 
-_RunKey = tuple[str, Setup, int, float, float, int | None, tuple[int, ...]]
+_RunKey = tuple[str, Setup, int, RequestLengths, int | None, tuple[int, ...]]
 
 
 def _figure(result: LoadResult, metric: Metric) -> float:
@@ -108,11 +108,10 @@ def _figure(result: LoadResult, metric: Metric) -> float:
 def _measure(
     point: Point, setup: Setup, seeds: tuple[int, ...], runs: dict[_RunKey, list[LoadResult]]
 ) -> float:
-    key = (point.preset, setup, point.concurrency, point.audio_s, point.spread, point.prompts,
-           seeds)  # fmt: skip
+    lengths = RequestLengths(point.audio_s, point.spread, point.sigma)
+    key = (point.preset, setup, point.concurrency, lengths, point.prompts, seeds)
     if key not in runs:
         preset = setup.apply(get_preset(point.preset))
-        low, high = point.audio_s * (1 - point.spread), point.audio_s * (1 + point.spread)
         runs[key] = [
             run_load(
                 preset,
@@ -120,7 +119,7 @@ def _measure(
                 seed=seed,
                 duration_s=120.0 if point.prompts is None else 3600.0,
                 warmup_s=0.0,
-                utterance_s=(low, high),
+                utterance_s=lengths,
                 stagger_s=0.0,
                 think_s=0.0,
                 requests=point.prompts,

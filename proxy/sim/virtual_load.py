@@ -24,6 +24,7 @@ against a real GPU.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 import statistics
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ from proxy.sim.presets import TEXT_TOKENS_PER_AUDIO_S, Preset
 __all__ = [
     "THRESHOLD",
     "LoadResult",
+    "RequestLengths",
     "Rules",
     "VirtualStream",
     "find_ceiling",
@@ -103,6 +105,45 @@ class LoadResult:
         return out
 
 
+@dataclass(frozen=True, slots=True)
+class RequestLengths:
+    """The audio seconds of the requests a load sends, drawn from the run's seeded
+    generator: uniform within ``mean_s x (1 +- spread)``, or with ``sigma`` set
+    log-normal, its mean ``mean_s`` and its logarithm's standard deviation ``sigma`` (a
+    prompt set of short texts with a few long ones: the median below the mean)."""
+
+    mean_s: float
+    spread: float = 0.0
+    sigma: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.mean_s > 0:
+            raise ValueError("request lengths need a mean above 0 s")
+        if not 0.0 <= self.spread < 1.0:
+            raise ValueError("request length spread must be in [0, 1)")
+        if self.sigma < 0.0:
+            raise ValueError("request length sigma must be >= 0")
+        if self.sigma > 0.0 and self.spread > 0.0:
+            raise ValueError("request lengths are uniform (spread) or log-normal (sigma)")
+
+    @classmethod
+    def between(cls, low: float, high: float) -> RequestLengths:
+        """Uniform within ``[low, high]``."""
+        if not 0 < low <= high:
+            raise ValueError(f"request lengths need 0 < low <= high, got {low}..{high}")
+        mean = (low + high) / 2
+        return cls(mean, (high - low) / 2 / mean)
+
+    @property
+    def median_s(self) -> float:
+        return self.mean_s * math.exp(-(self.sigma**2) / 2)
+
+    def draw(self, rng: random.Random) -> float:
+        if self.sigma > 0.0:
+            return rng.lognormvariate(math.log(self.median_s), self.sigma)
+        return rng.uniform(self.mean_s * (1 - self.spread), self.mean_s * (1 + self.spread))
+
+
 @dataclass(slots=True)
 class VirtualStream:
     """One client's stream in a virtual-clock run: its audio and its listener's buffer."""
@@ -127,7 +168,7 @@ class _EngineLoad:
     rng: random.Random
     warmup_s: float
     duration_s: float
-    utterance_s: tuple[float, float]
+    lengths: RequestLengths
     think_s: float
     prebuffer_s: float
     requests: int | None
@@ -189,7 +230,7 @@ class _EngineLoad:
             if self.requests is not None and self.submitted >= self.requests:
                 continue
             self.submitted += 1
-            audio_s = self.rng.uniform(*self.utterance_s)
+            audio_s = self.lengths.draw(self.rng)
             text_tokens = 0 if preset.kind == "asr" else round(audio_s * TEXT_TOKENS_PER_AUDIO_S)
             output = max(1, round(audio_s * rate))
             seq_id = self.engine.submit(
@@ -273,7 +314,7 @@ def run_colocated(
     seed: int = 0,
     duration_s: float = 40.0,
     warmup_s: float = 8.0,
-    utterance_s: tuple[float, float] = (8.0, 20.0),
+    utterance_s: tuple[float, float] | RequestLengths = (8.0, 20.0),
     stagger_s: float = 1.0,
     think_s: float = 0.3,
     prebuffer_s: float = 0.2,
@@ -291,13 +332,20 @@ def run_colocated(
     end. The codec stage (``EngineSpec.codec``) keeps its own stream, as it does on one
     engine. One engine alone is :func:`run_load`.
 
-    ``stagger_s`` 0 starts every client at once (a benchmark's burst); ``prebuffer_s``
-    is the modelled listener's buffer. ``requests`` set runs a serving benchmark's fixed
-    prompt count per engine instead: its clients send ``requests`` in all
-    (``duration_s`` is then only a bound), and throughput and requests per second are
-    over the whole run, from the first submit to the last chunk, ramp-down included."""
+    ``utterance_s`` is the requests' length in audio seconds: uniform between two
+    bounds, or a :class:`RequestLengths`. ``stagger_s`` 0 starts every client at once
+    (a benchmark's burst); ``prebuffer_s`` is the modelled listener's buffer.
+    ``requests`` set runs a serving benchmark's fixed prompt count per engine instead:
+    its clients send ``requests`` in all (``duration_s`` is then only a bound), and
+    throughput and requests per second are over the whole run, from the first submit to
+    the last chunk, ramp-down included."""
     if not loads:
         raise ValueError("no engines to run")
+    lengths = (
+        utterance_s
+        if isinstance(utterance_s, RequestLengths)
+        else RequestLengths.between(*utterance_s)
+    )
     engines: list[_EngineLoad | None] = []
     for i, (preset, concurrency) in enumerate(loads):
         if concurrency < 0:
@@ -314,7 +362,7 @@ def run_colocated(
             rng=rng,
             warmup_s=warmup_s,
             duration_s=duration_s,
-            utterance_s=utterance_s,
+            lengths=lengths,
             think_s=think_s,
             prebuffer_s=prebuffer_s,
             requests=requests,
@@ -344,7 +392,7 @@ def run_load(
     seed: int = 0,
     duration_s: float = 40.0,
     warmup_s: float = 8.0,
-    utterance_s: tuple[float, float] = (8.0, 20.0),
+    utterance_s: tuple[float, float] | RequestLengths = (8.0, 20.0),
     stagger_s: float = 1.0,
     think_s: float = 0.3,
     prebuffer_s: float = 0.2,

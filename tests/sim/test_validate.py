@@ -201,6 +201,8 @@ def test_the_ci_release_runs_are_rows_and_their_ttfp_jumps_between_8_and_16(
     ci = [p for p in PUBLISHED if p.preset in ("h100-qwen3tts-1.7b", "h100-voxtral-tts-4b")]
     assert {p.prompts for p in ci} == {20, 80, 128}
     assert all(p.sample == "in-sample" and p.audio_s == 7.5 for p in ci)
+    # One prompt set: its sentences run from 16-20 % below their mean to 25 % above it.
+    assert len({p.spread for p in ci}) == 1 and 0.16 <= ci[0].spread <= 0.25
     qwen = "h100-qwen3tts-1.7b"
     jump = _simulated(rows, qwen, "ttfa_p50", 16) / _simulated(rows, qwen, "ttfa_p50", 8)
     assert jump == pytest.approx(0.7138 / 0.0753, rel=EFFECT_TOLERANCE)
