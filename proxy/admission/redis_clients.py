@@ -15,6 +15,16 @@ slot map from any reachable seed, sends each call to the primary of its keys' sl
 follows MOVED and ASK, waits out TRYAGAIN, and reloads the map after a connection error
 (a primary that died and a promoted replica). Each pool's keys share one hash tag, so
 each script call goes to one shard.
+
+Through a primary's failover a cluster client's calls to that shard fail (each after
+its :data:`CLUSTER_RETRIES` attempts) until the client reloads a map that names the
+promoted replica. The errors of all its calls in that time ask for one reload, run by
+the next call once :data:`CLUSTER_REFRESH_INTERVAL_S` has passed since the last one, so
+a client learns of the promotion at most that long after it (at its next call). The
+renewals try a failed pool again within their interval
+(:mod:`proxy.admission.shared_renewal`), so a pool's renewals pause through a failover
+for at most one renewal interval (since the last one before it), the promotion, this
+interval and one retry pause with its failed call.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 __all__ = [
+    "CLUSTER_REFRESH_INTERVAL_S",
     "CLUSTER_RETRIES",
     "CLUSTER_SCHEMES",
     "NO_RETRY",
@@ -46,6 +57,13 @@ NO_RETRY = 0
 #: that met a dead primary reaches the promoted replica once the cluster names it.
 #: MOVED, ASK and TRYAGAIN are followed within one attempt.
 CLUSTER_RETRIES = 2
+
+#: The shortest pause between two slot-map reloads of one cluster client that errors ask
+#: for (redis-py's ``topology_refresh_min_interval``); the requests in between are
+#: collapsed into one. A reload costs the gateway CPU (the map of 16384 slots rebuilt in
+#: Python) and every client of every gateway reloads while a shard is down: a shorter
+#: pause finds a promoted replica sooner, for more of that cost each second.
+CLUSTER_REFRESH_INTERVAL_S = 1.0
 
 #: URL schemes that name a Redis Cluster's seed nodes (TLS with ``rediss+cluster``).
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -166,6 +184,7 @@ def async_client(
             startup_nodes=[ClusterNode(host, port) for host, port in cluster.seeds],
             require_full_coverage=False,
             retry=Retry(_cluster_backoff(), CLUSTER_RETRIES),
+            topology_refresh_min_interval=CLUSTER_REFRESH_INTERVAL_S,
             **{"socket_timeout": socket_timeout, **options, **cluster.options},
         )
     options = {"retry": Retry(NoBackoff(), NO_RETRY), **options}
@@ -201,6 +220,7 @@ def sync_client(
             startup_nodes=[make_node(host, port) for host, port in cluster.seeds],
             require_full_coverage=False,
             retry=Retry(_cluster_backoff(), CLUSTER_RETRIES),
+            topology_refresh_min_interval=CLUSTER_REFRESH_INTERVAL_S,
             **{"socket_timeout": socket_timeout, **options, **cluster.options},
         )
     options = {"retry": Retry(NoBackoff(), NO_RETRY), **options}
