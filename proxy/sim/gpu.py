@@ -27,22 +27,12 @@ from proxy.sim.engine import Engine
 from proxy.sim.engine_metrics import EngineMetrics
 from proxy.sim.engine_runner import Runner, SeqStream
 from proxy.sim.faults import Faults, StreamFaults
-from proxy.sim.gpu_app import build_app
+from proxy.sim.gpu_app import REFUSAL_LOG_FILTER, build_app
 from proxy.sim.presets import Preset
 
 __all__ = ["SimGpu", "Timeouts"]
 
 log = logging.getLogger("proxy.sim")
-
-
-class _DenialLogFilter(logging.Filter):
-    """uvicorn logs every refused WebSocket handshake at ERROR; a 503 fault is not one."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "returned without completing handshake" not in record.getMessage()
-
-
-_DENIAL_FILTER = _DenialLogFilter()
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +119,8 @@ class SimGpu:
 
     async def start(self) -> None:
         """Bind the port, start the step loop, and listen unless refusing."""
-        logging.getLogger("uvicorn.error").addFilter(_DENIAL_FILTER)
+        # a handshake refused on purpose is not an error (proxy.sim.gpu_app); added once
+        logging.getLogger("uvicorn.error").addFilter(REFUSAL_LOG_FILTER)
         self._sock = _placeholder(self.host, self._requested_port)
         self.port = self._sock.getsockname()[1]
         self.runner.start(name=f"sim-gpu{self.index}")
@@ -178,8 +169,6 @@ class SimGpu:
         if not self._servers:
             return
         server, _ = self._servers[-1]
-        # uvicorn.Server.servers: the asyncio servers it listens with, one per socket (a
-        # public, typed attribute), read directly so that a change to it fails loudly.
         for listener in server.servers:
             listener.close()  # closes the socket; accepted connections continue
         self._sock = _placeholder(self.host, self.port)

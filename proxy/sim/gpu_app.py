@@ -20,14 +20,25 @@ The SageMaker WebSocket runs the endpoint named by ``X-Amzn-SageMaker-Model-
 Invocation-Path`` (default: ``/v1/realtime`` on an ASR preset, else
 ``/v1/audio/speech/stream``), with binary frames read as UTF-8 text like the AWS
 sample bridge.
+
+A handshake the simulator refuses on purpose (the ``handshake_503`` fault, an unknown
+invocation path) is answered with an HTTP response through the ASGI WebSocket denial
+response. uvicorn's websockets-sansio implementation before 0.55 then logs "ASGI
+callable returned without completing handshake" at ERROR although the refusal was
+answered. uvicorn runs the app in one task per connection and logs the app's outcome in
+that same task, so :func:`refuse_handshake` marks the task once the refusal is sent and
+:data:`REFUSAL_LOG_FILTER` (on the ``uvicorn.error`` logger) drops what is logged there
+afterwards: a record is recognised by where it is logged, not by its text.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -48,10 +59,31 @@ from proxy.sim.transcription import create_transcription
 if TYPE_CHECKING:
     from proxy.sim.gpu import SimGpu
 
-__all__ = ["INVOCATION_PATH_HEADER", "build_app"]
+__all__ = ["INVOCATION_PATH_HEADER", "REFUSAL_LOG_FILTER", "build_app", "refuse_handshake"]
 
 INVOCATION_PATH_HEADER = "x-amzn-sagemaker-model-invocation-path"
 _ADMIN_BODY_LIMIT = 4096  # bytes of an admin request's JSON body
+#: Set in a connection's task once the simulator has answered its handshake with a refusal.
+_REFUSED: ContextVar[bool] = ContextVar("sim_refused_handshake", default=False)
+
+
+class _RefusalLogFilter(logging.Filter):
+    """Drops the records logged in the task of a handshake already refused on purpose."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _REFUSED.get()
+
+
+REFUSAL_LOG_FILTER = _RefusalLogFilter()
+
+
+async def refuse_handshake(websocket: WebSocket, response: Response) -> None:
+    """Answer the handshake with ``response``, then mark this connection's task (see the
+    module docstring). A failure to send is not marked and is logged as usual."""
+    await websocket.send_denial_response(response)
+    _REFUSED.set(True)
+
+
 Handler = Callable[["SimGpu", WsChannel, Mapping[str, Any]], Awaitable[None]]
 _WS_HANDLERS: dict[str, Handler] = {
     "/v1/realtime": realtime,
@@ -63,7 +95,7 @@ async def _serve_ws(
     gpu: SimGpu, websocket: WebSocket, handler: Handler, *, binary_as_text: bool = False
 ) -> None:
     if gpu.faults.handshake_503:
-        await websocket.send_denial_response(unavailable_response())
+        await refuse_handshake(websocket, unavailable_response())
         return
     await websocket.accept()
     opened = gpu.metrics.websocket_opened()
@@ -114,11 +146,12 @@ def build_app(gpu: SimGpu) -> Starlette:
         path = websocket.headers.get(INVOCATION_PATH_HEADER, default).split("?", 1)[0]
         handler = _WS_HANDLERS.get("/" + path.strip().lstrip("/"))
         if handler is None:
-            await websocket.send_denial_response(
+            await refuse_handshake(
+                websocket,
                 error_response(
                     f"unknown invocation path {path!r}; use one of {', '.join(_WS_HANDLERS)}",
                     404,
-                )
+                ),
             )
             return
         await _serve_ws(gpu, websocket, handler, binary_as_text=True)

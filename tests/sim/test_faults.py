@@ -10,17 +10,21 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import httpx
 import pytest
+from starlette.responses import Response
+from starlette.websockets import WebSocket
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from proxy.sim import Faults, running_cluster
 from proxy.sim.audio import synthesize
 from proxy.sim.cluster import Cluster
+from proxy.sim.common import unavailable_response
 from proxy.sim.faults import add_fault_arguments, faults_from_args
+from proxy.sim.gpu_app import REFUSAL_LOG_FILTER, refuse_handshake
 from tests.sim.conftest import ASR, FAST_TTS
 from tests.sim.helpers import b64, sse_events
 
@@ -124,9 +128,11 @@ class _Records(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
         self.messages: list[str] = []
+        self.levels: list[int] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.messages.append(record.getMessage())
+        self.levels.append(record.levelno)
 
 
 async def test_handshake_503() -> None:
@@ -140,8 +146,39 @@ async def test_handshake_503() -> None:
             await _refused_everywhere(cluster)
         finally:
             logger.removeHandler(records)
-    # uvicorn logs every denied handshake at ERROR; a deliberate 503 must not flood logs.
+    # uvicorn's websockets-sansio before 0.55 logs every denied handshake at ERROR; a
+    # deliberate 503 must not flood logs.
     assert not [m for m in records.messages if "handshake" in m]
+    assert not [level for level in records.levels if level >= logging.ERROR]
+
+
+async def test_refusal_mark_stays_in_its_connections_task() -> None:
+    """What uvicorn logs after a deliberate refusal is dropped in that connection's task
+    only: a record logged at the same time in another connection's task still passes."""
+    refused, other = asyncio.Event(), asyncio.Event()
+    passed: dict[str, bool] = {}
+
+    class _Denied:
+        async def send_denial_response(self, response: Response) -> None:
+            assert response.status_code == 503
+
+    def record() -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", logging.ERROR, __file__, 0, "x", None, None)
+
+    async def refusing() -> None:
+        await refuse_handshake(cast(WebSocket, _Denied()), unavailable_response())
+        refused.set()
+        await other.wait()
+        passed["refused"] = REFUSAL_LOG_FILTER.filter(record())
+
+    async def failing() -> None:
+        await refused.wait()
+        passed["other"] = REFUSAL_LOG_FILTER.filter(record())
+        other.set()
+
+    await asyncio.gather(refusing(), failing())
+    assert passed == {"refused": False, "other": True}
+    assert REFUSAL_LOG_FILTER.filter(record())  # nor in the task that started them
 
 
 async def _refused_everywhere(cluster: Cluster) -> None:
