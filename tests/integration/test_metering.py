@@ -308,4 +308,7 @@ async def test_metric_names_types_and_labels_match_the_design(
 
 def test_custom_chunk_durations_become_gap_bucket_edges() -> None:
     metrics = Metrics(chunk_durations_s=[0.032, 0.48])
-    assert {0.032, 0.48} <= set(metrics.chunk_gap._upper_bounds)
+    metrics.replica_series("tts", "gpu0")  # a series, so the family has buckets to export
+    for le in ("0.032", "0.48"):
+        labels = {"pool": "tts", "replica": "gpu0", "le": le}
+        assert metrics.registry.get_sample_value("headroom_chunk_gap_seconds_bucket", labels) == 0

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import Metric
 
 from proxy.metering.replica_series import bucket_index, le_label
 from proxy.metering.rolling import ReplicaSignals
@@ -367,17 +368,43 @@ def test_the_registry_refuses_a_second_metric_of_a_collected_name(name: str) -> 
         Counter(name, "again", registry=metrics.registry)
 
 
+def definition_family(metric: Histogram | Counter) -> Metric:
+    """A definition's family as it exports one (p, r) child: the child made through the
+    base class's ``labels`` (the definition's own refuses), read through ``collect``."""
+    base = Histogram if isinstance(metric, Histogram) else Counter
+    base.labels(metric, "p", "r")
+    (family,) = metric.collect()
+    return family
+
+
+def bucket_edges(family: Metric) -> list[float]:
+    return [float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")]
+
+
 def test_definitions_describe_the_exported_metrics_and_refuse_observations() -> None:
     metrics = Metrics(chunk_durations_s=[0.032])
-    assert metrics.chunk_gap._upper_bounds == [*sorted({*OLD_GAP_BUCKETS, 0.032}), math.inf]
-    assert tuple(metrics.chunk_gap._upper_bounds) == metrics.replica_series("p", "r").gap_bounds
-    assert tuple(metrics.chunk_delivery_ratio._upper_bounds) == (
-        metrics.replica_series("p", "r").ratio_bounds
-    )
-    for metric in (metrics.chunk_gap, metrics.audio_delivered, metrics.underruns):
-        assert tuple(metric._labelnames) == ("pool", "replica")
+    series = metrics.replica_series("p", "r")
+    definitions = (
+        metrics.chunk_gap, metrics.chunk_delivery_ratio, metrics.audio_delivered,
+        metrics.underruns,
+    )  # fmt: skip
+    for metric in definitions:
         with pytest.raises(TypeError, match="replica_series"):
             metric.labels("p", "r")
+    gap = definition_family(metrics.chunk_gap)
+    assert bucket_edges(gap) == [*sorted({*OLD_GAP_BUCKETS, 0.032}), math.inf]
+    assert tuple(bucket_edges(gap)) == series.gap_bounds
+    ratio = definition_family(metrics.chunk_delivery_ratio)
+    assert tuple(bucket_edges(ratio)) == series.ratio_bounds
+    exported = {family.name: family for family in metrics.registry.collect()}
+    for metric in definitions:
+        family = definition_family(metric)
+        assert {name for s in family.samples for name in s.labels} - {"le"} == {"pool", "replica"}
+        twin = exported[family.name]
+        assert (family.type, family.documentation) == (twin.type, twin.documentation)
+        assert [(s.name, s.labels) for s in family.samples] == [
+            (s.name, s.labels) for s in twin.samples
+        ]
 
 
 def test_sinks_of_one_replica_share_its_series() -> None:
