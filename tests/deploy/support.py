@@ -139,6 +139,21 @@ def _metrics() -> tuple[Metrics, list[object]]:
     return metrics, [*vars(shared).values(), *vars(reservations).values(), *loop]
 
 
+def _give_a_child(metric: Counter | Histogram) -> None:
+    """Give a labelled ``metric`` one child, so that its family is sampled with its label
+    names (prometheus_client publishes them only on samples): ``labels`` with as many
+    values as it takes. An unlabelled metric refuses every count and samples itself; a
+    definition of what a collector exports (proxy.metering.series) refuses children."""
+    for count in range(8):
+        try:
+            metric.labels(*(f"v{i}" for i in range(count)))
+        except ValueError:  # not that many labels
+            continue
+        except TypeError:  # a definition whose family a collector exports (its own series)
+            return
+        return
+
+
 def exported_series() -> dict[str, set[str]]:
     """Series name -> label names, as Prometheus will see them after a scrape.
 
@@ -147,29 +162,24 @@ def exported_series() -> dict[str, set[str]]:
     nothing should query it.
     """
     metrics, others = _metrics()
-    labels: dict[str, tuple[str, ...]] = {}
+    # Every family sampled: one series of each per-chunk replica family (their collector
+    # exports the series Metrics.replica_series made), one child of every labelled metric.
+    metrics.replica_series("p", "r")
     # dir(), not vars(): Metrics may be compiled (proxy/speedups.py), with no __dict__
     own = [getattr(metrics, name) for name in dir(metrics) if not name.startswith("__")]
     for attr in [*own, *others]:
         if isinstance(attr, Counter | Histogram):
-            labels[attr._name] = tuple(attr._labelnames)  # no public accessor
+            _give_a_child(attr)
     series: dict[str, set[str]] = {}
     for family in metrics.registry.collect():
-        if not family.name.startswith("headroom_"):  # process_*, python_*: as sampled
-            for sample in family.samples:
+        if family.name.startswith("headroom_"):
+            assert family.samples, f"{family.name}: no samples; give it one in _metrics()"
+            if family.type not in ("histogram", "counter"):
+                labelled = any(s.labels for s in family.samples)
+                assert labelled, f"{family.name}: gauge without labels; set every field"
+        for sample in family.samples:
+            if not sample.name.endswith("_created"):
                 series.setdefault(sample.name, set()).update(sample.labels)
-            continue
-        if family.type == "histogram":
-            names = set(labels[family.name])
-            series[family.name + "_bucket"] = names | {"le"}
-            series[family.name + "_sum"] = names
-            series[family.name + "_count"] = names
-        elif family.type == "counter":
-            series[family.name + "_total"] = set(labels[family.name])
-        else:
-            sample_labels = {k for s in family.samples for k in s.labels}
-            assert sample_labels, f"{family.name}: gauge without samples; set every field"
-            series[family.name] = sample_labels
     return series
 
 

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import pytest
+from prometheus_client import Histogram
 
 from proxy.metering.series import DELIVERY_RATIO_BUCKETS, GAP_BUCKETS, Metrics
 
@@ -167,6 +168,13 @@ def _alert(name: str) -> dict[str, Any]:
     return next(r for r in alert_rules() if r["alert"] == name)
 
 
+def bucket_edges(histogram: Histogram) -> set[float]:
+    """A per-pool histogram's bucket edges, as the ``le`` labels of one pool's series."""
+    histogram.labels("p")
+    (family,) = histogram.collect()
+    return {float(s.labels["le"]) for s in family.samples if s.name.endswith("_bucket")}
+
+
 def test_alert_thresholds_sit_on_bucket_edges() -> None:
     # histogram_quantile interpolates linearly inside a bucket; a threshold between edges
     # would be compared against an interpolation, not a measurement.
@@ -177,15 +185,15 @@ def test_alert_thresholds_sit_on_bucket_edges() -> None:
     assert ratio_guard in DELIVERY_RATIO_BUCKETS
     assert ratio_page == 1.2
     ttfa = _threshold(_alert("HeadroomTimeToFirstAudioHigh")["expr"], "p95_5m")
-    assert ttfa in Metrics().client_time_to_first_audio._upper_bounds
+    assert ttfa in bucket_edges(Metrics().client_time_to_first_audio)
 
 
 def test_the_clients_time_to_first_audio_buckets_cover_a_full_queue_wait() -> None:
     """The client's figure adds the queue wait (up to a pool's max_wait_s) to the engine's
     part: its buckets hold the engine's edges and reach past the queue-wait histogram's."""
     metrics = Metrics()
-    client = set(metrics.client_time_to_first_audio._upper_bounds)
-    assert set(metrics.time_to_first_audio._upper_bounds) <= client
-    finite = [edge for edge in metrics.queue_wait._upper_bounds if edge != float("inf")]
+    client = bucket_edges(metrics.client_time_to_first_audio)
+    assert bucket_edges(metrics.time_to_first_audio) <= client
+    finite = [edge for edge in bucket_edges(metrics.queue_wait) if edge != float("inf")]
     assert max(client - {float("inf")}) >= max(finite)
     assert {7.5, 10.0, 15.0} <= client  # a default 10 s queue wait is resolved, not clipped

@@ -150,7 +150,7 @@ def client_frame(opcode: int, payload: bytes, fin: bool = True) -> bytes:
 
 def parse_frames(data: bytes) -> list[tuple[int, bool, bytes]]:
     """Decode a byte stream into (opcode, fin, unmasked payload)."""
-    from websockets.speedups import apply_mask
+    from proxy.relay.wsframes import mask_bytes
 
     out = []
     i = 0
@@ -166,7 +166,7 @@ def parse_frames(data: bytes) -> list[tuple[int, bool, bytes]]:
             i += 8
         payload = data[i + (4 if b1 & 0x80 else 0) : i + (4 if b1 & 0x80 else 0) + length]
         if b1 & 0x80:
-            payload = apply_mask(payload, data[i : i + 4])
+            payload = mask_bytes(payload, data[i : i + 4])
             i += 4
         i += length
         out.append((b0 & 0x0F, bool(b0 & 0x80), payload))
