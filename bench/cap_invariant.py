@@ -549,6 +549,31 @@ def aborts_after_kills(events: list[list[list[Any]]], ops: list[dict[str, Any]],
     return rows
 
 
+def open_after_kill(
+    events: list[list[Any]],
+    ops: list[dict[str, Any]],
+    gateway_of: dict[str, int],
+    t: float,
+    margin_s: float,
+) -> list[str]:
+    """The sessions open on one GPU at ``t`` that came through a gateway killed more than
+    ``margin_s`` before ``t`` and still open at the engine since then: a start over the
+    cap beside one of them is the engine aborting slower than ``fence_margin_s``."""
+    kills = [op for op in ops if op["kind"] == "kill9" and op["at"] + margin_s < t]
+    started: dict[str, float] = {}
+    for when, d, cid in sorted(events, key=lambda e: (e[0], e[1])):
+        if when > t:
+            break
+        if d == 1:
+            started[cid] = when
+        else:
+            started.pop(cid, None)
+    return sorted(
+        cid for cid, opened in started.items()
+        if any(op["gateway"] == gateway_of.get(cid) and opened <= op["at"] for op in kills)
+    )  # fmt: skip
+
+
 def fences(workdir: Path) -> list[tuple[int, float]]:
     """(gateway, wall time) of every "closing this gateway's ... sessions" log line (the
     fence, docs/shared-admission.md)."""
@@ -684,10 +709,14 @@ def report(cfg: InvariantConfig, state: State, sim: dict[str, Any], redis_state:
                   ["upstream_connect_timeout_s"]) + 0.5  # fmt: skip
     initial = [cfg.cap] * cfg.gpus
     over = starts_over_cap(sim["events"], state.changes, initial, grace)
+    gateway_of = {x.cid: x.gateway for x in state.sessions}
     for o in over:  # when, and what operation it fell in (until one TTL after it)
         o["at_s"] = round(o["t"] - state.t0, 2)
         o["during"] = [op["kind"] for op in state.ops
                        if op["at"] <= o["t"] <= op["until"] + cfg.lease_ttl_s]  # fmt: skip
+        o["killed_gateways_sessions_open"] = open_after_kill(
+            sim["events"][o["gpu"]], state.ops, gateway_of, o["t"], cfg.fence_margin_s
+        )
     stalls = [op for op in state.ops if op["kind"] in STALLS]
     fenced = [(gw, t - wall0 + state.t0) for gw, t in fences(workdir)]
     # A fence from the stall's start until one TTL after the loop ran again (plus a
@@ -763,9 +792,7 @@ def report(cfg: InvariantConfig, state: State, sim: dict[str, Any], redis_state:
             "sim_streams": sim["open_streams"],
             "total": leaked,
         },
-        "engine_aborts_after_kill9": aborts_after_kills(
-            sim["events"], state.ops, {x.cid: x.gateway for x in state.sessions}
-        ),
+        "engine_aborts_after_kill9": aborts_after_kills(sim["events"], state.ops, gateway_of),
         "fences": {"total": len(fenced), "during_stalls": len(stall_fences)},
         "sessions_cut": _cut(workdir),
         "gateway_exit_codes": exit_codes,
@@ -825,6 +852,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--lease-ttl", type=float, default=d.lease_ttl_s)
     p.add_argument(
+        "--fence-margin",
+        type=float,
+        default=d.fence_margin_s,
+        help="the gateways' fence_margin_s: must cover the simulator's abort latency, which "
+        "the report measures after each kill9",
+    )
+    p.add_argument(
         "--long-share",
         type=float,
         default=d.long_share,
@@ -852,7 +886,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--op-gap: MIN,MAX in seconds")
     cfg = InvariantConfig(duration_s=a.duration, op_gap_s=(low, high), gpus=a.gpus, cap=a.cap,
                           clients=a.clients, think_s=a.think,
-                          lease_ttl_s=a.lease_ttl, long_share=a.long_share,
+                          lease_ttl_s=a.lease_ttl, fence_margin_s=a.fence_margin,
+                          long_share=a.long_share,
                           long_repeat=a.long_repeat, kinds=kinds, seed=a.seed, settle_s=a.settle,
                           workdir=a.workdir)  # fmt: skip
     result = asyncio.run(run(cfg))
