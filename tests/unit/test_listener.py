@@ -83,26 +83,29 @@ class Timers:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.pending: list[tuple[float, asyncio.TimerHandle]] = []
+        #: (delay, handle, callback, args) of every timer scheduled and not yet fired
+        self.pending: list[tuple[float, asyncio.TimerHandle, Callable[..., Any], tuple[Any, ...]]]
+        self.pending = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loop, name)
 
     def call_later(self, delay: float, callback: Callable[..., Any], *args: Any) -> Any:
         handle = asyncio.TimerHandle(self.loop.time() + delay, callback, args, self.loop)
-        self.pending.append((delay, handle))
+        self.pending.append((delay, handle, callback, args))
         return handle
 
     def armed(self) -> list[float]:
-        return [d for d, h in self.pending if not h.cancelled()]
+        return [d for d, h, _, _ in self.pending if not h.cancelled()]
 
     def fire(self, delay: float) -> int:
         """Run every live timer scheduled with ``delay`` (as if that much time passed)."""
         fired = 0
-        for d, handle in list(self.pending):
+        for timer in list(self.pending):
+            d, handle, callback, args = timer
             if d == delay and not handle.cancelled():
-                self.pending.remove((d, handle))
-                handle._run()
+                self.pending.remove(timer)
+                callback(*args)
                 fired += 1
         return fired
 
