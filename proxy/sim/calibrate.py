@@ -1,6 +1,7 @@
 """Calibration from a live engine: its step cost against batch size, as a preset.
 
     headroom sim --calibrate URL [--tokens-per-audio-second 12.5] [--write FILE.json]
+                 [--calibrate-batch-tokens N]   # the engine's per-step token budget
     headroom sim --describe FILE.json          # plan from the measured costs
 
 :func:`measure` drives a running engine with the probe's client and workload
@@ -18,7 +19,7 @@ each level. Per level (:class:`LevelCost`):
   stream still in its prompt is not decoding, so the 16-stream level of a 16-slot
   server runs fewer than 16) plus the prompt tokens a step carries (the prompt tokens
   of the requests started per second, times the step time);
-- the tail: the 95th percentile of the per-token arrival gaps.
+- the tail: the 95th percentile of the per-token arrival gaps (and their median).
 
 :func:`fit` turns the levels into the simulator's step formula (docs/sim.md §1) over
 the tokens a step carries::
@@ -30,14 +31,20 @@ The engine takes prompts in pieces beside the decoding streams, within its per-s
 token budget (``batch_tokens``: llama.cpp's ``-b``, vLLM's
 ``--max-num-batched-tokens``), a prompt token costing what a decoding one does; the
 preset runs the simulator's chunked prefill (:class:`~proxy.sim.spec.EngineSpec`) with
-the measured prompt length. The step-time jitter is the lowest level's tail (no other
-request's prompt shares its steps). The time to first audio of one stream less the
-steps of its prompt and first token is ``overhead_s``: the client's, HTTP's and the
-server's own per-request work, reported but not charged to any step. A
-:class:`Calibration` holds the measurement and the fit; :meth:`Calibration.preset`
-makes the preset (one chunk per token, ``tokens_per_audio_second`` tokens per second
-of audio) that ``describe()`` rates like any other, and ``to_json``/``from_json``
-keep it in a file ``headroom sim --describe`` and ``--preset`` accept.
+the measured prompt length. The lowest level's tail (no other request's prompt shares
+its steps) is time the server or the client lost, not a share of the step: an arrival
+late by a few milliseconds on a short step is late by as many on a long one. So the
+preset carries it as a delay of each chunk (``delay_s``, the simulator's
+``emit_jitter_s``: exponential, so the gap between two chunks differs from the step by
+a Laplace variable whose 95th percentile, ``delay_s x ln 10``, is the measured excess
+of the 95th percentile gap over the median), and no step-time jitter. The time to
+first audio of one stream less the steps of its prompt and first token is
+``admit_s``: the client's, HTTP's and the server's own per-request work, reported but
+not charged to any step. A :class:`Calibration` holds the measurement and the fit;
+:meth:`Calibration.preset` makes the preset (chunks of the tokens an arrival carries,
+``tokens_per_audio_second`` tokens per second of audio) that ``describe()`` rates like
+any other, and ``as_json``/``from_json`` keep it in a file ``headroom sim --describe``
+and ``--preset`` accept.
 """
 
 from __future__ import annotations
@@ -69,10 +76,6 @@ DEFAULT_LEVELS = (1, 2, 4, 8, 16)
 #: A stand-in card for a measured engine: the fitted terms carry all of its cost, so
 #: the memory and compute terms of the formula are kept negligible.
 _MEASURED = Gpu("measured engine", 1e15, 1e18, 1e18)
-#: The jitter a fit may carry (its p95 over the median): the simulator's log-normal
-#: needs at least the lower bound, and a measured tail past the upper bound is a
-#: stall, not jitter.
-_JITTER_RANGE = (1.0, 3.0)
 #: The per-step token budget of an engine whose budget is not given: prompts are then
 #: taken whole, each token at the decoding cost.
 _UNBOUNDED_BATCH = 1 << 20
@@ -98,12 +101,6 @@ class LevelCost:
         decoding = float(self.batch) if self.decoding is None else self.decoding
         return max(decoding + self.prompt_tokens_per_step, 1.0)
 
-    @property
-    def tail(self) -> float:
-        """p95 over the median (over the mean when no median was kept)."""
-        middle = self.p50_step_s or self.mean_step_s
-        return self.p95_step_s / middle if middle > 0 else 1.0
-
 
 @dataclass(frozen=True, slots=True)
 class Calibration:
@@ -116,7 +113,7 @@ class Calibration:
     c0_s: float
     memory_s: float  #: the step's floor: the memory term of the formula
     per_stream_s: float  #: the cost of each token a step carries past the floor
-    jitter_p95: float
+    jitter_p95: float  #: the step-time jitter (1: none; a file from before ``delay_s``)
     #: time to first audio alone that no engine step accounts for (client, HTTP, the
     #: server's per-request work); with ``prompt_tokens`` 0 (an older file) it is the
     #: prompt's cost, charged to the step that admits a request
@@ -127,6 +124,7 @@ class Calibration:
     audio_per_request_s: float = 0.0  #: mean audio seconds per measured request
     batch_tokens: int | None = None  #: the engine's per-step token budget (None: unknown)
     chunk_tokens: int = 1  #: tokens an arrival carries (vLLM's --stream-interval)
+    delay_s: float = 0.0  #: mean extra delay of each chunk (the lowest level's tail)
 
     def step_s(self, batch: int) -> float:
         """The fitted mean step time at ``batch`` tokens a step (decoding streams)."""
@@ -160,6 +158,7 @@ class Calibration:
             prefill_params=0.0,
             prefill_overhead_s=0.0 if chunked else self.admit_s,
             jitter_p95=self.jitter_p95,
+            emit_jitter_s=self.delay_s,
             token_rate_hz=rate,
             sample_rate=24000,
             first_chunk=self.chunk_tokens,
@@ -197,7 +196,7 @@ class Calibration:
                                            "admit_s",
                                            "max_num_seqs")}  # fmt: skip
             optional = {k: data[k] for k in ("prompt_tokens", "audio_per_request_s",
-                                             "batch_tokens", "chunk_tokens")
+                                             "batch_tokens", "chunk_tokens", "delay_s")
                         if k in data}  # fmt: skip
             calibration = cls(levels=levels, measured_at=str(data.get("measured_at", "")),
                               **fields, **optional)  # fmt: skip
@@ -209,6 +208,8 @@ class Calibration:
             raise ValueError("a calibration's batch_tokens must be >= 1")
         if calibration.chunk_tokens < 1:
             raise ValueError("a calibration's chunk_tokens must be >= 1")
+        if not calibration.jitter_p95 >= 1.0 or not calibration.delay_s >= 0.0:
+            raise ValueError("a calibration needs jitter_p95 >= 1 and delay_s >= 0")
         return calibration
 
 
@@ -249,8 +250,9 @@ def fit(
         raise ValueError("prompt_tokens and audio_per_request_s must be >= 0")
     c0, memory, slope = _fit_step(used, batch_tokens)
     first = min(used, key=lambda lv: lv.batch)
-    low, high = _JITTER_RANGE
-    jitter = min(high, max(low, first.tail))
+    chunk = max(1, chunk_tokens)
+    middle = first.p50_step_s or first.mean_step_s
+    delay = max(0.0, first.p95_step_s - middle) * chunk / math.log(10)
     calibration = Calibration(
         url=url,
         protocol=protocol,
@@ -259,14 +261,15 @@ def fit(
         c0_s=c0,
         memory_s=memory,
         per_stream_s=slope,
-        jitter_p95=jitter,
+        jitter_p95=1.0,
         admit_s=0.0,
         max_num_seqs=max_num_seqs,
         measured_at=measured_at,
         prompt_tokens=prompt_tokens,
         audio_per_request_s=audio_per_request_s,
         batch_tokens=batch_tokens,
-        chunk_tokens=max(1, chunk_tokens),
+        chunk_tokens=chunk,
+        delay_s=delay,
     )
     ttfa = first.ttfa_p50_s
     if ttfa is None:
@@ -521,6 +524,11 @@ def render(calibration: Calibration) -> str:
             f"{fitted * 1e3:8.2f}  {ttfa}"
         )
     budget = calibration.batch_tokens or "unbounded"
+    jitter = (
+        f"jitter p95 {calibration.jitter_p95:.2f}"
+        if calibration.jitter_p95 > 1.0
+        else f"each chunk delayed {calibration.delay_s * 1e3:.1f} ms on average"
+    )
     prompt = (
         f"prompt {calibration.prompt_tokens:.1f} tokens a request, taken in steps of "
         f"{budget} tokens; not in any step: {calibration.admit_s * 1e3:.1f} ms"
@@ -529,8 +537,8 @@ def render(calibration: Calibration) -> str:
     )
     lines.append(
         f"fit: step = {calibration.c0_s * 1e3:.3f} ms + max({calibration.memory_s * 1e3:.3f} ms, "
-        f"{calibration.per_stream_s * 1e3:.4f} ms x streams); jitter p95 "
-        f"{calibration.jitter_p95:.2f}; {prompt}; max_num_seqs {calibration.max_num_seqs}; "
+        f"{calibration.per_stream_s * 1e3:.4f} ms x streams); {jitter}; {prompt}; "
+        f"max_num_seqs {calibration.max_num_seqs}; "
         f"{calibration.chunk_tokens} tokens a chunk"
     )
     return "\n".join(lines)

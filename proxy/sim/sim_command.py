@@ -65,6 +65,9 @@ _CALIBRATE_OPTIONS: tuple[_Option, ...] = (
      "the concurrency levels of the ramp (default 1,2,4,8,16)"),
     ("--calibrate-hold", float, 6.0, "S", "seconds each level is measured, after its warm-up"),
     ("--calibrate-warmup", float, 3.0, "S", "seconds each level runs before it is measured"),
+    ("--calibrate-batch-tokens", int, None, "N",
+     "the engine's per-step token budget (llama.cpp's -b, vLLM's --max-num-batched-tokens); "
+     "prompts are taken in pieces of it (default: taken whole)"),
     ("--write", str, None, "FILE",
      "write the calibrated preset (JSON; give it to --describe or --preset)"),
 )  # fmt: skip
@@ -256,6 +259,7 @@ def _calibrate(args: argparse.Namespace, out: TextIO) -> None:
             warmup_s=args.calibrate_warmup,
             seed=args.seed,
             max_num_seqs=args.max_num_seqs,
+            batch_tokens=args.calibrate_batch_tokens,
         )
     )
     if args.write:

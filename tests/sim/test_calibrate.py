@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -46,7 +47,10 @@ def test_the_fit_recovers_a_linear_step_cost_and_its_tail() -> None:
     cal = _fit(_levels(0.010, 0.004, tail=1.4))
     assert cal.c0_s == pytest.approx(0.010)
     assert cal.per_stream_s == pytest.approx(0.004)
-    assert cal.jitter_p95 == pytest.approx(1.4)
+    # The one-stream tail (p95 14 ms x 1.4 over a 14 ms median) is a delay of each chunk.
+    assert cal.jitter_p95 == 1.0
+    assert cal.delay_s == pytest.approx(0.014 * 0.4 / math.log(10))
+    assert cal.preset().engine.emit_jitter_s == cal.delay_s
     assert cal.admit_s == pytest.approx(0.05 - 0.014)
     assert cal.step_s(8) == pytest.approx(0.042)
 
@@ -161,3 +165,26 @@ def test_a_step_is_fitted_at_no_more_tokens_than_the_engine_batches() -> None:
               tokens_per_audio_second=8.0, max_num_seqs=16, prompt_tokens=40.0,
               batch_tokens=16)  # fmt: skip
     assert cal.c0_s == pytest.approx(0.020) and cal.per_stream_s == pytest.approx(0.008)
+
+
+def test_the_cli_passes_the_engine_step_budget_and_refuses_a_bad_one(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import proxy.sim.calibrate as calibrate
+
+    seen: dict[str, object] = {}
+
+    async def fake_measure(url: str, **kwargs: object) -> Calibration:
+        seen.update(kwargs, url=url)
+        return _fit(_levels(0.020, 0.008))
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = ["--calibrate", "http://127.0.0.1:1", "--calibrate-batch-tokens"]
+    with monkeypatch.context() as patched:
+        patched.setattr(calibrate, "measure", fake_measure)
+        assert run(parser.parse_args([*args, "16"]), io.StringIO()) == 0
+    assert seen["url"] == "http://127.0.0.1:1" and seen["batch_tokens"] == 16
+    # The real measure refuses it before it connects.
+    assert run(parser.parse_args([*args, "0"]), io.StringIO()) == 2
+    assert "batch_tokens must be >= 1" in capsys.readouterr().err
