@@ -2,7 +2,7 @@
 Debian's redis-server: tests/redis_cluster_support.py): pools spread over the shards,
 sessions churning through several gateways, and the cap held through a primary killed
 and its replica promoted, a slot migrated while sessions run (ASK, TRYAGAIN, MOVED),
-and a shard partitioned from one gateway.
+and a shard partitioned from one gateway, whose renewals wait for that shard alone.
 
 Every test waits for states (polling, events), never for a duration; each is bounded
 by ``_BOUND_S``. The engines' stand-in (``cluster_load.Engines``) counts the streams on
@@ -14,9 +14,14 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest
 
+from proxy.admission import QueuePolicy, ReplicaSpec
+from proxy.admission.redis_backend import BackendUnavailable, RedisAdmission, TickResult
+from proxy.admission.shared_gate import SharedGate, SharedPoolSpec
+from proxy.clock import LoopClock
 from tests.redis_cluster_support import (
     LocalCluster,
     Partition,
@@ -210,6 +215,69 @@ async def test_shard_partitioned_from_one_gateway(cluster: LocalCluster) -> None
         assert held.fenced
         assert fleet.engines.over == 0
         assert fleet.fences[(1, cut_pool)] == 0
+    finally:
+        for proxy in proxies.values():
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(proxy.stop(), 10.0)
+
+
+async def test_unreachable_shard_holds_only_its_own_renewals(cluster: LocalCluster) -> None:
+    """A gateway renews each pool with a call of its own: while one shard does not answer,
+    the other shards' pools are renewed, and the cut pool is tried again within the
+    renewal interval, so it is renewed soon after its shard answers again (a promoted
+    replica), not a whole interval later."""
+    proxies = {n.port: Partition(("127.0.0.1", n.port)) for n in cluster.nodes}
+    for proxy in proxies.values():
+        await proxy.start()
+    try:
+        pools = await asyncio.to_thread(pools_on_primaries, cluster, 3)
+        await asyncio.to_thread(seed_generations, cluster.url, pools)
+        cut, others = pools[0], pools[1:]
+        primary = await asyncio.to_thread(cluster.slot_owner, pool_slot(cut))
+        store = RedisAdmission(cluster.url, gateway_id="gw0", lease_ttl_s=60.0,
+                               heartbeat_ttl_s=50.0, timeout_s=0.5,
+                               address_remap=remap_through(proxies))  # fmt: skip
+        started: list[str] = []  # the pool of each renewal call, as it starts
+        ended: list[tuple[str, bool]] = []  # (pool, renewed) as each call ends
+        tick = store.tick
+
+        async def recorded(pool: str, **call: Any) -> TickResult:
+            started.append(pool)
+            try:
+                result = await tick(pool, **call)
+            except BackendUnavailable:
+                ended.append((pool, False))
+                raise
+            ended.append((pool, True))
+            return result
+
+        store.tick = recorded  # type: ignore[method-assign]
+        # A round every 8 s; a pool whose renewal failed is tried again every 2 s between.
+        gate = SharedGate(
+            [SharedPoolSpec(p, (ReplicaSpec("gpu0", 2),), QueuePolicy(5, 1.0), None, 1.0, ())
+             for p in pools],
+            backend=store, clock=LoopClock(), renew_interval_s=8.0, fence_margin_s=1.0,
+            lease_ttl_s=60.0,
+        )  # fmt: skip
+        await gate.start()
+        try:
+            await until(lambda: len(ended) == len(pools), "the first round")
+            assert all(ok for _, ok in ended), ended
+            proxies[primary].cut()
+            await until(lambda: (cut, False) in ended, "the cut pool's renewal failed")
+            # The other shards' pools were renewed in that round while the cut pool's call
+            # waited out its attempts' timeouts.
+            second = ended[len(pools) : ended.index((cut, False))]
+            assert sorted(p for p, ok in second if ok) == sorted(others), ended
+            proxies[primary].heal()
+            await until(lambda: (cut, True) in ended[len(pools) :], "renewed after the heal")
+            # By a retry of that pool alone: the other pools' third round has not started.
+            assert [started.count(p) for p in others] == [2, 2], started
+            assert started.count(cut) >= 3
+        finally:
+            for proxy in proxies.values():
+                proxy.heal()
+            await asyncio.wait_for(gate.stop(), _BOUND_S)
     finally:
         for proxy in proxies.values():
             with contextlib.suppress(Exception):
