@@ -16,16 +16,19 @@ and the parent samples it every 20 ms (a killed process's streams end with it).
 Per phase it reports the starts held per second against the target, acquire and
 release latency at the gateway (p50/p99/p99.9; acquire includes the queue wait of a
 session that queued), renewal lag (how far past its interval a pool's last renewal
-is, sampled every 250 ms) and misses (a renewal more than one interval late), fences,
-refusals by reason, samples over the cap, Redis CPU (``INFO cpu`` deltas, primaries
-only) per 1k starts and as a share of one core, and memory per 10k leases (``INFO
-memory`` against the figure before the load). The saturation point is the first
-rate whose starts held fall under 90 % of the target or whose acquire p99 passes
-``--p99-limit-ms``. Faults: a 10x burst of starts, 20 % of the gateway processes
-SIGKILLed at once (their load moves to the others), and on the cluster a primary
-SIGKILLed (its replica promoted, ``cluster-node-timeout`` 1 s). Recovery is the time
-from the fault to the first of two consecutive half-second windows that are healthy
-again (no ``backend_unavailable``, refusals no higher than before, starts held).
+is, sampled every 250 ms) and misses (a renewal more than one interval late), fences
+(and the sessions they ended), refusals by reason, samples over the cap, Redis CPU
+(``INFO cpu`` deltas, primaries only) per 1k starts and as a share of one core, the
+calls of each command per start and the CPU inside them (``INFO commandstats``, in the
+JSON), and memory per 10k leases (``INFO memory`` against the figure before the load).
+The saturation point is the first rate whose starts held fall under 90 % of the target
+or whose acquire p99 passes ``--p99-limit-ms``. Faults (``--faults`` picks which run): a
+10x burst of starts, 20 % of the gateway processes SIGKILLed at once (their load moves
+to the others), and on the cluster a primary SIGKILLed (its replica promoted,
+``cluster-node-timeout`` 1 s; the row counts the sessions running on its shard at the
+kill). Recovery is the time from the fault to the first of two consecutive half-second
+windows that are healthy again (no ``backend_unavailable``, refusals no higher than
+before, starts held).
 
 The bench's client processes share the machine's cores with Redis: on a small machine
 they, not Redis, are usually what saturates first, which the Redis CPU share shows;
@@ -133,6 +136,27 @@ def _redis_cpu(ports: list[int]) -> dict[int, float]:
     return out
 
 
+def _command_stats(ports: list[int]) -> dict[str, tuple[int, int]]:
+    """``INFO commandstats`` summed over ``ports``: command -> (calls, microseconds inside
+    the command); nodes that do not answer are left out."""
+    import redis
+
+    out: dict[str, tuple[int, int]] = {}
+    for port in ports:
+        client = redis.Redis(port=port, socket_timeout=2.0, socket_connect_timeout=2.0)
+        try:
+            stats = client.info("commandstats")
+        except Exception:
+            continue
+        finally:
+            client.close()
+        for key, value in stats.items():
+            name = key.removeprefix("cmdstat_")
+            calls, usec = out.get(name, (0, 0))
+            out[name] = (calls + int(value["calls"]), usec + int(value["usec"]))
+    return out
+
+
 def _lease_data_bytes(ports: list[int], pools: list[str]) -> int:
     """``MEMORY USAGE`` summed over the pools' keys on the nodes that hold them: what the
     leases, queues and views take, without the clients' buffers."""
@@ -183,7 +207,7 @@ def _pct(values: list[float], q: float) -> float:
 
 def _window() -> dict[str, Any]:
     return {"offered": 0, "dropped": 0, "admitted": 0, "queued": 0, "acquire": [], "release": [],
-            "refused": Counter(), "lag": [], "misses": 0, "fences": 0, "over": 0,
+            "refused": Counter(), "lag": [], "misses": 0, "fences": 0, "fenced": 0, "over": 0,
             "samples": 0}  # fmt: skip
 
 
@@ -224,8 +248,10 @@ async def _worker_async(
         return windows[i]
 
     def fenced(g: int, pool: str) -> None:
-        win()["fences"] += 1
+        w_ = win()
+        w_["fences"] += 1
         for ended in running.get((g, pool), set()):
+            w_["fenced"] += not ended.is_set()
             ended.set()
 
     for g in range(cfg["gates_per_proc"][w]):
@@ -385,6 +411,8 @@ class Run:
         #: name -> (time, Redis CPU s per node, lease data bytes, sessions running)
         self.marks: dict[str, tuple[float, dict[int, float], int, int]] = {}
         self.events: dict[str, float] = {}
+        #: name -> ``INFO commandstats`` of the live primaries at that mark
+        self.commands: dict[str, dict[str, tuple[int, int]]] = {}
         self._fault_thread: threading.Thread | None = None
 
     def schedule(self) -> list[tuple[float, float, float]]:
@@ -449,6 +477,7 @@ class Run:
         ports = self._live_primaries()
         mem = _lease_data_bytes(ports, self.pools) if name.endswith(":end") else 0
         self.marks[name] = (time.time(), _redis_cpu(ports), mem, live)
+        self.commands[name] = _command_stats(ports)
 
     def _live_primaries(self) -> list[int]:
         if self.cluster is None:
@@ -536,6 +565,16 @@ class Run:
 
         slot = pool_slot(self.pools[0])
         primary = cluster.slot_owner(slot)
+        stride = len(self.pools) * REPLICAS
+        shard = [
+            i for i, pool in enumerate(self.pools) if cluster.slot_owner(pool_slot(pool)) == primary
+        ]
+        phase["on_shard"] = sum(
+            self.counts[w * stride + i * REPLICAS + r]
+            for w in range(self.procs)
+            for i in shard
+            for r in range(REPLICAS)
+        )
         began = time.monotonic()
         cluster.kill(primary)
         with contextlib.suppress(RuntimeError):
@@ -578,6 +617,7 @@ class Run:
                 "renewal_lag_p99_ms": round(_pct(lag, 0.99) * 1000, 1),
                 "renewal_misses": sum(w["misses"] for w in ws),
                 "fences": sum(w["fences"] for w in ws),
+                "fenced_sessions": sum(w["fenced"] for w in ws),
                 "refused": dict(refused),
                 "over_cap": sum(w["over"] for w in ws) + sum(self.over_sampled[i] for i in idx),
                 "samples": sum(w["samples"] for w in ws)
@@ -602,9 +642,14 @@ class Run:
             if e is not None and p["kind"] == "rate" and e[3] >= 100:
                 row["mem_per_10k_leases_kb"] = round(e[2] / e[3] * 10000 / 1024, 1)
                 row["leases_at_end"] = e[3]
+            if starts_all:
+                row["commands_per_start"] = self._commands_per(p, starts_all)
+            elif wall == wall:
+                row["commands_per_s"] = self._commands_per(p, wall)
             if p.get("fault"):
-                row.update({k: p[k] for k in ("killed", "promoted_s") if k in p})
+                row.update({k: p[k] for k in ("killed", "promoted_s", "on_shard") if k in p})
                 row["recovery_s"] = self._recovery(p)
+                row["timeline"] = self._timeline(p)
             rows.append(row)
         # Redis CPU per 1k starts net of what the fleet costs idle (renewals, wake-up
         # loops, heartbeats): the idle phase's CPU rate times the phase's length.
@@ -616,6 +661,47 @@ class Run:
                     net = r["redis_cpu_s"] - per_s * r["wall_s"]
                     r["redis_cpu_ms_per_1k_starts_net"] = round(1e6 * net / r["starts"], 1)
         return {"backend": self.backend, "cap_per_replica": self.cap, "rows": rows}
+
+    def _commands_per(self, phase: dict[str, Any], per: float) -> dict[str, Any]:
+        """Per session start of the phase (``per`` its starts), or per second of a phase
+        without starts (``per`` its length): the calls of each command and the Redis CPU
+        spent inside them (``INFO commandstats``: calls, us). ``evalsha``'s time includes
+        the commands its scripts call, which are counted under their own names too; the
+        phase's Redis CPU per start less the time in the commands the gateways send
+        (``evalsha``, ``blpop``, ``lpop``) is what the server spends around the calls
+        (sockets, its event loop, background work). Empty when a primary was killed in
+        the phase (its counts are gone with it)."""
+        name = phase["name"]
+        b, e = self.commands.get(f"{name}:begin"), self.commands.get(f"{name}:end")
+        if not b or not e or phase.get("fault") == "primary":
+            return {}
+        out: dict[str, Any] = {}
+        for command, (calls, usec) in sorted(e.items()):
+            calls0, usec0 = b.get(command, (0, 0))
+            if calls > calls0:
+                out[command] = [
+                    round((calls - calls0) / per, 2),
+                    round((usec - usec0) / per, 1),
+                ]
+        return out
+
+    def _timeline(self, p: dict[str, Any]) -> list[dict[str, Any]]:
+        """The fault phase window by window, from the fault on: seconds after it, starts
+        offered and admitted, refusals, fences and the sessions they ended, renewal lag
+        p99."""
+        at = p["start"] + p["at"]
+        out = []
+        for i in sorted(self.windows):
+            if not at - 1.0 <= i * WINDOW_S < p["end"]:
+                continue
+            w = self.windows[i]
+            out.append({
+                "t_s": round(i * WINDOW_S - at, 1), "offered": w["offered"],
+                "admitted": w["admitted"], "refused": sum(w["refused"].values()),
+                "fences": w["fences"], "fenced": w["fenced"],
+                "lag_p99_ms": round(_pct(w["lag"], 0.99) * 1000) if w["lag"] else None,
+            })  # fmt: skip
+        return out
 
     def _recovery(self, p: dict[str, Any]) -> float | None:
         """Seconds from the fault (the burst's end for a burst) to the first of two
@@ -658,15 +744,17 @@ def _phases(args: argparse.Namespace, cluster: bool) -> list[dict[str, Any]]:
     t += args.hold_s[1]
     fault_s = args.fault_s
     base = args.fault_rate
-    if cluster:
+    if cluster and "primary" in args.faults:
         phases.append({"name": "primary killed", "kind": "fault", "fault": "primary",
                        "rate": base, "start": t, "end": t + fault_s, "at": 2.0})  # fmt: skip
         t += fault_s
-    phases.append({"name": "20% gateways killed", "kind": "fault", "fault": "gateways",
-                   "rate": base, "start": t, "end": t + fault_s, "at": 2.0})  # fmt: skip
-    t += fault_s
-    phases.append({"name": "10x burst", "kind": "fault", "fault": "burst", "rate": base,
-                   "start": t, "end": t + fault_s, "at": 2.0, "burst_s": 1.5})  # fmt: skip
+    if "gateways" in args.faults:
+        phases.append({"name": "20% gateways killed", "kind": "fault", "fault": "gateways",
+                       "rate": base, "start": t, "end": t + fault_s, "at": 2.0})  # fmt: skip
+        t += fault_s
+    if "burst" in args.faults:
+        phases.append({"name": "10x burst", "kind": "fault", "fault": "burst", "rate": base,
+                       "start": t, "end": t + fault_s, "at": 2.0, "burst_s": 1.5})  # fmt: skip
     return phases
 
 
@@ -700,9 +788,9 @@ def _fmt(values: list[float]) -> str:
 
 def table(results: list[dict[str, Any]]) -> str:
     head = ("| backend | phase | target starts/s | held/s | acquire p50/p99/p99.9 ms | "
-            "release p50/p99/p99.9 ms | renewal lag p99 ms / misses | fences | refused | "
-            "over cap / samples | dropped | Redis CPU % | Redis CPU ms / 1k starts (net of idle) | "
-            "lease data / 10k leases | recovery |")  # fmt: skip
+            "release p50/p99/p99.9 ms | renewal lag p99 ms / misses | fences (sessions) | "
+            "refused | over cap / samples | dropped | Redis CPU % | Redis CPU ms / 1k starts "
+            "(net of idle) | lease data / 10k leases | recovery |")  # fmt: skip
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for result in results:
         for r in result["rows"]:
@@ -714,11 +802,14 @@ def table(results: list[dict[str, Any]]) -> str:
                     fault += f" (promoted {r['promoted_s']:g} s)"
                 if "killed" in r:
                     fault += f"; {r['killed']}"
+                if "on_shard" in r:
+                    fault += f", {r['on_shard']} sessions on its shard"
             mem = r.get("mem_per_10k_leases_kb")
             lines.append(
                 f"| {r['backend']} | {r['phase']} | {r['target_per_s']:g} | {r['held_per_s']:g} | "
                 f"{_fmt(r['acquire_ms'])} | {_fmt(r['release_ms'])} | "
-                f"{_fmt([r['renewal_lag_p99_ms']])} / {r['renewal_misses']} | {r['fences']} | "
+                f"{_fmt([r['renewal_lag_p99_ms']])} / {r['renewal_misses']} | {r['fences']} "
+                f"({r['fenced_sessions']}) | "
                 f"{sum(r['refused'].values())} {r['refused'] or ''} | "
                 f"{r['over_cap']} / {r['samples']} | {r['dropped']} | {r['redis_cpu_pct']} | "
                 f"{r['redis_cpu_ms_per_1k_starts']} "
@@ -771,6 +862,9 @@ def main() -> None:
     parser.add_argument("--p99-limit-ms", type=float, default=100.0)
     parser.add_argument("--backends", nargs="+", default=["single", "cluster"],
                         choices=["single", "cluster"])  # fmt: skip
+    parser.add_argument("--faults", nargs="*", default=["primary", "gateways", "burst"],
+                        choices=["primary", "gateways", "burst"],
+                        help="the fault phases to run (primary: the cluster only)")  # fmt: skip
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.quick:

@@ -166,15 +166,18 @@ def record_calls(url: str, port: int, pool: str, hold_s: float) -> dict[str, lis
 # -- the Redis side -------------------------------------------------------------------
 
 
-def _node_info(port: int) -> dict[str, float]:
+def _node_info(port: int) -> dict[str, Any]:
     """CPU seconds of the node (all threads, and its main thread), its ``EVALSHA`` calls
-    so far and those that failed or were rejected."""
+    so far and those that failed or were rejected, the seconds spent inside ``EVALSHA``
+    (the scripts, with the commands they call), and ``INFO commandstats`` (command ->
+    calls, microseconds; a command a script calls is counted under its own name too)."""
     import redis
 
     client = redis.Redis(port=port, socket_timeout=5.0, socket_connect_timeout=5.0)
     try:
         cpu = client.info("cpu")
-        stats = client.info("commandstats").get("cmdstat_evalsha", {})
+        commands = client.info("commandstats")
+        stats = commands.get("cmdstat_evalsha", {})
     finally:
         client.close()
     main = float(cpu.get("used_cpu_sys_main_thread", cpu["used_cpu_sys"]))
@@ -184,7 +187,28 @@ def _node_info(port: int) -> dict[str, float]:
         "main_s": main,
         "evalsha": float(stats.get("calls", 0)),
         "errors": float(stats.get("failed_calls", 0)) + float(stats.get("rejected_calls", 0)),
+        "scripts_s": float(stats.get("usec", 0)) / 1e6,
+        "commands": {
+            name.removeprefix("cmdstat_"): (int(c.get("calls", 0)), int(c.get("usec", 0)))
+            for name, c in commands.items()
+        },
     }
+
+
+def _commands_per_start(
+    before: dict[str, Any], after: dict[str, Any], ports: list[int], starts: int
+) -> dict[str, list[float]]:
+    """Command -> [calls, microseconds inside it] per start, summed over ``ports``."""
+    out: dict[str, list[float]] = {}
+    for port in ports:
+        b, a = before["nodes"][port]["commands"], after["nodes"][port]["commands"]
+        for name, (calls, usec) in a.items():
+            calls0, usec0 = b.get(name, (0, 0))
+            if calls > calls0:
+                total = out.setdefault(name, [0.0, 0.0])
+                total[0] += (calls - calls0) / starts
+                total[1] += (usec - usec0) / starts
+    return {name: [round(c, 2), round(u, 1)] for name, (c, u) in sorted(out.items())}
 
 
 def _leases(port: int, recorded: dict[str, list[str]]) -> int:
@@ -373,6 +397,7 @@ def run_step(targets: list[tuple[int, dict[str, list[str]]]], clients: int, call
             "main_pct": round(100 * (a["main_s"] - b["main_s"]) / wall, 1),
             "cpu_s": a["cpu_s"] - b["cpu_s"],
             "evalsha_calls": int(a["evalsha"] - b["evalsha"]),
+            "scripts_s": a["scripts_s"] - b["scripts_s"],
             "leases_at_end": held[port],
         }
     cpu = sum(n["cpu_s"] for n in per_node.values())
@@ -397,6 +422,12 @@ def run_step(targets: list[tuple[int, dict[str, list[str]]]], clients: int, call
         "per_primary": {str(p): n for p, n in per_node.items()},
         "redis_cpu_us_per_start": round(1e6 * cpu / starts, 1),
         "redis_cpu_us_per_start_net": round(1e6 * net / starts, 1),
+        # Inside the scripts (the renewals' included); the rest of the CPU is the
+        # server's own work around the calls (sockets, its event loop).
+        "scripts_us_per_start": round(
+            1e6 * sum(n["scripts_s"] for n in per_node.values()) / starts, 1
+        ),
+        "commands_per_start": _commands_per_start(before, after, ports, starts),
         "benchmark_cpu_pct": round(
             100 * (after["children_cpu_s"] - before["children_cpu_s"]) / wall, 1
         ),
@@ -415,12 +446,15 @@ def _renewal_phase(ports: list[int], renewals: Renewals, seconds: float) -> dict
     calls, touches = renewals.calls - calls0, renewals.touches - touches0
     cpu = {p: after["nodes"][p]["cpu_s"] - before["nodes"][p]["cpu_s"] for p in ports}
     total = sum(cpu.values())
+    inside = sum(after["nodes"][p]["scripts_s"] - before["nodes"][p]["scripts_s"]
+                 for p in ports)  # fmt: skip
     return {
         "wall_s": round(wall, 3),
         "renew_calls_per_s": round(calls / wall, 1),
         "lease_touches_per_s": round(touches / wall, 1),
         "redis_cpu_pct": round(100 * total / wall, 1),
         "redis_cpu_us_per_renew_call": round(1e6 * total / calls, 1) if calls else None,
+        "scripts_pct": round(100 * inside / wall, 1),
         "cpu_rate_per_primary": {p: c / wall for p, c in cpu.items()},
     }
 
