@@ -13,6 +13,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from proxy.process.serving import RunningServer, running_server
 from tests.conftest import Proxy, proxy_settings
+from tests.integration.abortable_ws_upstream import UpstreamConnection, abortable_ws_upstream
 from tests.integration.upstream import FakeEngine
 
 
@@ -274,26 +275,20 @@ async def test_a_plain_ws_upstream_is_connected_by_the_event_loop(
 
 
 async def test_upstream_killed_mid_stream_gives_1014(start_proxy: Any) -> None:
-    from websockets.asyncio.server import ServerConnection, serve
-
     started = asyncio.Event()
-    conns: list[ServerConnection] = []
 
-    async def handler(conn: ServerConnection) -> None:
-        conns.append(conn)
+    async def on_open(conn: UpstreamConnection) -> None:
         await conn.send(b"\x00" * 4800)
         started.set()
-        await conn.wait_closed()  # until killed
 
-    async with serve(handler, "127.0.0.1", 0, compression=None) as server:
-        port = next(iter(server.sockets)).getsockname()[1]
+    async with abortable_ws_upstream(on_open) as upstream:
         proxy: Proxy = await start_proxy(
-            proxy_settings([("gpu0", f"http://127.0.0.1:{port}", 2)], [ws_route("/anything")])
+            proxy_settings([("gpu0", upstream.url, 2)], [ws_route("/anything")])
         )
         async with connect(proxy.ws_url + "/anything", compression=None) as ws:
             assert await ws.recv() == b"\x00" * 4800
             await started.wait()
-            conns[0].transport.abort()  # the upstream dies without a close frame
+            upstream.connections[0].abort()  # the upstream dies without a close frame
             with pytest.raises(ConnectionClosed):
                 await ws.recv()
         assert ws.close_code == 1014

@@ -21,6 +21,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from proxy.clock import FakeClock
 from tests.conftest import Proxy, proxy_settings
+from tests.integration.abortable_ws_upstream import UpstreamConnection, abortable_ws_upstream
 from tests.integration.test_ws_relay import hello, upstream, wait_until, ws_route
 
 __all__ = ["upstream"]  # the fixture, re-exported for pytest
@@ -150,28 +151,22 @@ async def test_client_close_code_reaches_the_upstream(start_proxy: Any, upstream
 
 
 async def test_upstream_killed_mid_stream_gives_1014(start_proxy: Any) -> None:
-    from websockets.asyncio.server import ServerConnection, serve
-
-    conns: list[ServerConnection] = []
     streaming = asyncio.Event()
 
-    async def handler(conn: ServerConnection) -> None:
-        conns.append(conn)
-        if len(conns) == 2:  # the queued session
+    async def on_open(conn: UpstreamConnection) -> None:
+        if len(upstream.connections) == 2:  # the queued session
             await conn.send(b"\x00" * 4800)
             streaming.set()
-        await conn.wait_closed()
 
-    async with serve(handler, "127.0.0.1", 0, compression=None) as server:
-        port = next(iter(server.sockets)).getsockname()[1]
+    async with abortable_ws_upstream(on_open) as upstream:
         proxy: Proxy = await start_proxy(
-            proxy_settings([("gpu0", f"http://127.0.0.1:{port}", 1)],
+            proxy_settings([("gpu0", upstream.url, 1)],
                            [ws_route("/anything", queue_feedback=True)], queue=QUEUE),
         )  # fmt: skip
         ws = await queued_session(proxy, "/anything")
         assert await ws.recv() == b"\x00" * 4800
         await streaming.wait()
-        conns[1].transport.abort()  # the upstream dies without a close frame
+        upstream.connections[1].abort()  # the upstream dies without a close frame
         with pytest.raises(ConnectionClosed):
             await ws.recv()
         assert ws.close_code == 1014
