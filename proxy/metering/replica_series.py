@@ -98,8 +98,8 @@ def bucket_index(bounds: tuple[float, ...], value: float) -> int:
 class ReplicaSeries:
     """The per-chunk metrics of one (pool, replica), as plain numbers.
 
-    ``*_bounds`` are a histogram's upper bounds with ``+Inf`` last (prometheus_client's
-    ``_upper_bounds``); an observation ``v`` goes to ``counts[bucket_index(bounds, v)]``,
+    ``*_bounds`` are a histogram's upper bounds with ``+Inf`` last (its buckets' ``le``
+    labels, in order); an observation ``v`` goes to ``counts[bucket_index(bounds, v)]``,
     the first bucket whose bound is ``>= v`` (non-cumulative; the collector accumulates),
     and is added to ``*_sum``. Counters are float totals. Values must not be NaN (the meter
     never produces one). Written by :class:`proxy.metering.session_meter.PrometheusReplicaSink`,
