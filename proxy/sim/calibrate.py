@@ -485,7 +485,9 @@ async def measure(
     traces = [t for run in runs for t in run.traces]
     done = [t for t in traces if t.outcome == "ok"]
     mean_prompt = prompts / len(traces) if counted and traces else 0.0
-    audio = sum(a.audio_s for t in done for a in t.arrivals) / len(done) if done else 0.0
+    audio = _requested_audio(client, workload or bundled("tts"))
+    if audio is None:
+        audio = sum(a.audio_s for t in done for a in t.arrivals) / len(done) if done else 0.0
     carried = [a.audio_s * tokens_per_audio_second for t in traces for a in t.arrivals
                if a.audio_s > 0]  # fmt: skip
     chunk = max(1, round(statistics.median(carried))) if carried else 1
@@ -506,6 +508,27 @@ async def measure(
         batch_tokens=batch_tokens,
         chunk_tokens=chunk,
     )
+
+
+def _requested_audio(client: Any, workload: Workload) -> float | None:
+    """The mean audio seconds the workload's requests ask for (by their weights): the
+    audio the prompts counted on ``/metrics`` belong to. The requests that finished in
+    a level's window are the short ones, so their audio would put a long prompt on
+    short speech. None when the protocol does not size its requests (only a token
+    stream's ``max_tokens`` does)."""
+    from proxy.probe.completions_session import completion_body
+    from proxy.probe.workload import SpeechRequest
+
+    if client.protocol != "openai-completions-tokens":
+        return None
+    total = weights = 0.0
+    for request in workload.requests:
+        if not isinstance(request, SpeechRequest):
+            return None
+        tokens = completion_body(client, request)["max_tokens"]
+        total += request.weight * tokens / client.tokens_per_audio_second
+        weights += request.weight
+    return total / weights if weights > 0 else None
 
 
 def render(calibration: Calibration) -> str:

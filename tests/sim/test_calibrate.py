@@ -188,3 +188,23 @@ def test_the_cli_passes_the_engine_step_budget_and_refuses_a_bad_one(
     # The real measure refuses it before it connects.
     assert run(parser.parse_args([*args, "0"]), io.StringIO()) == 2
     assert "batch_tokens must be >= 1" in capsys.readouterr().err
+
+
+def test_the_prompts_belong_to_the_audio_the_requests_ask_for() -> None:
+    from proxy.probe.probe_session import ClientOptions
+    from proxy.probe.workload import SpeechRequest, Workload
+    from proxy.sim.calibrate import _requested_audio
+
+    def client(protocol: str = "openai-completions-tokens") -> ClientOptions:
+        return ClientOptions(url="http://127.0.0.1:1/v1/completions", protocol=protocol,
+                             tokens_per_audio_second=8.0)  # fmt: skip
+
+    # 14 characters a second of speech: 28 and 70 characters ask for 2 s and 5 s, the
+    # second drawn three times as often.
+    texts = (SpeechRequest("a" * 28), SpeechRequest("b" * 70, weight=3.0))
+    workload = Workload("tts", texts, "test")
+    assert _requested_audio(client(), workload) == pytest.approx((2.0 + 3 * 5.0) / 4)
+    # A max_tokens in the request's extra fields is what it asks for.
+    fixed = Workload("tts", (SpeechRequest("a" * 28, extra={"max_tokens": 40}),), "test")
+    assert _requested_audio(client(), fixed) == pytest.approx(5.0)
+    assert _requested_audio(client("openai-speech"), workload) is None
