@@ -31,7 +31,8 @@ The engine takes prompts in pieces beside the decoding streams, within its per-s
 token budget (``batch_tokens``: llama.cpp's ``-b``, vLLM's
 ``--max-num-batched-tokens``), a prompt token costing what a decoding one does; the
 preset runs the simulator's chunked prefill (:class:`~proxy.sim.spec.EngineSpec`) with
-the measured prompt length. The lowest level's tail (no other request's prompt shares
+the measured prompt length, its text part set by the audio the workload's requests ask
+for (:func:`_requested_audio`). The lowest level's tail (no other request's prompt shares
 its steps) is time the server or the client lost, not a share of the step: an arrival
 late by a few milliseconds on a short step is late by as many on a long one. So the
 preset carries it as a delay of each chunk (``delay_s``, the simulator's
