@@ -15,6 +15,11 @@ newest releases pyproject.toml allows (.ci/run).
   through it rather than an HTTP/1.1 server of its own.
 - :func:`lifespan_state`: the lifespan state among those arguments (``app_state``),
   which an ASGI scope carries (``scope["state"]``).
+- :func:`connection_protocol`: one connection's protocol of a class given as
+  ``Config(http=...)``, built with those arguments as uvicorn's server builds it (a
+  server state of its own, an empty lifespan state, ``_loop``), for tests that drive the
+  client listener on a transport of their own: uvicorn builds it only for a socket it
+  accepted.
 - :class:`QuietServer`: ``uvicorn.Server`` without its signal capture (the
   ``capture_signals`` context manager ``serve`` runs in, which takes SIGINT/SIGTERM
   from the event loop's handlers and raises them again when the server stops). The
@@ -32,16 +37,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Generator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
+from uvicorn.server import ServerState
 
 __all__ = [
-    "UVICORN_HTTP", "QuietServer", "fast_mask", "lifespan_state", "listening_servers",
-    "uvicorn_http",
+    "UVICORN_HTTP", "QuietServer", "connection_protocol", "fast_mask", "lifespan_state",
+    "listening_servers", "uvicorn_http",
 ]  # fmt: skip
+
+_Protocol = TypeVar("_Protocol", bound=asyncio.Protocol)
 
 #: uvicorn's HTTP protocol class as its ``http="h11"`` option names it (h11 keeps a
 #: chunked body's trailer fields out of the request's headers).
@@ -57,6 +65,18 @@ def uvicorn_http(protocol_arguments: Mapping[str, Any]) -> asyncio.Protocol:
 def lifespan_state(protocol_arguments: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of the lifespan state among uvicorn's protocol arguments (empty if none)."""
     return dict(protocol_arguments.get("app_state") or {})
+
+
+def connection_protocol(
+    protocol_class: Callable[..., _Protocol],
+    config: uvicorn.Config,
+    loop: asyncio.AbstractEventLoop | None = None,
+) -> _Protocol:
+    """One connection's ``protocol_class`` (a class given as ``Config(http=...)``), built
+    with the keyword arguments uvicorn's server builds it with for an accepted
+    connection: ``config``, a server state of its own, an empty lifespan state (as with
+    ``lifespan="off"``) and ``loop`` as ``_loop`` (None: the running loop)."""
+    return protocol_class(config=config, server_state=ServerState(), app_state={}, _loop=loop)
 
 
 class QuietServer(uvicorn.Server):

@@ -15,7 +15,9 @@ import uvicorn
 from proxy.process.serving import bind_socket
 from proxy.relay import library_contract
 from proxy.relay.library_contract import (
+    UVICORN_HTTP,
     QuietServer,
+    connection_protocol,
     lifespan_state,
     listening_servers,
     uvicorn_http,
@@ -106,7 +108,7 @@ async def test_protocol_classes_get_the_arguments_uvicorns_own_protocol_takes() 
     h11 protocol (uvicorn_http) and carry the lifespan state; a class given as ``ws``
     gets a WebSocket upgrade that came after a plain request only once that request's
     response is written: built, then ``connection_made`` with the same transport, then
-    the upgrade's head."""
+    the upgrade's head. connection_protocol builds the class with the same arguments."""
     Front.built.clear()
     Upgraded.seen.clear()
     app = App()
@@ -129,6 +131,14 @@ async def test_protocol_classes_get_the_arguments_uvicorns_own_protocol_takes() 
         writer.close()
         (arguments,) = Front.built
         assert lifespan_state(arguments) == {}
+        loop = asyncio.get_running_loop()
+        built = connection_protocol(Front, config, loop)  # builds uvicorn's h11 behind it
+        assert isinstance(built, Front) and isinstance(built.inner, UVICORN_HTTP)
+        by_contract = Front.built[1]
+        assert sorted(by_contract) == sorted(arguments)
+        assert type(by_contract["server_state"]) is type(arguments["server_state"])
+        assert by_contract["config"] is arguments["config"] is config
+        assert by_contract["_loop"] is loop and lifespan_state(by_contract) == {}
         kinds = [kind for kind, _ in Upgraded.seen]
         assert kinds == ["built", "connection_made", "data"], Upgraded.seen
         data = Upgraded.seen[2][1]

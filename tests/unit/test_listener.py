@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import uvicorn
-from uvicorn.server import ServerState
 
 from proxy.process.serving import running_server
+from proxy.relay.library_contract import connection_protocol
 from proxy.relay.listener import LINGER_S, ClientListener, client_listener
 from proxy.relay.ws_server import ClientWebSocket, WebSocketSessions
 from proxy.settings import LimitsSettings
@@ -144,7 +144,7 @@ def open_listener(
     config = uvicorn.Config(app=app, log_level="critical", lifespan="off", http=cls, ws=cls)
     config.load()
     timers = Timers(asyncio.get_running_loop())
-    listener = cls(config=config, server_state=ServerState(), app_state={}, _loop=timers)
+    listener = connection_protocol(cls, config, timers)  # type: ignore[arg-type]
     transport = transport or Transport()
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(asyncio, "get_event_loop", lambda: timers)
