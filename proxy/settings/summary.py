@@ -24,7 +24,8 @@ def summary(settings: Settings) -> str:
     for pool in settings.pools:
         queue = pool.queue
         waiting = (
-            f"queue up to {queue.max_depth}, wait up to {queue.max_wait_s:g} s"
+            f"queue up to {queue.max_depth}, wait up to {queue.max_wait_s:g} s, "
+            f"handshake wait up to {queue.handshake_wait_s:g} s"
             if queue.max_depth
             else "no queue (refuse when full)"
         )

@@ -421,6 +421,10 @@ def test_summary_lists_pools_routes_and_listen() -> None:
     assert "asr-main: 1 replica(s), 16 slots; no queue" in text
     assert "/v1/realtime -> asr-main  vllm-realtime, refusal close" in text
     assert "40 slots in all" in text
+    # the wait of a WebSocket session whose handshake is held (unset: HANDSHAKE_WAIT_S)
+    assert "queue up to 32, wait up to 10 s, handshake wait up to 5 s\n" in text
+    held = {"HEADROOM_POOLS__0__QUEUE__MAX_HANDSHAKE_WAIT_S": "2.5"}
+    assert "wait up to 10 s, handshake wait up to 2.5 s\n" in summary(load(valid(), held))
 
 
 # -- environment overrides ---------------------------------------------------------------
