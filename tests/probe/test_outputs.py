@@ -364,8 +364,8 @@ def test_plot_marks_each_levels_failing_rule_and_its_label_covers_no_marker(case
         "ceiling at the last level": lambda: result_of(levels),
         "ceiling 0": lambda: _one(*ZERO["ttfa queue"][0]),
         "stalls": lambda: _one(*ZERO["stalls"][0]),
-        # The README's run: 6 fails on stalls with its worst-1% (1.31x) just above the
-        # threshold, right of the ceiling's line, where the label used to be drawn.
+        # A knee like the README's run's: 6 fails on stalls with its worst-1% (1.31x) just
+        # above the threshold, right of the ceiling's line, where the label used to be drawn.
         "knee": lambda: result_of(
             [
                 *(
