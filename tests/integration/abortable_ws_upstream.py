@@ -19,6 +19,8 @@ from websockets.http11 import Request
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 
+from tests.integration.raw_upstream import serving
+
 __all__ = ["AbortableUpstream", "UpstreamConnection", "abortable_ws_upstream"]
 
 
@@ -54,16 +56,12 @@ class AbortableUpstream:
     on_open: Callable[[UpstreamConnection], Awaitable[None]]
     port: int = 0
     connections: list[UpstreamConnection] = field(default_factory=list)
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.tasks.add(task)
         conn = UpstreamConnection(ServerProtocol(), writer)
         try:
             request = await self._request(reader, conn)
@@ -87,7 +85,6 @@ class AbortableUpstream:
             pass  # aborted by the test, or the test ended
         finally:
             writer.transport.abort()
-            self.tasks.discard(task)
 
     @staticmethod
     async def _request(reader: asyncio.StreamReader, conn: UpstreamConnection) -> Request | None:
@@ -107,14 +104,5 @@ async def abortable_ws_upstream(
     on_open: Callable[[UpstreamConnection], Awaitable[None]],
 ) -> AsyncIterator[AbortableUpstream]:
     upstream = AbortableUpstream(on_open)
-    server = await asyncio.start_server(upstream.handle, "127.0.0.1", 0)
-    upstream.port = server.sockets[0].getsockname()[1]
-    try:
+    async with serving(upstream):
         yield upstream
-    finally:
-        server.close()
-        for task in list(upstream.tasks):
-            task.cancel()
-        await asyncio.gather(*upstream.tasks, return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(server.wait_closed(), 5)

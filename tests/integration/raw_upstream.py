@@ -26,6 +26,7 @@ import socket
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 __all__ = ["RawUpstream", "raw_upstream"]
 
@@ -41,16 +42,12 @@ class RawUpstream:
     closed: int = 0  # requests whose connection has ended (the proxy closed it)
     close_reused: bool = False
     unanswered: int = 0
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.tasks.add(task)
         served = 0  # requests read on this connection
         try:
             while True:  # keep-alive: the next request on the same connection
@@ -73,7 +70,6 @@ class RawUpstream:
         finally:
             self.closed += served
             writer.transport.abort()
-            self.tasks.discard(task)
 
     async def _respond(
         self,
@@ -123,17 +119,45 @@ class RawUpstream:
         return False
 
 
+class ServedUpstream(Protocol):
+    """An upstream stand-in :func:`serving` can run: a connection handler and the port it
+    is given."""
+
+    port: int
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None: ...
+
+
+@contextlib.asynccontextmanager
+async def serving(upstream: ServedUpstream) -> AsyncIterator[None]:
+    """Serve ``upstream.handle`` on 127.0.0.1, a port the OS picks (set on
+    ``upstream.port``); on exit stop listening and cancel the connections still open."""
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        tasks.add(task)
+        try:
+            await upstream.handle(reader, writer)
+        finally:
+            tasks.discard(task)
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    upstream.port = server.sockets[0].getsockname()[1]
+    try:
+        yield
+    finally:
+        server.close()
+        for task in list(tasks):
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server.wait_closed(), 5)
+
+
 @contextlib.asynccontextmanager
 async def raw_upstream(**options: object) -> AsyncIterator[RawUpstream]:
     upstream = RawUpstream(**options)  # type: ignore[arg-type]
-    server = await asyncio.start_server(upstream.handle, "127.0.0.1", 0)
-    upstream.port = server.sockets[0].getsockname()[1]
-    try:
+    async with serving(upstream):
         yield upstream
-    finally:
-        server.close()
-        for task in list(upstream.tasks):
-            task.cancel()
-        await asyncio.gather(*upstream.tasks, return_exceptions=True)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(server.wait_closed(), 5)
