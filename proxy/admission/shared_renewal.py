@@ -71,7 +71,8 @@ class SharedRenewal:
             due = clock.time() + self.renew_interval_s
             while failed and not self.store.closing and clock.time() + retry_s < due:
                 await asyncio.sleep(retry_s)
-                failed = await self.renew_pools([n for n in failed if n in self.store.pools])
+                retry = [n for n in failed if n in self.store.pools]
+                failed = await self.renew_pools(retry, retry=True)
             await asyncio.sleep(max(0.0, due - clock.time()))
 
     async def renew(self) -> list[str]:
@@ -81,14 +82,15 @@ class SharedRenewal:
         await self.tenants.renew()
         return failed
 
-    async def renew_pools(self, names: list[str]) -> list[str]:
+    async def renew_pools(self, names: list[str], *, retry: bool = False) -> list[str]:
         """Renew the pools ``names`` at once, each its own call (with a Redis Cluster, a
         shard that is slow or out of reach holds only its own pools' renewals); returns
-        those whose renewal failed."""
-        done = await asyncio.gather(*(self.renew_pool(name) for name in names))
+        those whose renewal failed. A ``retry``'s failures are logged at DEBUG: the
+        round's failure was logged."""
+        done = await asyncio.gather(*(self.renew_pool(name, retry=retry) for name in names))
         return [name for name, ok in zip(names, done, strict=True) if not ok]
 
-    async def renew_pool(self, name: str) -> bool:
+    async def renew_pool(self, name: str, *, retry: bool = False) -> bool:
         """One renewal of pool ``name`` in Redis: extends this gateway's leases, publishes its view
         and guard flags, reads the holdings and queue depth over every gateway, re-arms the
         fence, fences on lost leases and updates its waiters' places. A Redis failure marks the
@@ -106,7 +108,8 @@ class SharedRenewal:
             )  # fmt: skip
         except BackendUnavailable as exc:
             store.set_available(False)
-            log.warning("renewal of pool %s failed: %s", name, exc)
+            log.log(logging.DEBUG if retry else logging.WARNING,
+                    "renewal of pool %s failed: %s", name, exc)  # fmt: skip
             return False
         store.set_available(True)
         if p.generation and result.generation != p.generation:
