@@ -217,7 +217,8 @@ class SharedGate:
 
     async def quiesce(self) -> None:
         """Wait for every Redis call this gate has started in the background (releases,
-        renewals asked for by a configuration, health or guard change) to finish."""
+        the renewal round in flight, renewals asked for by a configuration, health or guard
+        change) to finish."""
         while self.store.tasks:
             await asyncio.wait(set(self.store.tasks))
 

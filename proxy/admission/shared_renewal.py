@@ -66,13 +66,16 @@ class SharedRenewal:
         after, not one whole interval after the last failure."""
         clock = asyncio.get_running_loop()
         retry_s = self.renew_interval_s / RETRIES_PER_INTERVAL
-        while not self.store.closing:
-            failed = await self.renew()
+        store = self.store
+        while not store.closing:
+            # Each round is one of the gate's tracked tasks, so ``quiesce`` waits for a
+            # round in flight: its calls carry the configuration of when they were sent.
+            failed = await store.spawn(self.renew())
             due = clock.time() + self.renew_interval_s
-            while failed and not self.store.closing and clock.time() + retry_s < due:
+            while failed and not store.closing and clock.time() + retry_s < due:
                 await asyncio.sleep(retry_s)
-                retry = [n for n in failed if n in self.store.pools]
-                failed = await self.renew_pools(retry, retry=True)
+                retry = [n for n in failed if n in store.pools]
+                failed = await store.spawn(self.renew_pools(retry, retry=True))
             await asyncio.sleep(max(0.0, due - clock.time()))
 
     async def renew(self) -> list[str]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from proxy.admission import RETRY_AFTER_MAX_S, RETRY_AFTER_MIN_S, Reject, TenantSpec
 from proxy.admission.gate_common import GateCounts
@@ -25,6 +25,8 @@ from proxy.errors import Refused, refusal_for
 if TYPE_CHECKING:
     from proxy.clock import Clock
     from proxy.metering.series import Metrics
+
+_T = TypeVar("_T")
 
 __all__ = ["SharedStore"]
 
@@ -71,12 +73,13 @@ class SharedStore:
         self._next += 1
         return f"{self.backend.gateway_id}:{self._next}"
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, _T]) -> asyncio.Future[_T]:
         """Run ``coro`` as a background task the gate tracks (``quiesce`` waits for it, ``stop``
-        gives it a last chance)."""
+        gives it a last chance); returns the task."""
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        return task
 
     def set_available(self, up: bool) -> None:
         """Record whether Redis answered the last call (``/readyz``,

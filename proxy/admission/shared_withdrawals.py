@@ -38,7 +38,7 @@ class Withdrawals:
     def __init__(
         self,
         withdraw: Callable[[str, str], Awaitable[str]],
-        spawn: Callable[[Coroutine[Any, Any, Any]], None],
+        spawn: Callable[[Coroutine[Any, Any, Any]], object],
         stopped: Callable[[], bool],
     ) -> None:
         self._withdraw = withdraw
