@@ -64,19 +64,19 @@ class SharedRenewal:
         failed is tried again every ``renew_interval_s / RETRIES_PER_INTERVAL`` until the
         next round, so a shard that comes back (its replica promoted) is renewed soon
         after, not one whole interval after the last failure."""
-        clock = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         retry_s = self.renew_interval_s / RETRIES_PER_INTERVAL
         store = self.store
         while not store.closing:
             # Each round is one of the gate's tracked tasks, so ``quiesce`` waits for a
             # round in flight: its calls carry the configuration of when they were sent.
             failed = await store.spawn(self.renew())
-            due = clock.time() + self.renew_interval_s
-            while failed and not store.closing and clock.time() + retry_s < due:
+            due = loop.time() + self.renew_interval_s
+            while failed and not store.closing and loop.time() + retry_s < due:
                 await asyncio.sleep(retry_s)
                 retry = [n for n in failed if n in store.pools]
                 failed = await store.spawn(self.renew_pools(retry, retry=True))
-            await asyncio.sleep(max(0.0, due - clock.time()))
+            await asyncio.sleep(max(0.0, due - loop.time()))
 
     async def renew(self) -> list[str]:
         """One renewal tick of every pool (the loop calls it every ``renew_interval_s``);

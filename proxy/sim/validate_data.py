@@ -143,9 +143,8 @@ _QWEN_H100 = _CI.format("talker card 0, Code2Wav card 1, codec max_num_seqs 10 [
 _VOX_H100 = _CI.format("one card, codec max_num_seqs 32")
 _CI_LEN = 7.5
 _CI_PROMPTS = {1: 20, 8: 80, 16: 128, 64: 128}
-#: The CI runs' prompt set (benchmarks/build_dataset/seed_tts_smoke, English): 20 or 30
-#: sentences of 60-94 characters around a mean of 71-75, i.e. 16-20 % below the mean
-#: to 25 % above it; requests uniform within this share of the mean (docs/sim.md §2).
+#: The spread of the CI runs' prompt set (vLLM-Omni's seed_tts_smoke sentences; their
+#: lengths are in docs/sim.md §2): requests uniform within this share of the mean.
 _CI_SPREAD = 0.22
 
 
