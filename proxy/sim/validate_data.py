@@ -161,12 +161,15 @@ def _h100(c: int, metric: Metric, value: float, miss: str = "") -> Point:
 
 #: Why the 64-stream median RTF is not reproduced (docs/sim.md §2).
 _RTF_64_MISS = (
-    "the run's own figures bound its mean request at 7.0 s from submit to last audio "
-    "(64 streams over 128 x 7.5 s / 68.7x = 14.0 s, for 128 requests), while a median "
-    "RTF of 1.166 puts half of them at 8.75 s or more: the other half must average 5.2 s "
-    "or less, with the median TTFP 5.94 s. The simulated requests that wait for a codec "
-    "slot find their talker nearly done and drain in ~0.3 s, those that get one at once "
-    "hold it for their whole talker run (~7 s at 64 streams). Tried: 8-16 codec slots, "
+    "the simulator measures what the benchmark does (per request: send, inside the "
+    "64-request semaphore, to end of stream, over the PCM's seconds; median of the 128; "
+    "checked in its code, docs/sim.md §2), and by that definition the run's own "
+    "figures cap summed latency over summed audio at 64 / 68.7 = 0.93 whatever the "
+    "lengths, while half its requests are at 1.166 or more: at 7.5 s the other half must "
+    "average 5.2 s or less, with the median TTFP 5.94 s. The simulated requests that "
+    "wait for a codec slot find their talker nearly done and drain in ~0.3 s, those "
+    "that get one at once hold it for their whole talker run (~7 s at 64 streams). "
+    "Tried: 8-16 codec slots, "
     "talker batch 24-48, a steeper step past 16 streams (RTF within 15 % only with "
     "c=64 throughput 18-38 % low), log-normal request lengths (sigma 0.4-0.8: RTF -25 "
     "to -15 %, throughput -7 to -25 %), a talker that pauses a request while 1-4 of its "

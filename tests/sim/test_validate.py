@@ -223,6 +223,23 @@ def test_the_ci_release_runs_are_rows_and_their_ttfp_jumps_between_8_and_16(
     assert by_c[16] / by_c[8] < 3
 
 
+def test_the_ci_rows_time_requests_inside_the_concurrency_limit_over_the_whole_run() -> None:
+    """``vllm bench serve`` starts a request's clock inside its ``--max-concurrency``
+    semaphore and spans throughput over the whole run (docs/sim.md §2), so mean latency
+    x requests per second is at most the concurrency; a closed loop without think time
+    keeps it near that bound. The bound the 64-stream median RTF miss rests on."""
+    ci = [
+        p for p in PUBLISHED
+        if p.preset in ("h100-qwen3tts-1.7b", "h100-voxtral-tts-4b") and p.metric == "rtf_p50"
+    ]  # fmt: skip
+    assert {p.concurrency for p in ci} == {1, 8, 16, 64}
+    for point in ci:
+        e2e = validate.simulate(replace(point, metric="e2e_mean"), seeds=(0,))
+        rate = validate.simulate(replace(point, metric="req_s"), seeds=(0,))
+        in_flight = e2e * rate
+        assert 0.8 * point.concurrency < in_flight <= point.concurrency * (1 + 1e-9)
+
+
 def test_a_drifted_preset_fails_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
     h200 = get_preset("h200-qwen3tts-1.7b")
     drifted = replace(h200, engine=replace(h200.engine, handoff_per_seq_s=0.003))
