@@ -12,7 +12,8 @@ its own, plus two things for the soak:
   admission event, not only when a sampler happens to look.
 * a **probe** listener (127.0.0.1, its own port): ``GET /probe`` returns a JSON snapshot
   (per replica active/cap/healthy, queue depths, live sessions, asyncio tasks, open fds,
-  RSS, peak RSS, the audit's findings, the upstream HTTP pool's connections);
+  RSS, peak RSS, the audit's findings, the upstream HTTP client's open connections as
+  :class:`PoolSockets` counts them);
   ``GET /probe?gc=1`` runs a full garbage collection first.
 
 It prints one line to stdout once listening: ``{"port": P, "probe": Q, "pid": N}``.
@@ -34,6 +35,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
+import httpx
+
 from proxy.admission import PoolCore
 from proxy.logs import configure_logging
 from proxy.process.cli import run_async
@@ -42,7 +45,7 @@ from proxy.process.serving import running_server
 from proxy.runtime import Runtime
 from proxy.settings import load_settings
 
-__all__ = ["Audit", "install_audit", "main", "snapshot"]
+__all__ = ["Audit", "PoolSockets", "install_audit", "main", "snapshot", "socket_inodes"]
 
 #: PoolCore methods that can change who holds a slot.
 _AUDITED = (
@@ -130,16 +133,80 @@ def _rss_kb() -> int:
     return 0
 
 
-def _pool_connections(runtime: Runtime) -> int:
-    """Connections held by the upstream HTTP client's pool (open, idle or busy)."""
+def socket_inodes() -> set[int]:
+    """The inodes of the sockets this process holds a descriptor for: the links
+    ``socket:[inode]`` in ``/proc/self/fd`` (the kernel's descriptor table)."""
+    inodes: set[int] = set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:  # closed since the listing (or the listing's own descriptor)
+            continue
+        if target.startswith("socket:[") and target.endswith("]"):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+class PoolSockets:
+    """The connections an ``httpx.AsyncClient`` holds open, counted without reading
+    httpx's internals.
+
+    :meth:`watch` adds a response hook to the client (its public ``event_hooks``). For
+    every response the hook records the inode of the socket the response came on (the
+    ``network_stream`` response extension, ``get_extra_info("socket")``). :meth:`count` is
+    the number of recorded sockets this process still holds a descriptor for
+    (:func:`socket_inodes`): every connection of the client's pool, idle or busy, that has
+    carried at least one response and is not closed yet, including one its server has
+    closed that the pool has not dropped yet (it still holds a descriptor). Not counted:
+    a new connection whose first response has not arrived, and every socket the client
+    did not open (WebSocket relays and health checks to the same upstream included).
+    """
+
+    def __init__(self) -> None:
+        self._inodes: set[int] = set()
+
+    def watch(self, client: httpx.AsyncClient) -> None:
+        """Record the sockets of ``client``'s responses from now on (once per client)."""
+        hooks = client.event_hooks
+        response_hooks = list(hooks.get("response", []))
+        if self._on_response in response_hooks:
+            return
+        client.event_hooks = {
+            "request": list(hooks.get("request", [])),
+            "response": [*response_hooks, self._on_response],
+        }
+
+    async def _on_response(self, response: httpx.Response) -> None:
+        # A connection closed already has nothing to count. The lookup must not fail the
+        # gateway's request: on a transport uvloop has closed, anyio's socket lookup raises
+        # AttributeError (tests/chaos/test_failure_paths.py), a closed socket's fileno()
+        # is -1 (OSError from fstat) or raises ValueError.
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            stream = response.extensions.get("network_stream")
+            sock = stream.get_extra_info("socket") if stream is not None else None
+            if sock is not None:
+                self._inodes.add(os.fstat(sock.fileno()).st_ino)
+
+    def count(self) -> int:
+        """The recorded sockets still open in this process (closed ones are forgotten)."""
+        self._inodes &= socket_inodes()
+        return len(self._inodes)
+
+
+def _pool_connections(runtime: Runtime, sockets: PoolSockets) -> int:
+    """The probe's ``upstream_pool_connections``: the sockets of the gateway's upstream
+    HTTP client (:attr:`Runtime.http`) that have carried a response and are still open
+    in this process, idle or busy (:class:`PoolSockets`); 0 before the client exists."""
     try:
-        transport = getattr(runtime.http, "_transport", None)
-        return len(getattr(getattr(transport, "_pool", None), "connections", ()))
+        sockets.watch(runtime.http)
     except RuntimeError:  # not started
         return 0
+    return sockets.count()
 
 
-def snapshot(runtime: Runtime, audit: Audit, *, collect: bool = False) -> dict[str, Any]:
+def snapshot(
+    runtime: Runtime, audit: Audit, sockets: PoolSockets, *, collect: bool = False
+) -> dict[str, Any]:
     if collect:
         gc.collect()
     pools: dict[str, Any] = {}
@@ -165,7 +232,7 @@ def snapshot(runtime: Runtime, audit: Audit, *, collect: bool = False) -> dict[s
         "fds": len(os.listdir("/proc/self/fd")),
         "rss_kb": _rss_kb(),
         "peak_rss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-        "upstream_pool_connections": _pool_connections(runtime),
+        "upstream_pool_connections": _pool_connections(runtime, sockets),
         "audit": audit.as_json(),
     }
 
@@ -173,9 +240,10 @@ def snapshot(runtime: Runtime, audit: Audit, *, collect: bool = False) -> dict[s
 class _Probe:
     """A raw ASGI app: ``GET /probe`` -> :func:`snapshot`."""
 
-    def __init__(self, runtime: Runtime, audit: Audit) -> None:
+    def __init__(self, runtime: Runtime, audit: Audit, sockets: PoolSockets) -> None:
         self.runtime = runtime
         self.audit = audit
+        self.sockets = sockets
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -192,7 +260,8 @@ class _Probe:
         status, payload = 404, {"error": "not found"}
         if scope["path"] == "/probe":
             status = 200
-            payload = snapshot(self.runtime, self.audit, collect="1" in query.get("gc", []))
+            collect = "1" in query.get("gc", [])
+            payload = snapshot(self.runtime, self.audit, self.sockets, collect=collect)
         body = json.dumps(payload).encode()
         await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json")]})  # fmt: skip
@@ -208,14 +277,16 @@ async def _serve(config: Path) -> None:
     gateway = Gateway(settings, runtime, config_path=str(config), env={})
     serving = asyncio.ensure_future(gateway.serve())
     try:
+        sockets = PoolSockets()
+        probe_app = _Probe(runtime, audit, sockets)
         # log_config=None: leave the JSON logging configured above alone
-        probe_app = _Probe(runtime, audit)
         async with running_server(probe_app, log_level="warning", log_config=None) as probe:
             while not gateway.started:
                 if serving.done():
                     serving.result()
                     return
                 await asyncio.sleep(0.01)
+            sockets.watch(runtime.http)  # started: the client exists
             print(json.dumps({"port": gateway.port, "probe": probe.port, "pid": os.getpid()}),
                   flush=True)  # fmt: skip
             await serving
