@@ -67,6 +67,7 @@ __all__ = [
     "DEFAULT_LEVELS",
     "Calibration",
     "LevelCost",
+    "StepGaps",
     "fit",
     "load_calibration",
     "measure",
@@ -82,6 +83,23 @@ _MEASURED = Gpu("measured engine", 1e15, 1e18, 1e18)
 _UNBOUNDED_BATCH = 1 << 20
 
 
+#: A kind of step enters the fit when a level saw at least this many gaps of it.
+_MIN_GAPS = 10
+#: The tokens one engine step makes reach the client within this of each other.
+_SAME_STEP_S = 0.002
+
+
+@dataclass(frozen=True, slots=True)
+class StepGaps:
+    """The per-token arrival gaps of one kind of step a level saw: ``decoding`` streams
+    each making a token, beside one newcomer's prompt piece (``prompt``) or alone."""
+
+    decoding: int
+    prompt: bool
+    mean_s: float  #: seconds per token: the gaps' time over their tokens
+    count: int  #: gaps measured
+
+
 @dataclass(frozen=True, slots=True)
 class LevelCost:
     """What one level of the ramp measured: ``batch`` concurrent streams."""
@@ -95,6 +113,7 @@ class LevelCost:
     decoding: float | None = None
     prompt_tokens_per_step: float = 0.0  #: prompt tokens a step carried on average
     p50_step_s: float | None = None  #: the median per-arrival seconds per token
+    steps: tuple[StepGaps, ...] = ()  #: the gaps by kind of step (:func:`_step_gaps`)
 
     @property
     def step_tokens(self) -> float:
@@ -126,6 +145,7 @@ class Calibration:
     batch_tokens: int | None = None  #: the engine's per-step token budget (None: unknown)
     chunk_tokens: int = 1  #: tokens an arrival carries (vLLM's --stream-interval)
     delay_s: float = 0.0  #: mean extra delay of each chunk (the lowest level's tail)
+    per_seq_s: float = 0.0  #: the cost of each decoding stream in a step, past its token
 
     def step_s(self, batch: int) -> float:
         """The fitted mean step time at ``batch`` tokens a step (decoding streams)."""
@@ -154,6 +174,7 @@ class Calibration:
             kv_per_token=1,
             f_eff=max(self.per_stream_s, 1e-9) * _MEASURED.peak_flops,
             c0=self.c0_s,
+            c_seq=self.per_seq_s,
             fit_c0=False,
             vocoder_share=0.0,
             prefill_params=0.0,
@@ -191,13 +212,17 @@ class Calibration:
     def from_json(cls, data: dict[str, Any]) -> Calibration:
         """The inverse of :meth:`as_json`; ``ValueError`` on a malformed document."""
         try:
-            levels = tuple(LevelCost(**lv) for lv in data["levels"])
+            levels = tuple(
+                LevelCost(**{**lv, "steps": tuple(StepGaps(**g) for g in lv.get("steps", ()))})
+                for lv in data["levels"]
+            )
             fields = {k: data[k] for k in ("url", "protocol", "tokens_per_audio_second",
                                            "c0_s", "memory_s", "per_stream_s", "jitter_p95",
                                            "admit_s",
                                            "max_num_seqs")}  # fmt: skip
             optional = {k: data[k] for k in ("prompt_tokens", "audio_per_request_s",
-                                             "batch_tokens", "chunk_tokens", "delay_s")
+                                             "batch_tokens", "chunk_tokens", "delay_s",
+                                             "per_seq_s")
                         if k in data}  # fmt: skip
             calibration = cls(levels=levels, measured_at=str(data.get("measured_at", "")),
                               **fields, **optional)  # fmt: skip
@@ -211,6 +236,8 @@ class Calibration:
             raise ValueError("a calibration's chunk_tokens must be >= 1")
         if not calibration.jitter_p95 >= 1.0 or not calibration.delay_s >= 0.0:
             raise ValueError("a calibration needs jitter_p95 >= 1 and delay_s >= 0")
+        if not calibration.per_seq_s >= 0.0:
+            raise ValueError("a calibration's per_seq_s must be >= 0")
         return calibration
 
 
@@ -250,6 +277,11 @@ def fit(
     if prompt_tokens < 0 or audio_per_request_s < 0:
         raise ValueError("prompt_tokens and audio_per_request_s must be >= 0")
     c0, memory, slope = _fit_step(used, batch_tokens)
+    per_seq = 0.0
+    kinds = _fit_step_kinds(used, batch_tokens, prompt_tokens) if prompt_tokens > 0 else None
+    if kinds is not None:
+        c0, per_seq, slope = kinds
+        memory = 0.0
     first = min(used, key=lambda lv: lv.batch)
     chunk = max(1, chunk_tokens)
     middle = first.p50_step_s or first.mean_step_s
@@ -271,6 +303,7 @@ def fit(
         batch_tokens=batch_tokens,
         chunk_tokens=chunk,
         delay_s=delay,
+        per_seq_s=per_seq,
     )
     ttfa = first.ttfa_p50_s
     if ttfa is None:
@@ -288,9 +321,73 @@ def _prompt_time(calibration: Calibration) -> float:
     left, seconds = max(1, round(calibration.prompt_tokens)), 0.0
     while left > 0:
         take = min(left, budget)
-        seconds += spec.mean_step_s(take)
+        # No stream decodes in these steps: no per-stream cost.
+        seconds += max(spec.memory_term(0), spec.compute_term(take)) + spec.step_overhead_s
         left -= take
     return seconds
+
+
+def _fit_step_kinds(
+    levels: Sequence[LevelCost], batch_tokens: int | None, prompt_tokens: float
+) -> tuple[float, float, float] | None:
+    """``(c0, per_seq, per_token)`` of ``c0 + per_seq x decoding + per_token x tokens``
+    fitted (least squares on relative errors) to the mean gap of each kind of step
+    the levels saw (:class:`StepGaps`, those with at least ``_MIN_GAPS`` gaps): steps
+    of decoding streams alone carry one token each, steps beside a newcomer's prompt
+    piece as many tokens as the budget allows. None when the levels saw no step with a
+    prompt piece or decode-only steps at fewer than two batch sizes, or when the fit
+    gives a negative term or a stream's cost above a token's: the level fit
+    (:func:`_fit_step`) then stands."""
+    budget = float(batch_tokens) if batch_tokens else math.inf
+    rows: list[tuple[float, float, float]] = []
+    for lv in levels:
+        for kind in lv.steps:
+            if kind.count < _MIN_GAPS or kind.mean_s <= 0:
+                continue
+            tokens = min(budget, kind.decoding + prompt_tokens) if kind.prompt else kind.decoding
+            rows.append((float(kind.decoding), tokens, kind.mean_s))
+    alone = {d for d, tokens, _ in rows if tokens == d}
+    if len(alone) < 2 or len(alone) == len(rows):
+        return None
+    # Normal equations of the weighted least squares (weights 1 / y, relative errors).
+    a = [[0.0] * 3 for _ in range(3)]
+    b = [0.0] * 3
+    for d, tokens, y in rows:
+        x = (1.0, d, tokens)
+        for i in range(3):
+            b[i] += x[i] * y / (y * y)
+            for j in range(3):
+                a[i][j] += x[i] * x[j] / (y * y)
+    solution = _solve3(a, b)
+    if solution is None:
+        return None
+    c0, per_seq, per_token = solution
+    # A stream's own work in a step (sampling, sending) is less than its token's pass
+    # through the model: a fit that says otherwise read gaps a starved reader grouped.
+    if c0 <= 0 or per_token <= 0 or not 0 <= per_seq <= per_token:
+        return None
+    return c0, per_seq, per_token
+
+
+def _solve3(a: list[list[float]], b: list[float]) -> tuple[float, float, float] | None:
+    """The solution of the 3 x 3 system ``a x = b`` (Cramer's rule); None if singular."""
+
+    def det(m: list[list[float]]) -> float:
+        return (
+            m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0])
+        )
+
+    whole = det(a)
+    scale = max(abs(v) for row in a for v in row) ** 3
+    if abs(whole) <= 1e-12 * scale:
+        return None
+    x = []
+    for col in range(3):
+        m = [[b[i] if j == col else a[i][j] for j in range(3)] for i in range(3)]
+        x.append(det(m) / whole)
+    return x[0], x[1], x[2]
 
 
 def _fit_step(
@@ -377,6 +474,7 @@ def _level_cost(
     ordered = sorted(per_token)
     step = statistics.median(per_request)
     return LevelCost(
+        steps=_step_gaps(run, tokens_per_audio_second),
         batch=batch,
         tokens=round(tokens),
         mean_step_s=step,
@@ -385,6 +483,52 @@ def _level_cost(
         decoding=decoding,
         prompt_tokens_per_step=prompting / span * step,
         p50_step_s=statistics.median(ordered),
+    )
+
+
+def _step_gaps(run: Any, tokens_per_audio_second: float) -> tuple[StepGaps, ...]:
+    """A level's per-token arrival gaps by the kind of step that ends each (their mean:
+    time over tokens, which arrivals grouped by a late reader leave unchanged): the streams
+    decoding in it (those with tokens before and after the gap), and whether one other
+    request was in its prompt throughout (sent before the gap began, its first token
+    not before the gap's end). A gap that another prompt covers only in part (the
+    newcomer was sent during the step) or that two prompts share is left out."""
+    window = run.window
+    spans: list[tuple[float, float, float | None]] = []  #: (sent, first token, last token)
+    for trace in run.traces:
+        audio = [a.at for a in trace.arrivals if a.audio_s > 0.0]
+        spans.append(
+            (trace.started_at, audio[0] if audio else trace.ended_at, audio[-1] if audio else None)
+        )
+    gaps: dict[tuple[int, bool], list[float]] = {}
+    for i, trace in enumerate(run.traces):
+        for arrival in trace.arrivals:
+            if arrival.audio_s <= 0.0 or arrival.gap is None:
+                continue
+            if not window.warm_end <= arrival.at <= window.ended_at:
+                continue
+            begin, end = arrival.at - arrival.gap, arrival.at
+            prompting = [
+                (sent, first)
+                for j, (sent, first, _) in enumerate(spans)
+                if j != i and sent < end and first + _SAME_STEP_S > begin
+            ]
+            if len(prompting) > 1:
+                continue
+            if prompting and not (
+                prompting[0][0] <= begin and end <= prompting[0][1] + _SAME_STEP_S
+            ):
+                continue
+            decoding = sum(
+                1
+                for _, first, last in spans
+                if last is not None and first <= begin + _SAME_STEP_S and last >= end - _SAME_STEP_S
+            )
+            tokens = arrival.audio_s * tokens_per_audio_second
+            gaps.setdefault((decoding, bool(prompting)), []).append((arrival.gap, tokens))
+    return tuple(
+        StepGaps(decoding, prompt, sum(g for g, _ in pairs) / sum(t for _, t in pairs), len(pairs))
+        for (decoding, prompt), pairs in sorted(gaps.items())
     )
 
 

@@ -20,6 +20,7 @@ from proxy.probe.analysis import Arrival, LevelWindow, SessionTrace
 from proxy.sim.calibrate import (
     Calibration,
     LevelCost,
+    StepGaps,
     _level_cost,
     fit,
     load_calibration,
@@ -165,6 +166,84 @@ def test_a_step_is_fitted_at_no_more_tokens_than_the_engine_batches() -> None:
               tokens_per_audio_second=8.0, max_num_seqs=16, prompt_tokens=40.0,
               batch_tokens=16)  # fmt: skip
     assert cal.c0_s == pytest.approx(0.020) and cal.per_stream_s == pytest.approx(0.008)
+
+
+def test_a_level_sorts_its_gaps_by_the_step_that_ends_them() -> None:
+    # Two streams decode from 0.5 s, a token every 50 ms; a third request is sent at
+    # 4.0 s and its first token comes at 4.6 s: the steps between carry its prompt and
+    # the two streams' tokens come every 150 ms. The gap that began before it was sent
+    # is left out (the step it ends did not carry the prompt).
+    window = LevelWindow(3, 0.0, 1.0, 8.0)
+
+    def stream(sent: float, at: list[float]) -> SessionTrace:
+        arrivals = tuple(
+            Arrival(t, 0.125, None if i == 0 else t - at[i - 1], None) for i, t in enumerate(at)
+        )
+        return SessionTrace(sent, 8.0, "cancelled", arrivals)
+
+    decoding = [0.5 + 0.05 * i for i in range(71)]  # to 4.0 s
+    decoding += [4.15, 4.3, 4.45, 4.6] + [4.6 + 0.05 * i for i in range(1, 69)]
+    newcomer = [4.6 + 0.05 * i for i in range(20)]
+    run = SimpleNamespace(
+        window=window, traces=(stream(0.0, decoding), stream(0.0, decoding), stream(4.0, newcomer))
+    )
+    kinds = {(k.decoding, k.prompt): k for k in _level_cost(3, run, 8.0, 60.0).steps}
+    assert kinds[(2, True)].mean_s == pytest.approx(0.15)
+    assert kinds[(2, True)].count == 2 * 4  # 4.15, 4.3, 4.45 and 4.6 for each stream
+    assert kinds[(2, False)].mean_s == pytest.approx(0.05)
+    assert kinds[(3, False)].mean_s == pytest.approx(0.05)
+    assert set(kinds) == {(2, True), (2, False), (3, False)}
+
+
+def _kinds(c0: float, per_seq: float, per_token: float, budget: int = 16) -> list[LevelCost]:
+    """Levels whose steps cost ``c0 + per_seq x decoding + per_token x tokens``."""
+
+    def kind(decoding: int, prompt: bool) -> StepGaps:
+        tokens = budget if prompt else decoding
+        return StepGaps(decoding, prompt, c0 + per_seq * decoding + per_token * tokens, 50)
+
+    levels = []
+    for b in (1, 2, 4, 8):
+        kinds = (kind(b, False), *([kind(b - 1, True)] if b > 1 else []))
+        step = c0 + (per_seq + per_token) * b
+        levels.append(LevelCost(b, 400, step, step * 1.1, 0.5 if b == 1 else None,
+                                decoding=float(b), steps=kinds))  # fmt: skip
+    return levels
+
+
+def test_the_fit_takes_the_cost_of_each_kind_of_step_and_a_cost_per_decoding_stream() -> None:
+    # 20 ms + 2 ms a decoding stream + 5 ms a token: one stream decoding alone 27 ms, a
+    # step of 3 streams beside a prompt piece (16 tokens) 106 ms.
+    def calibrate(levels: list[LevelCost]) -> Calibration:
+        return fit(levels, url="http://127.0.0.1:1", protocol="openai-completions-tokens",
+                   tokens_per_audio_second=8.0, max_num_seqs=16, prompt_tokens=40.0,
+                   audio_per_request_s=8.0, batch_tokens=16)  # fmt: skip
+
+    cal = calibrate(_kinds(0.020, 0.002, 0.005))
+    assert (cal.c0_s, cal.per_seq_s, cal.per_stream_s) == pytest.approx((0.020, 0.002, 0.005))
+    assert cal.memory_s == 0.0
+    engine = cal.preset().engine
+    assert engine.per_seq_overhead_s == cal.per_seq_s
+    assert engine.mean_step_s(1) == pytest.approx(0.027)
+    # A lone prompt's steps carry no decoding stream: 40 tokens in 16 + 16 + 8.
+    assert cal.admit_s == pytest.approx(0.5 - (0.1 + 0.1 + 0.06))
+    assert Calibration.from_json(json.loads(json.dumps(cal.as_json()))) == cal
+    # The step beside a prompt piece decides the ceiling: dearer, the ceiling falls.
+    ceiling = describe(cal.preset())["ceiling"]
+    assert ceiling >= 2
+    assert describe(calibrate(_kinds(0.020, 0.004, 0.006)).preset())["ceiling"] < ceiling
+    # No step with a prompt piece measured: the level fit stands, with no such cost.
+    plain = [
+        replace(lv, steps=tuple(k for k in lv.steps if not k.prompt))
+        for lv in _kinds(0.020, 0.002, 0.005)
+    ]
+    assert calibrate(plain).per_seq_s == 0.0
+    # Too few gaps of a kind: not used.
+    sparse = [
+        replace(lv, steps=tuple(replace(k, count=3) for k in lv.steps))
+        for lv in _kinds(0.020, 0.002, 0.005)
+    ]
+    assert calibrate(sparse).per_seq_s == 0.0
 
 
 def test_the_cli_passes_the_engine_step_budget_and_refuses_a_bad_one(
