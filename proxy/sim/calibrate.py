@@ -500,7 +500,7 @@ def _step_gaps(run: Any, tokens_per_audio_second: float) -> tuple[StepGaps, ...]
         spans.append(
             (trace.started_at, audio[0] if audio else trace.ended_at, audio[-1] if audio else None)
         )
-    gaps: dict[tuple[int, bool], list[float]] = {}
+    gaps: dict[tuple[int, bool], list[tuple[float, float]]] = {}  #: (gap, tokens)
     for i, trace in enumerate(run.traces):
         for arrival in trace.arrivals:
             if arrival.audio_s <= 0.0 or arrival.gap is None:
