@@ -334,10 +334,10 @@ def _fit_step_kinds(
     fitted (least squares on relative errors) to the mean gap of each kind of step
     the levels saw (:class:`StepGaps`, those with at least ``_MIN_GAPS`` gaps): steps
     of decoding streams alone carry one token each, steps beside a newcomer's prompt
-    piece as many tokens as the budget allows. None when the levels saw no step with a
-    prompt piece or decode-only steps at fewer than two batch sizes, or when the fit
-    gives a negative term or a stream's cost above a token's: the level fit
-    (:func:`_fit_step`) then stands."""
+    piece as many tokens as the budget allows. A negative cost per stream is refitted
+    as none. None when the levels saw no step with a prompt piece or decode-only steps
+    at fewer than two batch sizes, or when the fit gives a negative term or a stream's
+    cost above a token's: the level fit (:func:`_fit_step`) then stands."""
     budget = float(batch_tokens) if batch_tokens else math.inf
     rows: list[tuple[float, float, float]] = []
     for lv in levels:
@@ -359,6 +359,11 @@ def _fit_step_kinds(
             for j in range(3):
                 a[i][j] += x[i] * x[j] / (y * y)
     solution = _solve3(a, b)
+    if solution is not None and solution[1] < 0:
+        # No cost per stream past its token: the same fit without that term.
+        a[1] = [0.0, 1.0, 0.0]
+        a[0][1] = a[2][1] = b[1] = 0.0
+        solution = _solve3(a, b)
     if solution is None:
         return None
     c0, per_seq, per_token = solution

@@ -232,6 +232,13 @@ def test_the_fit_takes_the_cost_of_each_kind_of_step_and_a_cost_per_decoding_str
     ceiling = describe(cal.preset())["ceiling"]
     assert ceiling >= 2
     assert describe(calibrate(_kinds(0.020, 0.004, 0.006)).preset())["ceiling"] < ceiling
+    # Prompt steps cheaper than the decode-only steps imply: no cost per stream, and the
+    # step beside a prompt piece stays near the measured one (113 ms beside 3 streams).
+    cheaper = calibrate(_kinds(0.020, -0.001, 0.006))
+    assert cheaper.per_seq_s == 0.0 and cheaper.memory_s == 0.0
+    assert cheaper.c0_s + 16 * cheaper.per_stream_s == pytest.approx(
+        0.020 + 0.096 - 0.003, rel=0.05
+    )
     # No step with a prompt piece measured: the level fit stands, with no such cost.
     plain = [
         replace(lv, steps=tuple(k for k in lv.steps if not k.prompt))
