@@ -708,9 +708,23 @@ def render(calibration: Calibration) -> str:
         if calibration.prompt_tokens > 0
         else f"admission {calibration.admit_s * 1e3:.1f} ms"
     )
+    beside = [
+        f"{kind.decoding} decoding {kind.mean_s * 1e3:.1f} ms ({kind.count} gaps)"
+        for lv in calibration.levels
+        for kind in lv.steps
+        if kind.prompt and kind.count >= _MIN_GAPS
+    ]
+    if beside:
+        lines.append("  steps beside a prompt piece: " + ", ".join(beside))
+    per_seq = (
+        f" + {calibration.per_seq_s * 1e3:.4f} ms x decoding streams"
+        if calibration.per_seq_s > 0
+        else ""
+    )
     lines.append(
-        f"fit: step = {calibration.c0_s * 1e3:.3f} ms + max({calibration.memory_s * 1e3:.3f} ms, "
-        f"{calibration.per_stream_s * 1e3:.4f} ms x streams); {jitter}; {prompt}; "
+        f"fit: step = {calibration.c0_s * 1e3:.3f} ms{per_seq} + "
+        f"max({calibration.memory_s * 1e3:.3f} ms, "
+        f"{calibration.per_stream_s * 1e3:.4f} ms x tokens); {jitter}; {prompt}; "
         f"max_num_seqs {calibration.max_num_seqs}; "
         f"{calibration.chunk_tokens} tokens a chunk"
     )

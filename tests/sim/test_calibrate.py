@@ -95,7 +95,7 @@ def test_a_calibration_survives_its_file_and_a_malformed_one_is_refused(tmp_path
     bad.write_text("[1, 2]")
     with pytest.raises(ValueError, match="JSON object"):
         load_calibration(bad)
-    assert "fit: step = 10.000 ms + max(0.000 ms, 4.0000 ms x streams)" in render(cal)
+    assert "fit: step = 10.000 ms + max(0.000 ms, 4.0000 ms x tokens)" in render(cal)
 
 
 def test_describe_accepts_a_calibration_file(tmp_path: Path) -> None:
@@ -228,6 +228,8 @@ def test_the_fit_takes_the_cost_of_each_kind_of_step_and_a_cost_per_decoding_str
     # A lone prompt's steps carry no decoding stream: 40 tokens in 16 + 16 + 8.
     assert cal.admit_s == pytest.approx(0.5 - (0.1 + 0.1 + 0.06))
     assert Calibration.from_json(json.loads(json.dumps(cal.as_json()))) == cal
+    assert "+ 2.0000 ms x decoding streams + max(0.000 ms, 5.0000 ms x tokens)" in render(cal)
+    assert "steps beside a prompt piece: 1 decoding 102.0 ms (50 gaps)" in render(cal)
     # The step beside a prompt piece decides the ceiling: dearer, the ceiling falls.
     ceiling = describe(cal.preset())["ceiling"]
     assert ceiling >= 2
