@@ -1,7 +1,7 @@
 """Relay cost: Headroom against nginx and a direct connection, side by side, same run.
 
     python bench/relay.py                       # the issue's table: 500 x 40 ms, 1000 x 200 ms,
-                                                # both builds, 3 rounds (about 25 min)
+                                                # both builds, 4 rounds (about 33 min)
     python bench/relay.py --baseline REV        # + the same two builds of REV
     python bench/relay.py --source REV          # Headroom from REV, not the working tree
     python bench/relay.py --quick               # smoke: 20 sessions, 40 ms, 1 round
@@ -46,7 +46,8 @@ fits in ``--max-warmup`` seconds (the session meter's exact quantile sketches tu
 histograms after a few hundred chunks, and a longer session pays for that), else
 ``--warmup`` seconds; each cell records which.
 
-The matrix is run ``--rounds`` times, the targets' order rotated every round; before
+The matrix is run ``--rounds`` times, in a balanced order (bench/relay_matrix.py: every
+other round reversed, each pair of rounds rotated one place); before
 each cell the run waits (at most ``--load-wait`` s) for the 1-minute load average to fall
 below ``--max-load`` and records the load averages and the machine's busy share before
 and after; a cell that started above the limit, or whose window saw more than
@@ -660,7 +661,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sessions per cell (with --pacing-ms: every combination); default: "
                    "500 x 40 ms and 1000 x 200 ms")  # fmt: skip
     p.add_argument("--pacing-ms", type=float, nargs="+")
-    p.add_argument("--rounds", type=int, default=3, help="the matrix, targets rotated each round")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="the matrix, in a balanced order (every other round reversed)",
+    )
     p.add_argument(
         "--max-load", type=float, default=1.0,
         help="wait before each cell for the 1-minute load average below this",

@@ -1,12 +1,18 @@
 """Rounds, the load gate and the summary of bench/relay.py.
 
-A run repeats the whole matrix ``--rounds`` times, the targets' order rotated every
-round (A B C D, B C D A, ...), so a drift in the machine's load falls on every target
-alike. Before each cell the run waits, within a bound, for the 1-minute load average to
-fall below ``--max-load``; a cell that started above it, or that saw other processes'
-CPU in its window, is marked noisy. The summary gives, per target and cell, the median
-and the range over the rounds of each figure, and of the ratios to nginx and to the
-baseline taken within each round; the issue's targets are judged on those medians.
+A run repeats the whole matrix ``--rounds`` times in a balanced order: rounds go in
+pairs, the second of a pair the first reversed, and each pair rotated one place from the
+one before (A B C D, D C B A, B C D A, A D C B, ...). Rotation alone keeps the cyclic
+order, so with fewer rounds than targets one target always ran before another (a
+Headroom tree before its baseline in every round); reversing every other round puts each
+pair of targets in both orders over any two rounds, so neither a drift in the machine nor
+what the cell before left behind (sockets in TIME_WAIT, a warm or cold cache) falls on one
+side of a comparison. Before each cell the run waits, within a bound, for the 1-minute
+load average to fall below ``--max-load``; a cell that started above it, or that saw
+other processes' CPU in its window, is marked noisy. The summary gives, per target and
+cell, the median and the range over the rounds of each figure, and of the ratios to
+nginx and to the baseline taken within each round; the issue's targets are judged on
+those medians.
 
 Everything here but :func:`wait_quiet` and :func:`busy_share` is a pure function of
 the cells' dicts.
@@ -61,11 +67,13 @@ LIMITS = {
 
 
 def rotated(targets: list[str], round_index: int) -> list[str]:
-    """The targets' order in round ``round_index`` (0-based): rotated left by it."""
+    """The targets' order in round ``round_index`` (0-based): rotated left by
+    ``round_index // 2``, and reversed when ``round_index`` is odd."""
     if not targets:
         return []
-    k = round_index % len(targets)
-    return targets[k:] + targets[:k]
+    k = (round_index // 2) % len(targets)
+    order = targets[k:] + targets[:k]
+    return order[::-1] if round_index % 2 else order
 
 
 def spread(values: list[float | None]) -> dict[str, Any]:

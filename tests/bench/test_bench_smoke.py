@@ -59,7 +59,7 @@ def test_relay_quick_writes_wellformed_json(tmp_path: Path) -> None:
     assert {"nproc", "cpu_model", "kernel", "python", "uvicorn"} <= result["machine"].keys()
     # the Headroom target ran from its own copy of the checkout, interpreted
     assert result["trees"]["headroom"]["build"].startswith("per-chunk modules interpreted")
-    # two rounds, the targets' order rotated in the second
+    # two rounds, the targets' order reversed in the second
     assert [(c["round"], c["target"]) for c in result["cells"]] == [
         (0, "direct"), (0, "headroom"), (1, "headroom"), (1, "direct"),
     ]  # fmt: skip

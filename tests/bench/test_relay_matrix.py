@@ -64,11 +64,29 @@ CELLS = [
 
 @pytest.mark.parametrize(
     ("round_index", "order"),
-    [(0, "ABCD"), (1, "BCDA"), (2, "CDAB"), (3, "DABC"), (4, "ABCD"), (9, "BCDA")],
+    [(0, "ABCD"), (1, "DCBA"), (2, "BCDA"), (3, "ADCB"), (4, "CDAB"), (8, "ABCD"), (9, "DCBA")],
 )
-def test_targets_rotate_one_place_a_round(round_index: int, order: str) -> None:
+def test_targets_rotate_one_place_a_pair_of_rounds_the_second_reversed(
+    round_index: int, order: str
+) -> None:
     assert "".join(_matrix().rotated(list("ABCD"), round_index)) == order
     assert _matrix().rotated([], round_index) == []
+
+
+@pytest.mark.parametrize("rounds", [2, 3, 4, 6])
+def test_every_pair_of_targets_runs_in_both_orders(rounds: int) -> None:
+    targets = ["direct", "nginx", "headroom", "headroom-compiled", "baseline", "baseline-compiled"]
+    before: dict[tuple[str, str], int] = {}
+    for r in range(rounds):
+        order = _matrix().rotated(targets, r)
+        assert sorted(order) == sorted(targets)
+        for i, a in enumerate(order):
+            for b in order[i + 1 :]:
+                before[a, b] = before.get((a, b), 0) + 1
+    for i, a in enumerate(targets):
+        for b in targets[i + 1 :]:
+            assert before.get((a, b), 0) >= rounds // 2, (a, b)
+            assert before.get((b, a), 0) >= rounds // 2, (b, a)
 
 
 def test_spread_is_median_and_range_of_the_measured() -> None:
