@@ -114,6 +114,12 @@ class LevelCost:
     prompt_tokens_per_step: float = 0.0  #: prompt tokens a step carried on average
     p50_step_s: float | None = None  #: the median per-arrival seconds per token
     steps: tuple[StepGaps, ...] = ()  #: the gaps by kind of step (:func:`_step_gaps`)
+    #: the median and 95th percentile per-token gap of the steps without a prompt piece
+    alone_p50_s: float | None = None
+    alone_p95_s: float | None = None
+    #: the 95th percentile of the steps beside a prompt piece over their kind's mean
+    #: (kinds with at least ``_MIN_GAPS`` gaps; None: none measured)
+    prompt_p95_ratio: float | None = None
 
     @property
     def step_tokens(self) -> float:
@@ -133,7 +139,8 @@ class Calibration:
     c0_s: float
     memory_s: float  #: the step's floor: the memory term of the formula
     per_stream_s: float  #: the cost of each token a step carries past the floor
-    jitter_p95: float  #: the step-time jitter (1: none; a file from before ``delay_s``)
+    #: the step-time jitter: the spread of the steps beside a prompt piece (1: none)
+    jitter_p95: float
     #: time to first audio alone that no engine step accounts for (client, HTTP, the
     #: server's per-request work); with ``prompt_tokens`` 0 (an older file) it is the
     #: prompt's cost, charged to the step that admits a request
@@ -279,13 +286,24 @@ def fit(
     c0, memory, slope = _fit_step(used, batch_tokens)
     per_seq = 0.0
     kinds = _fit_step_kinds(used, batch_tokens, prompt_tokens) if prompt_tokens > 0 else None
+    jitter = 1.0
+    spreads = [lv.prompt_p95_ratio for lv in used if lv.prompt_p95_ratio is not None]
     if kinds is not None:
         c0, per_seq, slope = kinds
         memory = 0.0
+        jitter = max(1.0, statistics.median(spreads)) if spreads else 1.0
     first = min(used, key=lambda lv: lv.batch)
     chunk = max(1, chunk_tokens)
-    middle = first.p50_step_s or first.mean_step_s
-    delay = max(0.0, first.p95_step_s - middle) * chunk / math.log(10)
+    tails = [
+        lv.alone_p95_s - lv.alone_p50_s
+        for lv in used
+        if lv.alone_p50_s is not None and lv.alone_p95_s is not None
+    ]
+    if tails:
+        excess = statistics.median(tails)
+    else:
+        excess = first.p95_step_s - (first.p50_step_s or first.mean_step_s)
+    delay = max(0.0, excess) * chunk / math.log(10)
     calibration = Calibration(
         url=url,
         protocol=protocol,
@@ -294,7 +312,7 @@ def fit(
         c0_s=c0,
         memory_s=memory,
         per_stream_s=slope,
-        jitter_p95=1.0,
+        jitter_p95=jitter,
         admit_s=0.0,
         max_num_seqs=max_num_seqs,
         measured_at=measured_at,
@@ -478,8 +496,13 @@ def _level_cost(
         return LevelCost(batch, 0, 0.0, 0.0, ttfa)
     ordered = sorted(per_token)
     step = statistics.median(per_request)
+    kinds, alone, spread = _step_gaps(run, tokens_per_audio_second)
+    alone.sort()
     return LevelCost(
-        steps=_step_gaps(run, tokens_per_audio_second),
+        steps=kinds,
+        prompt_p95_ratio=spread,
+        alone_p50_s=statistics.median(alone) if alone else None,
+        alone_p95_s=_percentile(alone, 0.95) if alone else None,
         batch=batch,
         tokens=round(tokens),
         mean_step_s=step,
@@ -491,13 +514,18 @@ def _level_cost(
     )
 
 
-def _step_gaps(run: Any, tokens_per_audio_second: float) -> tuple[StepGaps, ...]:
+def _step_gaps(
+    run: Any, tokens_per_audio_second: float
+) -> tuple[tuple[StepGaps, ...], list[float], float | None]:
     """A level's per-token arrival gaps by the kind of step that ends each (their mean:
     time over tokens, which arrivals grouped by a late reader leave unchanged): the streams
     decoding in it (those with tokens before and after the gap), and whether one other
     request was in its prompt throughout (sent before the gap began, its first token
     not before the gap's end). A gap that another prompt covers only in part (the
-    newcomer was sent during the step) or that two prompts share is left out."""
+    newcomer was sent during the step) or that two prompts share is left out. Also the
+    per-token gaps of the steps without a prompt piece, one by one, and the spread of
+    the steps beside a prompt piece: the 95th percentile of each gap over its kind's
+    mean (kinds with at least ``_MIN_GAPS`` gaps; None without)."""
     window = run.window
     spans: list[tuple[float, float, float | None]] = []  #: (sent, first token, last token)
     for trace in run.traces:
@@ -531,10 +559,18 @@ def _step_gaps(run: Any, tokens_per_audio_second: float) -> tuple[StepGaps, ...]
             )
             tokens = arrival.audio_s * tokens_per_audio_second
             gaps.setdefault((decoding, bool(prompting)), []).append((arrival.gap, tokens))
-    return tuple(
+    kinds = tuple(
         StepGaps(decoding, prompt, sum(g for g, _ in pairs) / sum(t for _, t in pairs), len(pairs))
         for (decoding, prompt), pairs in sorted(gaps.items())
     )
+    alone = [g / t for (_, prompt), pairs in gaps.items() if not prompt for g, t in pairs]
+    ratios = sorted(
+        g / t / kind.mean_s
+        for kind in kinds
+        if kind.prompt and kind.count >= _MIN_GAPS and kind.mean_s > 0
+        for g, t in gaps[(kind.decoding, True)]
+    )
+    return kinds, alone, _percentile(ratios, 0.95) if ratios else None
 
 
 async def _prompt_counter(http: Any, url: str) -> float | None:
@@ -697,11 +733,9 @@ def render(calibration: Calibration) -> str:
             f"{fitted * 1e3:8.2f}  {ttfa}"
         )
     budget = calibration.batch_tokens or "unbounded"
-    jitter = (
-        f"jitter p95 {calibration.jitter_p95:.2f}"
-        if calibration.jitter_p95 > 1.0
-        else f"each chunk delayed {calibration.delay_s * 1e3:.1f} ms on average"
-    )
+    jitter = f"each chunk delayed {calibration.delay_s * 1e3:.1f} ms on average"
+    if calibration.jitter_p95 > 1.0:
+        jitter = f"step jitter p95 {calibration.jitter_p95:.2f}; {jitter}"
     prompt = (
         f"prompt {calibration.prompt_tokens:.1f} tokens a request, taken in steps of "
         f"{budget} tokens; not in any step: {calibration.admit_s * 1e3:.1f} ms"

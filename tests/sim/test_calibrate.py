@@ -170,9 +170,9 @@ def test_a_step_is_fitted_at_no_more_tokens_than_the_engine_batches() -> None:
 
 def test_a_level_sorts_its_gaps_by_the_step_that_ends_them() -> None:
     # Two streams decode from 0.5 s, a token every 50 ms; a third request is sent at
-    # 4.0 s and its first token comes at 4.6 s: the steps between carry its prompt and
-    # the two streams' tokens come every 150 ms. The gap that began before it was sent
-    # is left out (the step it ends did not carry the prompt).
+    # 4.0 s and its first token comes at 4.75 s: the steps between carry its prompt and
+    # the two streams' tokens come 140 and 160 ms apart. The gap that began before it
+    # was sent is left out (the step it ends did not carry the prompt).
     window = LevelWindow(3, 0.0, 1.0, 8.0)
 
     def stream(sent: float, at: list[float]) -> SessionTrace:
@@ -182,17 +182,21 @@ def test_a_level_sorts_its_gaps_by_the_step_that_ends_them() -> None:
         return SessionTrace(sent, 8.0, "cancelled", arrivals)
 
     decoding = [0.5 + 0.05 * i for i in range(71)]  # to 4.0 s
-    decoding += [4.15, 4.3, 4.45, 4.6] + [4.6 + 0.05 * i for i in range(1, 69)]
-    newcomer = [4.6 + 0.05 * i for i in range(20)]
+    decoding += [4.14, 4.3, 4.44, 4.6, 4.75] + [4.75 + 0.05 * i for i in range(1, 66)]
+    newcomer = [4.75 + 0.05 * i for i in range(20)]
     run = SimpleNamespace(
         window=window, traces=(stream(0.0, decoding), stream(0.0, decoding), stream(4.0, newcomer))
     )
-    kinds = {(k.decoding, k.prompt): k for k in _level_cost(3, run, 8.0, 60.0).steps}
+    level = _level_cost(3, run, 8.0, 60.0)
+    kinds = {(k.decoding, k.prompt): k for k in level.steps}
     assert kinds[(2, True)].mean_s == pytest.approx(0.15)
-    assert kinds[(2, True)].count == 2 * 4  # 4.15, 4.3, 4.45 and 4.6 for each stream
+    assert kinds[(2, True)].count == 2 * 5  # 4.14, 4.3, 4.44, 4.6 and 4.75 for each stream
     assert kinds[(2, False)].mean_s == pytest.approx(0.05)
     assert kinds[(3, False)].mean_s == pytest.approx(0.05)
     assert set(kinds) == {(2, True), (2, False), (3, False)}
+    assert level.alone_p50_s == pytest.approx(0.05)
+    assert level.alone_p95_s == pytest.approx(0.05)
+    assert level.prompt_p95_ratio == pytest.approx(0.16 / 0.15)
 
 
 def _kinds(c0: float, per_seq: float, per_token: float, budget: int = 16) -> list[LevelCost]:
@@ -207,7 +211,9 @@ def _kinds(c0: float, per_seq: float, per_token: float, budget: int = 16) -> lis
         kinds = (kind(b, False), *([kind(b - 1, True)] if b > 1 else []))
         step = c0 + (per_seq + per_token) * b
         levels.append(LevelCost(b, 400, step, step * 1.1, 0.5 if b == 1 else None,
-                                decoding=float(b), steps=kinds))  # fmt: skip
+                                decoding=float(b), steps=kinds, alone_p50_s=step,
+                                alone_p95_s=step + 0.004,
+                                prompt_p95_ratio=None if b == 1 else 1.1))  # fmt: skip
     return levels
 
 
@@ -219,9 +225,18 @@ def test_the_fit_takes_the_cost_of_each_kind_of_step_and_a_cost_per_decoding_str
                    tokens_per_audio_second=8.0, max_num_seqs=16, prompt_tokens=40.0,
                    audio_per_request_s=8.0, batch_tokens=16)  # fmt: skip
 
-    cal = calibrate(_kinds(0.020, 0.002, 0.005))
+    levels = _kinds(0.020, 0.002, 0.005)
+    cal = calibrate(levels)
     assert (cal.c0_s, cal.per_seq_s, cal.per_stream_s) == pytest.approx((0.020, 0.002, 0.005))
     assert cal.memory_s == 0.0
+    # The steps beside a prompt piece spread 10 % (their 95th percentile over their
+    # mean): the step jitter. The decode-only steps' tail, 4 ms past their median at
+    # every level, is each chunk's delay.
+    assert cal.jitter_p95 == pytest.approx(1.1)
+    assert cal.delay_s == pytest.approx(0.004 / math.log(10))
+    # One level's window met a burst of other work: the median over the levels holds.
+    burst = [replace(levels[0], alone_p95_s=0.1), *levels[1:]]
+    assert calibrate(burst).delay_s == pytest.approx(cal.delay_s)
     engine = cal.preset().engine
     assert engine.per_seq_overhead_s == cal.per_seq_s
     assert engine.mean_step_s(1) == pytest.approx(0.027)
@@ -229,9 +244,10 @@ def test_the_fit_takes_the_cost_of_each_kind_of_step_and_a_cost_per_decoding_str
     assert cal.admit_s == pytest.approx(0.5 - (0.1 + 0.1 + 0.06))
     assert Calibration.from_json(json.loads(json.dumps(cal.as_json()))) == cal
     assert "+ 2.0000 ms x decoding streams + max(0.000 ms, 5.0000 ms x tokens)" in render(cal)
+    assert "step jitter p95 1.10; each chunk delayed 1.7 ms" in render(cal)
     assert "steps beside a prompt piece: 1 decoding 102.0 ms (50 gaps)" in render(cal)
     # The step beside a prompt piece decides the ceiling: dearer, the ceiling falls.
-    ceiling = describe(cal.preset())["ceiling"]
+    ceiling = describe(calibrate(_kinds(0.020, 0.001, 0.004)).preset())["ceiling"]
     assert ceiling >= 2
     assert describe(calibrate(_kinds(0.020, 0.004, 0.006)).preset())["ceiling"] < ceiling
     # Prompt steps cheaper than the decode-only steps imply: no cost per stream, and the
