@@ -19,29 +19,47 @@ each level. Per level (:class:`LevelCost`):
   stream still in its prompt is not decoding, so the 16-stream level of a 16-slot
   server runs fewer than 16) plus the prompt tokens a step carries (the prompt tokens
   of the requests started per second, times the step time);
-- the tail: the 95th percentile of the per-token arrival gaps (and their median).
+- the tail: the 95th percentile of the per-token arrival gaps (and their median);
+- the **kinds of step** (:class:`StepGaps`, :func:`_step_gaps`): each arrival gap sorted
+  by the step that ends it, the streams decoding in it and whether one newcomer's
+  prompt piece shared it, with the mean gap of each kind; the spread of the steps
+  beside a prompt piece, and the tail of those without.
 
-:func:`fit` turns the levels into the simulator's step formula (docs/sim.md §1) over
-the tokens a step carries::
+:func:`fit` turns the levels into the simulator's step formula (docs/sim.md §1). When
+the levels saw steps beside a prompt piece and decode-only steps at two batch sizes or
+more, it fits the kinds of step (least squares on relative errors)::
+
+    step = c0 + per_seq x decoding streams + per_token x tokens
+
+where a decode-only step carries one token a stream and a step beside a prompt piece
+as many as the engine's per-step budget (``batch_tokens``: llama.cpp's ``-b``, vLLM's
+``--max-num-batched-tokens``) allows. On a token engine that step decides the ceiling
+(the streams already speaking wait for it), so its cost is taken where it is measured
+rather than extrapolated from levels where many prompts queue together. A negative
+``per_seq`` is refitted as none; a fit with a negative term or a stream dearer than a
+token (gaps a starved reader grouped) is not used. Otherwise, the level fit over the
+tokens a step carries::
 
     step(tokens) = c0 + max(memory, per_token x tokens)   (least squares over the levels)
 
 a floor the step never goes below (reading the weights) and a cost per token past it.
-The engine takes prompts in pieces beside the decoding streams, within its per-step
-token budget (``batch_tokens``: llama.cpp's ``-b``, vLLM's
-``--max-num-batched-tokens``), a prompt token costing what a decoding one does; the
-preset runs the simulator's chunked prefill (:class:`~proxy.sim.spec.EngineSpec`) with
-the measured prompt length, its text part set by the audio the workload's requests ask
-for (:func:`_requested_audio`). The lowest level's tail (no other request's prompt shares
-its steps) is time the server or the client lost, not a share of the step: an arrival
-late by a few milliseconds on a short step is late by as many on a long one. So the
-preset carries it as a delay of each chunk (``delay_s``, the simulator's
+The engine takes prompts in pieces beside the decoding streams, within its budget, a
+prompt token costing what a decoding one does; the preset runs the simulator's chunked
+prefill (:class:`~proxy.sim.spec.EngineSpec`) with the measured prompt length, its
+text part set by the audio the workload's requests ask for (:func:`_requested_audio`).
+The tail of the steps without a prompt piece (the median over the levels of their 95th
+percentile gap's excess over the median: a level whose window met a burst of other
+work does not set it) is time the server or the client lost, not a share of the step:
+an arrival late by a few milliseconds on a short step is late by as many on a long
+one. So the preset carries it as a delay of each chunk (``delay_s``, the simulator's
 ``emit_jitter_s``: exponential, so the gap between two chunks differs from the step by
-a Laplace variable whose 95th percentile, ``delay_s x ln 10``, is the measured excess
-of the 95th percentile gap over the median), and no step-time jitter. The time to
-first audio of one stream less the steps of its prompt and first token is
-``admit_s``: the client's, HTTP's and the server's own per-request work, reported but
-not charged to any step. A :class:`Calibration` holds the measurement and the fit;
+a Laplace variable whose 95th percentile, ``delay_s x ln 10``, is that excess). The
+steps beside a prompt piece spread more: with the fit of the kinds of step, their 95th
+percentile over their kind's mean (the median over the levels) is the preset's
+step-time jitter, which the simulator scales with the step. The time to first
+audio of one stream less the steps of its prompt and first token is ``admit_s``: the
+client's, HTTP's and the server's own per-request work, reported but not charged to
+any step. A :class:`Calibration` holds the measurement and the fit;
 :meth:`Calibration.preset` makes the preset (chunks of the tokens an arrival carries,
 ``tokens_per_audio_second`` tokens per second of audio) that ``describe()`` rates like
 any other, and ``as_json``/``from_json`` keep it in a file ``headroom sim --describe``
