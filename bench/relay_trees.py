@@ -181,9 +181,12 @@ async def start_headroom(
     edit: Callable[[str], str] | None = None,
     gc_trace: Path | None = None,
     gc_freeze_s: float | None = None,
+    wrapper: list[str] | None = None,
+    start_timeout_s: float = 30.0,
 ) -> Relay:
     """``python -m proxy serve`` from ``tree`` in front of the upstream, with the bench's
-    one-pool configuration (``edit``: a change to it)."""
+    one-pool configuration (``edit``: a change to it; ``wrapper``: a command the relay
+    runs under, such as valgrind, which slows its start: ``start_timeout_s``)."""
     port = free_port()
     cell_dir.mkdir(parents=True, exist_ok=True)  # noqa: ASYNC240 - before any load
     conf = cell_dir / "headroom.yaml"
@@ -194,6 +197,7 @@ async def start_headroom(
     if gc_trace is not None:  # the same command, with every GC pass logged
         freeze = ["--freeze-after", str(gc_freeze_s)] if gc_freeze_s is not None else []
         cmd = [sys.executable, str(GC_TRACE), str(gc_trace), *freeze, "--", *serve]
+    cmd = [*(wrapper or []), *cmd]
     log = cell_dir / "headroom.log"
     with log.open("wb") as out:
         proc = await asyncio.create_subprocess_exec(
@@ -202,7 +206,7 @@ async def start_headroom(
         )  # fmt: skip
     procs.add(proc)
     try:
-        await wait_port(port, 30.0, proc)
+        await wait_port(port, start_timeout_s, proc)
     except RuntimeError as exc:
         tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
         raise RuntimeError(f"{tree.target} did not start: {exc}\n{tail}") from None
