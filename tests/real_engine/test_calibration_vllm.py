@@ -30,7 +30,12 @@ pause in a level's window sets the probe's ceiling (a 0.5 s event may take at mo
 0.42 s at 1.2x realtime). A calibration measures the engine's steps and one stream's
 usual lateness (a delay of each chunk), not how often the machine will take the CPU
 away while the probe runs, so its preset predicts the ceiling the slots and the queue
-behind them set (docs/real-engine.md).
+behind them set (docs/real-engine.md). Such a pause shows in the probe's own table as
+a level's p99 gap past 0.42 s. With no pause (every p99 gap under 0.1 s) the
+prediction can still miss by the queue: the simulator's ceiling search plays 8-20 s
+utterances, whose longest hold a slot longer than these 14 s requests do, so its time
+to first audio past the slots breaks the 3 s limit a level or more before the probe's
+(docs/sim.md §6).
 """
 
 from __future__ import annotations
@@ -107,7 +112,6 @@ def test_a_preset_calibrated_from_vllm_predicts_the_probed_ceiling() -> None:
     assert calibration.prompt_tokens > 0, render(calibration)  # vllm:prompt_tokens_total
     assert calibration.chunk_tokens > 1, render(calibration)  # events of several tokens
     if not low - 1 <= predicted <= high + 1:
-        pytest.xfail(
-            f"predicted {predicted}, probed {low}-{high}: the niced server's pauses for "
-            "CPU while the probe ran are not in a calibrated preset"
-        )
+        # The module docstring gives the two causes seen: the niced server's pauses
+        # (they show as the probe's p99 gaps) and the queue's time to first audio.
+        pytest.xfail(f"predicted {predicted}, probed {low}-{high}")
