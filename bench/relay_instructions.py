@@ -19,11 +19,11 @@ before), not in the code path.
 Each cell (tree x sessions x pacing): the paced upstream of bench/wsload.py, the relay
 (``python -m proxy serve`` from the tree, the bench's one-pool configuration of
 bench/harness.py), and the sessions connected and streaming. Under callgrind the relay
-starts with instrumentation off (``--instr-atstart=no``: Python's start is not counted);
-it is switched on (``callgrind_control``) before the sessions connect and a profile
-dumped when they have (the set-up per session: those instructions over the sessions);
-after ``--settle`` seconds of streaming the counters are zeroed, and after ``--window``
-seconds instrumentation is switched off and the profile dumped. Chunks are the upstream's sends in the window; a
+starts with instrumentation off (``--instr-atstart=no``: Python's start and the connects
+are not counted; bench/setup_instructions.py counts a session's set-up); after
+``--settle`` seconds of streaming the counters are zeroed and instrumentation switched
+on (``callgrind_control``), and after ``--window`` seconds switched off and the profile
+dumped. Chunks are the upstream's sends in the window; a
 cell whose relay fell behind (the upstream skipped a tick) is flagged, since a relay
 that reads more per wake-up does less work per chunk. With ``--cache-sim`` callgrind
 also simulates the caches (L1 and last-level misses per chunk; about twice as slow).
@@ -137,23 +137,16 @@ async def measure_cell(
             "--lifetime-s", str(int(args.settle + args.window + 600)),
         )  # fmt: skip
         cell: dict[str, Any] = {"target": tree.target, "sessions": sessions,
-                                "pacing_ms": pacing_ms, "revision": tree.revision,
-                                "per_session": {}}  # fmt: skip
-        pid = str(relay.proc.pid)
-        if callgrind:  # the connects counted: the set-up per session
-            await _control("-z", pid)
-            await _control("-i", "on", pid)
+                                "pacing_ms": pacing_ms, "revision": tree.revision}  # fmt: skip
         connected = await clients.call("connect", "connected", 600.0, n=sessions, concurrency=16)
         if connected["ok"] != sessions:
             raise RuntimeError(f"{tree.target}: {connected['ok']} of {sessions} connected")
-        if callgrind:
-            await _control("-d", pid)
-            setup = parse_profile(await asyncio.to_thread(_last_dump, cell_dir))
-            cell["per_session"] = {name: count / sessions for name, count in setup.items()}
         await clients.call("start", "started", 60.0)
         await asyncio.sleep(args.settle)
+        pid = str(relay.proc.pid)
         if callgrind:
             await _control("-z", pid)
+            await _control("-i", "on", pid)
             sent0, skipped0 = await _sent(upstream)
             await asyncio.sleep(args.window)
             sent1, skipped1 = await _sent(upstream)
@@ -182,30 +175,24 @@ async def measure_cell(
 
 
 def report(cells: list[dict[str, Any]], baseline_of: dict[str, str]) -> str:
-    """A Markdown table: per target and cell, each count per chunk and per session's
-    set-up, and the first count's ratio to the same build of the baseline."""
+    """A Markdown table: per target and cell, each count per chunk, and the first
+    count's ratio to the same build of the baseline."""
     by_key = {(c["target"], c["sessions"], c["pacing_ms"]): c for c in cells}
-    columns: list[tuple[str, str]] = []  # (per_chunk | per_session, event)
-    for kind in ("per_chunk", "per_session"):
-        for c in cells:
-            columns += [(kind, n) for n in c[kind] if (kind, n) not in columns]
-    labels = [f"{n}/{'chunk' if kind == 'per_chunk' else 'session set-up'}"
-              for kind, n in columns]  # fmt: skip
-    ratios = [col for col in columns if col[1] == "Ir"] or columns[:1]
-    head = "| target | sessions x pacing | " + " | ".join(labels) + " | "
-    head += " | ".join(f"x baseline {lab}" for lab in (labels[columns.index(r)] for r in ratios))
-    lines = [head + " | behind |", "|---|---|" + "---:|" * (len(columns) + len(ratios)) + "---|"]
+    names: list[str] = []
     for c in cells:
-        shown = [f"{c[kind][n]:,.1f}" if n in c[kind] else "" for kind, n in columns]
+        names += [n for n in c["per_chunk"] if n not in names]
+    head = "| target | sessions x pacing | " + " | ".join(f"{n}/chunk" for n in names)
+    lines = [f"{head} | x baseline {names[0]}/chunk | behind |",
+             "|---|---|" + "---:|" * len(names) + "---:|---|"]  # fmt: skip
+    for c in cells:
+        values = [c["per_chunk"].get(n) for n in names]
+        shown = [f"{v:,.1f}" if v is not None else "" for v in values]
         base = by_key.get((baseline_of.get(c["target"], ""), c["sessions"], c["pacing_ms"]))
-        versus = []
-        for kind, n in ratios:
-            mine, theirs = c[kind].get(n), base[kind].get(n) if base is not None else None
-            versus.append(f"{mine / theirs:.4f}" if mine and theirs else "")
+        theirs = base["per_chunk"].get(names[0]) if base is not None else None
+        ratio = f"{values[0] / theirs:.4f}" if values[0] and theirs else ""
         behind = "yes" if c["fell_behind"] else ""
         cell = f"{c['sessions']} x {c['pacing_ms']:g} ms"
-        row = " | ".join([*shown, *versus])
-        lines.append(f"| {c['target']} | {cell} | {row} | {behind} |")
+        lines.append(f"| {c['target']} | {cell} | {' | '.join(shown)} | {ratio} | {behind} |")
     return "\n".join(lines)
 
 
@@ -219,7 +206,6 @@ def merge(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         else:
             row = merged[key]
             row["per_chunk"].update(cell["per_chunk"])
-            row["per_session"] = {**row["per_session"], **cell["per_session"]}
             row["fell_behind"] = row["fell_behind"] or cell["fell_behind"]
     return list(merged.values())
 

@@ -76,54 +76,43 @@ def test_perf_count_is_read_by_event_name() -> None:
 
 
 def _cell(
-    target: str, ir: float | None, syscalls: float | None, behind: bool = False,
-    setup: float | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    target: str, ir: float | None, syscalls: float | None, behind: bool = False
+) -> dict[str, Any]:
     per_chunk = {}
     if ir is not None:
         per_chunk["Ir"] = ir
     if syscalls is not None:
         per_chunk["syscalls"] = syscalls
-    per_session = {"Ir": setup} if setup is not None else {}
     return {"target": target, "sessions": 20, "pacing_ms": 40.0, "revision": "x",
-            "chunks": 100, "fell_behind": behind, "per_chunk": per_chunk,
-            "per_session": per_session}  # fmt: skip
+            "chunks": 100, "fell_behind": behind, "per_chunk": per_chunk}  # fmt: skip
 
 
 def test_the_two_passes_of_a_cell_merge_into_one_row() -> None:
     rows = _bench().merge([
-        _cell("headroom-compiled", 20000.0, None, setup=400000.0),
+        _cell("headroom-compiled", 20000.0, None),
         _cell("headroom-compiled", None, 2.1, behind=True),
         _cell("baseline-compiled", 19000.0, None),
     ])  # fmt: skip
     assert len(rows) == 2
     assert rows[0]["per_chunk"] == {"Ir": 20000.0, "syscalls": 2.1}
-    assert rows[0]["per_session"] == {"Ir": 400000.0}
     assert rows[0]["fell_behind"] is True
     assert rows[1]["per_chunk"] == {"Ir": 19000.0}
 
 
-def test_table_gives_the_ratios_to_the_same_build_of_the_baseline() -> None:
-    rows = [
-        _cell("headroom-compiled", 20000.0, 2.1, setup=300000.0),
-        _cell("baseline-compiled", 16000.0, 2.0, setup=400000.0),
-        _cell("headroom", 90000.0, 2.1, behind=True, setup=900000.0),
-    ]
+def test_table_gives_the_ratio_to_the_same_build_of_the_baseline() -> None:
+    rows = [_cell("headroom-compiled", 20000.0, 2.1), _cell("baseline-compiled", 16000.0, 2.0),
+            _cell("headroom", 90000.0, 2.1, behind=True)]  # fmt: skip
     table = _bench().report(rows, {"headroom-compiled": "baseline-compiled",
                                    "headroom": "baseline"})  # fmt: skip
     lines = table.splitlines()
     assert lines[0] == (
-        "| target | sessions x pacing | Ir/chunk | syscalls/chunk | Ir/session set-up | "
-        "x baseline Ir/chunk | x baseline Ir/session set-up | behind |"
+        "| target | sessions x pacing | Ir/chunk | syscalls/chunk | x baseline Ir/chunk | behind |"
     )
     assert lines[1].count("|") == lines[0].count("|")
-    assert (
-        "| headroom-compiled | 20 x 40 ms | 20,000.0 | 2.1 | 300,000.0 | 1.2500 | 0.7500 |  |"
-        in lines
-    )
-    assert "| baseline-compiled | 20 x 40 ms | 16,000.0 | 2.0 | 400,000.0 |  |  |  |" in lines
+    assert "| headroom-compiled | 20 x 40 ms | 20,000.0 | 2.1 | 1.2500 |  |" in lines
+    assert "| baseline-compiled | 20 x 40 ms | 16,000.0 | 2.0 |  |  |" in lines
     # no baseline of its build in the run: no ratio; a relay that fell behind is marked
-    assert "| headroom | 20 x 40 ms | 90,000.0 | 2.1 | 900,000.0 |  |  | yes |" in lines
+    assert "| headroom | 20 x 40 ms | 90,000.0 | 2.1 |  | yes |" in lines
 
 
 def test_cells_must_pair_sessions_with_pacing(capsys: pytest.CaptureFixture[str]) -> None:
