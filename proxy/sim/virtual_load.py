@@ -456,17 +456,19 @@ def find_ceiling(
     threshold: float = THRESHOLD,
     limit: int = 1024,
     rules: Rules | None = None,
+    utterance_s: tuple[float, float] | RequestLengths = (8.0, 20.0),
 ) -> tuple[int, list[LoadResult]]:
     """``(ceiling, runs)``: the probe's search (:func:`proxy.probe.ceiling.largest_passing`)
     ramping 1, 2, 4, ... up to ``limit`` until a level breaks a rule (by default only the
-    worst-1% ``threshold``; pass :class:`Rules` for all three), then bisecting.
+    worst-1% ``threshold``; pass :class:`Rules` for all three), then bisecting, each
+    level a :func:`run_load` of requests ``utterance_s`` long.
     ``ceiling`` is 0 when one stream already fails, and ``limit`` when ``limit`` itself
     passes (the ramp never measures past it); ``runs`` by concurrency."""
     runs: dict[int, LoadResult] = {}
     prebuffer = rules.prebuffer_s if rules is not None else 0.2
 
     def passes(n: int) -> bool:
-        runs[n] = run_load(preset, n, seed=seed, prebuffer_s=prebuffer)
+        runs[n] = run_load(preset, n, seed=seed, prebuffer_s=prebuffer, utterance_s=utterance_s)
         if rules is not None:
             return not rules.failed(runs[n])
         return runs[n].worst_1pct >= threshold
