@@ -169,7 +169,7 @@ class Calibration:
     audio_per_request_s: float = 0.0  #: mean audio seconds per measured request
     batch_tokens: int | None = None  #: the engine's per-step token budget (None: unknown)
     chunk_tokens: int = 1  #: tokens an arrival carries (vLLM's --stream-interval)
-    delay_s: float = 0.0  #: mean extra delay of each chunk (the lowest level's tail)
+    delay_s: float = 0.0  #: mean extra delay of each chunk (the decode-only steps' tail)
     per_seq_s: float = 0.0  #: the cost of each decoding stream in a step, past its token
 
     def step_s(self, batch: int) -> float:

@@ -37,8 +37,12 @@ from proxy.probe.ceiling import doubling, largest_passing
 from proxy.sim.engine import Emission, Engine
 from proxy.sim.presets import TEXT_TOKENS_PER_AUDIO_S, Preset
 
+#: The audio seconds of a load's requests when none are given: uniform in this range.
+UTTERANCE_S: tuple[float, float] = (8.0, 20.0)
+
 __all__ = [
     "THRESHOLD",
+    "UTTERANCE_S",
     "LoadResult",
     "RequestLengths",
     "Rules",
@@ -314,7 +318,7 @@ def run_colocated(
     seed: int = 0,
     duration_s: float = 40.0,
     warmup_s: float = 8.0,
-    utterance_s: tuple[float, float] | RequestLengths = (8.0, 20.0),
+    utterance_s: tuple[float, float] | RequestLengths = UTTERANCE_S,
     stagger_s: float = 1.0,
     think_s: float = 0.3,
     prebuffer_s: float = 0.2,
@@ -392,7 +396,7 @@ def run_load(
     seed: int = 0,
     duration_s: float = 40.0,
     warmup_s: float = 8.0,
-    utterance_s: tuple[float, float] | RequestLengths = (8.0, 20.0),
+    utterance_s: tuple[float, float] | RequestLengths = UTTERANCE_S,
     stagger_s: float = 1.0,
     think_s: float = 0.3,
     prebuffer_s: float = 0.2,
@@ -456,7 +460,7 @@ def find_ceiling(
     threshold: float = THRESHOLD,
     limit: int = 1024,
     rules: Rules | None = None,
-    utterance_s: tuple[float, float] | RequestLengths = (8.0, 20.0),
+    utterance_s: tuple[float, float] | RequestLengths = UTTERANCE_S,
 ) -> tuple[int, list[LoadResult]]:
     """``(ceiling, runs)``: the probe's search (:func:`proxy.probe.ceiling.largest_passing`)
     ramping 1, 2, 4, ... up to ``limit`` until a level breaks a rule (by default only the
