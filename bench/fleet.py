@@ -45,6 +45,7 @@ import contextlib
 import json
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import random
 import shutil
@@ -266,7 +267,7 @@ async def _worker_async(
         gate.on_fence(lambda pool, _why, g=g: fenced(g, pool))
         await gate.start()
         gates.append(gate)
-    out.put(("ready", w, None))
+    out.send(("ready", w, None))
     if not await asyncio.to_thread(go.wait, READY_BOUND_S):
         return  # the parent gave up on the start
     t0 = cfg["t0_cell"].value
@@ -336,7 +337,7 @@ async def _worker_async(
             await asyncio.sleep(WINDOW_S)
             done = int((time.time() - t0) // WINDOW_S)
             for i in sorted(k for k in windows if k < done):
-                out.put(("window", w, (i, _ship(windows.pop(i)))))
+                out.send(("window", w, (i, _ship(windows.pop(i)))))
 
     side = [asyncio.ensure_future(renewals()), asyncio.ensure_future(report())]
     schedule: list[tuple[float, float, float]] = cfg["schedule"]
@@ -370,8 +371,8 @@ async def _worker_async(
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(gate.stop(), 15.0)
     for i in sorted(windows):
-        out.put(("window", w, (i, _ship(windows[i]))))
-    out.put(("done", w, None))
+        out.send(("window", w, (i, _ship(windows[i]))))
+    out.send(("done", w, None))
 
 
 def _ship(window: dict[str, Any]) -> dict[str, Any]:
@@ -404,7 +405,11 @@ class Run:
         self.alive = ctx.Value("i", self.procs, lock=False)
         self.t0_cell = ctx.Value("d", 0.0, lock=False)
         self.go = ctx.Event()
-        self.out = ctx.Queue()
+        #: worker -> the read end of its own pipe. One channel per process, not a shared
+        #: queue: a process killed while writing to a shared multiprocessing.Queue keeps
+        #: its write lock (and may leave half a message), so the survivors could no
+        #: longer report; a killed process here breaks only its own pipe.
+        self.reads: dict[int, multiprocessing.connection.Connection] = {}
         self.windows: dict[int, dict[str, Any]] = {}
         self.over_sampled: Counter[int] = Counter()
         self.samples_sampled: Counter[int] = Counter()
@@ -433,16 +438,18 @@ class Run:
             "schedule": self.schedule(), "t0_cell": self.t0_cell,
             "max_inflight": self.args.max_inflight,
         }  # fmt: skip
-        workers = [
-            self.ctx.Process(
+        workers = []
+        for w in range(self.procs):
+            read, write = self.ctx.Pipe(duplex=False)
+            proc = self.ctx.Process(
                 target=_worker,
-                args=(cfg, w, self.counts, self.alive, self.go, self.out),
+                args=(cfg, w, self.counts, self.alive, self.go, write),
                 daemon=True,
             )
-            for w in range(self.procs)
-        ]
-        for proc in workers:
             proc.start()
+            write.close()  # the worker's alone: its exit is the pipe's end
+            self.reads[w] = read
+            workers.append(proc)
         try:
             return self._drive(workers)
         finally:
@@ -451,12 +458,24 @@ class Run:
                     proc.kill()
                 proc.join(timeout=10)
 
-    def _take(self, timeout: float) -> tuple[str, int, Any] | None:
-        try:
-            item: tuple[str, int, Any] = self.out.get(timeout=timeout)
-            return item
-        except Exception:
-            return None
+    def _take(self, timeout: float) -> list[tuple[str, int, Any]]:
+        """What the workers have sent, waiting up to ``timeout`` for the first message.
+        A worker whose pipe ends before it said "done" has died: the run stops."""
+        items: list[tuple[str, int, Any]] = []
+        ready = multiprocessing.connection.wait(list(self.reads.values()), timeout)
+        for w, read in list(self.reads.items()):
+            while read in ready and read.poll():
+                try:
+                    item: tuple[str, int, Any] = read.recv()
+                except (EOFError, OSError):
+                    del self.reads[w]
+                    raise SystemExit(f"{self.backend}: gateway process {w} ended before it "
+                                     f"was done") from None  # fmt: skip
+                items.append(item)
+                if item[0] == "done":
+                    del self.reads[w]
+                    break
+        return items
 
     def _absorb(self, item: tuple[str, int, Any]) -> str:
         kind, _w, body = item
@@ -492,9 +511,9 @@ class Run:
             if time.monotonic() > deadline:
                 raise SystemExit(f"{self.backend}: {ready}/{self.procs} gateway processes "
                                  f"ready after {READY_BOUND_S:g} s")  # fmt: skip
-            item = self._take(1.0)
-            if item is not None and self._absorb(item) == "ready":
-                ready += 1
+            for item in self._take(1.0):
+                if self._absorb(item) == "ready":
+                    ready += 1
         self._mark("baseline")
         t0 = time.time() + 0.5
         self.t0_cell.value = t0
@@ -529,11 +548,9 @@ class Run:
                     self.samples_sampled[i] += 1
                     if total > self.cap:
                         self.over_sampled[i] += 1
-            item = self._take(0.02)
-            while item is not None:
+            for item in self._take(0.02):
                 if self._absorb(item) == "done":
                     done += 1
-                item = self._take(0.0) if not self.out.empty() else None
         if self._fault_thread is not None:
             self._fault_thread.join(timeout=30.0)
         return self._summarise(t0)
@@ -548,6 +565,7 @@ class Run:
             for w in victims:
                 workers[w].join(timeout=10)
                 dead.add(w)
+                self.reads.pop(w).close()  # what it was writing when killed is dropped
                 for k in range(stride):  # their streams end with them
                     self.counts[w * stride + k] = 0
             self.alive.value = self.procs - len(dead)

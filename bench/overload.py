@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -83,9 +84,12 @@ async def _read_line(proc: asyncio.subprocess.Process, stream: str, prefix: str)
 
 
 @contextlib.asynccontextmanager
-async def _child(args: list[str], stream: str, prefix: str) -> AsyncIterator[str]:
+async def _child(
+    args: list[str], stream: str, prefix: str, keep: deque[str] | None = None
+) -> AsyncIterator[str]:
     """Start a child in its own process group; yield the first line starting with
-    ``prefix`` on ``stream``; always stop it."""
+    ``prefix`` on ``stream``; always stop it. What it prints after that line is read and
+    dropped, or appended line by line to ``keep`` (bounded by its ``maxlen``)."""
     proc = await asyncio.create_subprocess_exec(
         *args,
         stdout=subprocess.PIPE,
@@ -97,7 +101,7 @@ async def _child(args: list[str], stream: str, prefix: str) -> AsyncIterator[str
         line = await asyncio.wait_for(_read_line(proc, stream, prefix), 60)
         other = proc.stderr if stream == "stdout" else proc.stdout
         assert other is not None
-        drain = asyncio.ensure_future(_discard(proc, other))  # never let a pipe fill
+        drain = asyncio.ensure_future(_discard(proc, other, keep))  # never let a pipe fill
         yield line
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -109,6 +113,9 @@ async def _child(args: list[str], stream: str, prefix: str) -> AsyncIterator[str
                 os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
         if drain is not None:
+            if keep is not None:  # what it printed before it stopped, to the end
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(drain), 5)
             drain.cancel()
 
 
@@ -138,7 +145,11 @@ async def wait_workers(procs: list[asyncio.subprocess.Process], deadline: float)
         raise RuntimeError(f"load-generator processes exited with {codes}")
 
 
-async def _discard(proc: asyncio.subprocess.Process, other: asyncio.StreamReader) -> None:
+async def _discard(
+    proc: asyncio.subprocess.Process,
+    other: asyncio.StreamReader,
+    keep: deque[str] | None = None,
+) -> None:
     streams = [other]
     if proc.stdout is not None and proc.stdout is not other:
         streams.append(proc.stdout)
@@ -146,8 +157,18 @@ async def _discard(proc: asyncio.subprocess.Process, other: asyncio.StreamReader
         streams.append(proc.stderr)
 
     async def sink(reader: asyncio.StreamReader) -> None:
-        while await reader.read(65536):
-            pass
+        if keep is None:
+            while await reader.read(65536):
+                pass
+            return
+        while True:
+            try:
+                line = await reader.readline()
+            except ValueError:  # a line over the reader's limit: dropped, not kept
+                continue
+            if not line:
+                return
+            keep.append(line.decode(errors="replace").rstrip())
 
     await asyncio.gather(*(sink(s) for s in streams))
 

@@ -154,7 +154,7 @@ async def test_stream_through_headroom_equals_direct_and_is_metered_exactly(
     max_tokens = 64
     direct = normalize_sse(await completion_events(vllm.url, chat, max_tokens))
     direct_chunks = await parsed_chunks(vllm.url, chat, max_tokens)
-    async with gateway(vllm.url, ROUTES, cap=2) as url:
+    async with gateway(vllm, ROUTES, cap=2) as url:
         before = await metric_value(url, AUDIO)
         relayed = normalize_sse(await completion_events(url, chat, max_tokens))
         relayed_chunks = await parsed_chunks(url, chat, max_tokens)
@@ -185,7 +185,7 @@ async def test_a_newcomer_at_the_cap_is_refused_and_never_reaches_vllm(
     idle = await wait_for(lambda: engine_idle(vllm.url), lambda v: v == 0)
     assert idle == 0
     prompts_before = await metric_value(vllm.url, PROMPT_TOKENS)
-    async with gateway(vllm.url, ROUTES, cap=1) as url, client(url) as sdk:
+    async with gateway(vllm, ROUTES, cap=1) as url, client(url) as sdk:
         # The held session: a long greedy stream, its first chunk read, then left open.
         held = await sdk.completions.create(
             model="tiny", prompt="hello world", max_tokens=1900, stream=True,

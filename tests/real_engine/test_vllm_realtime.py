@@ -104,7 +104,7 @@ async def test_session_through_headroom_equals_direct_and_the_final_is_metered(
 ) -> None:
     direct, direct_close = await transcribe(vllm.url)
     routes = [{"path": "/v1/realtime", "protocol": "vllm-realtime"}]
-    async with gateway(vllm.url, routes, cap=2) as url:
+    async with gateway(vllm, routes, cap=2) as url:
         before = await metric_value(url, FINALS)
         relayed, relayed_close = await transcribe(url)
         finals = await wait_for(lambda: metric_value(url, FINALS), lambda v: v >= before + 1)
@@ -147,7 +147,7 @@ async def test_a_newcomer_at_the_cap_is_refused_in_the_route_shape_and_vllm_neve
     after = await engine_counts(vllm.url)
     alone = tuple(a - b for a, b in zip(after, before, strict=True))
     routes = [{"path": "/v1/realtime", "protocol": "vllm-realtime", "refusal": refusal}]
-    async with gateway(vllm.url, routes, cap=1) as url, websockets.connect(ws_url(url)) as held:
+    async with gateway(vllm, routes, cap=1) as url, websockets.connect(ws_url(url)) as held:
         await open_session(held)  # admitted, relayed, holding the only slot
         if refusal == "http":
             with pytest.raises(InvalidStatus) as refused:

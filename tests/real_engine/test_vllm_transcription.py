@@ -108,7 +108,7 @@ async def test_stream_through_headroom_equals_direct_and_the_final_is_metered(
 ) -> None:
     direct = normalize_sse(await transcription_events(vllm.url))
     direct_parsed = await parsed_events(vllm.url)
-    async with gateway(vllm.url, ROUTES, cap=2) as url:
+    async with gateway(vllm, ROUTES, cap=2) as url:
         before = await metric_value(url, FINALS)
         relayed = normalize_sse(await transcription_events(url))
         relayed_parsed = await parsed_events(url)
@@ -153,7 +153,7 @@ async def test_a_newcomer_at_the_cap_is_refused_and_never_reaches_vllm(
     after = await engine_counts(vllm.url)
     held_alone = tuple(a - b for a, b in zip(after, before, strict=True))
     before = after
-    async with gateway(vllm.url, ROUTES, cap=1) as url, client(url) as sdk:
+    async with gateway(vllm, ROUTES, cap=1) as url, client(url) as sdk:
         # The held session: two minutes of audio, its first event read, the rest left
         # unread until the newcomer has its answer.
         held = await sdk.audio.transcriptions.create(

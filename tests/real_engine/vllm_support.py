@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import tempfile
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 import yaml
 
 from bench.overload import _child
-from bench.vllm_engine import VllmEngine, cached_vllm, metric_value
+from bench.vllm_engine import VllmEngine, VllmServer, cached_vllm, metric_value
 
 __all__ = ["gateway", "metric_value", "need_vllm", "normalize_sse", "wait_for"]
 
@@ -38,25 +39,36 @@ def need_vllm() -> VllmEngine:
 
 
 @contextlib.asynccontextmanager
-async def gateway(engine_url: str, routes: list[dict[str, Any]], *, cap: int) -> AsyncIterator[str]:
-    """``headroom serve`` (a child process) with one pool of one replica, ``engine_url``
-    at ``max_sessions=cap``, no queue; yields its URL. Metrics are on the client port."""
+async def gateway(
+    engine: VllmServer, routes: list[dict[str, Any]], *, cap: int
+) -> AsyncIterator[str]:
+    """``headroom serve`` (a child process) with one pool of one replica, ``engine`` at
+    ``max_sessions=cap``, no queue; yields its URL. Metrics are on the client port. On
+    the way out the last lines of the gateway's log and of the engine's are printed (the
+    test's captured output), so a failing test shows why a session ended as it did."""
     config = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "admin": {"enabled": False},
         "metrics": {"client_port": True},
-        "log_level": "warning",
+        "log_level": "info",
         "log_format": "text",
         "pools": [{"name": "main", "queue": {"max_depth": 0, "max_wait_s": 10},
-                   "replicas": [{"name": "vllm0", "url": engine_url, "max_sessions": cap}]}],
+                   "replicas": [{"name": "vllm0", "url": engine.url, "max_sessions": cap}]}],
         "routes": [{"pool": "main", **route} for route in routes],
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "headroom.yaml"
         path.write_text(yaml.safe_dump(config))
         serve = [sys.executable, "-m", "proxy.process.cli", "serve", "--config", str(path)]
-        async with _child(serve, "stderr", "headroom: serving on ") as banner:
-            yield banner.rsplit(" ", 1)[-1]
+        log: deque[str] = deque(maxlen=200)
+        try:
+            async with _child(serve, "stderr", "headroom: serving on ", keep=log) as banner:
+                yield banner.rsplit(" ", 1)[-1]
+        finally:
+            print("headroom's log:", *log, sep="\n")
+            with contextlib.suppress(OSError):
+                engine_log = engine.log.read_text(errors="replace").splitlines()[-40:]
+                print("the engine's log:", *engine_log, sep="\n")
 
 
 def normalize_sse(lines: list[str]) -> list[Any]:
