@@ -357,8 +357,7 @@ def _prompt_time(calibration: Calibration) -> float:
     left, seconds = max(1, round(calibration.prompt_tokens)), 0.0
     while left > 0:
         take = min(left, budget)
-        # No stream decodes in these steps: no per-stream cost.
-        seconds += max(spec.memory_term(0), spec.compute_term(take)) + spec.step_overhead_s
+        seconds += spec.step_s(0, take)  # no stream decodes yet: no per-stream cost
         left -= take
     return seconds
 

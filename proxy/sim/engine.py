@@ -356,10 +356,7 @@ class Engine:
         self._kv_tokens += batch
         # A prompt's last token yields its first output token: one token, not two.
         tokens = batch + prompt_tokens - prompts_done
-        duration = max(spec.memory_term(kv_per_step), spec.compute_term(tokens)) if tokens else 0.0
-        duration += spec.step_overhead_s + spec.per_seq_overhead_s * batch + prefill_s
-        duration += spec.mode_term(batch)
-        duration += vocoder_tokens * spec.vocoder_share * spec.flops_per_token / spec.peak_flops
+        duration = spec.step_s(batch, tokens, kv_per_step, vocoder_tokens, prefill_s)
         duration *= self._jitter(duration)
         if self._codec is not None:
             duration += self._codec.talker_owed

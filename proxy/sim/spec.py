@@ -122,16 +122,30 @@ class EngineSpec:
         handoff = self.handoff_s + self.handoff_per_seq_s * batch if self.async_chunk else 0.0
         return handoff + (0.0 if self.cuda_graph else self.eager_step_s)
 
+    def step_s(
+        self,
+        decoding: int,
+        tokens: int,
+        kv_tokens: int = 0,
+        vocoder_tokens: int = 0,
+        prefill_s: float = 0.0,
+    ) -> float:
+        """One step's time before jitter: ``decoding`` streams advanced by a token each,
+        ``tokens`` tokens carried in all (theirs and any prompt pieces), the weights and
+        ``kv_tokens`` of context read, ``vocoder_tokens`` turned into audio by a vocoder
+        folded into the step, and ``prefill_s`` of prompts prefilled whole. A step that
+        carries no token reads nothing; the per-stream and hand-off costs follow the
+        decoding streams, not the prompt tokens."""
+        duration = max(self.memory_term(kv_tokens), self.compute_term(tokens)) if tokens else 0.0
+        duration += self.step_overhead_s + self.per_seq_overhead_s * decoding + prefill_s
+        duration += self.mode_term(decoding)
+        duration += vocoder_tokens * self.vocoder_share * self.flops_per_token / self.peak_flops
+        return duration
+
     def mean_step_s(self, batch: int, kv_tokens: int = 0) -> float:
-        """Expected decode step time (no prefill, vocoder amortised, jitter mean 1)."""
-        vocoder = batch * self.vocoder_share * self.flops_per_token / self.peak_flops
-        return (
-            max(self.memory_term(kv_tokens), self.compute_term(batch))
-            + self.step_overhead_s
-            + self.per_seq_overhead_s * batch
-            + self.mode_term(batch)
-            + vocoder
-        )
+        """Expected decode step of ``batch`` streams (no prompt, vocoder amortised,
+        jitter mean 1)."""
+        return self.step_s(batch, batch, kv_tokens, vocoder_tokens=batch)
 
     def knee_batch(self, kv_tokens_per_seq: int = 0) -> int:
         """Largest batch still memory-bound (compute term <= memory term), at least 1."""
