@@ -17,8 +17,9 @@ from proxy.runtime import Runtime
 from proxy.settings import Settings, settings_from_mapping
 from tests import hypothesis_profiles
 
-#: Every test's result is reported under its name, even when building its report fails.
-pytest_plugins = ("tests.report_guard",)
+#: Every test's result is reported under its name, even when building its report fails;
+#: a test marked ``alone`` has the machine to itself.
+pytest_plugins = ("tests.report_guard", "tests.machine_share")
 
 #: "ci" (full example counts) under CI, "dev" (a quarter) otherwise: see the module.
 HYPOTHESIS_PROFILE = hypothesis_profiles.load()

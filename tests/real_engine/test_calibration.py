@@ -44,7 +44,7 @@ from proxy.probe.workload import open_workload
 from proxy.sim.calibrate import Calibration, measure, render
 from proxy.sim.virtual_load import Rules, find_ceiling
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 TOKENS_PER_AUDIO_SECOND = 8.0
 SLOTS = 16  # llama_server()'s default -np

@@ -55,7 +55,7 @@ from proxy.sim.calibrate import Calibration, measure, render
 from proxy.sim.virtual_load import RequestLengths, Rules, find_ceiling
 from tests.real_engine.vllm_support import need_vllm
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("vllm_calibration")]
+pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.xdist_group("vllm_calibration")]
 
 SLOTS = 4  #: vLLM's --max-num-seqs
 BATCH_TOKENS = 2048  #: vLLM's --max-num-batched-tokens (and its --max-model-len)
