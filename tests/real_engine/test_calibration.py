@@ -19,9 +19,10 @@ a token may take at most 104 ms at 1.2x realtime. That step lies near the bound,
 calibration measures it where it happens: its levels (1, 2, 3, 4 and 6 streams, the
 range the probe's ceiling moves in) see newcomers join streams already decoding, and
 the fit takes the cost of those steps beside 1-5 decoding streams and of the steps
-without a prompt piece. The probe's own ceiling still moves between runs on the shared
-machine, from 2 to 6 after calibrations whose steps agreed within a few per cent, so a
-miss stays an expected failure, with both figures (docs/sim.md §6 lists the runs).
+without a prompt piece. The test runs ``alone`` (tests/machine_share.py): with a test on
+the other worker taking the cores while one side measured and not while the other did,
+the probe's ceiling moved over a wider range than the calibrations' steps did
+(docs/sim.md §6 lists the runs).
 """
 
 from __future__ import annotations
@@ -106,7 +107,6 @@ def test_a_preset_calibrated_from_llama_server_predicts_the_probed_ceiling() -> 
     print(probe["table"])
     assert calibration.per_stream_s > 0, render(calibration)
     assert calibration.prompt_tokens > 0, render(calibration)  # read from its /metrics
-    if not low - 1 <= predicted <= high + 1:
-        # What calibration reads is asserted above; the agreement turns on the step that
-        # carries a prompt piece (the module docstring).
-        pytest.xfail(f"predicted {predicted}, probed {low}-{high}")
+    # within one stream of the probe's range; above it only when the range is closed
+    above = high + 1 if probe["exact"] else 4 * SLOTS
+    assert low - 1 <= predicted <= above, (predicted, low, high, probe["table"])

@@ -22,19 +22,16 @@ audio breaks the probe's limit. The test holds the prediction of that, not a ben
 the step cost (docs/real-engine.md gives the figures).
 
 One server (the tiny random-weight Llama, niced by :func:`bench.vllm_engine.vllm_server`)
-serves the module; no figure is fixed in advance. The calibration's own readings are
-held outright (steps, the prompt counter, the chunk); the ceiling's agreement is an
-expected failure when it misses: on a shared machine the niced server pauses for CPU,
-for up to seconds at a time and more often as other work takes the cores, and one such
-pause in a level's window sets the probe's ceiling (a 0.5 s event may take at most
-0.42 s at 1.2x realtime). A calibration measures the engine's steps and one stream's
-usual lateness (a delay of each chunk), not how often the machine will take the CPU
-away while the probe runs, so its preset predicts the ceiling the slots and the queue
-behind them set (docs/real-engine.md). Such a pause shows in the probe's own table as
-a level's p99 gap past 0.42 s. The simulator's ceiling search is given the requests'
-own length (14 s each, as the probe sends them). In a run with no pause the
-prediction still fell short of the probe's, because the calibration measured the engine
-at about half the tokens a second the probe saw minutes later (docs/sim.md §6).
+serves the module; no figure is fixed in advance. The test runs ``alone``
+(tests/machine_share.py): the niced server yields the CPU to any other work, and a test
+on the other worker that took the cores while one side measured (the probe, say) and
+not while the other did gave the probe pauses the calibration never saw, a level's p99
+gap past the 0.42 s a half-second event may take at 1.2x realtime. The probe's ramp
+goes past the slots' queue to three times the slots, so its range is bounded above
+when the queue breaks the TTFA limit; a ceiling it reports as a lower bound (no level
+failed) bounds the prediction from below only. The simulator's ceiling search is
+given the requests' own length (14 s each, as the probe sends them). docs/sim.md §6
+has the runs.
 """
 
 from __future__ import annotations
@@ -65,7 +62,7 @@ TOKENS_PER_AUDIO_SECOND = 50.0
 #: search is given as the length of each of its requests.
 MAX_TOKENS = 700
 TTFA_LIMIT_S = 3.0  #: the real-engine tier's TTFA p99 limit
-PROBE = ["--levels", "1,2,4,...", "--max-level", str(3 * SLOTS), "--hold", "6",
+PROBE = ["--levels", f"1,2,4,8,{3 * SLOTS}", "--max-level", str(3 * SLOTS), "--hold", "6",
          "--warmup", "4", "--repeat", "1", "--ttfa-limit", str(TTFA_LIMIT_S),
          "--probe-time-limit", "300"]  # fmt: skip
 
@@ -113,7 +110,6 @@ def test_a_preset_calibrated_from_vllm_predicts_the_probed_ceiling() -> None:
     assert calibration.c0_s > 0, render(calibration)
     assert calibration.prompt_tokens > 0, render(calibration)  # vllm:prompt_tokens_total
     assert calibration.chunk_tokens > 1, render(calibration)  # events of several tokens
-    if not low - 1 <= predicted <= high + 1:
-        # The module docstring gives the cause seen: the niced server's pauses (they
-        # show as the probe's p99 gaps).
-        pytest.xfail(f"predicted {predicted}, probed {low}-{high}")
+    # within one stream of the probe's range; above it only when the range is closed
+    above = high + 1 if probe["exact"] else 4 * SLOTS
+    assert low - 1 <= predicted <= above, (predicted, low, high, probe["table"])
