@@ -447,7 +447,7 @@ class Run:
                 daemon=True,
             )
             proc.start()
-            write.close()  # the worker's alone: its exit is the pipe's end
+            write.close()  # the worker holds the only write end: its exit ends the pipe
             self.reads[w] = read
             workers.append(proc)
         try:
