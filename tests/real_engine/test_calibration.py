@@ -44,6 +44,7 @@ from bench.tiny_model import TinyModel, ensure_model
 from proxy.probe.workload import open_workload
 from proxy.sim.calibrate import Calibration, measure, render
 from proxy.sim.virtual_load import Rules, find_ceiling
+from tests.real_engine.calibration_support import assert_predicts
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
@@ -100,13 +101,6 @@ def test_a_preset_calibrated_from_llama_server_predicts_the_probed_ceiling() -> 
     with tempfile.TemporaryDirectory() as tmp:
         calibration, probe = asyncio.run(main(workload_file(Path(tmp))))
     predicted = predicted_ceiling(calibration, args.ttfa_limit)
-    low, high = probe["ceiling_range"]
-    print(render(calibration))
-    print(f"predicted ceiling {predicted}; probe {probe['ceiling']} (range {low}-{high}); "
-          f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
-    print(probe["table"])
     assert calibration.per_stream_s > 0, render(calibration)
     assert calibration.prompt_tokens > 0, render(calibration)  # read from its /metrics
-    # within one stream of the probe's range; above it only when the range is closed
-    above = high + 1 if probe["exact"] else 4 * SLOTS
-    assert low - 1 <= predicted <= above, (predicted, low, high, probe["table"])
+    assert_predicts(calibration, predicted, probe)

@@ -37,7 +37,6 @@ has the runs.
 from __future__ import annotations
 
 import asyncio
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -50,6 +49,7 @@ from bench.vllm_engine import ensure_model, vllm_server
 from proxy.probe.workload import open_workload
 from proxy.sim.calibrate import Calibration, measure, render
 from proxy.sim.virtual_load import RequestLengths, Rules, find_ceiling
+from tests.real_engine.calibration_support import assert_predicts
 from tests.real_engine.vllm_support import need_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.xdist_group("vllm_calibration")]
@@ -102,14 +102,7 @@ def test_a_preset_calibrated_from_vllm_predicts_the_probed_ceiling() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         calibration, probe = asyncio.run(main(workload_file(Path(tmp), MAX_TOKENS)))
     predicted = predicted_ceiling(calibration)
-    low, high = probe["ceiling_range"]
-    print(render(calibration))
-    print(f"predicted ceiling {predicted}; probe {probe['ceiling']} (range {low}-{high}); "
-          f"load average {os.getloadavg()[0]:.1f}")  # fmt: skip
-    print(probe["table"])
     assert calibration.c0_s > 0, render(calibration)
     assert calibration.prompt_tokens > 0, render(calibration)  # vllm:prompt_tokens_total
     assert calibration.chunk_tokens > 1, render(calibration)  # events of several tokens
-    # within one stream of the probe's range; above it only when the range is closed
-    above = high + 1 if probe["exact"] else 4 * SLOTS
-    assert low - 1 <= predicted <= above, (predicted, low, high, probe["table"])
+    assert_predicts(calibration, predicted, probe)
