@@ -9,7 +9,9 @@ two engines on one GPU, and how the tests check the knee.
 
 Load model: ``concurrency`` closed-loop clients per engine, each submitting one
 utterance (8-20 s of audio, seeded) after another, starts staggered over the first
-second. A chunk's *delivery ratio* is its audio seconds divided by the wall seconds
+second (or, for a serving benchmark's fixed prompt count, a request rate: open-loop
+sends on ``vllm bench serve``'s schedule, :func:`send_times`). A chunk's *delivery
+ratio* is its audio seconds divided by the wall seconds
 since the stream's previous chunk (docs/architecture.md, the meter); a stream's first
 chunk has no previous one and is not counted. Ratios from the warm-up period are
 discarded.
@@ -27,6 +29,7 @@ import heapq
 import math
 import random
 import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -52,6 +55,7 @@ __all__ = [
     "percentile",
     "run_colocated",
     "run_load",
+    "send_times",
     "single_stream",
 ]
 
@@ -176,6 +180,8 @@ class _EngineLoad:
     think_s: float
     prebuffer_s: float
     requests: int | None
+    #: open loop (a request rate): the send times no client has taken yet
+    schedule: deque[float] | None = None
     now: float = 0.0
     arrivals: list[tuple[float, int]] = field(default_factory=list)
     streams: dict[int, VirtualStream] = field(default_factory=dict)
@@ -224,7 +230,11 @@ class _EngineLoad:
             if self.warmup_s <= at <= self.duration_s:
                 self.finished += 1
             think = self.rng.uniform(0.0, self.think_s) if self.think_s > 0 else 0.0
-            if self.requests is None or self.submitted < self.requests:
+            if self.schedule is not None:
+                if self.schedule:
+                    send = self.schedule.popleft()
+                    heapq.heappush(self.arrivals, (max(at + think, send), stream.client))
+            elif self.requests is None or self.submitted < self.requests:
                 heapq.heappush(self.arrivals, (at + think, stream.client))
 
     def submit_arrivals(self) -> None:
@@ -312,6 +322,19 @@ class _EngineLoad:
         )
 
 
+def send_times(rng: random.Random, requests: int, rate: float) -> list[float]:
+    """When an open-loop run sends its requests, as ``vllm bench serve --request-rate``
+    schedules them: exponential gaps of mean ``1 / rate`` (a Poisson process), summed,
+    then all scaled so the last request goes out at exactly ``requests / rate``."""
+    times: list[float] = []
+    at = 0.0
+    for _ in range(requests):
+        at += rng.expovariate(rate)
+        times.append(at)
+    scale = requests / rate / times[-1]
+    return [t * scale for t in times]
+
+
 def run_colocated(
     loads: Sequence[tuple[Preset, int]],
     *,
@@ -323,6 +346,7 @@ def run_colocated(
     think_s: float = 0.3,
     prebuffer_s: float = 0.2,
     requests: int | None = None,
+    request_rate: float | None = None,
 ) -> list[LoadResult | None]:
     """Drive each ``(preset, concurrency)`` engine with the closed-loop load of the
     module docstring, all on one GPU that runs one step at a time; one result per engine
@@ -341,10 +365,17 @@ def run_colocated(
     (a benchmark's burst); ``prebuffer_s`` is the modelled listener's buffer.
     ``requests`` set runs a serving benchmark's fixed prompt count per engine instead:
     its clients send ``requests`` in all (``duration_s`` is then only a bound), and
-    throughput and requests per second are over the whole run, from the first submit to
-    the last chunk, ramp-down included."""
+    throughput and requests per second are over the whole run, from its start to the
+    last chunk, ramp-down included. ``request_rate`` set (with ``requests``) sends them
+    open-loop instead, as ``vllm bench serve --request-rate`` does: exponential gaps of
+    mean ``1 / request_rate``, rescaled so the last request is sent at ``requests /
+    request_rate`` (:func:`send_times`); ``concurrency`` is then its
+    ``--max-concurrency``, a request whose time comes while every place is taken
+    waiting for one, and its clock starting when it gets one."""
     if not loads:
         raise ValueError("no engines to run")
+    if request_rate is not None and (requests is None or requests < 1 or not request_rate > 0):
+        raise ValueError("an open-loop run needs a request count and a rate above 0")
     lengths = (
         utterance_s
         if isinstance(utterance_s, RequestLengths)
@@ -371,9 +402,15 @@ def run_colocated(
             prebuffer_s=prebuffer_s,
             requests=requests,
         )
-        load.arrivals = [
-            (rng.uniform(0.0, stagger_s) if stagger_s > 0 else 0.0, c) for c in range(concurrency)
-        ]
+        if request_rate is not None and requests is not None:
+            times = send_times(rng, requests, request_rate)
+            load.arrivals = [(at, c) for c, at in enumerate(times[:concurrency])]
+            load.schedule = deque(times[concurrency:])
+        else:
+            load.arrivals = [
+                (rng.uniform(0.0, stagger_s) if stagger_s > 0 else 0.0, c)
+                for c in range(concurrency)
+            ]
         heapq.heapify(load.arrivals)
         engines.append(load)
     active = [load for load in engines if load is not None]
@@ -401,6 +438,7 @@ def run_load(
     think_s: float = 0.3,
     prebuffer_s: float = 0.2,
     requests: int | None = None,
+    request_rate: float | None = None,
 ) -> LoadResult:
     """Drive ``concurrency`` closed-loop streams through one engine for ``duration_s``
     virtual seconds: :func:`run_colocated` with the GPU to itself (the options are
@@ -417,6 +455,7 @@ def run_load(
         think_s=think_s,
         prebuffer_s=prebuffer_s,
         requests=requests,
+        request_rate=request_rate,
     )[0]
     assert result is not None  # concurrency >= 1
     return result
