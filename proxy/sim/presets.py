@@ -69,11 +69,12 @@ COSYVOICE2_CHUNKS = ChunkSchedule(steady=100, initial=(25, 50))
 
 
 #: The H100 Qwen3-TTS fit (docs/sim.md §2): per-stream seconds, c0, bend, codec call
-#: latency and per-frame cost.
-H100_QWEN_FIT = (0.0010419926, 0.0077030984, 0.97004231, 0.034957159, 5.0654775e-05)
+#: latency and per-frame cost, per-sequence seconds.
+H100_QWEN_FIT = (0.00029162046, 0.0071499409, 0.87375157, 0.038190197, 1.0957284e-06,
+                 0.00088809164)  # fmt: skip
 #: The H100 Voxtral TTS fit: per-stream seconds, c0, codec call latency, per-frame
 #: cost, the codec's share of the card, bend.
-H100_VOXTRAL_FIT = (0.0046721836, 0.0039676099, 0.028916049, 0.00017968890, 0.24706368,
+H100_VOXTRAL_FIT = (0.0026047014, 0.0053390049, 0.016177807, 0.00032549100, 0.24706368,
                     0.39286149)  # fmt: skip
 
 
@@ -455,10 +456,12 @@ PRESETS: dict[str, Preset] = {
             resident_bytes=4.5 * GB,
             kv_per_token=112 * KIB,
             # Fitted to the CI baselines' TTFP, RTF and throughput at c=1/8/16/64
-            # (docs/sim.md §2): per-stream cost and bend, c0, and the codec's call latency
-            # and frame cost. No hand-off term: this release's step already holds it.
+            # (docs/sim.md §2): per-stream cost and bend, c0, a per-sequence cost, and the
+            # codec's call latency and frame cost. No hand-off term: this release's step
+            # already holds it.
             f_eff=H100_QWEN_FIT[0] * GPUS["H100"].peak_flops,
             c0=H100_QWEN_FIT[1],
+            c_seq=H100_QWEN_FIT[5],
             batch_exponent=H100_QWEN_FIT[2],
             fit_c0=False,
             eager_step_s=QWEN3_TTS_EAGER_STEP_S,
@@ -488,7 +491,8 @@ PRESETS: dict[str, Preset] = {
                 "deploy: qwen3_tts.yaml, stage 1 on device 1 (stage_overrides); talker "
                 "max_num_seqs 64; initial_codec_chunk_frames 1, codec_chunk_frames 25, "
                 "left context 72",
-                "derived: W 4.9 GB; requests ~7.5 s (Little's law at c=64)",
+                "derived: W 4.9 GB; requests 5.66 s (the CI stress run: 11.12x for 100 "
+                "requests sent at 2 a second)",
             ),
             release=VLLM_OMNI_CI.format("qwen3_tts.yaml"),
             published_rtf=None,
@@ -505,7 +509,9 @@ PRESETS: dict[str, Preset] = {
             resident_bytes=8.5 * GB,
             kv_per_token=104 * KIB,
             # Fitted to the CI baselines' TTFP, RTF and throughput at c=1/8 (docs/sim.md
-            # §2); the H200 fit's admission cost kept.
+            # §2): c0, the per-stream cost and the codec's call and frame cost; the bend
+            # and the codec's share of the card from an earlier fit, the H200 fit's
+            # admission cost.
             f_eff=H100_VOXTRAL_FIT[0] * GPUS["H100"].peak_flops,
             c0=H100_VOXTRAL_FIT[1],
             batch_exponent=H100_VOXTRAL_FIT[5],
@@ -534,7 +540,8 @@ PRESETS: dict[str, Preset] = {
                 "at c=1/8: TTFP 82.6/170.4 ms, RTF 0.128/0.208, audio throughput 37.1x (c=8)",
                 "deploy: voxtral_tts.yaml, both stages on device 0, max_num_seqs 32 each; "
                 "codec_chunk_frames 25, 5 at the start, left context 25",
-                "derived: W ~13 GB; requests ~7.5 s (the Qwen3-TTS run's text set)",
+                "derived: W ~13 GB; requests 5.14 s (the CI stress run: 10.12x for 100 "
+                "requests sent at 2 a second)",
             ),
             release=VLLM_OMNI_CI.format("voxtral_tts.yaml"),
             published_rtf=None,
