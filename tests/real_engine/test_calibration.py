@@ -22,7 +22,11 @@ the fit takes the cost of those steps beside 1-5 decoding streams and of the ste
 without a prompt piece. The test runs ``alone`` (tests/machine_share.py): with a test on
 the other worker taking the cores while one side measured and not while the other did,
 the probe's ceiling moved over a wider range than the calibrations' steps did
-(docs/sim.md §6 lists the runs).
+(docs/sim.md §6 lists the runs). Alone, the machine still has slow spells the load
+average does not show (it is a virtual machine): one run found a ceiling of 3 where the
+calibration before it, and the runs either side of it, found 6-7. So a miss is measured
+once more, calibration and probe both, on a fresh server, and the test fails when that
+round trip misses too: a wrong prediction misses both times, a slow spell rarely does.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from bench.tiny_model import TinyModel, ensure_model
 from proxy.probe.workload import open_workload
 from proxy.sim.calibrate import Calibration, measure, render
 from proxy.sim.virtual_load import Rules, find_ceiling
-from tests.real_engine.calibration_support import assert_predicts
+from tests.real_engine.calibration_support import agrees, assert_predicts
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
@@ -53,6 +57,8 @@ SLOTS = 16  # llama_server()'s default -np
 BATCH_TOKENS = 16  # llama_server()'s default -b: the tokens one engine step carries
 #: The calibration's levels: where newcomers' prompt pieces join a few decoding streams.
 LEVELS = (1, 2, 3, 4, 6)
+#: Round trips measured before a miss fails the test (module docstring).
+ATTEMPTS = 2
 #: The probe as the real-engine tier runs it in CI (tests/real_engine/test_real_engine.py).
 PROBE = ["--levels", "2,4,...", "--max-level", str(SLOTS), "--hold", "6", "--warmup", "4",
          "--repeat", "1", "--probe-time-limit", "420"]  # fmt: skip
@@ -98,9 +104,15 @@ def test_a_preset_calibrated_from_llama_server_predicts_the_probed_ceiling() -> 
             probe = await _probe(url, args)
         return calibration, probe
 
-    with tempfile.TemporaryDirectory() as tmp:
-        calibration, probe = asyncio.run(main(workload_file(Path(tmp))))
-    predicted = predicted_ceiling(calibration, args.ttfa_limit)
-    assert calibration.per_stream_s > 0, render(calibration)
-    assert calibration.prompt_tokens > 0, render(calibration)  # read from its /metrics
-    assert_predicts(calibration, predicted, probe)
+    for attempt in range(1, ATTEMPTS + 1):
+        with tempfile.TemporaryDirectory() as tmp:
+            calibration, probe = asyncio.run(main(workload_file(Path(tmp))))
+        predicted = predicted_ceiling(calibration, args.ttfa_limit)
+        assert calibration.per_stream_s > 0, render(calibration)
+        assert calibration.prompt_tokens > 0, render(calibration)  # read from its /metrics
+        if attempt == ATTEMPTS:
+            assert_predicts(calibration, predicted, probe)
+        elif agrees(calibration, predicted, probe):
+            return
+        else:
+            print(f"round trip {attempt} of {ATTEMPTS} missed: measuring again")
