@@ -141,13 +141,22 @@ _CI = (
     "vLLM-Omni CI baselines (test_tts.json @1f76b511), H100, median; {}; {} s [D: the "
     "stress run], spread ±22 % [D: seed_tts_smoke's text]"
 )
-#: Request length [D], each model's own: its stress run sends 100 requests by vLLM's
-#: schedule, the last at exactly 100 / 2 = 50 s, and lasts until that one ends (~0.8-0.9
-#: s later), so 100 x length = its throughput x ~50.9 s (docs/sim.md §2).
+#: Request length [D], each model's own: its stress run sends its requests on vLLM's
+#: schedule, the last at exactly prompts / rate, and lasts until that one ends, under a
+#: second later, so the prompts' audio = its throughput x that span (docs/sim.md §2).
 _QWEN_CI_LEN = 5.66
 _VOX_CI_LEN = 5.14
-_QWEN_H100 = _CI.format("talker card 0, Code2Wav card 1, codec max_num_seqs 10 [U]", _QWEN_CI_LEN)
-_VOX_H100 = _CI.format("one card, codec max_num_seqs 32", _VOX_CI_LEN)
+#: Each CI-release preset's note and request length.
+_CI_RUNS = {
+    "h100-qwen3tts-1.7b": (
+        _CI.format("talker card 0, Code2Wav card 1, codec max_num_seqs 10 [U]", _QWEN_CI_LEN),
+        _QWEN_CI_LEN,
+    ),
+    "h100-voxtral-tts-4b": (
+        _CI.format("one card, codec max_num_seqs 32", _VOX_CI_LEN),
+        _VOX_CI_LEN,
+    ),
+}
 _CI_PROMPTS = {1: 20, 8: 80, 16: 128, 64: 128}
 #: The stress runs: 100 prompts at 2 requests a second, no concurrency limit.
 _STRESS_PROMPTS, _STRESS_RATE = 100, 2.0
@@ -156,16 +165,18 @@ _STRESS_PROMPTS, _STRESS_RATE = 100, 2.0
 _CI_SPREAD = 0.22
 
 
-def _ci(preset: str, note: str, length: float, c: int, metric: Metric, value: float) -> Point:
+def _ci(preset: str, c: int, metric: Metric, value: float) -> Point:
+    note, length = _CI_RUNS[preset]
     return Point(
         preset, c, metric, value, "in-sample", length, note, spread=_CI_SPREAD,
         prompts=_CI_PROMPTS[c],
     )  # fmt: skip
 
 
-def _stress(preset: str, note: str, length: float, metric: Metric, value: float) -> Point:
+def _stress(preset: str, metric: Metric, value: float) -> Point:
     """A stress run's figure. Its throughput gives the request length, so it is
     in-sample; its time to first audio and RTF are held out."""
+    note, length = _CI_RUNS[preset]
     sample: Sample = "in-sample" if metric == "aggregate" else "held-out"
     return Point(
         preset, _STRESS_PROMPTS, metric, value, sample, length, note, spread=_CI_SPREAD,
@@ -174,7 +185,7 @@ def _stress(preset: str, note: str, length: float, metric: Metric, value: float)
 
 
 def _h100(c: int, metric: Metric, value: float) -> Point:
-    return _ci("h100-qwen3tts-1.7b", _QWEN_H100, _QWEN_CI_LEN, c, metric, value)
+    return _ci("h100-qwen3tts-1.7b", c, metric, value)
 
 
 def _h100_base(c: int, metric: Metric, batched: float, unbatched: float) -> Point:
@@ -185,7 +196,7 @@ def _h100_base(c: int, metric: Metric, batched: float, unbatched: float) -> Poin
 
 
 def _vox100(c: int, metric: Metric, value: float) -> Point:
-    return _ci("h100-voxtral-tts-4b", _VOX_H100, _VOX_CI_LEN, c, metric, value)
+    return _ci("h100-voxtral-tts-4b", c, metric, value)
 
 
 def _l40s(c: int, metric: Metric, value: float, sample: Sample) -> Point:
@@ -265,17 +276,17 @@ PUBLISHED: tuple[Point, ...] = (
     _h100(8, "aggregate", 38.39),
     _h100(16, "aggregate", 55.35),
     _h100(64, "aggregate", 68.70),
-    _stress("h100-qwen3tts-1.7b", _QWEN_H100, _QWEN_CI_LEN, "ttfa_p50", 0.05675),
-    _stress("h100-qwen3tts-1.7b", _QWEN_H100, _QWEN_CI_LEN, "rtf_p50", 0.1571),
-    _stress("h100-qwen3tts-1.7b", _QWEN_H100, _QWEN_CI_LEN, "aggregate", 11.12),
+    _stress("h100-qwen3tts-1.7b", "ttfa_p50", 0.05675),
+    _stress("h100-qwen3tts-1.7b", "rtf_p50", 0.1571),
+    _stress("h100-qwen3tts-1.7b", "aggregate", 11.12),
     _vox100(1, "ttfa_p50", 0.0826),
     _vox100(8, "ttfa_p50", 0.1704),
     _vox100(1, "rtf_p50", 0.1277),
     _vox100(8, "rtf_p50", 0.2076),
     _vox100(8, "aggregate", 37.08),
-    _stress("h100-voxtral-tts-4b", _VOX_H100, _VOX_CI_LEN, "ttfa_p50", 0.1010),
-    _stress("h100-voxtral-tts-4b", _VOX_H100, _VOX_CI_LEN, "rtf_p50", 0.1498),
-    _stress("h100-voxtral-tts-4b", _VOX_H100, _VOX_CI_LEN, "aggregate", 10.12),
+    _stress("h100-voxtral-tts-4b", "ttfa_p50", 0.1010),
+    _stress("h100-voxtral-tts-4b", "rtf_p50", 0.1498),
+    _stress("h100-voxtral-tts-4b", "aggregate", 10.12),
     Point(
         "h100-orpheus-3b",
         0,

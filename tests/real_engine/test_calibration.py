@@ -23,10 +23,10 @@ without a prompt piece. The test runs ``alone`` (tests/machine_share.py): with a
 the other worker taking the cores while one side measured and not while the other did,
 the probe's ceiling moved over a wider range than the calibrations' steps did
 (docs/sim.md §6 lists the runs). Alone, the machine still has slow spells the load
-average does not show (it is a virtual machine): one run found a ceiling of 3 where the
-calibration before it, and the runs either side of it, found 6-7. So a miss is measured
-once more, calibration and probe both, on a fresh server, and the test fails when that
-round trip misses too: a wrong prediction misses both times, a slow spell rarely does.
+average does not show (it is a virtual machine), which can fall between the calibration
+and the probe. So a miss is measured once more, calibration and probe both, on a fresh
+server, and the test fails when that round trip misses too: a wrong prediction misses
+both times, a slow spell rarely does.
 """
 
 from __future__ import annotations

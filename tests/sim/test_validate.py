@@ -239,7 +239,7 @@ def test_the_ci_rows_time_requests_inside_the_concurrency_limit_over_the_whole_r
     """``vllm bench serve`` starts a request's clock inside its ``--max-concurrency``
     semaphore and spans throughput over the whole run (docs/sim.md §2), so mean latency
     x requests per second is at most the concurrency; a closed loop without think time
-    keeps it near that bound. The bound the 64-stream median RTF miss rests on."""
+    keeps it near that bound, the one the 64-stream median RTF is held against."""
     ci = [
         p for p in PUBLISHED
         if p.preset in ("h100-qwen3tts-1.7b", "h100-voxtral-tts-4b") and p.metric == "rtf_p50"
